@@ -1,0 +1,47 @@
+# Transom developer entry points. Everything a fresh machine needs is installed from here.
+#
+#   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20
+#   make test      unit + integration tests (installs first)
+#   make generate  regenerate derived files (CRDs) from their sources
+#
+# The virtual environment lives outside the checkout (torch is several GB), keyed by the
+# hash of pyproject.toml so a dependency change builds a fresh one; `.venv` links to it.
+
+PYTHON ?= python3
+DEPS_HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
+VENV ?= $(HOME)/.cache/transom/venv-$(DEPS_HASH)
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit test-integration generate clean-venv
+
+$(VENV)/.deps-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.deps-installed
+	@# Re-point the editable install at this checkout (a cached venv may have served another).
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	ln -sfn $(VENV) .venv
+
+demo: install
+	$(VENV)/bin/transom run --replicas 3 --nproc-per-replica 1 \
+		--inject kill:replica=1,step=20 --summary-json demo.summary.json \
+		-- $(PY) examples/train_tiny_gpt.py --steps 60
+
+test: install
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: install
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+generate: install
+	@echo "nothing to generate yet (CRDs arrive with the operator)"
+
+clean-venv:
+	rm -rf $(VENV) .venv

@@ -1,0 +1,118 @@
+"""A small character-level GPT trained with Transom: the smallest complete training script.
+
+    transom run --replicas 3 -- python examples/train_tiny_gpt.py --steps 60
+    transom run --replicas 2 --nproc-per-replica 2 -- python examples/train_tiny_gpt.py --inner ddp
+
+The text is generated (a seeded toy grammar), so the example needs no download. Each
+replica reads its own shard of every step's batch (chosen by replica id and step, so a
+repeated step sees the same data); with `--inner ddp` the replica's processes split that
+shard further and average inside the replica with DDP, while Transom averages across
+replicas and survives a replica's death.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from transom import ft
+
+WORDS = (
+    "the a one every some ship sail wind sea harbour captain crew rope deck mast storm calm "
+    "north south light dark old new sails turns holds waits pulls rises falls under over near"
+).split()
+
+
+def make_corpus(num_sentences: int = 4000, seed: int = 1234) -> str:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_sentences):
+        n = rng.randint(4, 9)
+        out.append(" ".join(rng.choice(WORDS) for _ in range(n)) + ".")
+    return " ".join(out)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int = 64, heads: int = 4, layers: int = 2, context: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), diagonal=1)
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batch(data: torch.Tensor, step: int, shard: int, sub: int, num_sub: int, size: int, context: int):
+    """The `sub`-th slice of replica `shard`'s batch of `step`: same inputs on every retry."""
+    g = torch.Generator().manual_seed(1_000_003 * step + 7919 * shard + 17)
+    starts = torch.randint(0, len(data) - context - 1, (size,), generator=g)[sub::num_sub]
+    x = torch.stack([data[s : s + context] for s in starts])
+    y = torch.stack([data[s + 1 : s + context + 1] for s in starts])
+    return x, y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=32, help="per replica")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--inner", choices=["none", "ddp"], default="none", help="data parallelism inside a replica")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    ctx = ft.init()
+    text = make_corpus()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+
+    torch.manual_seed(0)  # every replica starts from the same weights
+    model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context)
+    if args.inner == "ddp":
+        if ctx.world_size < 2:
+            raise SystemExit("--inner ddp needs --nproc-per-replica >= 2")
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    trainer = ft.FaultTolerant(model, optimizer, ctx)
+
+    loss = None
+    for step in trainer.steps(args.steps):
+        x, y = batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
+        loss = model(x, y)
+        loss.backward()
+        trainer.finish_step(loss)
+    trainer.close()
+    if ctx.rank == 0 and loss is not None:
+        print(f"replica {trainer.replica_id}: {trainer.step} steps, last loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

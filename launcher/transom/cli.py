@@ -1,0 +1,146 @@
+"""The `transom` command: `coordinator`, `launch` (in a pod) and `run` (local mode).
+
+Importing this module needs no torch: the launcher and coordinator run in images or
+environments where only the workers have it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from transom import contract
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from transom.coordinator.membership import Settings
+    from transom.coordinator.server import CoordinatorServer
+
+    token = os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    if not token:
+        print(f"transom coordinator: a token is required ({contract.ENV_COORDINATOR_TOKEN} or --token-file)", file=sys.stderr)
+        return contract.EXIT_USAGE
+    settings = Settings(
+        job=args.job,
+        num_replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        failed_grace_s=args.failed_grace,
+        startup_wait_s=args.startup_wait,
+    )
+
+    async def serve() -> None:
+        server = CoordinatorServer(settings, token)
+        await server.start(args.host, args.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(s, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(serve())
+    return contract.EXIT_OK
+
+
+def _launch(args: argparse.Namespace, command: list[str]) -> int:
+    from transom.launch.supervisor import LaunchConfig, Launcher
+
+    try:
+        env = contract.ReplicaEnv.from_environ()
+        nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
+        config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts)
+    except ValueError as e:
+        print(f"transom launch: {e}", file=sys.stderr)
+        return contract.EXIT_USAGE
+    return Launcher(config, env).run()
+
+
+def _run(args: argparse.Namespace, command: list[str]) -> int:
+    from transom.inject import parse_targeted
+    from transom.launch.local import LocalRun, RunConfig
+
+    try:
+        config = RunConfig(
+            command=command,
+            replicas=args.replicas,
+            nproc_per_replica=args.nproc_per_replica,
+            min_replicas=args.min_replicas,
+            injects=[parse_targeted(spec) for spec in args.inject],
+            summary_json=args.summary_json,
+            collective_timeout_s=args.collective_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            max_restarts=args.max_restarts,
+            timeout_s=args.timeout,
+            quiet=args.quiet,
+        )
+    except ValueError as e:
+        print(f"transom run: {e}", file=sys.stderr)
+        return contract.EXIT_USAGE
+    return LocalRun(config).run()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)")
+    c.add_argument("--host", default="0.0.0.0")
+    c.add_argument("--port", type=int, default=8080)
+    c.add_argument("--job", default=os.environ.get(contract.ENV_JOB, "local"))
+    c.add_argument("--replicas", type=int, required=True, help="spec.replicas of the job")
+    c.add_argument("--min-replicas", type=int, default=1, help="training pauses below this many")
+    c.add_argument("--heartbeat-interval", type=float, default=1.0)
+    c.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    c.add_argument("--failed-grace", type=float, default=0.5)
+    c.add_argument("--startup-wait", type=float, default=60.0)
+    c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
+
+    la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
+    la.add_argument("--nproc-per-node", type=int, default=None)
+    la.add_argument("--max-restarts", type=int, default=3)
+
+    r = sub.add_parser("run", help="run a whole fault-tolerant job locally")
+    r.add_argument("--replicas", type=int, required=True)
+    r.add_argument("--nproc-per-replica", type=int, default=1)
+    r.add_argument("--min-replicas", type=int, default=1)
+    r.add_argument(
+        "--inject", action="append", default=[], metavar="ACTION:replica=I,step=S",
+        help="inject a fault (kill, stop, raise); repeatable",
+    )
+    r.add_argument("--summary-json", help="write the end summary here")
+    r.add_argument("--collective-timeout", type=float, default=10.0)
+    r.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    r.add_argument("--max-restarts", type=int, default=3, help="in-place restarts per launcher")
+    r.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    r.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, command = _split_command(list(sys.argv[1:] if argv is None else argv))
+    args = parser().parse_args(own)
+    logging.basicConfig(
+        level=os.environ.get("TRANSOM_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.cmd == "coordinator":
+        return _coordinator(args)
+    if args.cmd == "launch":
+        return _launch(args, command)
+    return _run(args, command)

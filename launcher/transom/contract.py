@@ -1,0 +1,105 @@
+"""The contract shared by the operator, the launcher, the coordinator and the workers.
+
+Everything another component reads by name lives here once: the pod environment the
+operator sets and the launcher reads, the environment the launcher gives its workers,
+the Kubernetes labels and annotations, and the launcher's exit codes. Change a name here
+only together with DESIGN.md, docs/ and the tests that pin it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# --- pod environment (set by the operator, or by `transom run` locally) -------------
+ENV_JOB = "TRANSOM_JOB"
+ENV_NAMESPACE = "TRANSOM_NAMESPACE"
+ENV_REPLICA_ID = "TRANSOM_REPLICA_ID"
+ENV_NUM_REPLICAS = "TRANSOM_NUM_REPLICAS"
+ENV_REPLICA_GENERATION = "TRANSOM_REPLICA_GENERATION"
+ENV_NODE_RANK = "TRANSOM_NODE_RANK"
+ENV_NNODES = "TRANSOM_NNODES"
+ENV_NPROC_PER_NODE = "TRANSOM_NPROC_PER_NODE"
+ENV_COORDINATOR_URL = "TRANSOM_COORDINATOR_URL"
+# The per-job bearer token; in Kubernetes it comes from the job's Secret (secretKeyRef),
+# never from a literal in the pod spec.
+ENV_COORDINATOR_TOKEN = "TRANSOM_COORDINATOR_TOKEN"
+ENV_CHECKPOINT_URI = "TRANSOM_CHECKPOINT_URI"
+# The address other replicas use to reach this pod (downward API status.podIP);
+# 127.0.0.1 when unset, which is right for local mode.
+ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
+
+# --- set by the launcher for each worker --------------------------------------------
+# Besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+# (all of the worker's own replica), the launcher adds its restart count: a replica's
+# identity towards the coordinator is (generation, attempt).
+ENV_ATTEMPT = "TRANSOM_ATTEMPT"
+# Optional fault injection for tests and demos (see transom.ft.inject).
+ENV_FAULT = "TRANSOM_FAULT"
+# Optional directory where workers write per-step statistics (local mode summary).
+ENV_STATS_DIR = "TRANSOM_STATS_DIR"
+
+# --- Kubernetes labels and annotations ----------------------------------------------
+LABEL_JOB = "transom.io/job"
+LABEL_REPLICA = "transom.io/replica"
+LABEL_NODE_RANK = "transom.io/node-rank"
+LABEL_GENERATION = "transom.io/generation"
+ANNOTATION_EVICT_REASON = "transom.io/evict-reason"
+
+# --- launcher exit codes --------------------------------------------------------------
+EXIT_OK = 0
+EXIT_WORKERS_FAILED = 1  # workers kept failing past --max-restarts
+EXIT_USAGE = 2  # bad command line or missing environment
+EXIT_EVICTED = 3  # the coordinator declared this replica generation dead
+# Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
+
+
+@dataclass(frozen=True)
+class ReplicaEnv:
+    """The pod environment as the launcher and workers see it."""
+
+    job: str
+    replica_id: int
+    num_replicas: int
+    generation: int
+    attempt: int
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    coordinator_url: str
+    coordinator_token: str
+    checkpoint_uri: str
+    advertise_addr: str
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "ReplicaEnv":
+        env = os.environ if environ is None else environ
+
+        def num(name: str, default: int | None = None) -> int:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                if default is None:
+                    raise ValueError(f"environment variable {name} must be set")
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+        url = env.get(ENV_COORDINATOR_URL, "")
+        if not url:
+            raise ValueError(f"environment variable {ENV_COORDINATOR_URL} must be set")
+        return cls(
+            job=env.get(ENV_JOB, "local"),
+            replica_id=num(ENV_REPLICA_ID),
+            num_replicas=num(ENV_NUM_REPLICAS),
+            generation=num(ENV_REPLICA_GENERATION, 0),
+            attempt=num(ENV_ATTEMPT, 0),
+            node_rank=num(ENV_NODE_RANK, 0),
+            nnodes=num(ENV_NNODES, 1),
+            nproc_per_node=num(ENV_NPROC_PER_NODE, 1),
+            coordinator_url=url.rstrip("/"),
+            coordinator_token=env.get(ENV_COORDINATOR_TOKEN, ""),
+            checkpoint_uri=env.get(ENV_CHECKPOINT_URI, ""),
+            advertise_addr=env.get(ENV_ADVERTISE_ADDR, "127.0.0.1"),
+        )

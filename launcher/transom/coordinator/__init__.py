@@ -1,0 +1,1 @@
+"""The per-job coordinator: membership, per-step quorum, heartbeats (see membership.py)."""

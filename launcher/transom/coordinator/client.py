@@ -1,0 +1,157 @@
+"""Blocking client of the coordinator API, used by workers and the launcher.
+
+Standard library only (urllib), so the launcher needs nothing but pydantic. Every call has
+a deadline; connection errors and 5xx answers are retried with backoff until it passes
+(the coordinator may be restarting), 4xx answers raise `CoordinatorError` at once, except
+the quorum long-poll's 408 which means "ask again".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from transom.coordinator.models import (
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    JobStatus,
+    LeaveRequest,
+    QuorumRequest,
+    QuorumResponse,
+    RegisterRequest,
+    RegisterResponse,
+    RendezvousInfo,
+    ReplicaState,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class CoordinatorError(Exception):
+    """The coordinator refused a request (4xx) or stayed unreachable past the deadline."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class Evicted(CoordinatorError):
+    """409: this incarnation was declared dead or superseded; the process should exit."""
+
+
+class JobCompleted(CoordinatorError):
+    """410: other replicas already finished the job; this one should stop."""
+
+
+class CoordinatorClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> tuple[int, dict]:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        data = body.model_dump_json().encode() if body is not None else None
+        backoff = 0.05
+        while True:
+            req = urllib.request.Request(self.url + path, data=data, method=method)
+            req.add_header("Authorization", f"Bearer {self.token}")
+            if data is not None:
+                req.add_header("Content-Type", "application/json")
+            per_try = request_timeout_s or max(0.1, min(10.0, deadline - time.monotonic()))
+            try:
+                with urllib.request.urlopen(req, timeout=per_try) as resp:
+                    return resp.status, json.loads(resp.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                try:
+                    payload = json.loads(e.read() or b"{}")
+                except json.JSONDecodeError:
+                    payload = {}
+                message = payload.get("error", e.reason)
+                if e.code == 409:
+                    raise Evicted(message, 409) from None
+                if e.code < 500:
+                    return e.code, payload
+                error: Exception = CoordinatorError(f"{method} {path}: {e.code} {message}", e.code)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                error = CoordinatorError(f"{method} {path}: coordinator unreachable: {e}")
+            if time.monotonic() + backoff > deadline:
+                raise error
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def _expect(self, status: int, payload: dict, what: str) -> dict:
+        if status >= 400:
+            raise CoordinatorError(f"{what}: {status} {payload.get('error', '')}", status)
+        return payload
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        status, payload = self._call("POST", "/v1/register", req)
+        return RegisterResponse.model_validate(self._expect(status, payload, "register"))
+
+    def heartbeat(self, req: HeartbeatRequest, timeout_s: float = 2.0) -> None:
+        status, payload = self._call("POST", "/v1/heartbeat", req, timeout_s=timeout_s)
+        self._expect(status, payload, "heartbeat")
+
+    def report_failure(self, req: FailureReport, timeout_s: float = 5.0) -> bool:
+        status, payload = self._call("POST", "/v1/failure", req, timeout_s=timeout_s)
+        return bool(self._expect(status, payload, "failure").get("accepted"))
+
+    def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
+        status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)
+        self._expect(status, payload, "leave")
+
+    def quorum(self, req: QuorumRequest, timeout_s: float) -> QuorumResponse:
+        """Long-poll until this replica's next round is decided, or raise after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorError(f"no quorum within {timeout_s:.0f}s (training paused?)")
+            poll = req.model_copy(update={"timeout_s": max(0.1, min(req.timeout_s, remaining))})
+            status, payload = self._call(
+                "POST", "/v1/quorum", poll, timeout_s=remaining, request_timeout_s=poll.timeout_s + 5.0
+            )
+            if status == 408:
+                continue
+            if status == 410:
+                raise JobCompleted(payload.get("error", "job completed"), 410)
+            return QuorumResponse.model_validate(self._expect(status, payload, "quorum"))
+
+    def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> ReplicaState:
+        path = f"/v1/replicas/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
+        status, payload = self._call("GET", path, timeout_s=timeout_s)
+        return ReplicaState.model_validate(self._expect(status, payload, "replica state"))
+
+    def status(self, timeout_s: float = 5.0) -> JobStatus:
+        status, payload = self._call("GET", "/v1/status", timeout_s=timeout_s)
+        return JobStatus.model_validate(self._expect(status, payload, "status"))
+
+    def put_rendezvous(self, info: RendezvousInfo) -> None:
+        status, payload = self._call("PUT", "/v1/rendezvous", info)
+        self._expect(status, payload, "rendezvous")
+
+    def get_rendezvous(self, identity: Identity, timeout_s: float) -> RendezvousInfo:
+        """Wait for node 0 of this replica to publish MASTER_ADDR/PORT."""
+        deadline = time.monotonic() + timeout_s
+        path = f"/v1/rendezvous/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
+        while True:
+            status, payload = self._call("GET", path, timeout_s=max(0.1, deadline - time.monotonic()))
+            if status == 200:
+                return RendezvousInfo.model_validate(payload)
+            if status != 404 or time.monotonic() > deadline:
+                raise CoordinatorError(f"rendezvous: {status} {payload.get('error', '')}", status)
+            time.sleep(0.2)

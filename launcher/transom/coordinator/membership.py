@@ -1,0 +1,422 @@
+"""Membership and per-step quorum decisions: the coordinator's brain, with no I/O.
+
+Every method takes the current time as an argument, so the whole protocol is table-tested
+without sleeping (tests/unit/test_membership.py). The aiohttp server only parses messages,
+calls these methods under one lock and wakes long-polling clients.
+
+The protocol, one *round* per training step:
+
+* Each replica's leader asks for the quorum of its next step, saying which step it has
+  committed (and under which quorum) and whether its last step failed.
+* A round is decided when every live member of the previous quorum has asked; replicas
+  that are new (replacements) and already waiting are added. A member that is known dead
+  (failure report, missed heartbeats) is not waited for; one that is merely absent is
+  waited for only `failed_grace_s` once some member reported a failed step (that is how a
+  hung replica is left behind without waiting for its heartbeat to expire).
+* The decision is the same for every member: the quorum id changes exactly when the
+  membership changes or a step failed (then groups are rebuilt under a fresh prefix);
+  members behind the newest committed state recover from one that has it and contribute
+  zero gradients this step; fewer than `min_replicas` ready means no decision (paused).
+
+Because one process decides and every member of a round gets the same answer, two groups
+of replicas can never train apart (no split brain).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transom.coordinator.models import (
+    Event,
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    JobStatus,
+    LeaveRequest,
+    QuorumRequest,
+    QuorumResponse,
+    RecoverySource,
+    RegisterRequest,
+    RegisterResponse,
+    ReplicaState,
+    ReplicaStatus,
+)
+
+
+class Conflict(Exception):
+    """The caller is a superseded or dead incarnation (HTTP 409)."""
+
+
+class NotRegistered(Exception):
+    """The caller never registered (HTTP 404)."""
+
+
+class JobCompleted(Exception):
+    """A replica already finished the job; there is nothing left to join (HTTP 410)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    job: str = "local"
+    num_replicas: int = 1
+    min_replicas: int = 1
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    # How long a round with a reported failure waits for members that did not ask again
+    # before deciding without them. Short: a live member asks within milliseconds of its
+    # failed collective; a dead one never does.
+    failed_grace_s: float = 0.5
+    # The first quorum waits for all replicas this long, then starts with minReplicas:
+    # otherwise the first replica to start would train alone and the others would only
+    # copy its state.
+    startup_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError("num_replicas must be at least 1")
+        if not 1 <= self.min_replicas <= self.num_replicas:
+            raise ValueError("min_replicas must be between 1 and num_replicas")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must be larger than heartbeat_interval_s")
+        if self.failed_grace_s < 0 or self.startup_wait_s < 0:
+            raise ValueError("failed_grace_s and startup_wait_s must not be negative")
+
+
+@dataclass
+class Replica:
+    identity: Identity
+    store_addr: str
+    state_endpoints: list[str]
+    state: Literal["healthy", "failed", "left"] = "healthy"
+    last_heartbeat: float = 0.0
+    step: int = 0
+    last_loss: float | None = None
+    failures: int = 0  # over all incarnations of this replica id
+    last_failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    round: int
+    quorum_id: int
+    members: tuple[Identity, ...]
+    store_addr: str
+    store_prefix: str
+    max_step: int
+    participants: int
+    recovering: dict[int, int]  # replica id -> replica id it recovers from
+
+    def member_ids(self) -> list[int]:
+        return [m.replica_id for m in self.members]
+
+
+@dataclass
+class Membership:
+    settings: Settings
+    replicas: dict[int, Replica] = field(default_factory=dict)
+    pending: dict[int, QuorumRequest] = field(default_factory=dict)
+    answers: dict[int, Decision] = field(default_factory=dict)
+    current: Decision | None = None
+    next_round: int = 0
+    last_quorum_id: int = -1
+    round_failed_since: float | None = None
+    round_opened_at: float | None = None
+    paused: bool = False
+    # Set when the first replica leaves with reason "completed": the job's last step. A
+    # replica still asking for a quorum after that cannot be helped (its peers are gone).
+    completed_step: int | None = None
+    events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
+    # Monotonic counters exported as metrics.
+    failures_total: collections.Counter[str] = field(default_factory=collections.Counter)
+    quorum_changes_total: int = 0
+    events_total: int = 0
+
+    # --- helpers -----------------------------------------------------------------------
+    def _event(self, now: float, kind: str, message: str) -> None:
+        self.events.append(Event(time=now, kind=kind, message=message))
+        self.events_total += 1
+
+    def _live(self, identity: Identity) -> Replica:
+        """The record of a live incarnation, or Conflict/NotRegistered."""
+        rep = self.replicas.get(identity.replica_id)
+        if rep is None:
+            raise NotRegistered(f"replica {identity.replica_id} is not registered")
+        if rep.identity.key() != identity.key():
+            raise Conflict(
+                f"replica {identity.replica_id} incarnation {identity.key()} is superseded by {rep.identity.key()}"
+            )
+        if rep.state != "healthy":
+            raise Conflict(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
+        return rep
+
+    def _fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
+        rep.state = "failed"
+        rep.failures += 1
+        rep.last_failure = reason
+        self.failures_total[kind] += 1
+        self.pending.pop(rep.identity.replica_id, None)
+        self._event(now, "failed", f"replica {rep.identity.replica_id}: {reason}")
+
+    # --- calls from replicas ----------------------------------------------------------------
+    def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
+        rid = req.identity.replica_id
+        if rid >= self.settings.num_replicas:
+            raise ValueError(f"replica_id must be below num_replicas ({self.settings.num_replicas})")
+        old = self.replicas.get(rid)
+        if old is not None and old.identity.key() > req.identity.key():
+            raise Conflict(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
+        if old is not None and old.identity.key() == req.identity.key():
+            if old.state != "healthy":
+                raise Conflict(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
+            old.store_addr, old.state_endpoints, old.last_heartbeat = req.store_addr, list(req.state_endpoints), now
+        else:
+            failures, last_failure = 0, None
+            if old is not None:
+                if old.state == "healthy":
+                    self._fail(old, now, "replaced by a newer incarnation", "superseded")
+                failures, last_failure = old.failures, old.last_failure
+            self.replicas[rid] = Replica(
+                identity=req.identity,
+                store_addr=req.store_addr,
+                state_endpoints=list(req.state_endpoints),
+                last_heartbeat=now,
+                failures=failures,
+                last_failure=last_failure,
+            )
+            self.answers.pop(rid, None)
+            self._event(now, "registered", f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}")
+        s = self.settings
+        return RegisterResponse(
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            heartbeat_timeout_s=s.heartbeat_timeout_s,
+            num_replicas=s.num_replicas,
+            min_replicas=s.min_replicas,
+        )
+
+    def heartbeat(self, req: HeartbeatRequest, now: float) -> None:
+        rep = self._live(req.identity)
+        rep.last_heartbeat = now
+        rep.step = max(rep.step, req.step)
+
+    def report_failure(self, req: FailureReport, now: float) -> bool:
+        """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
+        rep = self.replicas.get(req.identity.replica_id)
+        if rep is None or rep.identity.key() != req.identity.key() or rep.state != "healthy":
+            return False
+        code = f" (exit code {req.exit_code})" if req.exit_code is not None else ""
+        self._fail(rep, now, req.reason + code, "reported")
+        return True
+
+    def leave(self, req: LeaveRequest, now: float) -> None:
+        rep = self._live(req.identity)
+        rep.state = "left"
+        rep.step = max(rep.step, req.step)
+        if req.reason == "completed" and self.completed_step is None:
+            self.completed_step = req.step
+        self.pending.pop(rep.identity.replica_id, None)
+        self._event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {req.reason}")
+
+    def replica_state(self, identity: Identity) -> ReplicaState:
+        rep = self.replicas.get(identity.replica_id)
+        if rep is None:
+            return ReplicaState(replica_id=identity.replica_id, state="unknown")
+        if rep.identity.key() > identity.key():
+            return ReplicaState(replica_id=identity.replica_id, state="superseded")
+        if rep.identity.key() < identity.key():
+            return ReplicaState(replica_id=identity.replica_id, state="unknown")
+        return ReplicaState(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure)
+
+    # --- time ---------------------------------------------------------------------------------
+    def expire(self, now: float) -> bool:
+        """Declare replicas whose heartbeats stopped failed. Returns whether anything changed."""
+        changed = False
+        for rep in self.replicas.values():
+            age = now - rep.last_heartbeat
+            if rep.state == "healthy" and age > self.settings.heartbeat_timeout_s:
+                self._fail(rep, now, f"no heartbeat for {age:.1f}s", "heartbeat")
+                changed = True
+        return changed
+
+    # --- quorum ----------------------------------------------------------------------------------
+    def request_quorum(self, req: QuorumRequest, now: float) -> Decision | None:
+        """Enter the open round; return this replica's decision if one is ready now."""
+        rep = self._live(req.identity)
+        answered = self.answer_for(req)
+        if answered is None and self.completed_step is not None:
+            raise JobCompleted(f"the job completed at step {self.completed_step}")
+        rep.last_heartbeat = now  # asking proves liveness as well as a heartbeat does
+        rep.step = req.step
+        if req.last_loss is not None:
+            rep.last_loss = req.last_loss
+        if answered is not None:
+            return answered
+        if not self.pending:
+            self.round_opened_at = now
+        self.pending[req.identity.replica_id] = req
+        if req.failed and self.round_failed_since is None:
+            self.round_failed_since = now
+        self.try_decide(now)
+        return self.answer_for(req)
+
+    def answer_for(self, req: QuorumRequest) -> Decision | None:
+        d = self.answers.get(req.identity.replica_id)
+        if d is None or d.round <= req.last_round:
+            return None
+        if req.identity not in d.members:
+            return None
+        return d
+
+    def try_decide(self, now: float) -> Decision | None:
+        self.expire(now)
+        ready: dict[int, QuorumRequest] = {}
+        for rid, req in list(self.pending.items()):
+            rep = self.replicas.get(rid)
+            if rep is None or rep.state != "healthy" or rep.identity.key() != req.identity.key():
+                del self.pending[rid]
+            else:
+                ready[rid] = req
+        if not ready:
+            return None
+        if self.current is None:
+            opened = self.round_opened_at if self.round_opened_at is not None else now
+            if len(ready) < self.settings.num_replicas and now - opened < self.settings.startup_wait_s:
+                return None
+        else:
+            missing = [
+                m.replica_id
+                for m in self.current.members
+                if m.replica_id not in ready
+                and (rep := self.replicas.get(m.replica_id)) is not None
+                and rep.state == "healthy"
+                and rep.identity.key() == m.key()
+            ]
+            if missing:
+                failed_long_enough = (
+                    self.round_failed_since is not None
+                    and now - self.round_failed_since >= self.settings.failed_grace_s
+                )
+                if not failed_long_enough:
+                    return None
+        if len(ready) < self.settings.min_replicas:
+            if not self.paused:
+                self.paused = True
+                self._event(
+                    now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas {self.settings.min_replicas}"
+                )
+            return None
+        return self._decide(ready, now)
+
+    def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
+        ids = sorted(ready)
+        members = tuple(ready[i].identity for i in ids)
+        any_failed = any(ready[i].failed for i in ids)
+        prev = self.current
+        same = prev is not None and prev.members == members and not any_failed
+        if same:
+            assert prev is not None
+            quorum_id, store_addr, prefix = prev.quorum_id, prev.store_addr, prev.store_prefix
+        else:
+            quorum_id = self.last_quorum_id + 1
+            self.last_quorum_id = quorum_id
+        max_step = max(ready[i].step for i in ids)
+        at_max = [i for i in ids if ready[i].step == max_step]
+        # Replicas at the same step that committed it under different quorums can differ (a
+        # collective that completed on some members only): the newest lineage wins.
+        newest = max(ready[i].commit_quorum_id for i in at_max)
+        canonical = [i for i in at_max if ready[i].commit_quorum_id == newest]
+        behind = [i for i in ids if i not in canonical]
+        recovering = {rid: canonical[k % len(canonical)] for k, rid in enumerate(behind)}
+        if not same:
+            owner = self.replicas[canonical[0]]
+            store_addr = owner.store_addr
+            prefix = f"transom/{self.settings.job}/q{quorum_id}"
+            self.quorum_changes_total += 1
+            self._event(
+                now,
+                "quorum",
+                f"quorum {quorum_id}: replicas {ids} at step {max_step}"
+                + (f", recovering {sorted(recovering)}" if recovering else ""),
+            )
+        if self.paused:
+            self.paused = False
+            self._event(now, "resumed", f"{len(ids)} replicas ready")
+        decision = Decision(
+            round=self.next_round,
+            quorum_id=quorum_id,
+            members=members,
+            store_addr=store_addr,
+            store_prefix=prefix,
+            max_step=max_step,
+            participants=len(canonical),
+            recovering=recovering,
+        )
+        self.next_round += 1
+        self.current = decision
+        for i in ids:
+            self.answers[i] = decision
+            del self.pending[i]
+        self.round_failed_since = None
+        self.round_opened_at = now if self.pending else None
+        for req in self.pending.values():  # stragglers from a decided round start the next one
+            if req.failed:
+                self.round_failed_since = now
+                break
+        return decision
+
+    def response(self, decision: Decision, replica_id: int) -> QuorumResponse:
+        ids = decision.member_ids()
+        source = decision.recovering.get(replica_id)
+        recover_from = None
+        if source is not None:
+            recover_from = RecoverySource(
+                replica_id=source,
+                step=decision.max_step,
+                endpoints=list(self.replicas[source].state_endpoints),
+            )
+        return QuorumResponse(
+            round=decision.round,
+            quorum_id=decision.quorum_id,
+            members=ids,
+            rank=ids.index(replica_id),
+            store_addr=decision.store_addr,
+            store_prefix=decision.store_prefix,
+            max_step=decision.max_step,
+            participants=decision.participants,
+            recovering=sorted(decision.recovering),
+            serve_recovery=replica_id in decision.recovering.values(),
+            recover_from=recover_from,
+        )
+
+    # --- reporting -----------------------------------------------------------------------------------
+    def healthy_count(self) -> int:
+        return sum(1 for r in self.replicas.values() if r.state == "healthy")
+
+    def status(self, now: float) -> JobStatus:
+        cur = self.current
+        return JobStatus(
+            round=self.next_round - 1,
+            quorum_id=cur.quorum_id if cur else -1,
+            members=cur.member_ids() if cur else [],
+            max_step=max((r.step for r in self.replicas.values()), default=0),
+            num_replicas=self.settings.num_replicas,
+            min_replicas=self.settings.min_replicas,
+            healthy_replicas=self.healthy_count(),
+            paused=self.paused,
+            replicas=[
+                ReplicaStatus(
+                    replica_id=r.identity.replica_id,
+                    generation=r.identity.generation,
+                    attempt=r.identity.attempt,
+                    state=r.state,
+                    step=r.step,
+                    last_loss=r.last_loss,
+                    heartbeat_age_s=round(now - r.last_heartbeat, 3) if r.state == "healthy" else None,
+                    failures=r.failures,
+                    last_failure=r.last_failure,
+                )
+                for r in sorted(self.replicas.values(), key=lambda r: r.identity.replica_id)
+            ],
+            events=list(self.events)[-50:],
+        )

@@ -1,0 +1,159 @@
+"""Wire messages of the coordinator API (`/v1/...`), one pydantic model per message.
+
+Both the aiohttp server and the worker-side client use these models, so a field renamed
+here changes both sides at once. Every field is bounded: the coordinator parses whatever a
+client sends, and a bad value must become a 400 with the reason, never an exception deeper
+in. Field names are snake_case on the wire (this is an internal API, not a Kubernetes one).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_REPLICAS = 4096
+MAX_STEP = 2**62
+ReplicaId = Field(ge=0, lt=MAX_REPLICAS, description="data-parallel replica index")
+Generation = Field(ge=0, le=2**31, description="pod generation, bumped by the operator on replacement")
+Attempt = Field(ge=0, le=2**31, description="in-place restart count of the launcher")
+Step = Field(ge=0, le=MAX_STEP, description="number of committed optimizer steps")
+
+
+class _Msg(BaseModel):
+    # Unknown fields are an error: a typo in a client should not silently do nothing.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Identity(_Msg):
+    """Who is talking: a replica incarnation. Newer (generation, attempt) supersedes older."""
+
+    replica_id: int = ReplicaId
+    generation: int = Generation
+    attempt: int = Attempt
+
+    def key(self) -> tuple[int, int]:
+        return (self.generation, self.attempt)
+
+
+class RegisterRequest(_Msg):
+    identity: Identity
+    store_addr: str = Field(
+        min_length=3, max_length=256, description="host:port of this replica's TCPStore for group building"
+    )
+    state_endpoints: list[str] = Field(
+        min_length=1, max_length=1024, description="per local rank, the URL serving recovery state"
+    )
+
+
+class RegisterResponse(_Msg):
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    num_replicas: int
+    min_replicas: int
+
+
+class HeartbeatRequest(_Msg):
+    identity: Identity
+    step: int = Step
+
+
+class FailureReport(_Msg):
+    identity: Identity
+    reason: str = Field(min_length=1, max_length=1024)
+    exit_code: int | None = Field(default=None, ge=-255, le=255)
+
+
+class LeaveRequest(_Msg):
+    """A replica that finished (or stops on purpose) leaves without being counted as failed."""
+
+    identity: Identity
+    step: int = Step
+    reason: str = Field(default="completed", max_length=256)
+
+
+class QuorumRequest(_Msg):
+    identity: Identity
+    step: int = Step
+    commit_quorum_id: int = Field(
+        ge=-1, le=MAX_STEP, description="quorum under which `step` was committed, -1 if none"
+    )
+    last_round: int = Field(ge=-1, le=MAX_STEP, description="the last round this incarnation received")
+    failed: bool = Field(default=False, description="the last step failed (its update was discarded)")
+    last_loss: float | None = Field(default=None, allow_inf_nan=True)
+    last_step_seconds: float | None = Field(default=None, ge=0, le=1e7)
+    timeout_s: float = Field(default=30.0, gt=0, le=120, description="long-poll limit")
+
+
+class RecoverySource(_Msg):
+    replica_id: int = ReplicaId
+    step: int = Step
+    endpoints: list[str]
+
+
+class QuorumResponse(_Msg):
+    """The decision of one round, identical for every member but `rank` and `recover_from`."""
+
+    round: int
+    quorum_id: int = Field(description="strictly increasing; changes exactly when the groups must be rebuilt")
+    members: list[int] = Field(description="replica ids in group-rank order")
+    rank: int = Field(description="this replica's rank in the cross-replica groups")
+    store_addr: str
+    store_prefix: str = Field(description="never reused: a group built under it is new")
+    max_step: int
+    participants: int = Field(description="members that contribute gradients this step")
+    recovering: list[int] = Field(description="members that load state from a peer this step")
+    serve_recovery: bool = Field(description="this replica must serve its state for this round")
+    recover_from: RecoverySource | None = None
+
+
+class ReplicaStatus(_Msg):
+    replica_id: int
+    generation: int
+    attempt: int
+    state: Literal["healthy", "failed", "left"]
+    step: int
+    last_loss: float | None
+    heartbeat_age_s: float | None
+    failures: int
+    last_failure: str | None
+
+
+class ReplicaState(_Msg):
+    """Answer to GET /v1/replicas/{id}: what the coordinator thinks of one incarnation."""
+
+    replica_id: int
+    state: Literal["healthy", "failed", "left", "superseded", "unknown"]
+    reason: str | None = None
+
+
+class Event(_Msg):
+    time: float
+    kind: str
+    message: str
+
+
+class JobStatus(_Msg):
+    round: int
+    quorum_id: int
+    members: list[int]
+    max_step: int
+    num_replicas: int
+    min_replicas: int
+    healthy_replicas: int
+    paused: bool
+    replicas: list[ReplicaStatus]
+    events: list[Event]
+
+
+class RendezvousInfo(_Msg):
+    """Where node 0 of a multi-node replica serves torch.distributed's store."""
+
+    identity: Identity
+    master_addr: str = Field(min_length=1, max_length=256)
+    master_port: int = Field(gt=0, lt=65536)
+
+
+class ErrorBody(_Msg):
+    error: str
+    retry: bool = False

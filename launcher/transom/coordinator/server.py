@@ -1,0 +1,349 @@
+"""The coordinator's HTTP API (aiohttp): parsing, auth, long-polling, metrics.
+
+All decisions are made by `Membership` (pure logic); this module turns HTTP requests into
+calls on it under one asyncio lock and wakes long-polling quorum requests when a round is
+decided. Errors a client can cause become 4xx JSON bodies (`{"error": ..., "retry": ...}`);
+nothing a client sends reaches an unhandled exception.
+
+Endpoints (bearer token required on everything under /v1/):
+
+    POST /v1/register            RegisterRequest  -> RegisterResponse
+    POST /v1/heartbeat           HeartbeatRequest -> {}
+    POST /v1/quorum              QuorumRequest    -> QuorumResponse (long-poll; 408 = ask again,
+                                                     410 = the job already completed)
+    POST /v1/failure             FailureReport    -> {"accepted": bool}
+    POST /v1/leave               LeaveRequest     -> {}
+    GET  /v1/replicas/{id}?generation=G&attempt=A -> ReplicaState
+    PUT  /v1/rendezvous          RendezvousInfo   -> {}
+    GET  /v1/rendezvous/{id}?generation=G&attempt=A -> RendezvousInfo (404 until node 0 put it)
+    GET  /v1/status              -> JobStatus
+    GET  /metrics                Prometheus text (no token: it holds no secrets)
+    GET  /healthz
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ValidationError
+
+from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
+from transom.coordinator.models import (
+    ErrorBody,
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    LeaveRequest,
+    QuorumRequest,
+    RegisterRequest,
+    RendezvousInfo,
+)
+
+log = logging.getLogger("transom.coordinator")
+M = TypeVar("M", bound=BaseModel)
+TICK_S = 0.05
+MAX_BODY_BYTES = 1 << 20
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _error(status: int, message: str, retry: bool = False) -> web.Response:
+    body = ErrorBody(error=message, retry=retry).model_dump_json()
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+def _ok(model: BaseModel | dict | None = None) -> web.Response:
+    if isinstance(model, BaseModel):
+        return web.Response(text=model.model_dump_json(), content_type="application/json")
+    return web.json_response(model or {})
+
+
+async def _parse(request: web.Request, model: type[M]) -> M:
+    try:
+        raw = await request.read()
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        reasons = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        raise BadRequest(f"invalid {model.__name__}: {reasons}") from None
+
+
+def _query_identity(request: web.Request, replica_id: str) -> Identity:
+    try:
+        return Identity(
+            replica_id=int(replica_id),
+            generation=int(request.query.get("generation", "0")),
+            attempt=int(request.query.get("attempt", "0")),
+        )
+    except (ValueError, ValidationError) as e:
+        raise BadRequest(f"replica id, generation and attempt must be small non-negative integers: {e}") from None
+
+
+class _MembershipCollector:
+    """Reads the live membership at scrape time; labels are bounded (reason kinds only)."""
+
+    def __init__(self, server: "CoordinatorServer"):
+        self.server = server
+
+    def collect(self):
+        m = self.server.membership
+        g = GaugeMetricFamily("transom_coordinator_healthy_replicas", "Replicas currently healthy")
+        g.add_metric([], m.healthy_count())
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_step", "Highest committed step reported by any replica")
+        g.add_metric([], max((r.step for r in m.replicas.values()), default=0))
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_quorum_id", "Current quorum id")
+        g.add_metric([], m.current.quorum_id if m.current else -1)
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_paused", "1 while fewer than minReplicas are ready")
+        g.add_metric([], 1 if m.paused else 0)
+        yield g
+        c = CounterMetricFamily("transom_coordinator_quorum_changes", "Quorums formed with new membership")
+        c.add_metric([], m.quorum_changes_total)
+        yield c
+        c = CounterMetricFamily(
+            "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
+        )
+        for reason in ("reported", "heartbeat", "superseded"):
+            c.add_metric([reason], m.failures_total.get(reason, 0))
+        yield c
+
+
+class CoordinatorServer:
+    """One job's coordinator. Owns its tick task; `start`/`stop` bracket its life."""
+
+    def __init__(self, settings: Settings, token: str, clock: Callable[[], float] = time.monotonic):
+        if not token:
+            raise ValueError("a coordinator needs a non-empty token")
+        self.settings = settings
+        self.membership = Membership(settings)
+        self.clock = clock
+        self._token = token.encode()
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition(self._lock)
+        self._rendezvous: dict[tuple[int, int, int], RendezvousInfo] = {}
+        self._registry = CollectorRegistry()
+        self._registry.register(_MembershipCollector(self))
+        self._runner: web.AppRunner | None = None
+        self._tick_task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    # --- application ----------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        r = app.router
+        r.add_post("/v1/register", self._register)
+        r.add_post("/v1/heartbeat", self._heartbeat)
+        r.add_post("/v1/quorum", self._quorum)
+        r.add_post("/v1/failure", self._failure)
+        r.add_post("/v1/leave", self._leave)
+        r.add_get("/v1/replicas/{id}", self._replica)
+        r.add_put("/v1/rendezvous", self._put_rendezvous)
+        r.add_get("/v1/rendezvous/{id}", self._get_rendezvous)
+        r.add_get("/v1/status", self._status)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/healthz", self._healthz)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return _error(e.status, e.reason)
+            raise
+        except BadRequest as e:
+            return _error(400, str(e))
+        except ValueError as e:
+            return _error(400, str(e))
+        except Conflict as e:
+            return _error(409, str(e))
+        except NotRegistered as e:
+            return _error(404, str(e))
+        except JobCompleted as e:
+            return _error(410, str(e))
+        except Exception:  # a bug of ours: answer 500, keep serving every other replica
+            log.exception("internal error handling %s %s", request.method, request.path)
+            return _error(500, "internal error", retry=True)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            scheme, _, presented = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
+                return _error(401, "missing or wrong bearer token")
+        return await handler(request)
+
+    # --- handlers ----------------------------------------------------------------------------
+    async def _register(self, request: web.Request) -> web.Response:
+        req = await _parse(request, RegisterRequest)
+        async with self._changed:
+            resp = self.membership.register(req, self.clock())
+            self._changed.notify_all()
+        return _ok(resp)
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        req = await _parse(request, HeartbeatRequest)
+        async with self._lock:
+            self.membership.heartbeat(req, self.clock())
+        return _ok()
+
+    async def _failure(self, request: web.Request) -> web.Response:
+        req = await _parse(request, FailureReport)
+        async with self._changed:
+            accepted = self.membership.report_failure(req, self.clock())
+            self.membership.try_decide(self.clock())
+            self._changed.notify_all()
+        if accepted:
+            log.warning("replica %d failed: %s", req.identity.replica_id, req.reason)
+        return _ok({"accepted": accepted})
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        req = await _parse(request, LeaveRequest)
+        async with self._changed:
+            self.membership.leave(req, self.clock())
+            self.membership.try_decide(self.clock())
+            self._changed.notify_all()
+        return _ok()
+
+    async def _quorum(self, request: web.Request) -> web.Response:
+        req = await _parse(request, QuorumRequest)
+        m = self.membership
+        deadline = self.clock() + req.timeout_s
+        async with self._changed:
+            decision = m.request_quorum(req, self.clock())
+            if decision is not None:
+                self._changed.notify_all()  # this request may have completed the round
+            while decision is None:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return _error(408, "no quorum yet; ask again", retry=True)
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+                m._live(req.identity)  # raises Conflict if declared dead meanwhile
+                decision = m.answer_for(req)
+                if decision is None and m.completed_step is not None:
+                    raise JobCompleted(f"the job completed at step {m.completed_step}")
+            return _ok(m.response(decision, req.identity.replica_id))
+
+    async def _replica(self, request: web.Request) -> web.Response:
+        identity = _query_identity(request, request.match_info["id"])
+        async with self._lock:
+            return _ok(self.membership.replica_state(identity))
+
+    async def _put_rendezvous(self, request: web.Request) -> web.Response:
+        info = await _parse(request, RendezvousInfo)
+        i = info.identity
+        async with self._lock:
+            self._rendezvous[(i.replica_id, i.generation, i.attempt)] = info
+            # Keep only the newest incarnation per replica: the table stays bounded.
+            for key in [k for k in self._rendezvous if k[0] == i.replica_id and k[1:] < (i.generation, i.attempt)]:
+                del self._rendezvous[key]
+        return _ok()
+
+    async def _get_rendezvous(self, request: web.Request) -> web.Response:
+        i = _query_identity(request, request.match_info["id"])
+        info = self._rendezvous.get((i.replica_id, i.generation, i.attempt))
+        if info is None:
+            return _error(404, "node 0 of this replica has not published its address yet", retry=True)
+        return _ok(info)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        async with self._lock:
+            return _ok(self.membership.status(self.clock()))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        async with self._lock:
+            body = generate_latest(self._registry)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    # --- life cycle ------------------------------------------------------------------------------
+    async def _tick(self) -> None:
+        """Heartbeat expiry and grace periods advance with time, not only with requests."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            async with self._changed:
+                now = self.clock()
+                before = (self.membership.next_round, self.membership.healthy_count())
+                self.membership.expire(now)
+                self.membership.try_decide(now)
+                if (self.membership.next_round, self.membership.healthy_count()) != before:
+                    self._changed.notify_all()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._tick_task = asyncio.create_task(self._tick())
+        log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            try:
+                await self._tick_task
+            except asyncio.CancelledError:
+                pass
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class CoordinatorThread:
+    """Runs a CoordinatorServer on its own event loop thread (local mode and tests)."""
+
+    def __init__(self, settings: Settings, token: str, host: str = "127.0.0.1", port: int = 0):
+        self.server = CoordinatorServer(settings, token)
+        self._host, self._port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="transom-coordinator", daemon=True)
+        self.url = ""
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop)
+        port = fut.result(timeout=timeout_s)
+        self.url = f"http://{self._host}:{port}"
+        return self.url
+
+    def call(self, fn: Callable[[], object], timeout_s: float = 5.0):
+        """Run fn on the coordinator's loop (e.g. to read membership safely)."""
+
+        async def run():
+            async with self.server._lock:
+                return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=timeout_s)
+        self._loop.close()

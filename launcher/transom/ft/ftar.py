@@ -1,0 +1,103 @@
+"""Fault-tolerant all-reduce (FTAR) of gradients across replicas for one step.
+
+Gradients are packed into flat buckets (one per dtype and device, capped in size), summed
+across the quorum's members and divided by the number of *participants*: a recovering
+replica sends zeros and is not counted, so it changes nothing in the average.
+
+The error model is one flag per step (as in torchft): the first error or timeout marks
+the step failed, drops the group (every reference, at once: that is what makes the other
+survivors fail fast too) and turns later collectives of the step into no-ops. The Manager
+reads the flag in its commit vote.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from transom.ft.process_group import CrossReplicaGroup
+
+log = logging.getLogger("transom.ft")
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 gradients), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Group gradient indices into buckets of one dtype/device and at most bucket_bytes."""
+    buckets: list[list[int]] = []
+    open_by_kind: dict[tuple, tuple[list[int], int]] = {}
+    for i, g in enumerate(grads):
+        kind = (g.dtype, g.device)
+        size = g.numel() * g.element_size()
+        current = open_by_kind.get(kind)
+        if current is None or (current[1] + size > bucket_bytes and current[0]):
+            current = ([], 0)
+            buckets.append(current[0])
+        current[0].append(i)
+        open_by_kind[kind] = (current[0], current[1] + size)
+    return buckets
+
+
+class StepAllReduce:
+    """FTAR state for one attempt of one step."""
+
+    def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool):
+        if participants < 1:
+            raise ValueError("a step needs at least one participant")
+        self.group = group
+        self.participants = participants
+        self.contribute = contribute
+        self.error: str | None = None if group is not None else "no cross-replica group"
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
+            log.warning("cross-replica step failed: %s", reason)
+        if self.group is not None:
+            self.group.abort()
+        self.group = None
+
+    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """Average the gradients of `params` over the participants, in place."""
+        if self.failed:
+            return
+        plist = [p for p in params if p.requires_grad]
+        for p in plist:
+            if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in plist]
+        buckets = plan_buckets(grads, bucket_bytes)
+        flats: list[torch.Tensor] = []
+        for idx in buckets:
+            if self.contribute:
+                flat = torch.cat([grads[i].reshape(-1) for i in idx])
+            else:
+                flat = torch.zeros(sum(grads[i].numel() for i in idx), dtype=grads[idx[0]].dtype, device=grads[idx[0]].device)
+            flats.append(flat)
+        group = self.group
+        try:
+            assert group is not None
+            group.wait(group.allreduce_sum(flats))
+        except Exception as e:  # RuntimeError from Gloo/NCCL, TimeoutError from our wait
+            del group
+            self.fail(f"{type(e).__name__}: {e}")
+            return
+        del group
+        for idx, flat in zip(buckets, flats):
+            flat.div_(self.participants)
+            offset = 0
+            for i in idx:
+                n = grads[i].numel()
+                grads[i].copy_(flat[offset : offset + n].view_as(grads[i]))
+                offset += n

@@ -1,0 +1,405 @@
+"""The training-script API: a few lines around an existing loop make it fault tolerant.
+
+    ctx = ft.init()                                  # the replica's own world, if any
+    model = build_model()                            # identical init on every replica (seed)
+    if ctx.world_size > 1: model = DDP(model)        # or FSDP2, inside the replica
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    trainer = ft.FaultTolerant(model, opt, ctx)
+    for step in trainer.steps(num_steps):            # asks for the step's quorum
+        loss = model(*batch(step, trainer.replica_id)).loss
+        loss.backward()
+        trainer.finish_step(loss)                    # FTAR, vote, optimizer.step() if all ok
+    trainer.close()
+
+One step, as the replica's leader sees it: the quorum request leaves when the step begins
+(overlapping the forward pass) and is awaited in `finish_step`; a changed quorum rebuilds
+the cross-replica group; a recovery source snapshots its state for the joiner before any
+update; gradients are averaged over the participants (a joiner sends zeros and loads the
+source's state meanwhile); every rank of the replica votes, and the optimizer steps only if
+all succeeded. A failed step is discarded and the same step runs again under the next
+quorum; `max_failed_steps` failures in a row raise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import hashlib
+import io
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from transom.contract import ENV_STATS_DIR
+from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted
+from transom.coordinator.models import (
+    HeartbeatRequest,
+    Identity,
+    LeaveRequest,
+    QuorumRequest,
+    QuorumResponse,
+    RegisterRequest,
+)
+from transom import inject
+from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
+from transom.ft.process_group import CrossReplicaGroup
+from transom.ft.replica import ReplicaContext, init
+from transom.ft.state_server import StateServer, fetch_state
+from transom.ft.stats import StatsWriter
+
+log = logging.getLogger("transom.ft")
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TooManyFailedSteps(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FTConfig:
+    """Knobs of the fault-tolerant step. Explicit arguments win over TRANSOM_* variables."""
+
+    collective_timeout_s: float = 10.0
+    """A cross-replica collective that takes longer fails the step (a hung peer costs this)."""
+    quorum_timeout_s: float = 900.0
+    """How long a step waits for its quorum (training paused below minReplicas) before raising."""
+    recovery_timeout_s: float = 120.0
+    """How long a joining replica waits for its peer's state."""
+    max_failed_steps: int = 10
+    """Raise after this many failed attempts in a row."""
+    lr_scaling: str = "sqrt"
+    """How the learning rate follows the global batch when replicas are missing."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
+        if min(self.collective_timeout_s, self.quorum_timeout_s, self.recovery_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_failed_steps < 1:
+            raise ValueError("max_failed_steps must be at least 1")
+
+    @classmethod
+    def from_environ(cls, **overrides: Any) -> "FTConfig":
+        env = {
+            "collective_timeout_s": os.environ.get("TRANSOM_COLLECTIVE_TIMEOUT_S"),
+            "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
+            "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
+        }
+        values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def lr_factor(scaling: str, participants: int, num_replicas: int) -> float:
+    ratio = participants / num_replicas
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 over the bytes of every tensor in the model's state, in key order."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        h.update(name.encode())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class FaultTolerant:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        ctx: ReplicaContext | None = None,
+        *,
+        extra_state: Stateful | None = None,
+        config: FTConfig | None = None,
+    ):
+        self.ctx = ctx or init()
+        self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
+        self.config = config or FTConfig.from_environ()
+        env = self.ctx.env
+        self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
+        self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token)
+        self.fault = inject.from_environ(env.attempt)
+        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
+
+        self.step = 0  # committed optimizer steps
+        self._commit_quorum_id = -1
+        self._last_round = -1
+        self._last_failed = False
+        self._last_loss: float | None = None
+        self._last_seconds: float | None = None
+        self._failed_in_a_row = 0
+        self._quorum_id = -1
+        self._group: CrossReplicaGroup | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._step_started = 0.0
+        self._in_step = False
+        self._closed = False
+        self.completed_elsewhere = False  # the job finished without this replica
+
+        bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
+        self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr)
+        endpoints = self._gather(self._state_server.url)
+        self._store: dist.TCPStore | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._evicted: str | None = None
+        if self.ctx.is_leader:
+            # This replica's store: the coordinator points a quorum at one member's store.
+            self._store = dist.TCPStore(
+                bind, 0, is_master=True, wait_for_workers=False, use_libuv=True,
+                timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
+            )
+            reg = self.client.register(
+                RegisterRequest(
+                    identity=self.identity,
+                    store_addr=f"{env.advertise_addr}:{self._store.port}",
+                    state_endpoints=endpoints,
+                )
+            )
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transom-quorum")
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,), name="transom-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
+        log.info("replica %d rank %d joined (generation %d attempt %d)", env.replica_id, self.ctx.rank, env.generation, env.attempt)
+
+    # --- public ---------------------------------------------------------------------------
+    @property
+    def replica_id(self) -> int:
+        return self.ctx.replica_id
+
+    @property
+    def num_replicas(self) -> int:
+        return self.ctx.num_replicas
+
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """Yield the index of the step to run until `num_steps` steps are committed."""
+        while self.step < num_steps and not self.completed_elsewhere:
+            self.begin_step()
+            yield self.step
+            if self._in_step:
+                raise RuntimeError("call finish_step() once in every iteration of steps()")
+
+    def begin_step(self) -> None:
+        if self._evicted:
+            raise Evicted(self._evicted, 409)
+        self._in_step = True
+        self._step_started = time.monotonic()
+        if self.fault:
+            self.fault.maybe_fire(self.step, self.ctx.rank, "forward")
+        if self._pool is not None:
+            req = QuorumRequest(
+                identity=self.identity,
+                step=self.step,
+                commit_quorum_id=self._commit_quorum_id,
+                last_round=self._last_round,
+                failed=self._last_failed,
+                last_loss=self._last_loss,
+                last_step_seconds=self._last_seconds,
+            )
+            self._future = self._pool.submit(self.client.quorum, req, self.config.quorum_timeout_s)
+
+    def finish_step(self, loss: torch.Tensor | float | None = None) -> bool:
+        """Exchange gradients, vote, and step the optimizer if every rank succeeded."""
+        if not self._in_step:
+            raise RuntimeError("finish_step() without begin_step(); iterate over steps()")
+        q = self._await_quorum()
+        if q is None:  # the job completed without us: nothing to commit
+            self._in_step = False
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        self._last_round = q.round
+        changed = q.quorum_id != self._quorum_id
+        error: str | None = None
+        if changed:
+            error = self._rebuild_group(q)
+        recovering = self.replica_id in q.recovering
+        if q.serve_recovery:
+            self._state_server.publish(q.round, self._snapshot())
+        if self.fault:
+            self.fault.maybe_fire(self.step, self.ctx.rank, "allreduce")
+        ftar = StepAllReduce(self._group, q.participants, contribute=not recovering)
+        if error:
+            ftar.fail(error)
+        ftar.allreduce_gradients(self.model.parameters(), self.config.bucket_bytes)
+        if ftar.failed:
+            self._drop_group()
+        elif recovering:
+            try:
+                self._recover(q)
+            except Exception as e:
+                ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
+        committed = self._vote(not ftar.failed)
+        if committed:
+            factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
+            self.optimizer.step()
+            for g, lr in zip(self.optimizer.param_groups, saved):
+                g["lr"] = lr
+            self.step += 1
+            self._commit_quorum_id = q.quorum_id
+            self._failed_in_a_row = 0
+        else:
+            self._failed_in_a_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        self._last_failed = not committed
+        self._last_loss = loss_value if committed and not recovering else None
+        self._last_seconds = time.monotonic() - self._step_started
+        self._in_step = False
+        self.stats.step(
+            step=self.step, committed=committed, seconds=round(self._last_seconds, 6), quorum_id=q.quorum_id,
+            quorum_changed=changed, recovering=recovering, participants=q.participants, loss=self._last_loss,
+            error=ftar.error, t=time.time(),
+        )
+        if self._failed_in_a_row >= self.config.max_failed_steps:
+            raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
+        return committed
+
+    def close(self) -> None:
+        """Leave the job (not a failure), stop every thread this object started."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.completed_elsewhere:  # a replica left behind holds no final state
+            self.stats.final(self.step, state_digest(self.model))
+        self.stats.close()
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if not self._evicted:
+                try:
+                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step))
+                except Exception as e:
+                    log.warning("could not tell the coordinator that replica %d left: %s", self.replica_id, e)
+        self._drop_group()
+        self._state_server.close()
+        self._store = None
+
+    # --- internals ------------------------------------------------------------------------------
+    def _gather(self, value: str) -> list[str]:
+        if self.ctx.ctrl_group is None:
+            return [value]
+        out: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(out, value, group=self.ctx.ctrl_group)
+        return out
+
+    def _await_quorum(self) -> QuorumResponse | None:
+        payload: list[Any] = [None]
+        if self._future is not None:
+            try:
+                payload[0] = self._future.result(timeout=self.config.quorum_timeout_s + 30).model_dump_json()
+            except Evicted as e:
+                self._evicted = str(e)
+                payload[0] = {"evicted": str(e)}
+            except JobCompleted as e:
+                payload[0] = {"completed": str(e)}
+            except Exception as e:
+                payload[0] = {"error": f"{type(e).__name__}: {e}"}
+            self._future = None
+        if self.ctx.ctrl_group is not None:
+            dist.broadcast_object_list(payload, src=0, group=self.ctx.ctrl_group)
+        if isinstance(payload[0], dict):
+            if "evicted" in payload[0]:
+                raise Evicted(payload[0]["evicted"], 409)
+            if "completed" in payload[0]:
+                log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, payload[0]["completed"])
+                self.completed_elsewhere = True
+                return None
+            raise RuntimeError(f"replica {self.replica_id}: no quorum: {payload[0]['error']}")
+        return QuorumResponse.model_validate_json(payload[0])
+
+    def _rebuild_group(self, q: QuorumResponse) -> str | None:
+        self._drop_group()
+        self._quorum_id = q.quorum_id
+        try:
+            self._group = CrossReplicaGroup(
+                self.ctx.backend,
+                q.store_addr,
+                f"{q.store_prefix}/shard{self.ctx.rank}",
+                q.rank,
+                len(q.members),
+                self.config.collective_timeout_s,
+                self.ctx.device,
+            )
+        except Exception as e:
+            return f"building the group of quorum {q.quorum_id}: {e}"
+        return None
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.abort()
+        del group
+        self._quorum_id = -1  # a dropped group is never reused, even for the same quorum
+
+    def _snapshot(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "step": self.step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def _recover(self, q: QuorumResponse) -> None:
+        assert q.recover_from is not None
+        src = q.recover_from
+        t0 = time.monotonic()
+        blob = fetch_state(src.endpoints[self.ctx.rank], q.round, self.ctx.env.coordinator_token, self.config.recovery_timeout_s)
+        state = torch.load(io.BytesIO(blob), map_location=self.ctx.device, weights_only=False)
+        if state["step"] != q.max_step:
+            raise RuntimeError(f"peer sent step {state['step']}, expected {q.max_step}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.extra_state is not None and state["extra"] is not None:
+            self.extra_state.load_state_dict(state["extra"])
+        self.step = q.max_step
+        log.info(
+            "replica %d rank %d recovered step %d from replica %d (%.1f MB in %.2fs)",
+            self.replica_id, self.ctx.rank, q.max_step, src.replica_id, len(blob) / 1e6, time.monotonic() - t0,
+        )
+
+    def _vote(self, ok: bool) -> bool:
+        if self.ctx.ctrl_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctx.ctrl_group)
+        return bool(flag.item())
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.client.heartbeat(HeartbeatRequest(identity=self.identity, step=self.step), timeout_s=interval_s)
+            except Evicted as e:
+                self._evicted = str(e)
+                log.error("replica %d evicted by the coordinator: %s", self.replica_id, e)
+                return
+            except Exception as e:  # coordinator briefly unreachable: keep trying
+                log.warning("heartbeat of replica %d failed: %s", self.replica_id, e)

@@ -1,0 +1,80 @@
+"""A worker's view of its replica: identity from the environment and the replica's own world.
+
+`init()` is the first call of a training script. With several processes per replica it
+joins the replica's own torch.distributed world (MASTER_ADDR/PORT given by the launcher),
+so the script can wrap its model in DDP or FSDP2 *inside* the replica; FTAR then runs
+across replicas on groups of its own. It also creates a small Gloo group for the replica's
+control traffic (quorum broadcast, commit vote), so that traffic never queues behind NCCL
+kernels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from transom.contract import ReplicaEnv
+
+
+@dataclass
+class ReplicaContext:
+    env: ReplicaEnv
+    rank: int  # rank inside the replica = shard index across replicas
+    local_rank: int
+    world_size: int  # processes in this replica
+    backend: str  # for cross-replica groups: "gloo" or "nccl"
+    device: torch.device
+    ctrl_group: dist.ProcessGroup | None  # Gloo group of the replica, None with one process
+
+    @property
+    def replica_id(self) -> int:
+        return self.env.replica_id
+
+    @property
+    def num_replicas(self) -> int:
+        return self.env.num_replicas
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext:
+    """Read the pod environment and join the replica's own world if it has several processes."""
+    env = ReplicaEnv.from_environ()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    ctrl: dist.ProcessGroup | None = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device if backend == "nccl" else None,
+            )
+        ctrl = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    return ReplicaContext(
+        env=env,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        backend=backend,
+        device=device,
+        ctrl_group=ctrl,
+    )

@@ -1,0 +1,92 @@
+"""Peer-to-peer state transfer for a replica that (re)joins: serve and fetch.
+
+Every rank runs a small HTTP server (one daemon thread, owned and stopped by the Manager).
+When the coordinator names this replica as a recovery source for a round, the rank
+serialises its committed state into memory *before* its next optimizer step and publishes
+it under that round; the recovering rank of the same shard index fetches it. Only the
+newest snapshot is kept, so memory is bounded by one copy of the rank's state.
+
+Requests carry the job's bearer token: the state is the model, and the model is the
+customer's property.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger("transom.ft")
+
+
+class StateServer:
+    def __init__(self, token: str, bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1"):
+        self._token = token.encode()
+        self._lock = threading.Lock()
+        self._round: int | None = None
+        self._payload: bytes = b""
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt, *args):  # quiet: one line per transfer is logged below
+                pass
+
+            def do_GET(self):
+                presented = self.headers.get("Authorization", "").partition(" ")[2].encode()
+                if not hmac.compare_digest(presented, server._token):
+                    return self._reply(401, b"missing or wrong bearer token")
+                parts = self.path.strip("/").split("/")
+                if len(parts) != 2 or parts[0] != "state" or not parts[1].isdigit():
+                    return self._reply(400, b"expected GET /state/<round>")
+                with server._lock:
+                    ready = server._round == int(parts[1])
+                    payload = server._payload
+                if not ready:
+                    return self._reply(404, b"no snapshot for this round (yet)")
+                self._reply(200, payload, "application/octet-stream")
+
+            def _reply(self, code: int, body: bytes, ctype: str = "text/plain"):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._httpd = ThreadingHTTPServer((bind_host, 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://{advertise_host}:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="transom-state-server", daemon=True)
+        self._thread.start()
+
+    def publish(self, round_id: int, payload: bytes) -> None:
+        with self._lock:
+            self._round, self._payload = round_id, payload
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def fetch_state(endpoint: str, round_id: int, token: str, timeout_s: float) -> bytes:
+    """GET a peer's snapshot for `round_id`, waiting for it to be published, within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no attempt"
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(f"{endpoint}/state/{round_id}")
+        req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=max(0.1, deadline - time.monotonic())) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            last_error = f"{e.code} {e.read()[:200].decode(errors='replace')}"
+            if e.code != 404:
+                break
+        except (urllib.error.URLError, OSError) as e:
+            last_error = str(e)
+        time.sleep(0.02)
+    raise TimeoutError(f"could not fetch state of round {round_id} from {endpoint}: {last_error}")

@@ -1,0 +1,1 @@
+"""The launcher: worker supervision in a pod (supervisor.py) and local mode (local.py)."""

@@ -1,0 +1,96 @@
+"""The end-of-run summary of `transom run`, computed from the workers' statistics files.
+
+Pure functions over the files written by `transom.ft.stats` (no torch needed), so the
+figures can be checked in unit tests on hand-made records.
+
+`healthy_stall_seconds` is the wall time the replicas that never failed lost because of
+the failures of others: for each such replica, the excess over its normal step time of
+every step that was disrupted (run under a changed quorum, discarded, or run again after a
+discarded one), not counting its first step (start-up); the figure is the largest over
+those replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_STEPS = re.compile(r"steps-r(\d+)-g(\d+)-a(\d+)\.jsonl$")
+_FINAL = re.compile(r"final-r(\d+)-k(\d+)\.json$")
+
+
+@dataclass
+class Incarnation:
+    replica: int
+    generation: int
+    attempt: int
+    records: list[dict] = field(default_factory=list)
+
+
+def load(directory: Path) -> tuple[dict[int, list[Incarnation]], list[dict]]:
+    by_replica: dict[int, list[Incarnation]] = {}
+    finals: list[dict] = []
+    for path in sorted(directory.iterdir()):
+        if m := _STEPS.match(path.name):
+            inc = Incarnation(*map(int, m.groups()))
+            for line in path.read_text().splitlines():
+                try:
+                    inc.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut short by SIGKILL
+            by_replica.setdefault(inc.replica, []).append(inc)
+        elif _FINAL.match(path.name):
+            finals.append(json.loads(path.read_text()))
+    for incs in by_replica.values():
+        incs.sort(key=lambda i: (i.generation, i.attempt))
+    return by_replica, finals
+
+
+def stall_seconds(records: list[dict]) -> float:
+    """Excess time of disrupted steps over the median undisrupted step, first step excluded."""
+    normal, disrupted = [], []
+    previous_failed = False
+    for i, r in enumerate(records):
+        if i == 0:
+            previous_failed = not r.get("committed", False)
+            continue
+        hit = r.get("quorum_changed") or not r.get("committed") or previous_failed
+        (disrupted if hit else normal).append(float(r["seconds"]))
+        previous_failed = not r.get("committed", False)
+    if not disrupted:
+        return 0.0
+    base = statistics.median(normal) if normal else 0.0
+    return sum(max(0.0, s - base) for s in disrupted)
+
+
+def summarize(directory: Path, faults_per_replica: dict[int, int], wall_seconds: float) -> dict:
+    """The summary dict; faults_per_replica counts the faults injected into each replica."""
+    by_replica, finals = load(directory)
+    restarts = sum(len(incs) - 1 for incs in by_replica.values())
+    # A fault meant for the k-th incarnation fired if a (k+1)-th incarnation exists.
+    fired = sum(min(n, len(by_replica.get(r, [])) - 1) for r, n in faults_per_replica.items() if r in by_replica)
+    healthy = [incs[0] for incs in by_replica.values() if len(incs) == 1]
+    stall = max((stall_seconds(inc.records) for inc in healthy), default=0.0)
+    final_losses = []
+    for incs in by_replica.values():
+        losses = [r["loss"] for inc in incs for r in inc.records if r.get("committed") and r.get("loss") is not None]
+        if losses:
+            final_losses.append(losses[-1])
+    steps = {f["step"] for f in finals}
+    digests_by_rank: dict[int, set[str]] = {}
+    for f in finals:
+        digests_by_rank.setdefault(f["rank"], set()).add(f["digest"])
+    identical = bool(finals) and len(steps) == 1 and all(len(d) == 1 for d in digests_by_rank.values())
+    return {
+        "steps_committed": min(steps) if steps else 0,
+        "replica_restarts": restarts,
+        "failures_injected": fired,
+        "healthy_stall_seconds": round(stall, 3),
+        "replicas_bit_identical": identical,
+        "final_loss": round(sum(final_losses) / len(final_losses), 6) if final_losses else None,
+        "wall_seconds": round(wall_seconds, 3),
+        "replicas_finished": len({f["replica"] for f in finals}),
+    }

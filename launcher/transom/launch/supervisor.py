@@ -1,0 +1,207 @@
+"""The in-pod launcher (`transom launch -- python train.py ...`): supervises one node's workers.
+
+It starts `nproc_per_node` workers with torchrun's environment for *its own replica*
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the
+replica as the unit of failure: when any worker exits non-zero, it tells the coordinator at
+once (so the other replicas stop waiting for this one), stops the remaining workers and
+starts them all again as a new attempt, up to `max_restarts`. It also polls the
+coordinator: a replica the coordinator declared dead (missed heartbeats: a hang) is killed
+and restarted the same way. SIGTERM/SIGINT are forwarded to the workers.
+
+MASTER_ADDR is found without cluster DNS: a single-node replica uses loopback; node 0 of
+a multi-node replica publishes its address through the coordinator and the others read it.
+
+Exit codes (transom.contract): 0 all workers succeeded, 1 restarts exhausted, 2 usage,
+3 superseded by a newer incarnation, 128+N terminated by signal N.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+from transom import contract
+from transom.coordinator.client import CoordinatorClient
+from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
+
+log = logging.getLogger("transom.launch")
+POLL_S = 0.05
+STATE_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    command: list[str]
+    nproc_per_node: int
+    max_restarts: int = 3
+    restart_backoff_s: float = 0.5
+    term_grace_s: float = 10.0
+    rendezvous_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("a command to run is required after --")
+        if not 1 <= self.nproc_per_node <= 1024:
+            raise ValueError("nproc_per_node must be between 1 and 1024")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must not be negative")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Launcher:
+    """Owns the worker processes of one node; `run()` returns the launcher's exit code."""
+
+    def __init__(self, config: LaunchConfig, env: contract.ReplicaEnv):
+        self.config = config
+        self.env = env
+        self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token, timeout_s=10)
+        self.workers: list[subprocess.Popen] = []
+        self._signal: int | None = None
+
+    def identity(self, attempt: int) -> Identity:
+        return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
+
+    # --- one attempt -----------------------------------------------------------------------
+    def _master(self, attempt: int) -> tuple[str, int]:
+        if self.env.nnodes == 1:
+            return "127.0.0.1", free_port()
+        if self.env.node_rank == 0:
+            port = free_port("0.0.0.0")
+            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr, master_port=port)
+            self.client.put_rendezvous(info)
+            return info.master_addr, port
+        info = self.client.get_rendezvous(self.identity(attempt), self.config.rendezvous_timeout_s)
+        return info.master_addr, info.master_port
+
+    def _spawn(self, attempt: int) -> None:
+        addr, port = self._master(attempt)
+        n = self.config.nproc_per_node
+        for local_rank in range(n):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "RANK": str(self.env.node_rank * n + local_rank),
+                    "LOCAL_RANK": str(local_rank),
+                    "WORLD_SIZE": str(self.env.nnodes * n),
+                    "LOCAL_WORLD_SIZE": str(n),
+                    "GROUP_RANK": str(self.env.node_rank),
+                    "MASTER_ADDR": addr,
+                    "MASTER_PORT": str(port),
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                    contract.ENV_ATTEMPT: str(attempt),
+                    contract.ENV_NPROC_PER_NODE: str(n),
+                }
+            )
+            # Its own session, so a signal meant for the launcher's terminal is not delivered
+            # twice; the launcher forwards what the workers must see.
+            self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True))
+        log.info(
+            "replica %d node %d attempt %d: started %d workers (master %s:%d)",
+            self.env.replica_id, self.env.node_rank, attempt, n, addr, port,
+        )
+
+    def _stop_workers(self, first: int, grace_s: float) -> None:
+        """Send `first` to live workers, SIGKILL whatever is still alive after grace_s."""
+        for w in self.workers:
+            if w.poll() is None:
+                try:
+                    w.send_signal(first)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            remaining = deadline - time.monotonic()
+            try:
+                w.wait(timeout=max(0.0, remaining))
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait(timeout=10)
+        self.workers = []
+
+    def _report(self, attempt: int, reason: str, exit_code: int | None) -> None:
+        try:
+            self.client.report_failure(
+                FailureReport(identity=self.identity(attempt), reason=reason, exit_code=exit_code), timeout_s=2.0
+            )
+        except Exception as e:  # the coordinator also notices by heartbeat; never block on it
+            log.warning("could not report failure of replica %d: %s", self.env.replica_id, e)
+
+    def _watch(self, attempt: int) -> tuple[str, str]:
+        """Wait for this attempt to end: ('ok'|'failed'|'superseded'|'signal', reason)."""
+        next_state_poll = time.monotonic() + STATE_POLL_S
+        while True:
+            if self._signal is not None:
+                return "signal", f"received {signal.Signals(self._signal).name}"
+            codes = [w.poll() for w in self.workers]
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    reason = f"worker local rank {rank} {describe_exit(code)}"
+                    self._report(attempt, reason, code if code >= 0 else None)
+                    return "failed", reason
+            if all(c == 0 for c in codes):
+                return "ok", "all workers succeeded"
+            if time.monotonic() >= next_state_poll:
+                next_state_poll = time.monotonic() + STATE_POLL_S
+                try:
+                    state = self.client.replica_state(self.identity(attempt), timeout_s=1.0)
+                except Exception:
+                    state = None  # coordinator unreachable: the workers decide for themselves
+                if state is not None and state.state == "failed":
+                    return "failed", f"coordinator declared the replica failed: {state.reason}"
+                if state is not None and state.state == "superseded":
+                    return "superseded", "a newer incarnation of this replica registered"
+            time.sleep(POLL_S)
+
+    # --- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        def on_signal(signum, _frame):
+            self._signal = signum
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            attempt = 0
+            while True:
+                self._spawn(attempt)
+                outcome, reason = self._watch(attempt)
+                if outcome == "ok":
+                    self.workers = []
+                    return contract.EXIT_OK
+                if outcome == "signal":
+                    assert self._signal is not None
+                    self._stop_workers(self._signal, self.config.term_grace_s)
+                    return 128 + self._signal
+                # A failed replica's workers may be hung in a collective or stopped: no grace.
+                self._stop_workers(signal.SIGKILL, 0.0)
+                if outcome == "superseded":
+                    log.error("replica %d: %s; exiting", self.env.replica_id, reason)
+                    return contract.EXIT_EVICTED
+                log.warning("replica %d attempt %d failed: %s", self.env.replica_id, attempt, reason)
+                if attempt >= self.config.max_restarts:
+                    log.error("replica %d: giving up after %d restarts", self.env.replica_id, attempt)
+                    return contract.EXIT_WORKERS_FAILED
+                attempt += 1
+                time.sleep(min(self.config.restart_backoff_s * 2 ** (attempt - 1), 30.0))
+        finally:
+            if self.workers:
+                self._stop_workers(signal.SIGKILL, 0.0)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
