@@ -83,6 +83,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             min_replicas=args.min_replicas,
             injects=[parse_targeted(spec) for spec in args.inject],
             summary_json=args.summary_json,
+            stats_dir=args.stats_dir,
             collective_timeout_s=args.collective_timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
             max_restarts=args.max_restarts,
@@ -124,6 +125,7 @@ def parser() -> argparse.ArgumentParser:
         help="inject a fault (kill, stop, raise); repeatable",
     )
     r.add_argument("--summary-json", help="write the end summary here")
+    r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
     r.add_argument("--collective-timeout", type=float, default=10.0)
     r.add_argument("--heartbeat-timeout", type=float, default=3.0)
     r.add_argument("--max-restarts", type=int, default=3, help="in-place restarts per launcher")

@@ -78,6 +78,8 @@ class Settings:
             raise ValueError("num_replicas must be at least 1")
         if not 1 <= self.min_replicas <= self.num_replicas:
             raise ValueError("min_replicas must be between 1 and num_replicas")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be positive")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be larger than heartbeat_interval_s")
         if self.failed_grace_s < 0 or self.startup_wait_s < 0:
@@ -162,7 +164,7 @@ class Membership:
     # --- calls from replicas ----------------------------------------------------------------
     def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
         rid = req.identity.replica_id
-        if rid >= self.settings.num_replicas:
+        if rid > self.settings.num_replicas:
             raise ValueError(f"replica_id must be below num_replicas ({self.settings.num_replicas})")
         old = self.replicas.get(rid)
         if old is not None and old.identity.key() > req.identity.key():

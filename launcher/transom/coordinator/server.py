@@ -74,7 +74,9 @@ async def _parse(request: web.Request, model: type[M]) -> M:
     try:
         raw = await request.read()
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integer literals;
+    # RecursionError is what json raises on deeply nested arrays or objects.
+    except (ValueError, RecursionError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
     try:
         return model.model_validate(data)
@@ -294,7 +296,9 @@ class CoordinatorServer:
                     self._changed.notify_all()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # A quorum long-poll can run for up to 120 s; on stop, cancel handlers after 1 s
+        # instead of aiohttp's default 60 s wait (which outlasts CoordinatorThread.stop's).
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

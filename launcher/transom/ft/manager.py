@@ -269,7 +269,7 @@ class FaultTolerant:
         self._in_step = False
         self.stats.step(
             step=self.step, committed=committed, seconds=round(self._last_seconds, 6), quorum_id=q.quorum_id,
-            quorum_changed=changed, recovering=recovering, participants=q.participants, loss=self._last_loss,
+            quorum_changed=changed, recovering=recovering, participants=q.participants, members=len(q.members), loss=self._last_loss,
             error=ftar.error, t=time.time(),
         )
         if self._failed_in_a_row >= self.config.max_failed_steps:
@@ -291,7 +291,8 @@ class FaultTolerant:
             self._pool.shutdown(wait=False, cancel_futures=True)
             if not self._evicted:
                 try:
-                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step))
+                    reason = "job completed elsewhere" if self.completed_elsewhere else "completed"
+                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step, reason=reason))
                 except Exception as e:
                     log.warning("could not tell the coordinator that replica %d left: %s", self.replica_id, e)
         self._drop_group()

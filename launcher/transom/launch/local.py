@@ -36,6 +36,7 @@ class RunConfig:
     min_replicas: int = 1
     injects: list[tuple[int, str]] = field(default_factory=list)  # (replica, worker fault spec)
     summary_json: str | None = None
+    stats_dir: str | None = None
     collective_timeout_s: float = 10.0
     heartbeat_timeout_s: float = 3.0
     max_restarts: int = 3
@@ -59,7 +60,11 @@ class LocalRun:
     def __init__(self, config: RunConfig):
         self.config = config
         self.token = secrets.token_urlsafe(24)
-        self.stats_dir = Path(tempfile.mkdtemp(prefix="transom-run-"))
+        if config.stats_dir:
+            self.stats_dir = Path(config.stats_dir)
+            self.stats_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.stats_dir = Path(tempfile.mkdtemp(prefix="transom-run-"))
         settings = Settings(
             job="local",
             num_replicas=config.replicas,
@@ -76,6 +81,7 @@ class LocalRun:
             self.faults.setdefault(replica, []).append(spec)
         self._t0 = time.monotonic()
         self._events_shown = 0
+        self._events: list[str] = []
         self._last_line = ""
 
     # --- output ------------------------------------------------------------------------------
@@ -124,6 +130,7 @@ class LocalRun:
         for i, ev in enumerate(events):
             if first + i >= self._events_shown:
                 self.say(f"event  {ev.kind:10s} {ev.message}")
+                self._events.append(f"{ev.kind}: {ev.message}")
         self._events_shown = total
         losses = [r.last_loss for r in status.replicas if r.last_loss is not None and r.state == "healthy"]
         loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
@@ -187,10 +194,12 @@ class LocalRun:
                     proc.wait(timeout=5)
             self.coordinator.stop()
         summary = summarize(
-            self.stats_dir, {r: len(f) for r, f in self.faults.items()}, time.monotonic() - self._t0
+            self.stats_dir, self.config.replicas, {r: len(f) for r, f in self.faults.items()},
+            time.monotonic() - self._t0,
         )
         summary["exit_code"] = exit_code
-        self.say("summary " + json.dumps(summary))
+        summary["events"] = self._events
+        self.say("summary " + json.dumps({k: v for k, v in summary.items() if k != "events"}))
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
         return exit_code

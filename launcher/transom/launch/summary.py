@@ -7,7 +7,8 @@ figures can be checked in unit tests on hand-made records.
 the failures of others: for each such replica, the excess over its normal step time of
 every step that was disrupted (run under a changed quorum, discarded, or run again after a
 discarded one), not counting its first step (start-up); the figure is the largest over
-those replicas.
+those replicas. `final_loss` is the mean training loss of the last 10 committed steps,
+averaged over replicas.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+FINAL_LOSS_STEPS = 10
 _STEPS = re.compile(r"steps-r(\d+)-g(\d+)-a(\d+)\.jsonl$")
 _FINAL = re.compile(r"final-r(\d+)-k(\d+)\.json$")
 
@@ -66,8 +68,12 @@ def stall_seconds(records: list[dict]) -> float:
     return sum(max(0.0, s - base) for s in disrupted)
 
 
-def summarize(directory: Path, faults_per_replica: dict[int, int], wall_seconds: float) -> dict:
-    """The summary dict; faults_per_replica counts the faults injected into each replica."""
+def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, int], wall_seconds: float) -> dict:
+    """The summary dict; faults_per_replica counts the faults injected into each replica.
+
+    `replicas_bit_identical` is true only if every replica finished, at the same step, with
+    the same parameter bytes (rank by rank).
+    """
     by_replica, finals = load(directory)
     restarts = sum(len(incs) - 1 for incs in by_replica.values())
     # A fault meant for the k-th incarnation fired if a (k+1)-th incarnation exists.
@@ -77,13 +83,17 @@ def summarize(directory: Path, faults_per_replica: dict[int, int], wall_seconds:
     final_losses = []
     for incs in by_replica.values():
         losses = [r["loss"] for inc in incs for r in inc.records if r.get("committed") and r.get("loss") is not None]
-        if losses:
-            final_losses.append(losses[-1])
+        if losses:  # the last few steps, so one batch's noise does not decide
+            tail = losses[-FINAL_LOSS_STEPS:]
+            final_losses.append(sum(tail) / len(tail))
     steps = {f["step"] for f in finals}
     digests_by_rank: dict[int, set[str]] = {}
     for f in finals:
         digests_by_rank.setdefault(f["rank"], set()).add(f["digest"])
-    identical = bool(finals) and len(steps) == 1 and all(len(d) == 1 for d in digests_by_rank.values())
+    finished = {f["replica"] for f in finals}
+    identical = (
+        len(finished) == num_replicas and len(steps) == 1 and all(len(d) == 1 for d in digests_by_rank.values())
+    )
     return {
         "steps_committed": min(steps) if steps else 0,
         "replica_restarts": restarts,
@@ -92,5 +102,5 @@ def summarize(directory: Path, faults_per_replica: dict[int, int], wall_seconds:
         "replicas_bit_identical": identical,
         "final_loss": round(sum(final_losses) / len(final_losses), 6) if final_losses else None,
         "wall_seconds": round(wall_seconds, 3),
-        "replicas_finished": len({f["replica"] for f in finals}),
+        "replicas_finished": len(finished),
     }

@@ -1,0 +1,540 @@
+"""Table tests of the coordinator's quorum logic (`transom.coordinator.membership`).
+
+`Membership` does no I/O and takes the time as an argument, so every scenario here drives
+it with explicit timestamps, never sleeps, and asserts on the decisions it hands out:
+
+* the first quorum waits for every replica (or `startup_wait_s`), later rounds keep the
+  quorum id while membership is unchanged and nothing failed, and change it otherwise;
+* who is waited for: dead members (reported, heartbeat expired) never, absent healthy ones
+  forever unless a step failed, then only `failed_grace_s`;
+* recovery: members behind the newest committed state (lower step, or same step under an
+  older quorum) recover from a canonical member and do not count as participants;
+* `min_replicas` pausing and resuming, incarnation conflicts, unknown replicas,
+  idempotent retries, job completion, unique store prefixes, per-replica responses and
+  `Settings` validation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from transom.coordinator.membership import (
+    Conflict,
+    Decision,
+    JobCompleted,
+    Membership,
+    NotRegistered,
+    Settings,
+)
+from transom.coordinator.models import (
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    LeaveRequest,
+    QuorumRequest,
+    RegisterRequest,
+)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def ident(rid: int, gen: int = 0, att: int = 0) -> Identity:
+    return Identity(replica_id=rid, generation=gen, attempt=att)
+
+
+def make(num: int = 3, min_replicas: int = 1, **kw) -> Membership:
+    return Membership(Settings(job="t", num_replicas=num, min_replicas=min_replicas, **kw))
+
+
+def register(m: Membership, rid: int, now: float = 0.0, gen: int = 0, att: int = 0):
+    return m.register(
+        RegisterRequest(
+            identity=ident(rid, gen, att),
+            store_addr=f"10.0.0.{rid}:29500",
+            state_endpoints=[f"http://10.0.0.{rid}:{8000 + gen}/r{rid}g{gen}a{att}"],
+        ),
+        now,
+    )
+
+
+def qreq(
+    rid: int, step: int = 0, commit: int = -1, last_round: int = -1, failed: bool = False, gen: int = 0, att: int = 0
+) -> QuorumRequest:
+    return QuorumRequest(
+        identity=ident(rid, gen, att), step=step, commit_quorum_id=commit, last_round=last_round, failed=failed
+    )
+
+
+def heartbeat_all(m: Membership, ids, now: float) -> None:
+    for rid in ids:
+        rep = m.replicas[rid]
+        m.heartbeat(HeartbeatRequest(identity=rep.identity, step=rep.step), now)
+
+
+def round_all(m: Membership, reqs: list[QuorumRequest], now: float) -> Decision:
+    """Every request asks at `now`; the last one must complete the round; all get one answer."""
+    answers = [m.request_quorum(r, now) for r in reqs]
+    decision = answers[-1]
+    assert decision is not None, f"round not decided; pending={sorted(m.pending)}"
+    for r in reqs:
+        assert m.answer_for(r) is decision
+    return decision
+
+
+def started(num: int = 3, **kw) -> tuple[Membership, Decision]:
+    """All replicas registered at t=0 and the first quorum formed at step 0."""
+    m = make(num, **kw)
+    for rid in range(num):
+        register(m, rid)
+    d = round_all(m, [qreq(rid) for rid in range(num)], 0.0)
+    return m, d
+
+
+def next_round(m: Membership, prev: Decision, ids, now: float, step: int, failed=()) -> Decision:
+    """Members of `prev` committed `step` under it and ask for the next round."""
+    reqs = [
+        qreq(rid, step=step, commit=prev.quorum_id, last_round=prev.round, failed=rid in failed,
+             gen=m.replicas[rid].identity.generation, att=m.replicas[rid].identity.attempt)
+        for rid in ids
+    ]
+    return round_all(m, reqs, now)
+
+
+# --- Settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_replicas=0),
+        dict(num_replicas=-1),
+        dict(num_replicas=2, min_replicas=0),
+        dict(num_replicas=2, min_replicas=3),
+        dict(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0),
+        dict(heartbeat_interval_s=2.0, heartbeat_timeout_s=1.0),
+        dict(heartbeat_interval_s=0.0, heartbeat_timeout_s=1.0),
+        dict(heartbeat_interval_s=-1.0, heartbeat_timeout_s=1.0),
+        dict(failed_grace_s=-0.1),
+        dict(startup_wait_s=-1.0),
+    ],
+)
+def test_settings_reject_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        Settings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(num_replicas=4, min_replicas=4), dict(failed_grace_s=0.0, startup_wait_s=0.0),
+     dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)],
+)
+def test_settings_accept_good_values(kwargs):
+    s = Settings(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(s, k) == v
+
+
+# --- first quorum ------------------------------------------------------------------------------
+def test_first_quorum_waits_for_all_replicas():
+    m = make(3, startup_wait_s=60.0)
+    for rid in range(3):
+        register(m, rid)
+    assert m.request_quorum(qreq(0), 0.0) is None
+    assert m.request_quorum(qreq(1), 1.0) is None
+    assert m.try_decide(2.0) is None
+    d = m.request_quorum(qreq(2), 2.0)
+    assert d is not None
+    assert (d.round, d.quorum_id, d.member_ids(), d.max_step) == (0, 0, [0, 1, 2], 0)
+    assert d.participants == 3 and d.recovering == {}
+    # The earlier askers see the same decision when they look (long-poll wake-up).
+    assert m.answer_for(qreq(0)) is d and m.answer_for(qreq(1)) is d
+
+
+@pytest.mark.parametrize(
+    "num,min_replicas,ready,now,expected",
+    [
+        (3, 1, [0, 1], 59.9, None),  # still inside startup_wait_s
+        (3, 1, [0, 1], 60.0, [0, 1]),  # startup wait over: start with who is there
+        (3, 2, [0, 1], 60.0, [0, 1]),
+        (3, 2, [0], 61.0, None),  # startup over, but fewer than min_replicas
+        (3, 3, [0, 1], 500.0, None),
+        (2, 1, [1], 60.0, [1]),
+    ],
+)
+def test_first_quorum_after_startup_wait(num, min_replicas, ready, now, expected):
+    m = make(num, min_replicas, startup_wait_s=60.0, heartbeat_timeout_s=1e6)
+    for rid in range(num):
+        register(m, rid)
+    for rid in ready:
+        assert m.request_quorum(qreq(rid), 0.0) is None
+    d = m.try_decide(now)
+    if expected is None:
+        assert d is None and m.current is None
+        assert m.paused == (len(ready) < min_replicas and now >= 60.0)
+    else:
+        assert d is not None and d.member_ids() == expected and d.quorum_id == 0
+        assert not m.paused
+
+
+# --- quorum id -----------------------------------------------------------------------------------
+def test_same_membership_keeps_quorum_id_while_round_advances():
+    m, d0 = started(3)
+    decisions = [d0]
+    for step in range(1, 6):
+        decisions.append(next_round(m, decisions[-1], [0, 1, 2], float(step), step))
+    assert [d.round for d in decisions] == [0, 1, 2, 3, 4, 5]
+    assert {d.quorum_id for d in decisions} == {0}
+    assert {d.store_prefix for d in decisions} == {d0.store_prefix}
+    assert {d.store_addr for d in decisions} == {d0.store_addr}
+    assert decisions[-1].max_step == 5 and decisions[-1].participants == 3
+    assert m.quorum_changes_total == 1
+
+
+def test_failed_request_forces_new_quorum_id():
+    m, d0 = started(3)
+    d1 = next_round(m, d0, [0, 1, 2], 1.0, 1, failed={1})
+    assert d1.member_ids() == [0, 1, 2]
+    assert d1.quorum_id == d0.quorum_id + 1
+    assert d1.store_prefix != d0.store_prefix
+    # The next clean round keeps the new id.
+    d2 = next_round(m, d1, [0, 1, 2], 2.0, 2)
+    assert d2.quorum_id == d1.quorum_id and d2.round == d1.round + 1
+
+
+def test_quorum_ids_strictly_increase_and_prefixes_are_never_reused():
+    m, d = started(3, heartbeat_timeout_s=1e6)
+    decisions = [d]
+    t = 0.0
+
+    def go(ids, failed=()):
+        nonlocal t
+        t += 1.0
+        decisions.append(next_round(m, decisions[-1], ids, t, len(decisions), failed))
+
+    go([0, 1, 2])
+    go([0, 1, 2], failed={0})  # failed step: rebuild
+    m.report_failure(FailureReport(identity=ident(2), reason="oom"), t)
+    go([0, 1])  # membership shrinks
+    go([0, 1])
+    register(m, 2, t, gen=1)
+    prev = decisions[-1]
+    t += 1
+    decisions.append(round_all(
+        m, [qreq(2, gen=1), qreq(0, 5, prev.quorum_id, prev.round), qreq(1, 5, prev.quorum_id, prev.round)], t
+    ))  # membership grows: the replacement asked first, so it is in this round
+    go([0, 1, 2], failed={2})
+    go([0, 1, 2])
+    changes = [b.quorum_id for a, b in zip(decisions, decisions[1:]) if b.quorum_id != a.quorum_id]
+    ids = [d.quorum_id for d in decisions]
+    assert ids == sorted(ids)
+    assert changes == sorted(set(changes)) and len(changes) == 4
+    by_prefix = {}
+    for dec in decisions:
+        assert by_prefix.setdefault(dec.store_prefix, dec.quorum_id) == dec.quorum_id
+    assert len(by_prefix) == len(set(ids)) == m.quorum_changes_total
+    assert all(p.startswith("transom/t/q") for p in by_prefix)
+
+
+# --- who is waited for -------------------------------------------------------------------------------
+def test_reported_failed_member_is_not_waited_for():
+    m, d0 = started(3)
+    assert m.report_failure(FailureReport(identity=ident(2), reason="segfault", exit_code=-11), 0.5)
+    assert not m.report_failure(FailureReport(identity=ident(2), reason="again"), 0.6)  # idempotent
+    assert m.request_quorum(qreq(0, 1, 0, 0), 1.0) is None
+    d1 = m.request_quorum(qreq(1, 1, 0, 0), 1.0)
+    assert d1 is not None and d1.member_ids() == [0, 1]
+    assert d1.quorum_id == d0.quorum_id + 1
+    assert m.failures_total["reported"] == 1
+    assert m.replicas[2].state == "failed" and "exit code -11" in m.replicas[2].last_failure
+    with pytest.raises(Conflict):
+        m.request_quorum(qreq(2, 1, 0, 0), 1.0)
+
+
+def test_absent_member_without_failure_is_waited_for_indefinitely():
+    m, d0 = started(3)
+    m.request_quorum(qreq(0, 1, 0, 0), 1.0)
+    m.request_quorum(qreq(1, 1, 0, 0), 1.0)
+    for t in range(2, 101):  # everyone heartbeats; replica 2 just never asks
+        heartbeat_all(m, [0, 1, 2], float(t))
+        assert m.try_decide(float(t)) is None
+    assert m.current is d0 and sorted(m.pending) == [0, 1]
+    assert m.answer_for(qreq(0, 1, 0, 0)) is None
+    d1 = m.request_quorum(qreq(2, 1, 0, 0), 100.5)
+    assert d1 is not None and d1.member_ids() == [0, 1, 2] and d1.quorum_id == d0.quorum_id
+
+
+@pytest.mark.parametrize(
+    "grace,decide_at,expected",
+    [
+        (0.5, 10.0, None),
+        (0.5, 10.49, None),
+        (0.5, 10.5, [0, 1]),
+        (0.5, 12.0, [0, 1]),
+        (2.0, 11.9, None),
+        (2.0, 12.0, [0, 1]),
+    ],
+)
+def test_failed_step_leaves_absent_member_behind_after_grace(grace, decide_at, expected):
+    m, d0 = started(3, failed_grace_s=grace)
+    heartbeat_all(m, [0, 1, 2], 10.0)  # replica 2 is alive (heartbeats) but hung
+    first = m.request_quorum(qreq(0, 0, 0, 0, failed=True), 10.0)
+    second = m.request_quorum(qreq(1, 0, 0, 0, failed=True), 10.0)
+    d = first or second or m.try_decide(decide_at)
+    if expected is None:
+        assert d is None and m.current is d0
+    else:
+        assert d is not None and d.member_ids() == expected
+        assert d.quorum_id == d0.quorum_id + 1
+        assert m.replicas[2].state == "healthy"  # left behind, not declared dead
+
+
+def test_member_left_behind_rejoins_next_round_and_recovers():
+    m, d0 = started(3, failed_grace_s=0.5)
+    assert m.request_quorum(qreq(0, 0, 0, 0, failed=True), 1.0) is None
+    assert m.request_quorum(qreq(1, 0, 0, 0, failed=True), 1.0) is None
+    d1 = m.try_decide(1.5)
+    assert d1 is not None and d1.member_ids() == [0, 1]
+    assert m.answer_for(qreq(2, 0, 0, 0)) is None  # not a member of round 1
+    # The straggler finally asks, still at step 0; 0 and 1 committed step 1 under quorum 1.
+    assert m.request_quorum(qreq(2, 0, d0.quorum_id, d0.round), 2.0) is None
+    m.request_quorum(qreq(0, 1, d1.quorum_id, d1.round), 2.0)
+    d2 = m.request_quorum(qreq(1, 1, d1.quorum_id, d1.round), 2.0)
+    assert d2 is not None and d2.member_ids() == [0, 1, 2]
+    assert d2.quorum_id == d1.quorum_id + 1
+    assert d2.recovering == {2: 0} and d2.participants == 2 and d2.max_step == 1
+
+
+@pytest.mark.parametrize("age,expired", [(0.0, False), (2.9, False), (3.0, False), (3.01, True), (50.0, True)])
+def test_heartbeat_expiry_marks_replica_failed(age, expired):
+    m = make(2, heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0)
+    register(m, 0, 0.0)
+    register(m, 1, 0.0)
+    m.heartbeat(HeartbeatRequest(identity=ident(0), step=7), 10.0)
+    m.heartbeat(HeartbeatRequest(identity=ident(1), step=7), 10.0 + age)  # 1 keeps beating
+    assert m.expire(10.0 + age) is expired
+    assert m.expire(10.0 + age) is False  # already declared
+    assert m.replicas[0].state == ("failed" if expired else "healthy")
+    assert m.replicas[1].state == "healthy" and m.healthy_count() == (1 if expired else 2)
+    assert m.failures_total["heartbeat"] == int(expired)
+    assert m.replica_state(ident(0)).state == ("failed" if expired else "healthy")
+    if expired:
+        assert "no heartbeat" in m.replica_state(ident(0)).reason
+        with pytest.raises(Conflict):
+            m.heartbeat(HeartbeatRequest(identity=ident(0), step=8), 10.0 + age)
+        with pytest.raises(Conflict):
+            m.request_quorum(qreq(0), 10.0 + age)
+
+
+def test_heartbeat_expired_member_is_not_waited_for():
+    m, d0 = started(3, heartbeat_timeout_s=3.0)
+    heartbeat_all(m, [0, 1], 4.0)
+    m.request_quorum(qreq(0, 1, 0, 0), 4.0)
+    d1 = m.request_quorum(qreq(1, 1, 0, 0), 4.0)  # 2's last sign of life was t=0
+    assert d1 is not None and d1.member_ids() == [0, 1]
+    assert m.replicas[2].state == "failed"
+
+
+# --- recovery ------------------------------------------------------------------------------------------
+def test_joiner_recovers_from_canonical_member():
+    m, d = started(3, heartbeat_timeout_s=1e6)
+    for step in range(1, 21):
+        d = next_round(m, d, [0, 1, 2], float(step), step)
+    m.report_failure(FailureReport(identity=ident(2), reason="node lost"), 21.0)
+    register(m, 2, 22.0, gen=1)
+    assert m.request_quorum(qreq(2, 0, -1, -1, gen=1), 22.0) is None  # waits for the members
+    assert m.request_quorum(qreq(0, 20, d.quorum_id, d.round), 22.0) is None
+    j = m.request_quorum(qreq(1, 20, d.quorum_id, d.round), 22.0)
+    assert j is not None
+    assert j.member_ids() == [0, 1, 2] and j.members[2] == ident(2, gen=1)
+    assert j.max_step == 20 and j.participants == 2
+    assert j.recovering == {2: 0}
+    r2 = m.response(j, 2)
+    assert r2.recover_from is not None
+    assert (r2.recover_from.replica_id, r2.recover_from.step) == (0, 20)
+    assert r2.recover_from.endpoints == m.replicas[0].state_endpoints
+    assert not r2.serve_recovery and r2.recovering == [2]
+    assert m.response(j, 0).serve_recovery and m.response(j, 0).recover_from is None
+    assert not m.response(j, 1).serve_recovery
+
+
+@pytest.mark.parametrize(
+    "state,recovering,participants",
+    [
+        ([(0, -1), (0, -1)], {}, 2),
+        ([(20, 4), (20, 4), (0, -1)], {2: 0}, 2),
+        ([(20, 3), (20, 4)], {0: 1}, 1),  # same step, older lineage recovers
+        ([(20, 4), (20, 3), (20, 4)], {1: 0}, 2),
+        ([(21, 3), (20, 4)], {1: 0}, 1),  # a higher step beats a newer lineage
+        ([(5, 1), (20, 2), (20, 2), (3, 0)], {0: 1, 3: 2}, 2),  # sources spread round-robin
+        ([(0, -1), (0, -1), (9, 0)], {0: 2, 1: 2}, 1),
+    ],
+)
+def test_canonical_state_and_recovery_sources(state, recovering, participants):
+    m = make(len(state))
+    for rid in range(len(state)):
+        register(m, rid)
+    d = round_all(m, [qreq(rid, step, commit) for rid, (step, commit) in enumerate(state)], 0.0)
+    assert d.recovering == recovering
+    assert d.participants == participants
+    assert d.max_step == max(s for s, _ in state)
+    canonical = [rid for rid in d.member_ids() if rid not in recovering]
+    assert all(src in canonical for src in recovering.values())
+    assert len({state[rid] for rid in canonical}) == 1
+
+
+# --- min_replicas ----------------------------------------------------------------------------------------
+def test_below_min_replicas_pauses_then_resumes_with_replacement():
+    m, d0 = started(3, min_replicas=2, heartbeat_timeout_s=1e6)
+    for rid in (1, 2):
+        m.report_failure(FailureReport(identity=ident(rid), reason="gone"), 1.0)
+    assert m.request_quorum(qreq(0, 1, 0, 0), 2.0) is None
+    assert m.paused
+    for t in (3.0, 50.0, 500.0):
+        assert m.try_decide(t) is None and m.paused
+    assert [e.kind for e in m.events].count("paused") == 1
+    assert m.status(500.0).paused
+    register(m, 1, 501.0, gen=1)
+    d1 = m.request_quorum(qreq(1, 0, -1, -1, gen=1), 501.0)
+    assert d1 is not None and d1.member_ids() == [0, 1]
+    assert not m.paused and m.events[-1].kind == "resumed"
+    assert d1.recovering == {1: 0} and d1.max_step == 1
+    assert m.answer_for(qreq(0, 1, 0, 0)) is d1
+
+
+# --- incarnations ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gen,att", [(0, 0), (1, 2), (2, 0)])
+def test_stale_incarnation_gets_conflict(gen, att):
+    m = make(2)
+    register(m, 0, gen=2, att=3)
+    stale = ident(0, gen, att)
+    with pytest.raises(Conflict):
+        register(m, 0, 1.0, gen=gen, att=att)
+    with pytest.raises(Conflict):
+        m.heartbeat(HeartbeatRequest(identity=stale, step=1), 1.0)
+    with pytest.raises(Conflict):
+        m.request_quorum(qreq(0, gen=gen, att=att), 1.0)
+    with pytest.raises(Conflict):
+        m.leave(LeaveRequest(identity=stale, step=1), 1.0)
+    assert m.report_failure(FailureReport(identity=stale, reason="old news"), 1.0) is False
+    assert m.replica_state(stale).state == "superseded"
+    assert m.replicas[0].state == "healthy" and m.replicas[0].identity == ident(0, 2, 3)
+    assert not m.pending
+
+
+def test_newer_attempt_supersedes_old_and_drops_its_pending_request():
+    m, d0 = started(3, heartbeat_timeout_s=1e6)
+    m.request_quorum(qreq(1, 1, 0, 0), 1.0)
+    assert 1 in m.pending
+    register(m, 1, 1.5, att=1)  # the launcher restarted replica 1's processes in place
+    assert 1 not in m.pending
+    assert m.replicas[1].identity == ident(1, 0, 1) and m.replicas[1].failures == 1
+    assert m.failures_total["superseded"] == 1
+    assert m.replica_state(ident(1, 0, 0)).state == "superseded"
+    assert m.replica_state(ident(1, 0, 1)).state == "healthy"
+    with pytest.raises(Conflict):
+        m.request_quorum(qreq(1, 1, 0, 0), 1.6)
+    assert m.request_quorum(qreq(1, 0, -1, -1, att=1), 2.0) is None
+    m.request_quorum(qreq(0, 1, 0, 0), 2.0)
+    d1 = m.request_quorum(qreq(2, 1, 0, 0), 2.0)
+    assert d1 is not None and d1.members == (ident(0), ident(1, 0, 1), ident(2))
+    assert d1.quorum_id == d0.quorum_id + 1 and d1.recovering == {1: 0}
+
+
+def test_register_again_with_same_incarnation_is_idempotent():
+    m, d0 = started(2)
+    register(m, 0, 5.0)
+    assert m.replicas[0].failures == 0 and m.replicas[0].last_heartbeat == 5.0
+    assert m.answer_for(qreq(0)) is d0
+    m.report_failure(FailureReport(identity=ident(0), reason="x"), 6.0)
+    with pytest.raises(Conflict):
+        register(m, 0, 7.0)  # a dead incarnation cannot come back
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.heartbeat(HeartbeatRequest(identity=ident(1), step=0), 0.0),
+        lambda m: m.request_quorum(qreq(1), 0.0),
+        lambda m: m.leave(LeaveRequest(identity=ident(1), step=0), 0.0),
+    ],
+)
+def test_unknown_replica_is_not_registered(call):
+    m = make(3)
+    register(m, 0)
+    with pytest.raises(NotRegistered):
+        call(m)
+    assert m.report_failure(FailureReport(identity=ident(1), reason="?"), 0.0) is False
+    assert m.replica_state(ident(1)).state == "unknown"
+    assert 1 not in m.replicas and not m.pending
+
+
+@pytest.mark.parametrize("rid", [3, 4, 4095])
+def test_register_beyond_num_replicas_is_rejected(rid):
+    m = make(3)
+    with pytest.raises(ValueError, match="num_replicas"):
+        register(m, rid)
+    assert not m.replicas
+
+
+# --- retries, completion ---------------------------------------------------------------------------------------
+def test_answer_for_is_idempotent_for_retries():
+    m, d0 = started(3)
+    for rid in range(3):
+        retry = qreq(rid)  # the response was lost; the replica asks again with last_round -1
+        assert m.answer_for(retry) is d0
+        assert m.request_quorum(retry, 1.0) is d0
+        assert m.request_quorum(retry, 2.0) is d0
+    assert not m.pending and m.next_round == 1
+    assert m.request_quorum(qreq(0, 1, 0, last_round=d0.round), 3.0) is None  # a new round
+    assert m.answer_for(qreq(0, 1, 0, last_round=d0.round)) is None and list(m.pending) == [0]
+
+
+@pytest.mark.parametrize("reason,completes", [("completed", True), ("stopped", False), ("", False)])
+def test_leave_completed_ends_the_job_for_others(reason, completes):
+    m, d0 = started(2)
+    m.leave(LeaveRequest(identity=ident(0), step=100, reason=reason), 1.0)
+    assert m.replicas[0].state == "left" and m.healthy_count() == 1
+    assert m.answer_for(qreq(1)) is d0  # a retry of an answered round still gets its answer
+    nxt = qreq(1, 100, 0, d0.round)
+    if completes:
+        assert m.completed_step == 100
+        with pytest.raises(JobCompleted, match="100"):
+            m.request_quorum(nxt, 2.0)
+        assert not m.pending
+    else:
+        assert m.completed_step is None
+        d1 = m.request_quorum(nxt, 2.0)
+        assert d1 is not None and d1.member_ids() == [1]
+    with pytest.raises(Conflict):
+        m.heartbeat(HeartbeatRequest(identity=ident(0), step=100), 2.0)
+
+
+# --- responses ------------------------------------------------------------------------------------------------
+def test_response_rank_is_index_in_members_and_only_sources_serve():
+    m = make(4, heartbeat_timeout_s=1e6, startup_wait_s=60.0)
+    for rid in (0, 1, 3):  # replica 2 never shows up
+        register(m, rid)
+    for rid, step, commit in [(3, 8, 2), (0, 8, 2), (1, 2, 1)]:
+        assert m.request_quorum(qreq(rid, step, commit), 0.0) is None
+    d = m.try_decide(60.0)
+    assert d is not None and d.member_ids() == [0, 1, 3]
+    assert d.recovering == {1: 0}
+    expect = {0: (0, True), 1: (1, False), 3: (2, False)}
+    for rid, (rank, serves) in expect.items():
+        r = m.response(d, rid)
+        assert r.rank == rank and r.serve_recovery is serves
+        assert (r.round, r.quorum_id, r.members, r.max_step, r.participants, r.recovering) == (
+            d.round, d.quorum_id, [0, 1, 3], 8, 2, [1])
+        assert r.store_prefix == d.store_prefix and r.store_addr == "10.0.0.0:29500"
+        assert (r.recover_from is not None) == (rid == 1)
+    with pytest.raises(ValueError):
+        m.response(d, 2)
+
+
+def test_status_reflects_replicas_and_current_quorum():
+    m, d0 = started(3)
+    m.report_failure(FailureReport(identity=ident(1), reason="boom", exit_code=3), 1.0)
+    s = m.status(2.0)
+    assert (s.round, s.quorum_id, s.members) == (0, d0.quorum_id, [0, 1, 2])
+    assert (s.num_replicas, s.healthy_replicas, s.paused) == (3, 2, False)
+    states = {r.replica_id: (r.state, r.failures) for r in s.replicas}
+    assert states == {0: ("healthy", 0), 1: ("failed", 1), 2: ("healthy", 0)}
+    assert s.replicas[0].heartbeat_age_s == 2.0 and s.replicas[1].heartbeat_age_s is None
+    assert {e.kind for e in s.events} >= {"registered", "quorum", "failed"}
