@@ -24,12 +24,20 @@ How to run
     .venv/bin/python benchmarks/ftar_overhead.py --steps 30 --repeats 1   # quick check
 
 Figures
-    Per run: median step seconds after the first `--warmup` steps (pooled over ranks).
-    Runs alternate in ABBA order (ddp, transom, transom, ddp, ...) for `--repeats` rounds
-    so a slow drift of a shared machine hits both sides alike. `ddp_step_s` and
-    `transom_step_s` are the medians of all post-warm-up steps of all runs of each side;
-    `ratio` = transom_step_s / ddp_step_s (target <= 1.05: `ok`). `round_ratios` are the
-    per-round ratios of per-run medians, to judge the noise. The last line of stdout is
+    Per run: median step seconds after the first `--warmup` steps (pooled over ranks);
+    for Transom also the median time inside `finish_step` (quorum wait, FTAR, vote,
+    optimizer step), as a hint of where time goes. Runs alternate in ABBA order (ddp,
+    transom, transom, ddp, ...) for `--repeats` rounds so a slow drift of a shared
+    machine hits both sides alike. `ddp_step_s` and `transom_step_s` are the medians of
+    the per-run medians of each side (robust to one disturbed run);
+    `ratio` = transom_step_s / ddp_step_s (target <= 1.05: `ok`, which also requires the
+    Transom replicas to end bit-identical). `round_ratios` are the per-round ratios of
+    per-run medians (paired runs, next to each other in time) and
+    `ratio_median_of_rounds` their median: when they disagree much, the machine was too
+    busy for the figure to mean anything (`load_avg` holds the 1-minute load average
+    before each run and at the end; on a machine with fewer cores than replicas the
+    workers already compete with each other); `ratio_p10` compares the fastest decile of steps,
+    which other load on a shared machine disturbs less than the median. The last line of stdout is
     one JSON object with all figures.
 """
 
@@ -107,18 +115,20 @@ def worker_transom(args: argparse.Namespace) -> None:
     ctx = ft.init()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     trainer = ft.FaultTolerant(model, optimizer, ctx)
-    times = []
+    times, finish = [], []
     last = time.perf_counter()
     for step in trainer.steps(args.steps):  # begin_step (quorum request) runs in here
         x, y = tg.batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
         loss = model(x, y)
         loss.backward()
-        trainer.finish_step(loss)
+        t_finish = time.perf_counter()
+        trainer.finish_step(loss)  # quorum wait, FTAR, vote, optimizer step
         now = time.perf_counter()
         times.append(now - last)
+        finish.append(now - t_finish)
         last = now
     trainer.close()
-    _write(args.out, {"mode": "transom", "rank": trainer.replica_id, "times": times, "committed": trainer.step})
+    _write(args.out, {"mode": "transom", "rank": trainer.replica_id, "times": times, "finish": finish})
 
 
 # --- driver --------------------------------------------------------------------------------
@@ -188,7 +198,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=3, help="processes (one per replica)")
     p.add_argument("--steps", type=int, default=60, help="training steps per run")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
-    p.add_argument("--repeats", type=int, default=2, help="rounds; each runs both sides once (ABBA order)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs both sides once (ABBA order)")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
@@ -213,7 +223,9 @@ def main() -> None:
         flush=True,
     )
     pooled: dict[str, list[float]] = {"ddp": [], "transom": []}
+    run_medians: dict[str, list[float]] = {"ddp": [], "transom": []}
     round_ratios: list[float] = []
+    load_avg: list[float] = []
     bit_identical: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="transom-bench-") as tmp:
         workdir = Path(tmp)
@@ -222,6 +234,7 @@ def main() -> None:
             medians: dict[str, float] = {}
             for mode in order:
                 tag = f"r{rnd}-{mode}"
+                load_avg.append(round(os.getloadavg()[0], 2))
                 t0 = time.monotonic()
                 if mode == "ddp":
                     records, _ = _run_ddp(args, workdir, tag)
@@ -229,30 +242,45 @@ def main() -> None:
                 else:
                     records, summary = _run_transom(args, workdir, tag)
                     bit_identical.append(bool(summary.get("replicas_bit_identical")))
+                    fin = statistics.median(t for r in records for t in r["finish"][args.warmup:])
                     extra = (
-                        f"  committed {summary.get('steps_committed')}"
+                        f"  (finish_step {fin * 1e3:.2f} ms)  committed {summary.get('steps_committed')}"
                         f"  bit-identical {summary.get('replicas_bit_identical')}"
                     )
                 times = _post_warmup(records, args.warmup)
                 pooled[mode] += times
                 medians[mode] = statistics.median(times)
+                run_medians[mode].append(medians[mode])
                 print(
                     f"round {rnd} {mode:7s}: median step {medians[mode] * 1e3:7.2f} ms  "
                     f"(p10 {statistics.quantiles(times, n=10)[0] * 1e3:6.2f}, "
                     f"p90 {statistics.quantiles(times, n=10)[-1] * 1e3:6.2f}; "
-                    f"{len(times)} steps; run {time.monotonic() - t0:5.1f} s){extra}",
+                    f"{len(times)} steps; run {time.monotonic() - t0:5.1f} s; load {load_avg[-1]:.1f}){extra}",
                     flush=True,
                 )
             round_ratios.append(medians["transom"] / medians["ddp"])
             print(f"round {rnd} ratio transom/ddp: {round_ratios[-1]:.3f}", flush=True)
 
-    ddp_s = statistics.median(pooled["ddp"])
-    transom_s = statistics.median(pooled["transom"])
+    ddp_s = statistics.median(run_medians["ddp"])
+    transom_s = statistics.median(run_medians["transom"])
     ratio = transom_s / ddp_s
+    load_avg.append(round(os.getloadavg()[0], 2))
+    ddp_p10 = statistics.quantiles(pooled["ddp"], n=10)[0]
+    transom_p10 = statistics.quantiles(pooled["transom"], n=10)[0]
     ok = ratio <= TARGET_RATIO and all(bit_identical)
     print(
-        f"ddp {ddp_s * 1e3:.2f} ms/step, transom {transom_s * 1e3:.2f} ms/step, ratio {ratio:.3f} "
+        f"median of run medians: ddp {ddp_s * 1e3:.2f} ms/step, transom {transom_s * 1e3:.2f} ms/step, ratio {ratio:.3f} "
         f"(target <= {TARGET_RATIO}): {'OK' if ok else 'NOT MET'}",
+        flush=True,
+    )
+    print(
+        f"per-round ratios {', '.join(f'{r:.3f}' for r in round_ratios)} "
+        f"(median {statistics.median(round_ratios):.3f}); 1-min load average per run {load_avg} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    print(
+        f"fastest decile (p10, less sensitive to other load): ddp {ddp_p10 * 1e3:.2f} ms, "
+        f"transom {transom_p10 * 1e3:.2f} ms, ratio {transom_p10 / ddp_p10:.3f}",
         flush=True,
     )
     print(
@@ -263,6 +291,10 @@ def main() -> None:
                 "transom_step_s": round(transom_s, 6),
                 "ratio": round(ratio, 4),
                 "round_ratios": [round(r, 4) for r in round_ratios],
+                "ratio_median_of_rounds": round(statistics.median(round_ratios), 4),
+                "ddp_step_p10_s": round(ddp_p10, 6),
+                "transom_step_p10_s": round(transom_p10, 6),
+                "ratio_p10": round(transom_p10 / ddp_p10, 4),
                 "replicas": args.replicas,
                 "steps": args.steps,
                 "warmup": args.warmup,
@@ -271,6 +303,8 @@ def main() -> None:
                 "dim": args.dim,
                 "layers": args.layers,
                 "backend": "gloo",
+                "cpus": os.cpu_count(),
+                "load_avg": load_avg,
                 "transom_bit_identical": all(bit_identical),
                 "target_ratio": TARGET_RATIO,
                 "ok": ok,

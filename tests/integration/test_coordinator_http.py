@@ -66,7 +66,9 @@ def ident(rid: int, gen: int = 0, att: int = 0) -> Identity:
 
 def reg_req(rid: int, gen: int = 0, att: int = 0) -> RegisterRequest:
     return RegisterRequest(
-        identity=ident(rid, gen, att), store_addr=f"127.0.0.1:{29500 + rid}", state_endpoints=[f"http://127.0.0.1/{rid}"]
+        identity=ident(rid, gen, att),
+        store_addr=f"127.0.0.1:{29500 + rid}",
+        state_endpoints=[f"http://127.0.0.1/{rid}"],
     )
 
 
@@ -87,7 +89,9 @@ def get(ct: CoordinatorThread, path: str, headers=AUTH) -> requests.Response:
     return requests.get(ct.url + path, headers=headers, timeout=HTTP_TIMEOUT)
 
 
-def quorum_together(ct: CoordinatorThread, reqs: list[QuorumRequest], timeout_s: float = 4.0) -> dict[int, QuorumResponse]:
+def quorum_together(
+    ct: CoordinatorThread, reqs: list[QuorumRequest], timeout_s: float = 4.0
+) -> dict[int, QuorumResponse]:
     """Each request long-polls from its own thread, as each replica's leader does."""
     out: dict[int, QuorumResponse | Exception] = {}
 
@@ -198,8 +202,9 @@ BAD_REGISTER_BODIES = {
     "endpoints-not-list": json.dumps(with_(state_endpoints="http://x")).encode(),
     "endpoints-empty": json.dumps(with_(state_endpoints=[])).encode(),
     "huge-store-addr": json.dumps(with_(store_addr="h" * 100_000)).encode(),
-    "nan-id": b'{"identity": {"replica_id": NaN, "generation": 0, "attempt": 0}, "store_addr": "a:1", "state_endpoints": ["x"]}',
-    "inf-id": b'{"identity": {"replica_id": 1e400, "generation": 0, "attempt": 0}, "store_addr": "a:1", "state_endpoints": ["x"]}',
+    # Python's json accepts NaN and overflows 1e400 to inf: neither may reach an int field.
+    "nan-id": b'{"identity": {"replica_id": NaN, "generation": 0, "attempt": 0}, "store_addr": "a:1"}',
+    "inf-id": b'{"identity": {"replica_id": 1e400, "generation": 0, "attempt": 0}, "store_addr": "a:1"}',
     "5000-digit-int": b'{"identity": {"replica_id": ' + b"9" * 5000 + b"}}",
     "deeply-nested": b"[" * 100_000,
     "deeply-nested-object": b'{"a":' * 50_000,
@@ -324,6 +329,28 @@ def test_failure_report_wakes_waiting_members(coord):
     c.report_failure(FailureReport(identity=ident(1), reason="gone"))
     waiter.join(4)
     assert result["r"].members == [0]
+
+
+def test_waiting_replica_declared_dead_is_evicted_at_once(coord):
+    c = client(coord)
+    c.register(reg_req(0))  # 1 and 2 never come, so 0's first quorum waits
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        try:
+            client(coord).quorum(q_req(0, timeout_s=3.0), timeout_s=4.0)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            outcome["error"] = e
+        outcome["took"] = time.monotonic() - t0
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_until(lambda: coord.call(lambda: 0 in coord.server.membership.pending))
+    assert c.report_failure(FailureReport(identity=ident(0), reason="watchdog"))
+    waiter.join(5)
+    assert isinstance(outcome["error"], Evicted)
+    assert outcome["took"] < 1.5  # not only when its 3 s long-poll ran out
 
 
 def test_stale_incarnation_is_evicted(coord):
@@ -515,11 +542,14 @@ def test_stop_does_not_hang_on_an_open_long_poll():
     ct.start()
     try:
         client(ct).register(reg_req(0))
-        poller = threading.Thread(
-            target=lambda: requests.post(ct.url + "/v1/quorum", headers=AUTH, timeout=HTTP_TIMEOUT,
-                                         data=q_req(0, timeout_s=60).model_dump_json()),
-            daemon=True,
-        )
+        def poll() -> None:
+            try:
+                requests.post(ct.url + "/v1/quorum", headers=AUTH, timeout=HTTP_TIMEOUT,
+                              data=q_req(0, timeout_s=60).model_dump_json())
+            except requests.ConnectionError:
+                pass  # expected: the server goes away under the open long-poll
+
+        poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         wait_until(lambda: ct.call(lambda: 0 in ct.server.membership.pending))
     finally:

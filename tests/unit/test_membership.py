@@ -221,10 +221,14 @@ def test_quorum_ids_strictly_increase_and_prefixes_are_never_reused():
     ))  # membership grows: the replacement asked first, so it is in this round
     go([0, 1, 2], failed={2})
     go([0, 1, 2])
+    for _ in range(2):  # a step that keeps failing is retried at the same step, each time regrouped
+        t += 1
+        decisions.append(next_round(m, decisions[-1], [0, 1, 2], t, decisions[-1].max_step, failed={0, 1, 2}))
+    assert decisions[-1].max_step == decisions[-2].max_step
     changes = [b.quorum_id for a, b in zip(decisions, decisions[1:]) if b.quorum_id != a.quorum_id]
     ids = [d.quorum_id for d in decisions]
     assert ids == sorted(ids)
-    assert changes == sorted(set(changes)) and len(changes) == 4
+    assert changes == sorted(set(changes)) and len(changes) == 6
     by_prefix = {}
     for dec in decisions:
         assert by_prefix.setdefault(dec.store_prefix, dec.quorum_id) == dec.quorum_id

@@ -164,7 +164,7 @@ class Membership:
     # --- calls from replicas ----------------------------------------------------------------
     def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
         rid = req.identity.replica_id
-        if rid > self.settings.num_replicas:
+        if rid >= self.settings.num_replicas:
             raise ValueError(f"replica_id must be below num_replicas ({self.settings.num_replicas})")
         old = self.replicas.get(rid)
         if old is not None and old.identity.key() > req.identity.key():
@@ -279,7 +279,9 @@ class Membership:
                 del self.pending[rid]
             else:
                 ready[rid] = req
-        if not ready:
+        if not ready:  # the round is empty again: its failure report and clock go with it
+            self.round_failed_since = None
+            self.round_opened_at = None
             return None
         if self.current is None:
             opened = self.round_opened_at if self.round_opened_at is not None else now

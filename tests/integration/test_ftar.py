@@ -1,0 +1,102 @@
+"""FTAR on real Gloo groups in real processes: averaging, zero contribution, dead peers.
+
+Three processes build a CrossReplicaGroup from one TCPStore, as replicas do for a quorum.
+A SIGKILLed peer must fail the step in the survivors quickly, turn the rest of the step
+into no-ops, and a group rebuilt under a fresh prefix must work at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from transom.ft.ftar import StepAllReduce
+from transom.ft.process_group import CrossReplicaGroup
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _params(value: float) -> list[torch.nn.Parameter]:
+    ps = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3))]
+    for p in ps:
+        p.grad = torch.full_like(p, value)
+    return ps
+
+
+def _average_worker(rank: int, port: int, out: mp.Queue) -> None:
+    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/avg", rank, 3, timeout_s=10)
+    params = _params(rank + 1.0)
+    step = StepAllReduce(group, participants=2, contribute=rank != 2)  # rank 2 is joining
+    step.allreduce_gradients(params)
+    out.put((rank, step.failed, [p.grad.clone() for p in params]))
+
+
+def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
+    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/kill", rank, 3, timeout_s=10)
+    params = _params(1.0)
+    StepAllReduce(group, 3, True).allreduce_gradients(params)  # a healthy first step
+    if rank == 1:
+        time.sleep(0.2)  # the others are inside the next all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    step = StepAllReduce(group, 3, True)
+    t0 = time.monotonic()
+    step.allreduce_gradients(params)
+    detected = time.monotonic() - t0
+    del group
+    before = [p.grad.clone() for p in params]
+    step.allreduce_gradients(params)  # no-op after the failure
+    untouched = all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    # Rebuild among the survivors under a fresh prefix, as the next quorum does.
+    new_rank = 0 if rank == 0 else 1
+    t1 = time.monotonic()
+    survivors = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/kill-q2", new_rank, 2, timeout_s=10)
+    retry = StepAllReduce(survivors, 2, True)
+    for p in params:
+        p.grad.fill_(rank)
+    retry.allreduce_gradients(params)
+    out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, params[0].grad[0].item()))
+
+
+def _run(target, n: int) -> list:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, store.port, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in range(sum(1 for _ in procs) - (1 if target is _kill_worker else 0)):
+            results.append(out.get(timeout=60))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return sorted(results)
+
+
+def test_average_over_participants_with_a_zero_contributing_joiner():
+    results = _run(_average_worker, 3)
+    assert [r[1] for r in results] == [False, False, False]
+    grads = [r[2] for r in results]
+    for g in grads:
+        assert torch.equal(g[0], torch.full((5,), 1.5))  # (1 + 2) / 2; the joiner's 3 is not sent
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))  # bit-identical
+
+
+def test_sigkilled_peer_fails_the_step_fast_and_a_new_group_works():
+    results = _run(_kill_worker, 3)
+    assert [r[0] for r in results] == [0, 2]
+    for rank, failed, detected, untouched, retry_failed, rebuild_s, value in results:
+        assert failed, "the step with a dead peer must fail"
+        assert detected < 2.0, f"survivor {rank} took {detected:.2f}s to notice a SIGKILL"
+        assert untouched, "collectives after a failure must be no-ops"
+        assert not retry_failed and rebuild_s < 2.0
+        assert value == pytest.approx(1.0)  # (0 + 2) / 2 over the survivors
