@@ -179,18 +179,64 @@ def _run_transom(args: argparse.Namespace, workdir: Path, tag: str) -> tuple[lis
     return records, json.loads(summary.read_text()) if summary.exists() else {}
 
 
+class RunFailed(RuntimeError):
+    pass
+
+
 def _collect(out: Path, res, args: argparse.Namespace) -> list[dict]:
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if res.timed_out or res.returncode != 0 or len(records) != args.replicas:
-        raise SystemExit(
-            f"run failed (exit {res.returncode}, {len(records)}/{args.replicas} workers reported); "
-            f"output tail:\n{res.tail()}"
-        )
+        state = "timed out" if res.timed_out else f"exit {res.returncode}"
+        raise RunFailed(f"{state}, {len(records)}/{args.replicas} workers reported; output tail:\n{res.tail()}")
     return records
 
 
 def _post_warmup(records: list[dict], warmup: int) -> list[float]:
     return [t for r in records for t in r["times"][warmup:]]
+
+
+def _rounds(
+    args: argparse.Namespace,
+    pooled: dict[str, list[float]],
+    run_medians: dict[str, list[float]],
+    round_ratios: list[float],
+    load_avg: list[float],
+    bit_identical: list[bool],
+) -> None:
+    """Run the alternating rounds, filling the lists and dicts passed in."""
+    with tempfile.TemporaryDirectory(prefix="transom-bench-") as tmp:
+        workdir = Path(tmp)
+        for rnd in range(args.repeats):
+            order = ("ddp", "transom") if rnd % 2 == 0 else ("transom", "ddp")
+            medians: dict[str, float] = {}
+            for mode in order:
+                tag = f"r{rnd}-{mode}"
+                load_avg.append(round(os.getloadavg()[0], 2))
+                t0 = time.monotonic()
+                if mode == "ddp":
+                    records, _ = _run_ddp(args, workdir, tag)
+                    extra = ""
+                else:
+                    records, summary = _run_transom(args, workdir, tag)
+                    bit_identical.append(bool(summary.get("replicas_bit_identical")))
+                    fin = statistics.median(t for r in records for t in r["finish"][args.warmup:])
+                    extra = (
+                        f"  (finish_step {fin * 1e3:.2f} ms)  committed {summary.get('steps_committed')}"
+                        f"  bit-identical {summary.get('replicas_bit_identical')}"
+                    )
+                times = _post_warmup(records, args.warmup)
+                pooled[mode] += times
+                medians[mode] = statistics.median(times)
+                run_medians[mode].append(medians[mode])
+                print(
+                    f"round {rnd} {mode:7s}: median step {medians[mode] * 1e3:7.2f} ms  "
+                    f"(p10 {statistics.quantiles(times, n=10)[0] * 1e3:6.2f}, "
+                    f"p90 {statistics.quantiles(times, n=10)[-1] * 1e3:6.2f}; "
+                    f"{len(times)} steps; run {time.monotonic() - t0:5.1f} s; load {load_avg[-1]:.1f}){extra}",
+                    flush=True,
+                )
+            round_ratios.append(medians["transom"] / medians["ddp"])
+            print(f"round {rnd} ratio transom/ddp: {round_ratios[-1]:.3f}", flush=True)
 
 
 def main() -> None:
@@ -227,39 +273,16 @@ def main() -> None:
     round_ratios: list[float] = []
     load_avg: list[float] = []
     bit_identical: list[bool] = []
-    with tempfile.TemporaryDirectory(prefix="transom-bench-") as tmp:
-        workdir = Path(tmp)
-        for rnd in range(args.repeats):
-            order = ("ddp", "transom") if rnd % 2 == 0 else ("transom", "ddp")
-            medians: dict[str, float] = {}
-            for mode in order:
-                tag = f"r{rnd}-{mode}"
-                load_avg.append(round(os.getloadavg()[0], 2))
-                t0 = time.monotonic()
-                if mode == "ddp":
-                    records, _ = _run_ddp(args, workdir, tag)
-                    extra = ""
-                else:
-                    records, summary = _run_transom(args, workdir, tag)
-                    bit_identical.append(bool(summary.get("replicas_bit_identical")))
-                    fin = statistics.median(t for r in records for t in r["finish"][args.warmup:])
-                    extra = (
-                        f"  (finish_step {fin * 1e3:.2f} ms)  committed {summary.get('steps_committed')}"
-                        f"  bit-identical {summary.get('replicas_bit_identical')}"
-                    )
-                times = _post_warmup(records, args.warmup)
-                pooled[mode] += times
-                medians[mode] = statistics.median(times)
-                run_medians[mode].append(medians[mode])
-                print(
-                    f"round {rnd} {mode:7s}: median step {medians[mode] * 1e3:7.2f} ms  "
-                    f"(p10 {statistics.quantiles(times, n=10)[0] * 1e3:6.2f}, "
-                    f"p90 {statistics.quantiles(times, n=10)[-1] * 1e3:6.2f}; "
-                    f"{len(times)} steps; run {time.monotonic() - t0:5.1f} s; load {load_avg[-1]:.1f}){extra}",
-                    flush=True,
-                )
-            round_ratios.append(medians["transom"] / medians["ddp"])
-            print(f"round {rnd} ratio transom/ddp: {round_ratios[-1]:.3f}", flush=True)
+    try:
+        _rounds(args, pooled, run_medians, round_ratios, load_avg, bit_identical)
+    except RunFailed as e:
+        print(f"run failed: {e}", flush=True)
+        failure = {
+            "benchmark": "ftar_overhead", "ok": False, "error": str(e)[-2000:],
+            "target_ratio": TARGET_RATIO, "replicas": args.replicas, "steps": args.steps,
+        }
+        print(json.dumps(failure), flush=True)
+        sys.exit(1)
 
     ddp_s = statistics.median(run_medians["ddp"])
     transom_s = statistics.median(run_medians["transom"])

@@ -142,7 +142,7 @@ def main() -> None:
     for kind in ("kill", "hang"):
         mine = [r for r in runs if r["kind"] == kind]
         stalls = [r["stall_s"] for r in mine if r["completed"]]
-        med = statistics.median(stalls) if stalls else None
+        med = round(statistics.median(stalls), 3) if stalls else None
         mx = max(stalls) if stalls else None
         good = kind not in kinds or (
             len(stalls) == len(mine)

@@ -41,6 +41,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         failed_grace_s=args.failed_grace,
+        round_timeout_s=args.round_timeout,
         startup_wait_s=args.startup_wait,
     )
 
@@ -108,7 +109,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--min-replicas", type=int, default=1, help="training pauses below this many")
     c.add_argument("--heartbeat-interval", type=float, default=1.0)
     c.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    c.add_argument("--failed-grace", type=float, default=0.5)
+    c.add_argument("--failed-grace", type=float, default=1.0)
+    c.add_argument("--round-timeout", type=float, default=120.0)
     c.add_argument("--startup-wait", type=float, default=60.0)
     c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
 

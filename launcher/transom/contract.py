@@ -34,7 +34,7 @@ ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
 # (all of the worker's own replica), the launcher adds its restart count: a replica's
 # identity towards the coordinator is (generation, attempt).
 ENV_ATTEMPT = "TRANSOM_ATTEMPT"
-# Optional fault injection for tests and demos (see transom.ft.inject).
+# Optional fault injection for tests and demos (see transom.inject).
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).
 ENV_STATS_DIR = "TRANSOM_STATS_DIR"
@@ -50,7 +50,7 @@ ANNOTATION_EVICT_REASON = "transom.io/evict-reason"
 EXIT_OK = 0
 EXIT_WORKERS_FAILED = 1  # workers kept failing past --max-restarts
 EXIT_USAGE = 2  # bad command line or missing environment
-EXIT_EVICTED = 3  # the coordinator declared this replica generation dead
+EXIT_EVICTED = 3  # a newer incarnation of this replica registered (the operator replaced it)
 # Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
 
 

@@ -105,3 +105,11 @@ def test_loss_after_two_failures_matches_failure_free_run(transom_run):
     assert faulty.summary["failures_injected"] == 2
     base, hurt = clean.summary["final_loss"], faulty.summary["final_loss"]
     assert abs(hurt - base) / base <= 0.05, (base, hurt)
+
+
+def test_python_exception_restarts_the_replica_in_place(transom_run):
+    result = transom_run(["--replicas", "2", "--inject", "raise:replica=0,step=8"], ["--steps", "60"])
+    assert_consistent_finish(result, 60, 2)
+    assert result.incarnations(0) == 2 and result.incarnations(1) == 1
+    assert "injected fault at step 8" in result.output
+    assert commit_gap(result.records(1)) <= 2.0

@@ -251,7 +251,19 @@ def test_reported_failed_member_is_not_waited_for():
         m.request_quorum(qreq(2, 1, 0, 0), 1.0)
 
 
-def test_absent_member_without_failure_is_waited_for_indefinitely():
+def test_absent_member_is_declared_hung_after_round_timeout():
+    m, d0 = started(3, round_timeout_s=30.0)
+    m.request_quorum(qreq(0, 1, 0, 0), 1.0)
+    m.request_quorum(qreq(1, 1, 0, 0), 1.0)
+    heartbeat_all(m, [0, 1, 2], 30.9)
+    assert m.try_decide(30.9) is None  # 29.9 s: still a slow step
+    heartbeat_all(m, [0, 1, 2], 31.0)
+    d1 = m.try_decide(31.0)
+    assert d1 is not None and d1.member_ids() == [0, 1]
+    assert m.replicas[2].state == "failed" and "30s" in m.replicas[2].last_failure
+
+
+def test_absent_member_without_failure_is_waited_for_a_long_time():
     m, d0 = started(3)
     m.request_quorum(qreq(0, 1, 0, 0), 1.0)
     m.request_quorum(qreq(1, 1, 0, 0), 1.0)
@@ -286,18 +298,24 @@ def test_failed_step_leaves_absent_member_behind_after_grace(grace, decide_at, e
     else:
         assert d is not None and d.member_ids() == expected
         assert d.quorum_id == d0.quorum_id + 1
-        assert m.replicas[2].state == "healthy"  # left behind, not declared dead
+        # Left behind while heartbeating means hung: declared failed so it gets restarted.
+        assert m.replicas[2].state == "failed" and "failed step" in m.replicas[2].last_failure
+        assert m.failures_total["hung"] == 1
 
 
-def test_member_left_behind_rejoins_next_round_and_recovers():
+def test_member_left_behind_is_restarted_and_rejoins_and_recovers():
     m, d0 = started(3, failed_grace_s=0.5)
     assert m.request_quorum(qreq(0, 0, 0, 0, failed=True), 1.0) is None
     assert m.request_quorum(qreq(1, 0, 0, 0, failed=True), 1.0) is None
     d1 = m.try_decide(1.5)
     assert d1 is not None and d1.member_ids() == [0, 1]
-    assert m.answer_for(qreq(2, 0, 0, 0)) is None  # not a member of round 1
-    # The straggler finally asks, still at step 0; 0 and 1 committed step 1 under quorum 1.
-    assert m.request_quorum(qreq(2, 0, d0.quorum_id, d0.round), 2.0) is None
+    # The straggler was declared hung: the old incarnation is refused ...
+    with pytest.raises(Conflict):
+        m.request_quorum(qreq(2, 0, d0.quorum_id, d0.round), 2.0)
+    # ... its launcher restarts it as a new attempt, which joins the next round at step 0
+    # while 0 and 1 committed step 1 under quorum 1.
+    register(m, 2, 2.0, att=1)
+    assert m.request_quorum(qreq(2, 0, -1, -1, att=1), 2.0) is None
     m.request_quorum(qreq(0, 1, d1.quorum_id, d1.round), 2.0)
     d2 = m.request_quorum(qreq(1, 1, d1.quorum_id, d1.round), 2.0)
     assert d2 is not None and d2.member_ids() == [0, 1, 2]

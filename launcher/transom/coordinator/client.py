@@ -45,6 +45,10 @@ class Evicted(CoordinatorError):
     """409: this incarnation was declared dead or superseded; the process should exit."""
 
 
+class NotRegistered(CoordinatorError):
+    """404: the coordinator does not know this replica (it restarted): register again."""
+
+
 class JobCompleted(CoordinatorError):
     """410: other replicas already finished the job; this one should stop."""
 
@@ -94,6 +98,8 @@ class CoordinatorClient:
             backoff = min(backoff * 2, 1.0)
 
     def _expect(self, status: int, payload: dict, what: str) -> dict:
+        if status == 404 and what in ("heartbeat", "quorum", "leave"):
+            raise NotRegistered(f"{what}: {payload.get('error', 'not registered')}", 404)
         if status >= 400:
             raise CoordinatorError(f"{what}: {status} {payload.get('error', '')}", status)
         return payload

@@ -11,8 +11,9 @@ The protocol, one *round* per training step:
 * A round is decided when every live member of the previous quorum has asked; replicas
   that are new (replacements) and already waiting are added. A member that is known dead
   (failure report, missed heartbeats) is not waited for; one that is merely absent is
-  waited for only `failed_grace_s` once some member reported a failed step (that is how a
-  hung replica is left behind without waiting for its heartbeat to expire).
+  waited for only `failed_grace_s` once some member reported a failed step, and at most
+  `round_timeout_s` otherwise; a member left behind so is declared failed (hung), so its
+  launcher restarts it even if its heartbeat thread still runs.
 * The decision is the same for every member: the quorum id changes exactly when the
   membership changes or a step failed (then groups are rebuilt under a fresh prefix);
   members behind the newest committed state recover from one that has it and contribute
@@ -25,6 +26,7 @@ of replicas can never train apart (no split brain).
 from __future__ import annotations
 
 import collections
+import secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -67,7 +69,10 @@ class Settings:
     # How long a round with a reported failure waits for members that did not ask again
     # before deciding without them. Short: a live member asks within milliseconds of its
     # failed collective; a dead one never does.
-    failed_grace_s: float = 0.5
+    failed_grace_s: float = 1.0
+    # A member of the current quorum that does not ask for its next quorum this long after
+    # another member did is declared hung (a stuck training thread keeps heartbeating).
+    round_timeout_s: float = 120.0
     # The first quorum waits for all replicas this long, then starts with minReplicas:
     # otherwise the first replica to start would train alone and the others would only
     # copy its state.
@@ -84,6 +89,8 @@ class Settings:
             raise ValueError("heartbeat_timeout_s must be larger than heartbeat_interval_s")
         if self.failed_grace_s < 0 or self.startup_wait_s < 0:
             raise ValueError("failed_grace_s and startup_wait_s must not be negative")
+        if self.round_timeout_s <= self.failed_grace_s:
+            raise ValueError("round_timeout_s must be larger than failed_grace_s")
 
 
 @dataclass
@@ -117,6 +124,9 @@ class Decision:
 @dataclass
 class Membership:
     settings: Settings
+    # Distinguishes this coordinator's life from a previous one: quorum ids restart at 0
+    # after a restart, and group prefixes must never repeat (a reused prefix hangs).
+    epoch: str = field(default_factory=lambda: secrets.token_hex(4))
     replicas: dict[int, Replica] = field(default_factory=dict)
     pending: dict[int, QuorumRequest] = field(default_factory=dict)
     answers: dict[int, Decision] = field(default_factory=dict)
@@ -297,11 +307,20 @@ class Membership:
                 and rep.identity.key() == m.key()
             ]
             if missing:
-                failed_long_enough = (
-                    self.round_failed_since is not None
-                    and now - self.round_failed_since >= self.settings.failed_grace_s
-                )
-                if not failed_long_enough:
+                opened = self.round_opened_at if self.round_opened_at is not None else now
+                if self.round_failed_since is not None and now - self.round_failed_since >= self.settings.failed_grace_s:
+                    why = f"did not return within {self.settings.failed_grace_s:g}s of a failed step"
+                elif now - opened >= self.settings.round_timeout_s:
+                    why = f"did not ask for its next quorum within {self.settings.round_timeout_s:g}s"
+                else:
+                    return None
+                # A member left behind is hung (its heartbeat thread may still run): declare
+                # it failed so that its launcher restarts it and it rejoins as a new incarnation.
+                for rid in missing:
+                    self._fail(self.replicas[rid], now, why, "hung")
+                if len(ready) < self.settings.min_replicas:
+                    self._event(now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas")
+                    self.paused = True
                     return None
         if len(ready) < self.settings.min_replicas:
             if not self.paused:
@@ -335,7 +354,7 @@ class Membership:
         if not same:
             owner = self.replicas[canonical[0]]
             store_addr = owner.store_addr
-            prefix = f"transom/{self.settings.job}/q{quorum_id}"
+            prefix = f"transom/{self.settings.job}/{self.epoch}/q{quorum_id}"
             self.quorum_changes_total += 1
             self._event(
                 now,

@@ -122,7 +122,7 @@ class _MembershipCollector:
         c = CounterMetricFamily(
             "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
         )
-        for reason in ("reported", "heartbeat", "superseded"):
+        for reason in ("reported", "heartbeat", "hung", "superseded"):
             c.add_metric([reason], m.failures_total.get(reason, 0))
         yield c
 

@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from transom.contract import ENV_STATS_DIR
-from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted
+from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     HeartbeatRequest,
     Identity,
@@ -145,7 +145,7 @@ class FaultTolerant:
         self._last_loss: float | None = None
         self._last_seconds: float | None = None
         self._failed_in_a_row = 0
-        self._quorum_id = -1
+        self._group_prefix = ""
         self._group: CrossReplicaGroup | None = None
         self._future: concurrent.futures.Future | None = None
         self._step_started = 0.0
@@ -167,13 +167,12 @@ class FaultTolerant:
                 bind, 0, is_master=True, wait_for_workers=False, use_libuv=True,
                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
             )
-            reg = self.client.register(
-                RegisterRequest(
-                    identity=self.identity,
-                    store_addr=f"{env.advertise_addr}:{self._store.port}",
-                    state_endpoints=endpoints,
-                )
+            self._registration = RegisterRequest(
+                identity=self.identity,
+                store_addr=f"{env.advertise_addr}:{self._store.port}",
+                state_endpoints=endpoints,
             )
+            reg = self.client.register(self._registration)
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transom-quorum")
             self._heartbeat_thread = threading.Thread(
                 target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,), name="transom-heartbeat", daemon=True
@@ -215,10 +214,16 @@ class FaultTolerant:
                 last_loss=self._last_loss,
                 last_step_seconds=self._last_seconds,
             )
-            self._future = self._pool.submit(self.client.quorum, req, self.config.quorum_timeout_s)
+            self._future = self._pool.submit(self._quorum_call, req)
 
-    def finish_step(self, loss: torch.Tensor | float | None = None) -> bool:
-        """Exchange gradients, vote, and step the optimizer if every rank succeeded."""
+    def finish_step(
+        self, loss: torch.Tensor | float | None = None, before_optimizer: Callable[[], None] | None = None
+    ) -> bool:
+        """Exchange gradients, vote, and step the optimizer if every rank succeeded.
+
+        `before_optimizer` runs on the averaged gradients just before `optimizer.step()`
+        of a committed step (gradient clipping, an AMP scaler's unscale_).
+        """
         if not self._in_step:
             raise RuntimeError("finish_step() without begin_step(); iterate over steps()")
         q = self._await_quorum()
@@ -227,7 +232,8 @@ class FaultTolerant:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         self._last_round = q.round
-        changed = q.quorum_id != self._quorum_id
+        # The prefix names a quorum uniquely, across coordinator restarts too.
+        changed = q.store_prefix != self._group_prefix
         error: str | None = None
         if changed:
             error = self._rebuild_group(q)
@@ -253,6 +259,8 @@ class FaultTolerant:
             saved = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
                 g["lr"] = g["lr"] * factor
+            if before_optimizer is not None:
+                before_optimizer()
             self.optimizer.step()
             for g, lr in zip(self.optimizer.param_groups, saved):
                 g["lr"] = lr
@@ -332,9 +340,19 @@ class FaultTolerant:
             raise RuntimeError(f"replica {self.replica_id}: no quorum: {payload[0]['error']}")
         return QuorumResponse.model_validate_json(payload[0])
 
+    def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
+        try:
+            return self.client.quorum(req, self.config.quorum_timeout_s)
+        except NotRegistered:
+            # The coordinator restarted and lost its memory: introduce ourselves again; the
+            # new coordinator's first round gathers everyone at the steps they hold.
+            log.warning("replica %d: coordinator does not know us (restarted?); registering again", self.replica_id)
+            self.client.register(self._registration)
+            return self.client.quorum(req.model_copy(update={"last_round": -1}), self.config.quorum_timeout_s)
+
     def _rebuild_group(self, q: QuorumResponse) -> str | None:
         self._drop_group()
-        self._quorum_id = q.quorum_id
+        self._group_prefix = q.store_prefix
         try:
             self._group = CrossReplicaGroup(
                 self.ctx.backend,
@@ -354,7 +372,7 @@ class FaultTolerant:
         if group is not None:
             group.abort()
         del group
-        self._quorum_id = -1  # a dropped group is never reused, even for the same quorum
+        self._group_prefix = ""  # a dropped group is never reused, even for the same quorum
 
     def _snapshot(self) -> bytes:
         buf = io.BytesIO()
@@ -402,5 +420,7 @@ class FaultTolerant:
                 self._evicted = str(e)
                 log.error("replica %d evicted by the coordinator: %s", self.replica_id, e)
                 return
+            except NotRegistered:
+                pass  # the quorum request registers again; heartbeats resume after that
             except Exception as e:  # coordinator briefly unreachable: keep trying
                 log.warning("heartbeat of replica %d failed: %s", self.replica_id, e)

@@ -72,15 +72,21 @@ class StateServer:
         self._thread.join(timeout=5)
 
 
-def fetch_state(endpoint: str, round_id: int, token: str, timeout_s: float) -> bytes:
-    """GET a peer's snapshot for `round_id`, waiting for it to be published, within timeout_s."""
-    deadline = time.monotonic() + timeout_s
+def fetch_state(endpoint: str, round_id: int, token: str, timeout_s: float, wait_s: float = 5.0) -> bytes:
+    """GET a peer's snapshot for `round_id`; the transfer may take up to timeout_s.
+
+    The source publishes before it enters the round's all-reduce, and the joiner fetches
+    only after that all-reduce succeeded, so the snapshot is normally there at once: a
+    missing snapshot or an unreachable source is retried only for `wait_s` (a source that
+    died must not keep the joiner, and so the next round, waiting for minutes).
+    """
+    deadline = time.monotonic() + min(wait_s, timeout_s)
     last_error = "no attempt"
-    while time.monotonic() < deadline:
+    while True:
         req = urllib.request.Request(f"{endpoint}/state/{round_id}")
         req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=max(0.1, deadline - time.monotonic())) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 return resp.read()
         except urllib.error.HTTPError as e:
             last_error = f"{e.code} {e.read()[:200].decode(errors='replace')}"
@@ -88,5 +94,7 @@ def fetch_state(endpoint: str, round_id: int, token: str, timeout_s: float) -> b
                 break
         except (urllib.error.URLError, OSError) as e:
             last_error = str(e)
-        time.sleep(0.02)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     raise TimeoutError(f"could not fetch state of round {round_id} from {endpoint}: {last_error}")

@@ -7,7 +7,7 @@ that gives up (restarts exhausted) is started again as the replica's next genera
 It shows live progress (step, loss, healthy replicas, events) and ends with a summary.
 
 Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
-(see transom.ft.inject); the k-th fault aimed at a replica fires in its k-th incarnation.
+(see transom.inject); the k-th fault aimed at a replica fires in its k-th incarnation.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ class LocalRun:
     def __init__(self, config: RunConfig):
         self.config = config
         self.token = secrets.token_urlsafe(24)
+        self._own_stats_dir = not config.stats_dir
         if config.stats_dir:
             self.stats_dir = Path(config.stats_dir)
             self.stats_dir.mkdir(parents=True, exist_ok=True)
@@ -198,6 +200,8 @@ class LocalRun:
             time.monotonic() - self._t0,
         )
         summary["exit_code"] = exit_code
+        if self._own_stats_dir:
+            shutil.rmtree(self.stats_dir, ignore_errors=True)
         summary["events"] = self._events
         self.say("summary " + json.dumps({k: v for k, v in summary.items() if k != "events"}))
         if self.config.summary_json:
