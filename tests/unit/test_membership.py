@@ -233,7 +233,9 @@ def test_quorum_ids_strictly_increase_and_prefixes_are_never_reused():
     for dec in decisions:
         assert by_prefix.setdefault(dec.store_prefix, dec.quorum_id) == dec.quorum_id
     assert len(by_prefix) == len(set(ids)) == m.quorum_changes_total
-    assert all(p.startswith("transom/t/q") for p in by_prefix)
+    assert all(p.startswith(f"transom/t/{m.epoch}/q") for p in by_prefix)
+    # A restarted coordinator counts quorum ids from 0 again; its prefixes still differ.
+    assert make(3).epoch != m.epoch
 
 
 # --- who is waited for -------------------------------------------------------------------------------
