@@ -562,3 +562,21 @@ def test_status_reflects_replicas_and_current_quorum():
     assert states == {0: ("healthy", 0), 1: ("failed", 1), 2: ("healthy", 0)}
     assert s.replicas[0].heartbeat_age_s == 2.0 and s.replicas[1].heartbeat_age_s is None
     assert {e.kind for e in s.events} >= {"registered", "quorum", "failed"}
+
+
+def test_round_timeout_runs_from_the_first_member_not_from_a_replacement():
+    # Steps take 200 s here; a replacement asking mid-step must not make members "hung".
+    m, d0 = started(3, round_timeout_s=120.0)
+    m.report_failure(FailureReport(identity=ident(2), reason="crash"), 1.0)
+    d1 = round_all(m, [qreq(0, 0, 0, 0, failed=True), qreq(1, 0, 0, 0, failed=True)], 1.0)
+    heartbeat_all(m, [0, 1], 10.0)
+    register(m, 2, 10.0, att=1)
+    assert m.request_quorum(qreq(2, att=1), 10.0) is None  # the replacement waits from t=10
+    heartbeat_all(m, [0, 1, 2], 200.0)
+    assert m.try_decide(200.0) is None  # 190 s after the replacement asked: members still fine
+    assert m.replicas[0].state == m.replicas[1].state == "healthy"
+    m.request_quorum(qreq(0, 1, d1.quorum_id, d1.round), 201.0)
+    heartbeat_all(m, [0, 1, 2], 321.0)
+    d2 = m.try_decide(321.0)  # member 1 has not come 120 s after member 0 did
+    assert d2 is not None and d2.member_ids() == [0, 2]
+    assert m.replicas[1].state == "failed"

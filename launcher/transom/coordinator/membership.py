@@ -135,6 +135,7 @@ class Membership:
     last_quorum_id: int = -1
     round_failed_since: float | None = None
     round_opened_at: float | None = None
+    pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
     paused: bool = False
     # Set when the first replica leaves with reason "completed": the job's last step. A
     # replica still asking for a quorum after that cannot be helped (its peers are gone).
@@ -169,6 +170,7 @@ class Membership:
         rep.last_failure = reason
         self.failures_total[kind] += 1
         self.pending.pop(rep.identity.replica_id, None)
+        self.pending_since.pop(rep.identity.replica_id, None)
         self._event(now, "failed", f"replica {rep.identity.replica_id}: {reason}")
 
     # --- calls from replicas ----------------------------------------------------------------
@@ -228,6 +230,7 @@ class Membership:
         if req.reason == "completed" and self.completed_step is None:
             self.completed_step = req.step
         self.pending.pop(rep.identity.replica_id, None)
+        self.pending_since.pop(rep.identity.replica_id, None)
         self._event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {req.reason}")
 
     def replica_state(self, identity: Identity) -> ReplicaState:
@@ -267,6 +270,7 @@ class Membership:
         if not self.pending:
             self.round_opened_at = now
         self.pending[req.identity.replica_id] = req
+        self.pending_since.setdefault(req.identity.replica_id, now)
         if req.failed and self.round_failed_since is None:
             self.round_failed_since = now
         self.try_decide(now)
@@ -287,6 +291,7 @@ class Membership:
             rep = self.replicas.get(rid)
             if rep is None or rep.state != "healthy" or rep.identity.key() != req.identity.key():
                 del self.pending[rid]
+                self.pending_since.pop(rid, None)
             else:
                 ready[rid] = req
         if not ready:  # the round is empty again: its failure report and clock go with it
@@ -307,7 +312,10 @@ class Membership:
                 and rep.identity.key() == m.key()
             ]
             if missing:
-                opened = self.round_opened_at if self.round_opened_at is not None else now
+                # The round timeout runs from the first *member* that asked: a replacement
+                # may ask in the middle of the members' step, which proves nothing.
+                member_ids = {m.replica_id for m in self.current.members}
+                opened = min((self.pending_since.get(r, now) for r in ready if r in member_ids), default=now)
                 if self.round_failed_since is not None and now - self.round_failed_since >= self.settings.failed_grace_s:
                     why = f"did not return within {self.settings.failed_grace_s:g}s of a failed step"
                 elif now - opened >= self.settings.round_timeout_s:
@@ -380,6 +388,7 @@ class Membership:
         for i in ids:
             self.answers[i] = decision
             del self.pending[i]
+            self.pending_since.pop(i, None)
         self.round_failed_since = None
         self.round_opened_at = now if self.pending else None
         for req in self.pending.values():  # stragglers from a decided round start the next one

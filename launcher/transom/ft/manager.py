@@ -29,6 +29,7 @@ import io
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from transom.contract import ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
+    FailureReport,
     HeartbeatRequest,
     Identity,
     LeaveRequest,
@@ -178,6 +180,10 @@ class FaultTolerant:
                 target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,), name="transom-heartbeat", daemon=True
             )
             self._heartbeat_thread.start()
+        # An uncaught exception ends this worker, but interpreter teardown can take seconds
+        # while peers sit in a collective with us: report and close our sockets first.
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught
         log.info("replica %d rank %d joined (generation %d attempt %d)", env.replica_id, self.ctx.rank, env.generation, env.attempt)
 
     # --- public ---------------------------------------------------------------------------
@@ -289,6 +295,8 @@ class FaultTolerant:
         if self._closed:
             return
         self._closed = True
+        if sys.excepthook == self._on_uncaught:
+            sys.excepthook = self._previous_excepthook
         if not self.completed_elsewhere:  # a replica left behind holds no final state
             self.stats.final(self.step, state_digest(self.model))
         self.stats.close()
@@ -411,6 +419,17 @@ class FaultTolerant:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctx.ctrl_group)
         return bool(flag.item())
+
+    def _on_uncaught(self, exc_type, exc, tb) -> None:
+        try:
+            self._drop_group()
+            if not self._evicted and not self._closed:
+                reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"[:1000]
+                self.client.report_failure(FailureReport(identity=self.identity, reason=reason), timeout_s=1.0)
+        except Exception as e:  # the launcher reports the exit anyway
+            log.debug("could not report the uncaught exception: %s", e)
+        finally:
+            self._previous_excepthook(exc_type, exc, tb)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
