@@ -2,11 +2,13 @@
 
     transom run --replicas 3 -- python examples/train_tiny_gpt.py --steps 60
     transom run --replicas 2 --nproc-per-replica 2 -- python examples/train_tiny_gpt.py --inner ddp
+    transom run --replicas 2 --nproc-per-replica 2 -- python examples/train_tiny_gpt.py --inner fsdp
 
 The text is generated (a seeded toy grammar), so the example needs no download. Each
 replica reads its own shard of every step's batch (chosen by replica id and step, so a
 repeated step sees the same data); with `--inner ddp` the replica's processes split that
-shard further and average inside the replica with DDP, while Transom averages across
+shard further and average inside the replica with DDP (or shard the model with FSDP2,
+and Transom averages each shard index across replicas), while Transom averages across
 replicas and survives a replica's death.
 """
 
@@ -85,7 +87,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--inner", choices=["none", "ddp"], default="none", help="data parallelism inside a replica")
+    p.add_argument("--inner", choices=["none", "ddp", "fsdp"], default="none", help="data parallelism inside a replica")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -96,10 +98,16 @@ def main() -> None:
 
     torch.manual_seed(0)  # every replica starts from the same weights
     model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context)
+    if args.inner != "none" and ctx.world_size < 2:
+        raise SystemExit(f"--inner {args.inner} needs --nproc-per-replica >= 2")
     if args.inner == "ddp":
-        if ctx.world_size < 2:
-            raise SystemExit("--inner ddp needs --nproc-per-replica >= 2")
         model = nn.parallel.DistributedDataParallel(model)
+    elif args.inner == "fsdp":  # FSDP2: each rank holds a shard; FTAR runs per shard index
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     trainer = ft.FaultTolerant(model, optimizer, ctx)
 

@@ -80,10 +80,11 @@ def test_two_of_three_killed_with_min_replicas_two_pauses_then_resumes(transom_r
     assert commit_gap(survivor) >= 1.0
 
 
-def test_two_process_replica_killed_is_restarted_whole(transom_run):
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_two_process_replica_killed_is_restarted_whole(transom_run, inner):
     result = transom_run(
         ["--replicas", "2", "--nproc-per-replica", "2", "--inject", "kill:replica=0,step=5,rank=1"],
-        ["--steps", "90", "--inner", "ddp"],
+        ["--steps", "90", "--inner", inner],
         timeout_s=280,
     )
     assert_consistent_finish(result, 90, 2)
