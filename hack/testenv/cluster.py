@@ -1,0 +1,352 @@
+"""Start and stop the local control plane: etcd, API server, controller manager, scheduler,
+kwok with fake GPU nodes, and a SeaweedFS S3 server, all on 127.0.0.1 with free ports.
+
+`up()` is idempotent: when everything recorded in the state file still runs and the API
+server answers, it returns that environment; a half-dead one is stopped and started
+afresh. Processes run in their own sessions, so they outlive the command that started
+them; `down()` stops exactly the processes it recorded (checking that each pid still runs
+the binary it started, so a reused pid is never signalled) and removes the state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from testenv import build, certs
+
+STATE_FILE = "state.json"
+START_TIMEOUT_S = 90.0
+NODE_LABELS = {
+    "type": "kwok",
+    "nvidia.com/gpu.present": "true",
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+    "nvidia.com/gpu.count": "8",
+    "node.kubernetes.io/instance-type": "gpu-8x-h100",
+}
+
+
+@dataclass
+class Env:
+    kubeconfig: Path
+    s3_endpoint: str
+    s3_access_key: str
+    s3_secret_key: str
+    version: str
+    state_dir: Path
+    nodes: list[str]
+    bin_dir: Path
+
+    def exports(self) -> str:
+        return "\n".join(
+            [
+                f"export KUBECONFIG={self.kubeconfig}",
+                f"export PATH={self.bin_dir}:$PATH",
+                f"export TRANSOM_S3_ENDPOINT={self.s3_endpoint}",
+                f"export AWS_ACCESS_KEY_ID={self.s3_access_key}",
+                f"export AWS_SECRET_ACCESS_KEY={self.s3_secret_key}",
+                "export AWS_DEFAULT_REGION=us-east-1",
+            ]
+        )
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("TRANSOM_TESTENV_STATE", build.cache_root() / "run"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- processes ----------------------------------------------------------------------------
+def _start(name: str, argv: list[str], d: Path, procs: dict) -> None:
+    log = open(d / "logs" / f"{name}.log", "ab")
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True, cwd=d)
+    procs[name] = {"pid": p.pid, "exe": str(Path(argv[0]).resolve())}
+    _save(d, {"procs": procs})  # record at once: a failed up must still be stoppable
+
+
+def _alive(entry: dict) -> bool:
+    try:
+        exe = os.readlink(f"/proc/{entry['pid']}/exe")
+    except OSError:
+        return False
+    with open(f"/proc/{entry['pid']}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return exe.removesuffix(" (deleted)") == entry["exe"]
+
+
+def _wait(what: str, check, d: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready within {timeout_s:.0f}s; logs in {d / 'logs'}")
+        time.sleep(0.2)
+
+
+def _save(d: Path, update: dict) -> None:
+    path = d / STATE_FILE
+    state = json.loads(path.read_text()) if path.exists() else {}
+    state.update(update)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+# --- configuration files -------------------------------------------------------------------
+def _kubeconfig(path: Path, server: str, ca: Path, client: certs.Pair, user: str) -> Path:
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+clusters:
+- name: transom-testenv
+  cluster: {{server: "{server}", certificate-authority: "{ca}"}}
+users:
+- name: {user}
+  user: {{client-certificate: "{client.cert}", client-key: "{client.key}"}}
+contexts:
+- name: transom-testenv
+  context: {{cluster: transom-testenv, user: {user}}}
+current-context: transom-testenv
+"""
+    )
+    path.chmod(0o600)
+    return path
+
+
+def _https_ok(url: str, ca: Path, client: certs.Pair) -> bool:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.load_cert_chain(str(client.cert), str(client.key))
+    with urllib.request.urlopen(url, context=ctx, timeout=2) as r:
+        return r.status == 200
+
+
+def _http_ok(url: str) -> bool:
+    """The server answers HTTP (an auth refusal is an answer too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status < 500
+    except urllib.error.HTTPError as e:
+        return e.code < 500
+
+
+def _node_manifest(name: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {**NODE_LABELS, "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                       "kubernetes.io/arch": "amd64"},
+        },
+        "spec": {},
+        "status": {
+            "allocatable": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
+            "capacity": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
+        },
+    }
+
+
+# --- public --------------------------------------------------------------------------------
+def current() -> Env | None:
+    d = state_dir()
+    path = d / STATE_FILE
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    if "env" not in state or not all(_alive(p) for p in state.get("procs", {}).values()):
+        return None
+    env = Env(**{**state["env"], "kubeconfig": Path(state["env"]["kubeconfig"]),
+                 "state_dir": Path(state["env"]["state_dir"]), "bin_dir": Path(state["env"]["bin_dir"])})
+    try:
+        if not _https_ok(state["readyz"], Path(state["ca"]), certs.Pair(Path(state["admin_cert"]), Path(state["admin_key"]))):
+            return None
+    except Exception:
+        return None
+    return env
+
+
+def up(num_nodes: int = 4) -> Env:
+    running = current()
+    if running is not None and len(running.nodes) == num_nodes:
+        return running
+    down()
+    tools = build.binaries()
+    d = state_dir()
+    (d / "logs").mkdir(parents=True)
+    (d / "pki").mkdir()
+    procs: dict = {}
+    try:
+        return _up(d, tools, num_nodes, procs)
+    except BaseException as e:
+        kept = Path(tempfile.mkdtemp(prefix="transom-testenv-logs-"))
+        shutil.copytree(d / "logs", kept, dirs_exist_ok=True)
+        down()
+        raise RuntimeError(f"testenv up failed ({e}); the component logs are kept in {kept}") from e
+
+
+def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
+    pki = d / "pki"
+    ca = certs.CA(pki)
+    serving = ca.issue(
+        "apiserver", "kube-apiserver", server=True,
+        dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+             "kubernetes.default.svc.cluster.local"),
+        ips=("127.0.0.1", "10.0.0.1"),
+    )
+    admin = ca.issue("admin", "transom-admin", organizations=("system:masters",))
+    kcm = ca.issue("controller-manager", "system:kube-controller-manager")
+    sched = ca.issue("scheduler", "system:kube-scheduler")
+    kwok_client = ca.issue("kwok", "kwok-controller", organizations=("system:masters",))
+    sa = certs.service_account_keys(pki)
+
+    etcd_port, etcd_peer, api_port, sched_port, kwok_port = (free_port() for _ in range(5))
+    server = f"https://127.0.0.1:{api_port}"
+    _start("etcd", [
+        str(tools["etcd"]), "--name", "default", "--data-dir", str(d / "etcd"),
+        "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+        "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+        "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+        "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+        "--listen-metrics-urls", "", "--quota-backend-bytes", str(2 << 30),
+    ], d, procs)
+    _wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd_port}/health"), d)
+
+    _start("kube-apiserver", [
+        str(tools["kube-apiserver"]),
+        f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+        f"--cert-dir={d / 'apiserver'}",
+        f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
+        f"--client-ca-file={ca.pair.cert}",
+        f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        "--service-cluster-ip-range=10.0.0.0/24",
+        "--authorization-mode=RBAC", "--anonymous-auth=false", "--allow-privileged=true",
+        "--enable-priority-and-fairness=false", "--profiling=false",
+        "--endpoint-reconciler-type=none",
+    ], d, procs)
+    readyz = f"{server}/readyz"
+    _wait("kube-apiserver", lambda: _https_ok(readyz, ca.pair.cert, admin), d)
+
+    admin_kc = _kubeconfig(d / "admin.kubeconfig", server, ca.pair.cert, admin, "transom-admin")
+    kcm_kc = _kubeconfig(d / "controller-manager.kubeconfig", server, ca.pair.cert, kcm, "controller-manager")
+    sched_kc = _kubeconfig(d / "scheduler.kubeconfig", server, ca.pair.cert, sched, "scheduler")
+    kwok_kc = _kubeconfig(d / "kwok.kubeconfig", server, ca.pair.cert, kwok_client, "kwok")
+
+    _start("kube-controller-manager", [
+        str(tools["kube-controller-manager"]), f"--kubeconfig={kcm_kc}",
+        f"--authentication-kubeconfig={kcm_kc}", f"--authorization-kubeconfig={kcm_kc}",
+        "--bind-address=127.0.0.1", "--secure-port=0", "--leader-elect=false",
+        "--use-service-account-credentials=true",
+        f"--service-account-private-key-file={sa.key}", f"--root-ca-file={ca.pair.cert}",
+        f"--cluster-signing-cert-file={ca.pair.cert}", f"--cluster-signing-key-file={ca.pair.key}",
+        "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
+        "--node-monitor-grace-period=20s", "--profiling=false",
+    ], d, procs)
+    _start("kube-scheduler", [
+        str(tools["kube-scheduler"]), f"--kubeconfig={sched_kc}",
+        f"--authentication-kubeconfig={sched_kc}", f"--authorization-kubeconfig={sched_kc}",
+        "--bind-address=127.0.0.1", f"--secure-port={sched_port}", "--leader-elect=false", "--profiling=false",
+    ], d, procs)
+    _start("kwok", [
+        str(tools["kwok"]), f"--kubeconfig={kwok_kc}", f"--config={build.kwok_stages_file()}",
+        "--manage-all-nodes=false",
+        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+        "--manage-nodes-with-label-selector=",
+        "--cidr=10.0.0.1/24", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+        f"--server-address=127.0.0.1:{kwok_port}",
+    ], d, procs)
+
+    # S3: SeaweedFS with one identity; every one of its ports is a free loopback port.
+    access, secret = "transom-" + secrets.token_hex(4), secrets.token_urlsafe(24)
+    (d / "s3.json").write_text(json.dumps({"identities": [{
+        "name": "transom", "credentials": [{"accessKey": access, "secretKey": secret}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }]}))
+    s3_port = free_port()
+    weed_ports = {k: free_port() for k in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+        "filer.port.grpc", "s3.port.grpc", "webdav.port", "admin.port", "admin.port.grpc")}
+    (d / "s3").mkdir()
+    _start("weed", [
+        str(tools["weed"]), "mini", f"-dir={d / 's3'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.telemetry=false", f"-s3.port={s3_port}", f"-s3.config={d / 's3.json'}",
+        *(f"-{k}={v}" for k, v in weed_ports.items()),
+    ], d, procs)
+
+    kubectl = [str(tools["kubectl"]), f"--kubeconfig={admin_kc}"]
+    nodes = [f"kwok-node-{i}" for i in range(num_nodes)]
+    manifest = {"apiVersion": "v1", "kind": "List", "items": [_node_manifest(n) for n in nodes]}
+    applied = subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(manifest), text=True,
+                             capture_output=True, timeout=60)
+    if applied.returncode != 0:
+        raise RuntimeError(f"creating the kwok nodes failed: {applied.stderr}")
+
+    def nodes_ready() -> bool:
+        out = subprocess.run([*kubectl, "get", "nodes", "-o", "json"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+        ready = 0
+        for n in json.loads(out)["items"]:
+            conds = {c["type"]: c["status"] for c in n.get("status", {}).get("conditions", [])}
+            ready += conds.get("Ready") == "True"
+        return ready >= num_nodes
+
+    _wait("kwok nodes", nodes_ready, d)
+    s3_endpoint = f"http://127.0.0.1:{s3_port}"
+    _wait("S3 server", lambda: _http_ok(s3_endpoint), d)
+
+    env = Env(kubeconfig=admin_kc, s3_endpoint=s3_endpoint, s3_access_key=access, s3_secret_key=secret,
+              version=build.K8S_VERSION, state_dir=d, nodes=nodes, bin_dir=build.bin_dir())
+    _save(d, {"env": asdict(env), "readyz": readyz, "ca": str(ca.pair.cert),
+              "admin_cert": str(admin.cert), "admin_key": str(admin.key)})
+    return env
+
+
+def down() -> None:
+    """Stop every process the state file records (newest first) and remove the state."""
+    d = state_dir()
+    path = d / STATE_FILE
+    if path.exists():
+        procs = json.loads(path.read_text()).get("procs", {})
+        live = [p for p in reversed(list(procs.values())) if _alive(p)]
+        for p in live:
+            try:
+                os.kill(p["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in live:
+            if _alive(p):
+                os.kill(p["pid"], signal.SIGKILL)
+        for p in procs.values():  # reap the ones this process started (tests), if any
+            try:
+                os.waitpid(p["pid"], os.WNOHANG)
+            except ChildProcessError:
+                pass
+    shutil.rmtree(d, ignore_errors=True)
