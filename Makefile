@@ -1,7 +1,7 @@
 # Transom developer entry points. Everything a fresh machine needs is installed from here.
 #
 #   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20
-#   make test      unit + integration tests (installs first)
+#   make test      unit, integration and e2e tests (installs and builds the test control plane first)
 #   make generate  regenerate derived files (CRDs) from their sources
 #
 # The virtual environment lives outside the checkout (torch is several GB), keyed by the
@@ -13,7 +13,7 @@ VENV ?= $(HOME)/.cache/transom/venv-$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration generate clean-venv
+.PHONY: install testenv demo test test-unit test-integration test-e2e generate clean-venv
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,12 +26,16 @@ install: $(VENV)/.deps-installed
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	ln -sfn $(VENV) .venv
 
+# The local Kubernetes control plane's binaries (built from source once, then cached).
+testenv: install
+	hack/testenv.sh build
+
 demo: install
 	$(VENV)/bin/transom run --replicas 3 --nproc-per-replica 1 \
 		--inject kill:replica=1,step=20 --summary-json demo.summary.json \
 		-- $(PY) examples/train_tiny_gpt.py --steps 60
 
-test: install
+test: install testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-unit: install
@@ -40,8 +44,11 @@ test-unit: install
 test-integration: install
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
+test-e2e: install testenv
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
 generate: install
-	@echo "nothing to generate yet (CRDs arrive with the operator)"
+	$(PY) -m transom_operator.crdgen
 
 clean-venv:
 	rm -rf $(VENV) .venv
