@@ -35,7 +35,11 @@ def control_plane() -> Iterator[cluster.Env]:
     try:
         env = cluster.up()
     except build.MissingTool as e:
-        pytest.fail(f"the e2e control plane cannot start: {e}", pytrace=False)
+        missing = str(e)  # failed outside the handler: one message, no chained traceback
+    else:
+        missing = None
+    if missing is not None:
+        pytest.fail(f"the e2e control plane cannot start: {missing}", pytrace=False)
     try:
         yield env
     finally:

@@ -1,0 +1,45 @@
+"""CamelCase reasons of conditions, replica failures and Events, defined once.
+
+The same constants serve as `status.conditions[].reason`, `status.replicas[].lastFailure.reason`,
+`status.excludedNodes[].reason` and the `reason` of Kubernetes Events, so that a user can
+grep one word from `kubectl get events` to `kubectl get tj -o yaml`.
+"""
+
+from __future__ import annotations
+
+# --- why a replica failed (lastFailure.reason, ReplicaFailed events) ---------------
+POD_FAILED = "PodFailed"  # a container exited non-zero past the launcher's in-place restarts
+POD_DELETED = "PodDeleted"  # deleted (by a user, a drain, the pod GC) or gone
+POD_EVICTED = "PodEvicted"  # evicted by the kubelet (node pressure) or the eviction API
+NODE_NOT_READY = "NodeNotReady"  # its node NotReady for longer than the grace period
+NODE_LOST = "NodeLost"  # the kubelet reported the node lost or shut down
+FLAGGED_BY_COORDINATOR = "FlaggedByCoordinator"  # evict annotation (detector verdict, hang)
+REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
+
+# Failure reasons that say the node, not the software, is at fault.
+HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES})
+
+# --- condition reasons ----------------------------------------------------------------
+ALL_REPLICAS_HEALTHY = "AllReplicasHealthy"
+REPLICAS_STARTING = "ReplicasStarting"
+REPLACING_REPLICAS = "ReplacingReplicas"
+NO_REPLACEMENT = "NoReplacementInProgress"
+BELOW_MIN_REPLICAS = "BelowMinReplicas"
+ENOUGH_REPLICAS = "EnoughReplicas"
+TRAINING_COMPLETE = "TrainingComplete"
+NOT_COMPLETE = "NotComplete"
+TOO_MANY_RESTARTS = "TooManyRestarts"
+NOT_FAILED = "NotFailed"
+SUSPENDED = "Suspended"
+
+# --- Events (transitions a user can act on) -------------------------------------------
+EVENT_REPLICA_FAILED = "ReplicaFailed"
+EVENT_REPLICA_REPLACED = "ReplicaReplaced"
+EVENT_NODE_EXCLUDED = "NodeExcluded"
+EVENT_JOB_DEGRADED = "JobDegraded"
+EVENT_JOB_FAILED = "JobFailed"
+EVENT_JOB_SUCCEEDED = "JobSucceeded"
+EVENT_JOB_SUSPENDED = "JobSuspended"
+
+NORMAL = "Normal"
+WARNING = "Warning"

@@ -1,0 +1,108 @@
+"""What the operator sees of the world: pods and nodes reduced to the facts it decides on.
+
+`observe_pod` and `observe_node` parse raw API objects (camelCase dicts, as the API server's
+JSON or `kubernetes`' `sanitize_for_serialization` gives them); the decision functions
+never touch raw dicts, so their tests build `ObservedPod`s directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from transom import contract
+
+LABEL_SPARE = "transom.io/spare"  # set on hot-spare pods instead of transom.io/replica
+
+
+def parse_time(value: Any) -> datetime | None:
+    """An RFC 3339 timestamp ("2025-01-31T12:00:00Z") as an aware datetime; None if absent."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    """One of the job's worker (or spare) pods."""
+
+    name: str
+    uid: str
+    replica: int | None  # None for a spare pod, or a pod whose labels are not ours
+    spare: int | None
+    node_rank: int | None
+    generation: int | None
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    node_name: str | None
+    deleting: bool  # has a deletionTimestamp
+    exit_code: int | None  # of the first terminated container
+    reason: str | None  # status.reason (Evicted, NodeLost, ...) or the terminated container's
+    evict_reason: str | None  # contract.ANNOTATION_EVICT_REASON, set by the coordinator
+    created: datetime | None
+
+
+@dataclass(frozen=True)
+class ObservedNode:
+    """A node, as far as the replicas on it are concerned."""
+
+    name: str
+    ready: bool
+    not_ready_since: datetime | None  # lastTransitionTime of a Ready condition that is not True
+
+
+def _first_terminated(status: dict[str, Any]) -> dict[str, Any] | None:
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for cs in status.get(key) or []:
+            state = cs.get("state") or {}
+            if state.get("terminated"):
+                return state["terminated"]
+    return None
+
+
+def observe_pod(pod: dict[str, Any]) -> ObservedPod:
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    annotations = metadata.get("annotations") or {}
+    status = pod.get("status") or {}
+    terminated = _first_terminated(status)
+    exit_code = terminated.get("exitCode") if terminated else None
+    reason = status.get("reason") or (terminated.get("reason") if terminated else None)
+    return ObservedPod(
+        name=metadata.get("name", ""),
+        uid=metadata.get("uid", ""),
+        replica=_int_label(labels, contract.LABEL_REPLICA),
+        spare=_int_label(labels, LABEL_SPARE),
+        node_rank=_int_label(labels, contract.LABEL_NODE_RANK),
+        generation=_int_label(labels, contract.LABEL_GENERATION),
+        phase=status.get("phase") or "Pending",
+        node_name=(pod.get("spec") or {}).get("nodeName") or None,
+        deleting=metadata.get("deletionTimestamp") is not None,
+        exit_code=exit_code,
+        reason=reason,
+        evict_reason=annotations.get(contract.ANNOTATION_EVICT_REASON) or None,
+        created=parse_time(metadata.get("creationTimestamp")),
+    )
+
+
+def observe_node(node: dict[str, Any]) -> ObservedNode:
+    metadata = node.get("metadata") or {}
+    conditions = (node.get("status") or {}).get("conditions") or []
+    ready_condition = next((c for c in conditions if c.get("type") == "Ready"), None)
+    # No Ready condition yet is a node still joining: NotReady, but with no time to count from.
+    ready = ready_condition is not None and ready_condition.get("status") == "True"
+    since = None if ready or ready_condition is None else parse_time(ready_condition.get("lastTransitionTime"))
+    return ObservedNode(name=metadata.get("name", ""), ready=ready, not_ready_since=since)

@@ -1,0 +1,334 @@
+"""The replica policy: from a TrainingJob, its pods and the nodes, what to do and what status to write.
+
+`plan(job, pods, nodes, now)` is level-based and idempotent: it compares the world with the
+spec on every pass, and given the same world twice (after its status and restart history
+were written) the second plan asks for nothing new. All memory lives in the API: the
+replicas' generations, restarts and last failures in `status.replicas`, the excluded nodes
+in `status.excludedNodes`, and the restart history in the job annotation
+`failures.ANNOTATION_RESTART_HISTORY` (which the caller writes when `Plan.restart_history`
+is not None). So an operator restarted mid-recovery converges.
+
+Rules:
+- The current generation of a replica is the highest of its pods' generations and the one
+  recorded in status (0 for a new replica); pods of older generations are deleted.
+- A failed incarnation (see `failures.detect`) has all its pods deleted and the next
+  generation's created (restarts + 1, lastFailure), after a backoff that doubles with each
+  replacement of that replica within the restart window (the first one is immediate);
+  `requeue_after` says when to look again. Hardware-class failures put the node on
+  `excludedNodes` unless nodeExclusionPolicy is None; new pods avoid excluded nodes.
+- More than maxReplicaRestarts replacements within restartWindowSeconds fails the job:
+  nothing more is deleted or created. Failed and Succeeded are final.
+- Every replica's pods Succeeded: the job Succeeded. Once a replica has succeeded the
+  training is over, so a replica failing afterwards is not replaced.
+- Fewer than minReplicas healthy replicas after the job ran: Degraded.
+- spec.suspend deletes every worker pod; the replicas come back with their next
+  generation when it is cleared.
+- Replicas with ids >= spec.replicas (a scale-down) have their pods deleted.
+
+Not done yet: hot spares (spec.spareReplicas) are neither created nor promoted;
+`readySpareReplicas` is left unset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from transom_operator import api, reasons, resources
+from transom_operator.reconcile import failures
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod
+
+MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
+
+
+@dataclass
+class Plan:
+    """What one reconcile pass asks `kube.py` to do, and the status it computed."""
+
+    create: list[dict[str, Any]] = field(default_factory=list)  # pod manifests
+    delete: list[str] = field(default_factory=list)  # pod names
+    excluded_nodes_added: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    status: api.TrainingJobStatus = field(default_factory=api.TrainingJobStatus)
+    restart_history: str | None = None  # new value of the history annotation; None: unchanged
+    requeue_after: float | None = None  # seconds until a backoff or grace period runs out
+
+    def status_patch(self) -> dict[str, Any]:
+        """The operator's part of status (not `training`, which the coordinator owns)."""
+        return self.status.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"training"})
+
+    def _requeue(self, seconds: float) -> None:
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
+
+
+@dataclass
+class _Replica:
+    """One replica while planning."""
+
+    id: int
+    generation: int
+    current: dict[int, ObservedPod]  # node rank -> pod of the current generation
+    stale: list[ObservedPod]
+    recorded: api.ReplicaStatus | None
+    failure: failures.ReplicaFailure | None = None
+    state: str = "Pending"
+
+    @property
+    def restarts(self) -> int:
+        return self.recorded.restarts if self.recorded else 0
+
+    @property
+    def last_failure(self) -> api.Failure | None:
+        return self.recorded.last_failure if self.recorded else None
+
+
+def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
+           recorded: Mapping[int, api.ReplicaStatus]) -> tuple[list[_Replica], list[ObservedPod]]:
+    by_id: dict[int, list[ObservedPod]] = {}
+    extra: list[ObservedPod] = []  # pods of replicas beyond spec.replicas
+    for pod in pods:
+        if pod.replica is None or pod.generation is None or pod.node_rank is None:
+            continue  # spares (not handled yet) and pods whose labels are not ours
+        if pod.replica >= spec.replicas or pod.node_rank >= spec.nodes_per_replica:
+            extra.append(pod)
+        else:
+            by_id.setdefault(pod.replica, []).append(pod)
+    out = []
+    for rid in range(spec.replicas):
+        own = by_id.get(rid, [])
+        rec = recorded.get(rid)
+        generation = max([p.generation for p in own] + [rec.generation if rec else 0])
+        out.append(_Replica(
+            id=rid, generation=generation,
+            current={p.node_rank: p for p in own if p.generation == generation},
+            stale=[p for p in own if p.generation < generation],
+            recorded=rec,
+        ))
+    return out, extra
+
+
+def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
+    pods = [r.current.get(rank) for rank in range(nodes_per_replica)]
+    if all(p is not None and not p.deleting and p.phase == "Succeeded" for p in pods):
+        return "Succeeded"
+    if all(p is not None and not p.deleting and p.phase in ("Running", "Succeeded") for p in pods):
+        return "Running"
+    # Coming up: the first incarnation is Pending, a later one is a replacement.
+    return "Replacing" if r.last_failure is not None else "Pending"
+
+
+def _condition(type_: str, true: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
+               generation: int | None, now: datetime) -> api.Condition:
+    status = "True" if true else "False"
+    old = prev.get(type_)
+    since = old.last_transition_time if old is not None and old.status == status and old.last_transition_time else now
+    return api.Condition(type=type_, status=status, reason=reason, message=message,
+                         last_transition_time=since, observed_generation=generation)
+
+
+def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
+         nodes: Mapping[str, ObservedNode] | Iterable[ObservedNode], now: datetime) -> Plan:
+    """Actions and status for one reconcile pass of `job` (see the module docstring)."""
+    spec, ft = job.spec, job.spec.fault_tolerance
+    name = job.metadata["name"]
+    prev = job.status or api.TrainingJobStatus()
+    node_map = dict(nodes) if isinstance(nodes, Mapping) else {n.name: n for n in nodes}
+    out = Plan()
+    now_s = int(now.timestamp())
+
+    annotations = job.metadata.get("annotations") or {}
+    raw_history = annotations.get(failures.ANNOTATION_RESTART_HISTORY)
+    history = [h for h in failures.parse_history(raw_history) if now_s - h.time < ft.restart_window_seconds]
+    excluded = {e.name: e for e in prev.excluded_nodes}
+    replicas, extra = _group(pods, spec, {r.id: r for r in prev.replicas})
+    was_failed = prev.state == "Failed"
+    was_succeeded = prev.state == "Succeeded"
+    final = was_failed or was_succeeded
+    suspended = spec.suspend and not final
+
+    out.delete.extend(p.name for p in extra if not p.deleting)
+
+    # --- detect ---------------------------------------------------------------------
+    if not suspended and not final:
+        for r in replicas:
+            rec = r.recorded
+            recorded_running = (rec is not None and rec.generation == r.generation
+                                and rec.state in ("Running", "Succeeded"))
+            r.failure, recheck = failures.detect(
+                r.id, r.generation, spec.nodes_per_replica, r.current, recorded_running,
+                node_map, history, ft.node_not_ready_grace_seconds, now,
+            )
+            if recheck is not None:
+                out._requeue(recheck)
+    training_done = any(_pods_state(r, spec.nodes_per_replica) == "Succeeded" for r in replicas)
+
+    failed_now: tuple[str, str] | None = None
+    if not suspended and not final and not training_done:
+        for r in replicas:
+            if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in history):
+                history.append(failures.RestartRecord(r.id, r.generation, now_s, r.failure.node))
+        if len(history) > ft.max_replica_restarts:
+            failing = ", ".join(str(r.id) for r in replicas if r.failure)
+            failed_now = (reasons.TOO_MANY_RESTARTS,
+                          f"{len(history)} replica replacements within {ft.restart_window_seconds}s, more than "
+                          f"maxReplicaRestarts {ft.max_replica_restarts} (last failed: replica {failing})")
+
+    # --- act ------------------------------------------------------------------------
+    new_restarts = 0
+    statuses: list[api.ReplicaStatus] = []
+    for r in replicas:
+        restarts, last_failure, generation = r.restarts, r.last_failure, r.generation
+        if suspended:
+            if r.current or r.stale:
+                out.delete.extend(p.name for p in [*r.current.values(), *r.stale] if not p.deleting)
+            if r.current:
+                generation += 1  # resume as a new incarnation the coordinator has not seen
+            statuses.append(api.ReplicaStatus(id=r.id, generation=generation, state="Pending",
+                                              restarts=restarts, last_failure=last_failure))
+            continue
+        if final or failed_now or (training_done and r.failure):
+            state = _pods_state(r, spec.nodes_per_replica)
+            if r.failure or (final and r.recorded and r.recorded.state == "Failed"):
+                state = "Failed"
+                if r.failure:
+                    last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=now)
+            statuses.append(api.ReplicaStatus(
+                id=r.id, generation=generation, state=state, restarts=restarts, last_failure=last_failure,
+                nodes=[r.current[k].node_name for k in sorted(r.current) if r.current[k].node_name],
+            ))
+            continue
+
+        stale = list(r.stale)
+        current = dict(r.current)
+        if r.failure:
+            stale.extend(current.values())
+            current = {}
+            generation += 1
+            restarts += 1
+            new_restarts += 1
+            last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=now)
+            out.events.append((reasons.WARNING, reasons.EVENT_REPLICA_FAILED,
+                               f"Replica {r.id} generation {r.generation} failed: {r.failure.message}"))
+            if ft.node_exclusion_policy != "None":
+                for node, why in r.failure.exclude:
+                    if node not in excluded and len(excluded) < MAX_EXCLUDED_NODES:
+                        excluded[node] = api.ExcludedNode(name=node, reason=why, time=now)
+                        out.excluded_nodes_added.append((node, why))
+                        out.events.append((reasons.WARNING, reasons.EVENT_NODE_EXCLUDED,
+                                           f"Excluded node {node} from job {name}: {why}"))
+        out.delete.extend(p.name for p in stale if not p.deleting)
+
+        missing = [rank for rank in range(spec.nodes_per_replica) if rank not in current]
+        if missing:
+            delay = 0
+            if last_failure is not None and last_failure.time is not None:
+                in_window = sum(1 for h in history if h.replica == r.id)
+                delay = failures.backoff_seconds(in_window, ft.backoff_seconds, ft.max_backoff_seconds)
+                wait = (last_failure.time - now).total_seconds() + delay
+            else:
+                wait = 0
+            if wait <= 0:
+                for rank in missing:
+                    out.create.append(resources.worker_pod(job, r.id, rank, generation, excluded_nodes=excluded))
+                if len(missing) == spec.nodes_per_replica and last_failure is not None and generation > 0:
+                    out.events.append((reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED,
+                                       f"Creating replica {r.id} generation {generation}"))
+            else:
+                out._requeue(wait)
+        view = _Replica(r.id, generation, current, [], r.recorded)
+        state = _pods_state(view, spec.nodes_per_replica)
+        if r.failure or (state == "Pending" and last_failure is not None):
+            state = "Replacing"
+        statuses.append(api.ReplicaStatus(
+            id=r.id, generation=generation, state=state, restarts=restarts, last_failure=last_failure,
+            nodes=[current[k].node_name for k in sorted(current) if current[k].node_name],
+        ))
+
+    if failed_now or final:
+        out.create.clear()
+        out.delete.clear()
+
+    # --- status ---------------------------------------------------------------------
+    healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
+    replacing = [s.id for s in statuses if s.state == "Replacing"]
+    all_done = training_done and all(s.state in ("Succeeded", "Failed") for s in statuses)
+    ran_before = prev.state in ("Running", "Recovering", "Degraded") or any(s.restarts for s in statuses)
+    if suspended:
+        state = "Suspended"
+    elif was_failed or failed_now:
+        state = "Failed"
+    elif was_succeeded or all_done:
+        state = "Succeeded"
+    elif healthy < spec.min_replicas:
+        state = "Degraded" if ran_before else "Pending"
+    elif replacing:
+        state = "Recovering"
+    else:
+        state = "Running"
+
+    gen = job.metadata.get("generation")
+    prev_conditions = {c.type: c for c in prev.conditions}
+    old_failed = prev_conditions.get("Failed")
+    failed_message = (failed_now[1] if failed_now
+                      else old_failed.message if was_failed and old_failed and old_failed.message else "")
+
+    if state == "Running" and healthy == spec.replicas:
+        ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
+    else:
+        ready_reason = {
+            "Suspended": reasons.SUSPENDED, "Failed": reasons.TOO_MANY_RESTARTS,
+            "Succeeded": reasons.TRAINING_COMPLETE, "Degraded": reasons.BELOW_MIN_REPLICAS,
+            "Recovering": reasons.REPLACING_REPLICAS,
+        }.get(state, reasons.REPLICAS_STARTING)
+        ready_message = f"{healthy} of {spec.replicas} replicas running"
+    replacing_message = ("replacing replica " + ", ".join(map(str, replacing))) if replacing else "no replica is being replaced"
+    degraded = state == "Degraded"
+    recovering = bool(replacing) and state in ("Recovering", "Degraded")
+    conditions = [
+        _condition("Ready", ready_reason == reasons.ALL_REPLICAS_HEALTHY, ready_reason, ready_message,
+                   prev_conditions, gen, now),
+        _condition("Degraded", degraded,
+                   reasons.BELOW_MIN_REPLICAS if degraded else reasons.ENOUGH_REPLICAS,
+                   f"{healthy} of {spec.replicas} replicas healthy, minReplicas is {spec.min_replicas}"
+                   + ("; training pauses" if degraded else ""), prev_conditions, gen, now),
+        _condition("Recovering", recovering,
+                   reasons.REPLACING_REPLICAS if recovering else reasons.NO_REPLACEMENT,
+                   replacing_message if recovering else "no replica is being replaced", prev_conditions, gen, now),
+        _condition("Succeeded", state == "Succeeded",
+                   reasons.TRAINING_COMPLETE if state == "Succeeded" else reasons.NOT_COMPLETE,
+                   "training finished" if state == "Succeeded" else "training has not finished",
+                   prev_conditions, gen, now),
+        _condition("Failed", state == "Failed",
+                   reasons.TOO_MANY_RESTARTS if state == "Failed" else reasons.NOT_FAILED,
+                   failed_message or "the job has not failed", prev_conditions, gen, now),
+    ]
+
+    if state != prev.state:
+        transition_events = {
+            "Degraded": (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
+                         f"{healthy} of {spec.replicas} replicas healthy, fewer than minReplicas {spec.min_replicas}"),
+            "Failed": (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
+            "Succeeded": (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
+            "Suspended": (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
+        }
+        if state in transition_events:
+            out.events.append(transition_events[state])
+
+    out.status = api.TrainingJobStatus(
+        observed_generation=gen,
+        state=state,
+        healthy=f"{healthy}/{spec.replicas}",
+        conditions=conditions,
+        healthy_replicas=healthy,
+        total_restarts=(prev.total_restarts or 0) + (0 if failed_now else new_restarts),
+        replicas=statuses,
+        excluded_nodes=list(excluded.values()),
+        training=prev.training,
+    )
+    history.sort(key=lambda h: (h.time, h.replica, h.generation))
+    new_raw = failures.format_history(history) if history else None
+    if new_raw != (raw_history or None):
+        out.restart_history = new_raw if new_raw is not None else ""
+    return out

@@ -1,0 +1,325 @@
+"""Builders of the Kubernetes objects a TrainingJob owns, as plain manifest dicts.
+
+Pure functions of the job (the pydantic model, with `metadata.name`, `namespace` and `uid`
+as the API server returns them) and the child's identity: no I/O, so `kube.py` creates
+what these return and the tests compare dicts. Every object carries an ownerReference to
+the job (controller, blockOwnerDeletion), so deleting the job deletes them.
+
+- `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
+  the pod environment of DESIGN.md (the token only through a secretKeyRef), and a node
+  affinity keeping it off the job's excluded nodes.
+- `coordinator_resources`: the per-job coordinator: token Secret, ServiceAccount, a Role
+  limited to this job, RoleBinding, ClusterIP Service and a locked-down Deployment.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from transom import contract
+
+from transom_operator import api, naming
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "transom-operator"
+COMPONENT_WORKER = "worker"
+COMPONENT_COORDINATOR = "coordinator"
+
+# The coordinator is a small asyncio HTTP server; these hold a few thousand replicas.
+COORDINATOR_RESOURCES = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"cpu": "1", "memory": "512Mi"},
+}
+COORDINATOR_UID = 65532  # "nonroot" of distroless images; the image must not need root
+
+
+def job_name(job: api.TrainingJob) -> str:
+    return job.metadata["name"]
+
+
+def job_namespace(job: api.TrainingJob) -> str:
+    return job.metadata.get("namespace") or "default"
+
+
+def owner_reference(job: api.TrainingJob) -> dict[str, Any]:
+    """The ownerReference every child carries: the job is its controller."""
+    uid = job.metadata.get("uid")
+    if not uid:
+        raise ValueError(f"TrainingJob {job_name(job)} must have metadata.uid to own objects")
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": job_name(job),
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job_namespace(job),
+        "labels": {
+            **(labels or {}),
+            contract.LABEL_JOB: job_name(job),
+            LABEL_COMPONENT: component,
+            LABEL_MANAGED_BY: MANAGED_BY,
+        },
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+# --- worker pods ----------------------------------------------------------------------
+
+def worker_labels(job: api.TrainingJob, replica: int, node_rank: int, generation: int) -> dict[str, str]:
+    """The labels by which the operator finds a pod's replica, node rank and generation."""
+    return {
+        contract.LABEL_JOB: job_name(job),
+        contract.LABEL_REPLICA: str(replica),
+        contract.LABEL_NODE_RANK: str(node_rank),
+        contract.LABEL_GENERATION: str(generation),
+    }
+
+
+def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
+               coordinator_url: str) -> list[dict[str, Any]]:
+    """The pod environment of DESIGN.md (read by the launcher: contract.ReplicaEnv)."""
+    spec = job.spec
+    plain = {
+        contract.ENV_JOB: job_name(job),
+        contract.ENV_NAMESPACE: job_namespace(job),
+        contract.ENV_REPLICA_ID: str(replica),
+        contract.ENV_NUM_REPLICAS: str(spec.replicas),
+        contract.ENV_REPLICA_GENERATION: str(generation),
+        contract.ENV_NODE_RANK: str(node_rank),
+        contract.ENV_NNODES: str(spec.nodes_per_replica),
+        contract.ENV_NPROC_PER_NODE: str(spec.procs_per_node),
+        contract.ENV_COORDINATOR_URL: coordinator_url,
+        contract.ENV_CHECKPOINT_URI: spec.checkpoint.uri if spec.checkpoint else "",
+    }
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    env.append({
+        "name": contract.ENV_COORDINATOR_TOKEN,
+        "valueFrom": {"secretKeyRef": {"name": naming.coordinator_token_secret(job_name(job)), "key": naming.TOKEN_KEY}},
+    })
+    env.append({
+        "name": contract.ENV_ADVERTISE_ADDR,
+        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+    })
+    return env
+
+
+def _with_env(container: dict[str, Any], env: list[dict[str, Any]], env_from: list[dict[str, Any]]) -> None:
+    # The operator's values win over same-named entries of the template: the launcher must
+    # see its real identity.
+    ours = {e["name"] for e in env}
+    container["env"] = [e for e in container.get("env") or [] if e.get("name") not in ours] + copy.deepcopy(env)
+    if env_from:
+        container["envFrom"] = list(container.get("envFrom") or []) + copy.deepcopy(env_from)
+
+
+def exclude_nodes(affinity: dict[str, Any] | None, excluded: Iterable[str]) -> dict[str, Any] | None:
+    """`affinity` with a required `kubernetes.io/hostname NotIn excluded` added to every term.
+
+    Node selector terms are ORed, the expressions within a term ANDed, so the exclusion goes
+    into each existing term (or a new one), leaving the template's own rules intact.
+    """
+    names = sorted(set(excluded))
+    if not names:
+        return affinity
+    out = copy.deepcopy(affinity) if affinity else {}
+    node_affinity = out.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    expression = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}
+    for term in terms:
+        term["matchExpressions"] = list(term.get("matchExpressions") or []) + [dict(expression, values=list(names))]
+    required["nodeSelectorTerms"] = terms
+    return out
+
+
+def worker_pod(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
+               excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None) -> dict[str, Any]:
+    """Pod `node_rank` of replica `replica`, incarnation `generation`, from spec.template."""
+    name = job_name(job)
+    if coordinator_url is None:
+        coordinator_url = naming.coordinator_url(name, job_namespace(job))
+    template = copy.deepcopy(job.spec.template)
+    template_meta = template.get("metadata") or {}
+    pod_spec = template.get("spec") or {}
+
+    metadata = _metadata(
+        job, naming.worker_pod(name, replica, node_rank, generation), COMPONENT_WORKER,
+        labels={**(template_meta.get("labels") or {})},
+    )
+    metadata["labels"].update(worker_labels(job, replica, node_rank, generation))
+    if template_meta.get("annotations"):
+        metadata["annotations"] = dict(template_meta["annotations"])
+
+    env = worker_env(job, replica, node_rank, generation, coordinator_url)
+    env_from = []
+    if job.spec.checkpoint and job.spec.checkpoint.credentials_secret:
+        env_from.append({"secretRef": {"name": job.spec.checkpoint.credentials_secret.name}})
+    for key in ("initContainers", "containers"):
+        for container in pod_spec.get(key) or []:
+            _with_env(container, env, env_from)
+
+    # A replica's pod that exits is done: the launcher already restarted its processes in
+    # place; anything further is the operator's replacement of the whole replica.
+    pod_spec["restartPolicy"] = "Never"
+    affinity = exclude_nodes(pod_spec.get("affinity"), excluded_nodes)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+# --- the coordinator ------------------------------------------------------------------
+
+def coordinator_labels(job: api.TrainingJob) -> dict[str, str]:
+    return {contract.LABEL_JOB: job_name(job), LABEL_COMPONENT: COMPONENT_COORDINATOR}
+
+
+def coordinator_secret(job: api.TrainingJob, token: str) -> dict[str, Any]:
+    """The job's bearer token; workers and the coordinator read it through secretKeyRef."""
+    if not token:
+        raise ValueError("the coordinator token must not be empty")
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _metadata(job, naming.coordinator_token_secret(job_name(job)), COMPONENT_COORDINATOR),
+        "stringData": {naming.TOKEN_KEY: token},
+    }
+
+
+def coordinator_service_account(job: api.TrainingJob) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": _metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
+    }
+
+
+def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
+    """Only what the coordinator does: write its job's status.training, Events, pod annotations."""
+    name = job_name(job)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": _metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
+        "rules": [
+            {"apiGroups": [api.GROUP], "resources": [api.PLURAL], "resourceNames": [name], "verbs": ["get"]},
+            {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/status"], "resourceNames": [name],
+             "verbs": ["get", "patch"]},
+            {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+            # Pod names change with every generation, so resourceNames cannot pin them.
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+        ],
+    }
+
+
+def coordinator_role_binding(job: api.TrainingJob) -> dict[str, Any]:
+    name = naming.coordinator(job_name(job))
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": _metadata(job, name, COMPONENT_COORDINATOR),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job_namespace(job)}],
+    }
+
+
+def coordinator_service(job: api.TrainingJob) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": coordinator_labels(job),
+            "ports": [{"name": "http", "port": naming.COORDINATOR_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def coordinator_command(job: api.TrainingJob) -> list[str]:
+    """`transom coordinator` with the job's settings (flags of transom.cli)."""
+    spec = job.spec
+    return [
+        "transom", "coordinator",
+        "--port", str(naming.COORDINATOR_PORT),
+        "--job", job_name(job),
+        "--replicas", str(spec.replicas),
+        "--min-replicas", str(spec.min_replicas),
+        "--heartbeat-timeout", str(spec.fault_tolerance.heartbeat_timeout_seconds),
+    ]
+
+
+def coordinator_deployment(job: api.TrainingJob, image: str,
+                           image_pull_policy: str | None = None) -> dict[str, Any]:
+    """One coordinator pod, non-root with a read-only root filesystem, probed on /healthz."""
+    name = job_name(job)
+    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
+    container: dict[str, Any] = {
+        "name": "coordinator",
+        "image": image,
+        "command": coordinator_command(job),
+        "ports": [{"name": "http", "containerPort": naming.COORDINATOR_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": contract.ENV_JOB, "value": name},
+            {"name": contract.ENV_NAMESPACE, "value": job_namespace(job)},
+            {"name": contract.ENV_COORDINATOR_TOKEN, "valueFrom": {"secretKeyRef": {
+                "name": naming.coordinator_token_secret(name), "key": naming.TOKEN_KEY}}},
+        ],
+        "readinessProbe": {**probe, "initialDelaySeconds": 1},
+        "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 6},
+        "resources": copy.deepcopy(COORDINATOR_RESOURCES),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # Python writes nothing but may want a scratch directory.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if image_pull_policy:
+        container["imagePullPolicy"] = image_pull_policy
+    labels = coordinator_labels(job)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
+        "spec": {
+            "replicas": 1,
+            # Never two coordinators of one job at once: they would hand out two quorums.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": {**labels, LABEL_MANAGED_BY: MANAGED_BY}},
+                "spec": {
+                    "serviceAccountName": naming.coordinator(name),
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": COORDINATOR_UID,
+                        "runAsGroup": COORDINATOR_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                },
+            },
+        },
+    }
+
+
+def coordinator_resources(job: api.TrainingJob, token: str, image: str,
+                          image_pull_policy: str | None = None) -> list[dict[str, Any]]:
+    """Everything the job's coordinator needs, in an order in which creating them works."""
+    return [
+        coordinator_secret(job, token),
+        coordinator_service_account(job),
+        coordinator_role(job),
+        coordinator_role_binding(job),
+        coordinator_service(job),
+        coordinator_deployment(job, image, image_pull_policy),
+    ]

@@ -1,0 +1,422 @@
+"""The replica policy (`reconcile.replicas.plan`), run against a small simulated world.
+
+`World` holds the job, its pods and the nodes; `step()` plans, applies the plan the way
+kube.py would (deleted pods get a deletionTimestamp, created pods appear Pending, status and
+the restart-history annotation are written) and returns the plan. Each test then asserts the
+state of the world, and that planning again without a change asks for nothing new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from transom import contract
+from transom_operator import api, reasons
+from transom_operator.reconcile import failures, observe
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod
+from transom_operator.reconcile.replicas import plan
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+
+def make_job(**spec) -> api.TrainingJob:
+    full = {"replicas": 3, "minReplicas": 2, "nodesPerReplica": 2,
+            "template": {"spec": {"containers": [{"name": "t", "image": "t:1"}]}}}
+    ft = spec.pop("ft", {})
+    full["faultTolerance"] = {"backoffSeconds": 0, "maxBackoffSeconds": 0, **ft}
+    full.update(spec)
+    return api.TrainingJob.model_validate({
+        "apiVersion": api.API_VERSION, "kind": api.KIND,
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "u1", "generation": 1},
+        "spec": full,
+    })
+
+
+class World:
+    def __init__(self, job: api.TrainingJob, num_nodes: int = 10):
+        self.job = job
+        self.pods: dict[str, ObservedPod] = {}
+        self.nodes = {f"n{i}": ObservedNode(f"n{i}", True, None) for i in range(num_nodes)}
+        self.now = T0
+        self._next_node = 0
+        self._uid = 0
+
+    def step(self):
+        p = plan(self.job, list(self.pods.values()), self.nodes, self.now)
+        for name in p.delete:
+            self.pods[name] = replace(self.pods[name], deleting=True)
+        for manifest in p.create:
+            self._uid += 1
+            pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": f"uid{self._uid}"}})
+            assert pod.name not in self.pods, f"{pod.name} created twice"
+            self.pods[pod.name] = pod
+        meta = dict(self.job.metadata)
+        if p.restart_history is not None:
+            meta["annotations"] = {**meta.get("annotations", {}), failures.ANNOTATION_RESTART_HISTORY: p.restart_history}
+        # Through JSON, as the status comes back from the API server on the next pass.
+        status = api.TrainingJobStatus.model_validate(p.status_patch())
+        self.job = self.job.model_copy(update={"status": status, "metadata": meta})
+        return p
+
+    def settle(self):
+        """Deleted pods go away; the others are scheduled and run."""
+        excluded = {e.name for e in (self.job.status.excluded_nodes if self.job.status else [])}
+        for name, pod in list(self.pods.items()):
+            if pod.deleting:
+                del self.pods[name]
+            elif pod.phase == "Pending":
+                node = self._free_node(excluded)
+                self.pods[name] = replace(pod, phase="Running", node_name=node)
+
+    def _free_node(self, excluded):
+        used = {p.node_name for p in self.pods.values()}
+        for name, node in self.nodes.items():
+            if name not in used and name not in excluded and node.ready:
+                return name
+        raise AssertionError("no free node")
+
+    def set_pod(self, name, **changes):
+        self.pods[name] = replace(self.pods[name], **changes)
+
+    def pod_of(self, replica, rank=0):
+        (pod,) = [p for p in self.pods.values() if p.replica == replica and p.node_rank == rank]
+        return pod
+
+    def running(self):
+        self.step()
+        self.settle()
+        self.step()
+        return self
+
+    def assert_quiet(self):
+        again = plan(self.job, list(self.pods.values()), self.nodes, self.now)
+        assert (again.create, again.delete, again.events, again.excluded_nodes_added) == ([], [], [], [])
+        assert again.status == self.job.status
+        assert again.restart_history is None
+
+
+def cond(status, type_):
+    return next(c for c in status.conditions if c.type == type_)
+
+
+def test_first_pass_creates_every_pod_with_generation_zero():
+    w = World(make_job())
+    p = w.step()
+    assert sorted(m["metadata"]["name"] for m in p.create) == [
+        f"demo-r{r}-n{n}-g0" for r in range(3) for n in range(2)]
+    assert p.delete == [] and p.status.state == "Pending" and p.status.healthy == "0/3"
+    assert [r.state for r in p.status.replicas] == ["Pending"] * 3
+    w.assert_quiet()
+
+
+def test_running_job_is_ready_and_quiet():
+    w = World(make_job()).running()
+    s = w.job.status
+    assert s.state == "Running" and s.healthy_replicas == 3 and s.healthy == "3/3" and s.total_restarts == 0
+    assert cond(s, "Ready").status == "True" and cond(s, "Ready").reason == reasons.ALL_REPLICAS_HEALTHY
+    assert cond(s, "Degraded").status == "False" and cond(s, "Failed").status == "False"
+    assert [len(r.nodes) for r in s.replicas] == [2, 2, 2]
+    w.assert_quiet()
+
+
+def test_partial_creation_is_completed_not_counted_as_failure():
+    w = World(make_job())
+    w.step()
+    del w.pods["demo-r1-n1-g0"]  # that create never reached the API server
+    p = w.step()
+    assert [m["metadata"]["name"] for m in p.create] == ["demo-r1-n1-g0"]
+    assert p.status.total_restarts == 0 and p.events == []
+
+
+FAILURES = [
+    # what happens to replica 1's pod of rank 0, the failure reason, whether its node is excluded
+    ("exit code", dict(phase="Failed", exit_code=1, reason="Error"), reasons.POD_FAILED, None),
+    ("deleted", dict(deleting=True), reasons.POD_DELETED, None),
+    ("kubelet eviction", dict(phase="Failed", reason="Evicted"), reasons.POD_EVICTED, None),
+    ("node lost", dict(phase="Failed", reason="NodeLost"), reasons.NODE_LOST, reasons.NODE_LOST),
+    ("software verdict", dict(evict_reason="hung: no heartbeat"), reasons.FLAGGED_BY_COORDINATOR, None),
+    ("hardware verdict", dict(evict_reason="hardware: GPU Xid 79"), reasons.FLAGGED_BY_COORDINATOR,
+     reasons.FLAGGED_BY_COORDINATOR),
+]
+
+
+@pytest.mark.parametrize("what, change, reason, exclusion", FAILURES, ids=[f[0] for f in FAILURES])
+def test_failed_replica_is_replaced_alone(what, change, reason, exclusion):
+    w = World(make_job()).running()
+    others = {n: p.uid for n, p in w.pods.items() if p.replica != 1}
+    bad = w.pod_of(1)
+    w.set_pod(bad.name, **change)
+    expected_delete = [n for n in ["demo-r1-n0-g0", "demo-r1-n1-g0"] if not w.pods[n].deleting]
+    p = w.step()
+    assert sorted(p.delete) == expected_delete
+    assert sorted(m["metadata"]["name"] for m in p.create) == ["demo-r1-n0-g1", "demo-r1-n1-g1"]
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.restarts, r1.state, r1.last_failure.reason) == (1, 1, "Replacing", reason)
+    assert p.status.total_restarts == 1 and p.status.state == "Recovering"
+    assert cond(p.status, "Recovering").status == "True"
+    assert (reasons.WARNING, reasons.EVENT_REPLICA_FAILED) in [(t, r) for t, r, _ in p.events]
+    if exclusion:
+        assert p.excluded_nodes_added == [(bad.node_name, exclusion)]
+        assert [(e.name, e.reason) for e in p.status.excluded_nodes] == [(bad.node_name, exclusion)]
+        for m in p.create:
+            terms = m["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [bad.node_name]
+    else:
+        assert p.excluded_nodes_added == [] and p.status.excluded_nodes == []
+    w.assert_quiet()
+    w.settle()
+    w.step()
+    assert {n: p.uid for n, p in w.pods.items() if p.replica != 1} == others  # untouched
+    assert w.job.status.state == "Running" and w.job.status.total_restarts == 1
+    assert w.job.status.replicas[1].state == "Running"
+    w.assert_quiet()
+
+
+def test_pod_gone_without_trace_fails_a_running_replica():
+    w = World(make_job()).running()
+    del w.pods["demo-r2-n1-g0"]  # force-deleted between two passes
+    p = w.step()
+    assert p.status.replicas[2].last_failure.reason == reasons.POD_DELETED
+    assert sorted(m["metadata"]["name"] for m in p.create) == ["demo-r2-n0-g1", "demo-r2-n1-g1"]
+    assert p.delete == ["demo-r2-n0-g0"]
+
+
+def test_node_not_ready_waits_for_the_grace_period_then_excludes_the_node():
+    w = World(make_job(ft={"nodeNotReadyGraceSeconds": 30})).running()
+    bad = w.pod_of(0, rank=1)
+    w.nodes[bad.node_name] = ObservedNode(bad.node_name, False, T0)
+    w.now = T0 + timedelta(seconds=10)
+    p = w.step()
+    assert (p.create, p.delete) == ([], []) and p.requeue_after == pytest.approx(20)
+    w.now = T0 + timedelta(seconds=31)
+    p = w.step()
+    assert p.status.replicas[0].last_failure.reason == reasons.NODE_NOT_READY
+    assert p.excluded_nodes_added == [(bad.node_name, reasons.NODE_NOT_READY)]
+    assert sorted(p.delete) == ["demo-r0-n0-g0", "demo-r0-n1-g0"]
+    assert (reasons.WARNING, reasons.EVENT_NODE_EXCLUDED) in [(t, r) for t, r, _ in p.events]
+    w.assert_quiet()
+    w.settle()
+    w.step()
+    assert bad.node_name not in {q.node_name for q in w.pods.values()}
+    assert w.job.status.state == "Running"
+
+
+def test_exclusion_policy_none_excludes_nothing():
+    w = World(make_job(ft={"nodeExclusionPolicy": "None"})).running()
+    w.set_pod(w.pod_of(0).name, phase="Failed", reason="NodeLost")
+    p = w.step()
+    assert p.excluded_nodes_added == [] and len(p.create) == 2
+
+
+def test_second_failure_on_the_same_node_excludes_it():
+    w = World(make_job()).running()
+    first = w.pod_of(0)
+    w.set_pod(first.name, phase="Failed", exit_code=1)
+    assert w.step().excluded_nodes_added == []
+    w.settle()
+    w.step()
+    # replica 2 now fails on the node replica 0 failed on
+    victim = w.pod_of(2)
+    w.pods[victim.name] = replace(victim, node_name=first.node_name, phase="Failed", exit_code=1)
+    p = w.step()
+    assert p.excluded_nodes_added == [(first.node_name, reasons.REPEATED_FAILURES)]
+
+
+def test_backoff_doubles_after_the_first_replacement():
+    w = World(make_job(ft={"backoffSeconds": 10, "maxBackoffSeconds": 15})).running()
+    expected_waits = [0, 10, 15]
+    for i, wait in enumerate(expected_waits):
+        w.set_pod(f"demo-r1-n0-g{i}", phase="Failed", exit_code=1)
+        p = w.step()
+        assert len(p.delete) == 2
+        if wait == 0:
+            assert len(p.create) == 2
+        else:
+            assert p.create == [] and p.requeue_after == pytest.approx(wait)
+            assert p.status.replicas[1].state == "Replacing"
+            w.assert_quiet()
+            w.now += timedelta(seconds=wait)
+            p = w.step()
+            assert sorted(m["metadata"]["name"] for m in p.create) == [f"demo-r1-n0-g{i+1}", f"demo-r1-n1-g{i+1}"]
+            assert (reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED) in [(t, r) for t, r, _ in p.events]
+        w.settle()
+        w.step()
+        w.now += timedelta(seconds=1)
+
+
+def test_too_many_restarts_fails_the_job_and_stops_acting():
+    w = World(make_job(ft={"maxReplicaRestarts": 1})).running()
+    w.set_pod("demo-r0-n0-g0", phase="Failed", exit_code=1)
+    assert len(w.step().create) == 2
+    w.settle()
+    w.step()
+    w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert (p.create, p.delete) == ([], [])
+    assert p.status.state == "Failed" and p.status.total_restarts == 1
+    failed = cond(p.status, "Failed")
+    assert failed.status == "True" and failed.reason == reasons.TOO_MANY_RESTARTS
+    assert p.status.replicas[1].state == "Failed"
+    assert [r for _, r, _ in p.events] == [reasons.EVENT_JOB_FAILED]
+    w.assert_quiet()
+    # Final: nothing more happens whatever the pods do.
+    w.set_pod("demo-r2-n0-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert (p.create, p.delete, p.events) == ([], [], []) and p.status.state == "Failed"
+
+
+def test_restarts_outside_the_window_do_not_count():
+    w = World(make_job(ft={"maxReplicaRestarts": 1, "restartWindowSeconds": 60})).running()
+    w.set_pod("demo-r0-n0-g0", phase="Failed", exit_code=1)
+    w.step()
+    w.settle()
+    w.step()
+    w.now += timedelta(seconds=61)
+    w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert p.status.state == "Recovering" and len(p.create) == 2 and p.status.total_restarts == 2
+    assert len(failures.parse_history(p.restart_history)) == 1  # the old record was pruned
+
+
+def test_fewer_than_min_replicas_is_degraded():
+    w = World(make_job(replicas=3, minReplicas=3, ft={"backoffSeconds": 0})).running()
+    w.set_pod("demo-r0-n0-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert p.status.state == "Degraded" and p.status.healthy == "2/3"
+    d = cond(p.status, "Degraded")
+    assert d.status == "True" and d.reason == reasons.BELOW_MIN_REPLICAS
+    assert (reasons.WARNING, reasons.EVENT_JOB_DEGRADED) in [(t, r) for t, r, _ in p.events]
+    w.assert_quiet()
+    w.settle()
+    w.step()
+    assert w.job.status.state == "Running" and cond(w.job.status, "Degraded").status == "False"
+
+
+def test_starting_job_below_min_replicas_is_pending_not_degraded():
+    w = World(make_job())
+    w.step()
+    assert w.job.status.state == "Pending" and cond(w.job.status, "Degraded").status == "False"
+
+
+def test_all_pods_succeeded_is_succeeded():
+    w = World(make_job()).running()
+    for name in list(w.pods):
+        w.set_pod(name, phase="Succeeded", exit_code=0)
+    p = w.step()
+    assert p.status.state == "Succeeded" and cond(p.status, "Succeeded").status == "True"
+    assert (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished") in p.events
+    assert (p.create, p.delete) == ([], [])
+    w.assert_quiet()
+
+
+def test_failure_after_training_finished_is_not_replaced():
+    w = World(make_job()).running()
+    for name in list(w.pods):
+        w.set_pod(name, phase="Succeeded", exit_code=0)
+    w.set_pod("demo-r2-n1-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert p.create == [] and p.status.state == "Succeeded"
+    assert [r.state for r in p.status.replicas] == ["Succeeded", "Succeeded", "Failed"]
+
+
+def test_suspend_deletes_every_pod_and_resumes_with_the_next_generation():
+    w = World(make_job()).running()
+    w.job = w.job.model_copy(update={"spec": w.job.spec.model_copy(update={"suspend": True})})
+    p = w.step()
+    assert len(p.delete) == 6 and p.create == [] and p.status.state == "Suspended"
+    assert [r.generation for r in p.status.replicas] == [1, 1, 1]
+    w.assert_quiet()
+    w.settle()
+    w.step()
+    w.assert_quiet()
+    w.job = w.job.model_copy(update={"spec": w.job.spec.model_copy(update={"suspend": False})})
+    p = w.step()
+    assert sorted(m["metadata"]["name"] for m in p.create) == [
+        f"demo-r{r}-n{n}-g1" for r in range(3) for n in range(2)]
+    assert p.status.total_restarts == 0
+
+
+def test_scale_down_deletes_the_extra_replicas_pods():
+    w = World(make_job()).running()
+    w.job = w.job.model_copy(update={"spec": w.job.spec.model_copy(update={"replicas": 2})})
+    p = w.step()
+    assert sorted(p.delete) == ["demo-r2-n0-g0", "demo-r2-n1-g0"]
+    assert len(p.status.replicas) == 2 and p.status.healthy == "2/2"
+
+
+def test_operator_restart_mid_recovery_converges():
+    """Status written, pods not yet deleted nor created (the operator died between): the next
+    operator finishes the replacement without counting it twice."""
+    w = World(make_job()).running()
+    w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
+    p = plan(w.job, list(w.pods.values()), w.nodes, w.now)
+    meta = {**w.job.metadata, "annotations": {failures.ANNOTATION_RESTART_HISTORY: p.restart_history}}
+    w.job = w.job.model_copy(update={"status": p.status, "metadata": meta})  # only the status made it
+    again = w.step()
+    assert sorted(again.delete) == ["demo-r1-n0-g0", "demo-r1-n1-g0"]
+    assert sorted(m["metadata"]["name"] for m in again.create) == ["demo-r1-n0-g1", "demo-r1-n1-g1"]
+    assert again.status.total_restarts == 1 and again.events == [(
+        reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED, "Creating replica 1 generation 1")]
+    w.assert_quiet()
+
+
+def test_stale_pods_of_an_older_generation_are_deleted():
+    w = World(make_job()).running()
+    w.pods["demo-r0-n0-g7"] = replace(w.pod_of(0), name="demo-r0-n0-g7", generation=7, uid="x")
+    p = w.step()
+    # the replica's current generation is now 7: its generation-0 pods go, rank 1 is created
+    assert sorted(p.delete) == ["demo-r0-n0-g0", "demo-r0-n1-g0"]
+    assert [m["metadata"]["name"] for m in p.create] == ["demo-r0-n1-g7"]
+
+
+# --- observe --------------------------------------------------------------------------
+
+def test_observe_pod_parses_the_api_object():
+    raw = {
+        "metadata": {
+            "name": "demo-r1-n0-g2", "uid": "u", "creationTimestamp": "2025-01-01T00:00:00Z",
+            "deletionTimestamp": "2025-01-01T00:01:00Z",
+            "labels": {contract.LABEL_REPLICA: "1", contract.LABEL_NODE_RANK: "0", contract.LABEL_GENERATION: "2"},
+            "annotations": {contract.ANNOTATION_EVICT_REASON: "slow GPU"},
+        },
+        "spec": {"nodeName": "n3"},
+        "status": {"phase": "Failed", "containerStatuses": [
+            {"name": "a", "state": {"running": {}}},
+            {"name": "b", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}},
+        ]},
+    }
+    assert observe.observe_pod(raw) == ObservedPod(
+        name="demo-r1-n0-g2", uid="u", replica=1, spare=None, node_rank=0, generation=2, phase="Failed",
+        node_name="n3", deleting=True, exit_code=137, reason="OOMKilled", evict_reason="slow GPU", created=T0,
+    )
+
+
+def test_observe_pod_tolerates_a_bare_object():
+    pod = observe.observe_pod({"metadata": {"name": "x", "labels": {contract.LABEL_REPLICA: "a"}}})
+    assert (pod.replica, pod.phase, pod.node_name, pod.deleting, pod.exit_code) == (None, "Pending", None, False, None)
+
+
+@pytest.mark.parametrize("conditions, expected", [
+    ([{"type": "Ready", "status": "True", "lastTransitionTime": "2025-01-01T00:00:00Z"}], (True, None)),
+    ([{"type": "Ready", "status": "Unknown", "lastTransitionTime": "2025-01-01T00:00:00Z"}], (False, T0)),
+    ([{"type": "MemoryPressure", "status": "False"},
+      {"type": "Ready", "status": "False", "lastTransitionTime": "2025-01-01T00:00:00Z"}], (False, T0)),
+    ([], (False, None)),
+])
+def test_observe_node(conditions, expected):
+    node = observe.observe_node({"metadata": {"name": "n1"}, "status": {"conditions": conditions}})
+    assert (node.name, node.ready, node.not_ready_since) == ("n1", *expected)
+
+
+@pytest.mark.parametrize("n, expected", [(0, 0), (1, 0), (2, 10), (3, 20), (4, 40), (5, 60), (60, 60)])
+def test_backoff_seconds(n, expected):
+    assert failures.backoff_seconds(n, backoff=10, max_backoff=60) == expected
+
+
+def test_unreadable_history_is_no_history():
+    assert failures.parse_history("not json") == [] and failures.parse_history('[[1,2]]') == []
+    records = [failures.RestartRecord(1, 0, 5, "n1"), failures.RestartRecord(0, 3, 9, None)]
+    assert failures.parse_history(failures.format_history(records)) == records

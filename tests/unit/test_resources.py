@@ -1,0 +1,210 @@
+"""Manifests built for a TrainingJob: worker pods (labels, environment, affinity, owner) and
+the coordinator's objects (least-privilege Role, locked-down Deployment)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from transom import contract
+from transom_operator import api, naming, resources
+
+
+def make_job(**spec_overrides) -> api.TrainingJob:
+    spec = {
+        "replicas": 3, "minReplicas": 2, "nodesPerReplica": 2, "procsPerNode": 8,
+        "template": {
+            "metadata": {"labels": {"team": "llm"}, "annotations": {"a": "b"}},
+            "spec": {"containers": [{"name": "trainer", "image": "trainer:1",
+                                     "env": [{"name": "FOO", "value": "1"},
+                                             {"name": contract.ENV_REPLICA_ID, "value": "99"}]}]},
+        },
+        "checkpoint": {"uri": "s3://bucket/run", "credentialsSecret": {"name": "s3-creds"}},
+    }
+    spec.update(spec_overrides)
+    return api.TrainingJob.model_validate({
+        "apiVersion": api.API_VERSION, "kind": api.KIND,
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": spec,
+    })
+
+
+def env_of(container):
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_worker_pod_identity_and_owner():
+    pod = resources.worker_pod(make_job(), replica=1, node_rank=0, generation=4)
+    meta = pod["metadata"]
+    assert meta["name"] == "demo-r1-n0-g4" and meta["namespace"] == "ml"
+    assert {k: meta["labels"][k] for k in (contract.LABEL_JOB, contract.LABEL_REPLICA,
+                                           contract.LABEL_NODE_RANK, contract.LABEL_GENERATION)} == {
+        contract.LABEL_JOB: "demo", contract.LABEL_REPLICA: "1",
+        contract.LABEL_NODE_RANK: "0", contract.LABEL_GENERATION: "4",
+    }
+    assert meta["labels"]["team"] == "llm" and meta["annotations"] == {"a": "b"}
+    assert meta["ownerReferences"] == [{
+        "apiVersion": "transom.io/v1alpha1", "kind": "TrainingJob", "name": "demo", "uid": "uid-1",
+        "controller": True, "blockOwnerDeletion": True,
+    }]
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_worker_pod_environment():
+    pod = resources.worker_pod(make_job(), replica=2, node_rank=1, generation=3)
+    env = env_of(pod["spec"]["containers"][0])
+    plain = {k: v["value"] for k, v in env.items() if "value" in v}
+    assert plain == {
+        "FOO": "1",
+        contract.ENV_JOB: "demo", contract.ENV_NAMESPACE: "ml",
+        contract.ENV_REPLICA_ID: "2",  # the operator's value wins over the template's
+        contract.ENV_NUM_REPLICAS: "3", contract.ENV_REPLICA_GENERATION: "3",
+        contract.ENV_NODE_RANK: "1", contract.ENV_NNODES: "2", contract.ENV_NPROC_PER_NODE: "8",
+        contract.ENV_COORDINATOR_URL: "http://demo-coordinator.ml.svc:8080",
+        contract.ENV_CHECKPOINT_URI: "s3://bucket/run",
+    }
+    assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
+    token = env[contract.ENV_COORDINATOR_TOKEN]
+    assert "value" not in token
+    assert token["valueFrom"] == {"secretKeyRef": {"name": "demo-coordinator-token", "key": "token"}}
+    assert env[contract.ENV_ADVERTISE_ADDR]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+
+
+def test_worker_pod_environment_is_what_the_launcher_reads():
+    pod = resources.worker_pod(make_job(), replica=2, node_rank=1, generation=3)
+    environ = {k: v["value"] for k, v in env_of(pod["spec"]["containers"][0]).items() if "value" in v}
+    got = contract.ReplicaEnv.from_environ(environ)
+    assert (got.replica_id, got.num_replicas, got.generation, got.node_rank, got.nnodes, got.nproc_per_node) == (
+        2, 3, 3, 1, 2, 8)
+
+
+def test_worker_pod_does_not_touch_the_job():
+    job = make_job()
+    before = copy.deepcopy(job.spec.template)
+    resources.worker_pod(job, 0, 0, 0, excluded_nodes=["n1"])
+    assert job.spec.template == before
+
+
+def test_no_checkpoint_gives_empty_uri_and_no_env_from():
+    pod = resources.worker_pod(make_job(checkpoint=None), 0, 0, 0)
+    container = pod["spec"]["containers"][0]
+    assert env_of(container)[contract.ENV_CHECKPOINT_URI]["value"] == ""
+    assert "envFrom" not in container
+
+
+NOT_IN = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["a", "b"]}
+
+
+@pytest.mark.parametrize("template_affinity, expected", [
+    (None, {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [NOT_IN]}]}}}),
+    # the template's terms are ORed: the exclusion is ANDed into each of them
+    ({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]},
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]},
+    ]}}, "podAffinity": {"x": 1}},
+     {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+         {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}, NOT_IN]},
+         {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}, NOT_IN]},
+     ]}}, "podAffinity": {"x": 1}}),
+    ({"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}]}},
+     {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}],
+                       "requiredDuringSchedulingIgnoredDuringExecution": {
+                           "nodeSelectorTerms": [{"matchExpressions": [NOT_IN]}]}}}),
+])
+def test_excluded_nodes_affinity(template_affinity, expected):
+    template = make_job().spec.template
+    if template_affinity:
+        template = {**template, "spec": {**template["spec"], "affinity": template_affinity}}
+    job = make_job(template=template)
+    pod = resources.worker_pod(job, 0, 0, 0, excluded_nodes=["b", "a", "b"])
+    assert pod["spec"]["affinity"] == expected
+
+
+def test_no_excluded_nodes_adds_no_affinity():
+    assert "affinity" not in resources.worker_pod(make_job(), 0, 0, 0)["spec"]
+
+
+def test_owner_needs_uid():
+    job = make_job()
+    job.metadata.pop("uid")
+    with pytest.raises(ValueError, match="uid"):
+        resources.worker_pod(job, 0, 0, 0)
+
+
+def by_kind(objs):
+    return {o["kind"]: o for o in objs}
+
+
+def test_coordinator_resources_are_owned_and_named():
+    objs = resources.coordinator_resources(make_job(), token="s3cret", image="transom:1")
+    assert [o["kind"] for o in objs] == ["Secret", "ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"]
+    for o in objs:
+        assert o["metadata"]["namespace"] == "ml"
+        assert o["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert o["metadata"]["labels"][contract.LABEL_JOB] == "demo"
+    k = by_kind(objs)
+    assert k["Secret"]["metadata"]["name"] == "demo-coordinator-token"
+    assert k["Secret"]["stringData"] == {"token": "s3cret"}
+    assert {k[x]["metadata"]["name"] for x in ("ServiceAccount", "Role", "RoleBinding", "Service", "Deployment")} == {
+        "demo-coordinator"}
+
+
+def test_coordinator_role_is_least_privilege():
+    role = resources.coordinator_role(make_job())
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    status = rules[(("transom.io",), ("trainingjobs/status",))]
+    assert status["resourceNames"] == ["demo"] and sorted(status["verbs"]) == ["get", "patch"]
+    assert rules[(("transom.io",), ("trainingjobs",))]["resourceNames"] == ["demo"]
+    assert rules[(("",), ("pods",))]["verbs"] == ["get", "patch"]
+    for r in role["rules"]:
+        assert not {"*", "delete", "create", "list", "watch", "update"} & set(r["verbs"]) or r["resources"] == ["events"]
+        assert "*" not in r["resources"] and "*" not in r["apiGroups"]
+    binding = resources.coordinator_role_binding(make_job())
+    assert binding["roleRef"]["name"] == "demo-coordinator"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-coordinator", "namespace": "ml"}]
+
+
+def test_coordinator_deployment_is_locked_down():
+    dep = resources.coordinator_deployment(make_job(), image="transom:1")
+    spec = dep["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert pod["serviceAccountName"] == "demo-coordinator"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" == c["livenessProbe"]["httpGet"]["path"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert c["command"] == ["transom", "coordinator", "--port", "8080", "--job", "demo", "--replicas", "3",
+                            "--min-replicas", "2", "--heartbeat-timeout", "30"]
+    token = env_of(c)[contract.ENV_COORDINATOR_TOKEN]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "demo-coordinator-token", "key": "token"}
+
+
+def test_coordinator_command_parses_with_the_cli():
+    from transom import cli
+
+    command = resources.coordinator_command(make_job())
+    args = cli.parser().parse_args(command[1:])
+    assert (args.cmd, args.port, args.job, args.replicas, args.min_replicas, args.heartbeat_timeout) == (
+        "coordinator", 8080, "demo", 3, 2, 30.0)
+
+
+def test_coordinator_service_selects_the_deployment_pods():
+    job = make_job()
+    svc = resources.coordinator_service(job)
+    dep = resources.coordinator_deployment(job, image="transom:1")
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["port"] == naming.COORDINATOR_PORT
+    assert svc["spec"]["type"] == "ClusterIP"
+
+
+def test_empty_token_is_refused():
+    with pytest.raises(ValueError):
+        resources.coordinator_secret(make_job(), "")
