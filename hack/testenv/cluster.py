@@ -73,10 +73,10 @@ def free_port() -> int:
 
 
 # --- processes ----------------------------------------------------------------------------
-def _start(name: str, argv: list[str], d: Path, procs: dict) -> None:
+def _start(name: str, argv: list[str], d: Path, procs: dict, env: dict | None = None) -> None:
     log = open(d / "logs" / f"{name}.log", "ab")
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True, cwd=d)
+                         start_new_session=True, cwd=d, env={**os.environ, **(env or {})})
     procs[name] = {"pid": p.pid, "exe": str(Path(argv[0]).resolve())}
     _save(d, {"procs": procs})  # record at once: a failed up must still be stoppable
 
@@ -248,6 +248,10 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
         "--authorization-mode=RBAC", "--anonymous-auth=false", "--allow-privileged=true",
         "--enable-priority-and-fairness=false", "--profiling=false",
         "--endpoint-reconciler-type=none",
+        # Streaming lists (WatchList) need etcd progress notifications, which Debian's etcd
+        # 3.4 lacks: kwok's newer client-go would see every watch end at once and notice new
+        # pods only on relists, tens of seconds late. Off, clients fall back to list+watch.
+        "--feature-gates=WatchList=false",
     ], d, procs)
     readyz = f"{server}/readyz"
     _wait("kube-apiserver", lambda: _https_ok(readyz, ca.pair.cert, admin), d)
@@ -295,6 +299,7 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
     _start("weed", [
         str(tools["weed"]), "mini", f"-dir={d / 's3'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-master.telemetry=false", f"-s3.port={s3_port}", f"-s3.config={d / 's3.json'}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",  # off: their defaults are fixed ports
         *(f"-{k}={v}" for k, v in weed_ports.items()),
     ], d, procs)
 
