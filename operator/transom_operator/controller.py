@@ -1,0 +1,98 @@
+"""One reconcile pass of one TrainingJob: read the world, plan (pure), act, write status once.
+
+This is the glue between `kube.py` (all I/O) and `reconcile/` (all decisions). It is
+synchronous; the kopf daemon runs it in a worker thread. Every pass starts from what the
+API server says, so a pass interrupted anywhere (operator killed mid-recovery) is simply
+repeated by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from transom_operator import api, metrics, naming, resources
+from transom_operator.kube import Kube
+from transom_operator.reconcile import failures, replicas
+from transom_operator.reconcile.observe import observe_node, observe_pod
+
+log = logging.getLogger("transom.operator")
+DEFAULT_REQUEUE_S = 10.0
+
+
+@dataclass
+class Controller:
+    kube: Kube
+    coordinator_image: str
+    # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
+    _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
+    _states: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """Returns seconds until the next pass is due (None: the job is gone)."""
+        t0 = time.monotonic()
+        try:
+            return self._reconcile(namespace, name)
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
+
+    def _reconcile(self, namespace: str, name: str) -> float | None:
+        raw = self.kube.get_job(namespace, name)
+        if raw is None or raw["metadata"].get("deletionTimestamp"):
+            self._set_state(namespace, name, None)
+            return None  # owned objects go with it (ownerReferences)
+        job = api.TrainingJob.model_validate(raw)
+        self._ensure_coordinator(namespace, job)
+        pods = [observe_pod(p) for p in self.kube.list_pods(namespace, name)]
+        nodes = [observe_node(n) for n in self.kube.list_nodes()]
+        now = datetime.now(timezone.utc)
+        plan = replicas.plan(job, pods, nodes, now)
+
+        for pod in plan.delete:
+            on_dead_node = any(p.name == pod and p.node_name in {n for n, _ in plan.excluded_nodes_added} for p in pods)
+            self.kube.delete_pod(namespace, pod, force=on_dead_node)
+        for manifest in plan.create:
+            self.kube.create(namespace, manifest)
+        for node, reason in plan.excluded_nodes_added:
+            self.kube.exclude_node(node, job.spec.fault_tolerance.node_exclusion_policy, reason)
+        if plan.restart_history is not None:
+            value = plan.restart_history or None  # "" removes the annotation
+            self.kube.patch_job_annotations(namespace, name, {failures.ANNOTATION_RESTART_HISTORY: value})
+        self.kube.patch_job_status(namespace, name, plan.status_patch())
+        for type_, reason, message in plan.events:
+            self.kube.event(raw, type_, reason, message)
+            log.info("%s/%s: %s", namespace, name, message)
+        self._observe(namespace, name, job, plan)
+        self._set_state(namespace, name, plan.status.state)
+        return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
+
+    def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
+        name = job.metadata["name"]
+        if self.kube.deployment_exists(namespace, naming.coordinator(name)):
+            return
+        # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
+        for manifest in resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image):
+            self.kube.create(namespace, manifest)
+
+    def _observe(self, namespace: str, name: str, job: api.TrainingJob, plan: replicas.Plan) -> None:
+        before = {r.id: r for r in (job.status.replicas if job.status and job.status.replicas else [])}
+        for r in plan.status.replicas or []:
+            old = before.get(r.id)
+            if old is not None and r.generation > old.generation and r.last_failure is not None:
+                metrics.REPLICA_FAILURES.labels(r.last_failure.reason).inc()
+                metrics.REPLACEMENTS.inc()
+                self._replacing[(namespace, name, r.id, r.generation)] = time.monotonic()
+            key = (namespace, name, r.id, r.generation)
+            if r.state == "Running" and key in self._replacing:
+                metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
+
+    def _set_state(self, namespace: str, name: str, state: str | None) -> None:
+        if state is None:
+            self._states.pop((namespace, name), None)
+        else:
+            self._states[(namespace, name)] = state
+        for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
+            metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))

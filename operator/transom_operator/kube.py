@@ -1,0 +1,144 @@
+"""The only module that talks to the Kubernetes API server.
+
+Reads come back as plain dicts (the API's own camelCase JSON, `_preload_content=False`) so
+the pure reconcile code parses exactly what the server sent. Writes are idempotent where
+Kubernetes lets them be: a 409 on create means the object exists (deterministic names), a
+404 on delete means it is gone already.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any
+
+from kubernetes import client, dynamic
+from kubernetes.client.rest import ApiException
+
+from transom import contract
+
+log = logging.getLogger("transom.operator")
+GROUP, VERSION, PLURAL = "transom.io", "v1alpha1", "trainingjobs"
+EXCLUDE_TAINT_KEY = "transom.io/excluded"
+
+
+def _json(resp) -> Any:
+    return json.loads(resp.data)
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+        self.rbac = client.RbacAuthorizationV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.dynamic = dynamic.DynamicClient(api)
+        self.requests = 0  # API calls made, for the reaction benchmark
+
+    def _resource(self, manifest: dict):
+        # The dynamic client sends the manifest as it is: the typed client would re-validate
+        # it against its own models and refuse valid YAML (e.g. `nvidia.com/gpu: 8`).
+        return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+
+    # --- reads ---------------------------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> dict | None:
+        self.requests += 1
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_pods(self, namespace: str, job: str) -> list[dict]:
+        self.requests += 1
+        resp = self.core.list_namespaced_pod(
+            namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False)
+        return _json(resp)["items"]
+
+    def list_nodes(self) -> list[dict]:
+        self.requests += 1
+        return _json(self.core.list_node(_preload_content=False))["items"]
+
+    def deployment_exists(self, namespace: str, name: str) -> bool:
+        self.requests += 1
+        try:
+            self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    # --- writes --------------------------------------------------------------------------
+    def create(self, namespace: str, manifest: dict) -> bool:
+        """Create any of the kinds the operator makes; False if it already existed."""
+        self.requests += 1
+        try:
+            self._resource(manifest).create(body=manifest, namespace=namespace)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    def delete_pod(self, namespace: str, name: str, force: bool = False) -> None:
+        self.requests += 1
+        try:
+            # A pod on a dead node never confirms its own deletion: force it.
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,
+                                            _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
+        self.requests += 1
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False)
+
+    def patch_job_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        self.requests += 1
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, {"metadata": {"annotations": annotations}},
+            _preload_content=False)
+
+    def exclude_node(self, node: str, policy: str, reason: str) -> None:
+        """Taint (NoSchedule) or cordon a node the job excluded; `Exclude` touches nothing."""
+        if policy == "Cordon":
+            body: dict = {"spec": {"unschedulable": True}}
+        elif policy == "Taint":
+            current = self.core.read_node(node).spec.taints or []
+            taints = [t.to_dict() for t in current if t.key != EXCLUDE_TAINT_KEY]
+            taints.append({"key": EXCLUDE_TAINT_KEY, "value": reason[:63], "effect": "NoSchedule"})
+            body = {"spec": {"taints": taints}}
+        else:
+            return
+        self.requests += 1
+        nodes = self.dynamic.resources.get(api_version="v1", kind="Node")
+        nodes.patch(body=body, name=node, content_type="application/merge-patch+json")
+
+    def event(self, job: dict, type_: str, reason: str, message: str) -> None:
+        meta = job["metadata"]
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "name": meta["name"],
+                "namespace": meta["namespace"], "uid": meta["uid"],
+            },
+            "type": type_, "reason": reason, "message": message[:1024],
+            "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "eventTime": now,
+            "reportingComponent": "transom-operator", "reportingInstance": "transom-operator",
+            "action": reason, "source": {"component": "transom-operator"}, "count": 1,
+        }
+        self.requests += 1
+        try:
+            self._resource(body).create(body=body, namespace=meta["namespace"])
+        except ApiException as e:  # an Event is a courtesy: never fail a reconcile for it
+            log.warning("could not post event %s for %s: %s", reason, meta["name"], e.reason)

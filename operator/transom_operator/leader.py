@@ -1,0 +1,98 @@
+"""Leader election on a coordination.k8s.io Lease: two operator replicas never both act.
+
+The holder renews the Lease every `renew_s`; another instance takes it over only once it
+has not been renewed for `duration_s`. Updates carry the resourceVersion they read, so two
+candidates racing for an expired Lease cannot both win (the loser gets 409). An instance
+that cannot renew in time stops acting before anyone else may start (`is_leader` checks
+its own last renewal against the duration).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from transom_operator import metrics
+
+log = logging.getLogger("transom.operator")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _fmt(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, identity: str,
+                 duration_s: int = 15, renew_s: float = 3.0):
+        self.coord = client.CoordinationV1Api(api)
+        self.namespace, self.name, self.identity = namespace, name, identity
+        self.duration_s, self.renew_s = duration_s, renew_s
+        self._renewed_at = 0.0  # monotonic time of our last successful renewal
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="transom-leader", daemon=True)
+
+    def is_leader(self) -> bool:
+        # Stop acting a safety margin before the Lease could be taken from us.
+        return time.monotonic() - self._renewed_at < self.duration_s - self.renew_s
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._try_once()
+            except Exception as e:  # API briefly unavailable: keep trying, stop acting when stale
+                log.warning("leader election: %s", e)
+            metrics.IS_LEADER.set(1 if self.is_leader() else 0)
+            self._stop.wait(self.renew_s)
+
+    def _try_once(self) -> None:
+        now = _now()
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": self.duration_s,
+                "renewTime": _fmt(now)}
+        try:
+            lease = self.coord.read_namespaced_lease(self.name, self.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            body = {"metadata": {"name": self.name}, "spec": {**spec, "acquireTime": _fmt(now)}}
+            try:
+                self.coord.create_namespaced_lease(self.namespace, body)
+                self._won()
+            except ApiException as e2:
+                if e2.status != 409:
+                    raise
+            return
+        holder = lease.spec.holder_identity
+        renewed = lease.spec.renew_time or lease.spec.acquire_time
+        expired = renewed is None or (now - renewed).total_seconds() > (lease.spec.lease_duration_seconds or 0)
+        if holder != self.identity and not expired:
+            return
+        body = {"metadata": {"name": self.name, "resourceVersion": lease.metadata.resource_version},
+                "spec": {**spec, "acquireTime": _fmt(now) if holder != self.identity else
+                         _fmt(lease.spec.acquire_time or now)}}
+        try:
+            self.coord.replace_namespaced_lease(self.name, self.namespace, body)
+            if holder != self.identity:
+                log.info("acquired leadership (lease %s/%s) from %s", self.namespace, self.name, holder)
+            self._won()
+        except ApiException as e:
+            if e.status != 409:  # 409: someone else updated it first
+                raise
+
+    def _won(self) -> None:
+        self._renewed_at = time.monotonic()

@@ -1,0 +1,80 @@
+"""`transom-operator`: run the operator from source (or in its image).
+
+    transom-operator [--namespace NS ...] [--metrics-port 8080] [--coordinator-image IMG]
+
+Credentials come from KUBECONFIG or the in-cluster ServiceAccount. Leader election on a
+Lease in --lease-namespace makes a second instance stand by until the first stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import uuid
+
+import kopf
+from kubernetes import client, config
+from prometheus_client import start_http_server
+
+from transom_operator import handlers  # noqa: F401  (registers the handlers)
+from transom_operator import metrics
+from transom_operator.controller import Controller
+from transom_operator.kube import Kube
+from transom_operator.leader import LeaderElector
+
+DEFAULT_IMAGE = "ghcr.io/transom-io/transom-trainer:0.1.0"
+
+
+def _api_client() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="transom-operator", description=__doc__.splitlines()[0])
+    p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port; 0 disables")
+    p.add_argument("--metrics-address", default="0.0.0.0")
+    p.add_argument("--coordinator-image", default=os.environ.get("TRANSOM_COORDINATOR_IMAGE", DEFAULT_IMAGE))
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    p.add_argument("--lease-name", default="transom-operator")
+    p.add_argument("--resync-seconds", type=float, default=10.0, help="longest time between two passes of a job")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    api = _api_client()
+    identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
+    leader = LeaderElector(api, args.lease_namespace, args.lease_name, identity)
+    leader.start()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_address, registry=metrics.REGISTRY)
+    memo = kopf.Memo(controller=Controller(Kube(api), args.coordinator_image), leader=leader, wakeups={},
+                     resync_s=args.resync_seconds)
+
+    @kopf.on.startup()
+    def configure(settings: kopf.OperatorSettings, **_):
+        settings.posting.level = logging.WARNING  # our own Events carry the user-facing story
+        settings.watching.server_timeout = 60
+        settings.persistence.finalizer = "transom.io/operator"
+
+    try:
+        kopf.run(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=True,  # we elect a leader on a Lease instead of kopf's peering CRDs
+            memo=memo,
+        )
+    finally:
+        leader.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""Prometheus metrics of the operator (prefix `transom_operator_`, bounded labels only)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+JOBS = Gauge("transom_operator_jobs", "TrainingJobs by state", ["state"], registry=REGISTRY)
+REPLICA_FAILURES = Counter(
+    "transom_operator_replica_failures", "Replica failures detected, by reason", ["reason"], registry=REGISTRY
+)
+REPLACEMENTS = Counter("transom_operator_replacements", "Replica incarnations replaced", registry=REGISTRY)
+REPLACEMENT_SECONDS = Histogram(
+    "transom_operator_replacement_seconds",
+    "From a replica failure detected to all of its replacement pods Running",
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+RECONCILE_SECONDS = Histogram(
+    "transom_operator_reconcile_seconds", "Duration of one reconcile pass of one job",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=REGISTRY,
+)
+IS_LEADER = Gauge("transom_operator_leader", "1 while this operator instance holds the lease", registry=REGISTRY)

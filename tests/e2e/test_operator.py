@@ -1,0 +1,177 @@
+"""The operator against the real control plane: a replica is replaced alone, off bad nodes.
+
+The operator runs from source (`transom-operator`, a real process) against the session's
+API server; the job is examples/trainingjob.yaml (3 replicas of one kwok GPU node each, so
+a fourth node is free for a replacement). Assertions are on the state of the world: pods,
+their uids and generations, the job's status, Events, the Lease.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kube_helpers import make_node_not_ready, restore_kwok_node, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "trainingjobs.transom.io.yaml"
+EXAMPLE = ROOT / "examples" / "trainingjob.yaml"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Operator:
+    """One `transom-operator` process; stop() is SIGTERM, kill() is SIGKILL."""
+
+    def __init__(self, kubeconfig: Path, lease_namespace: str, log: Path):
+        self.log = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "transom_operator.main", "--metrics-port", "0",
+             "--lease-namespace", lease_namespace, "--resync-seconds", "5"],
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def crd(kubectl):
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kubectl("wait", "--for=condition=Established", "crd/trainingjobs.transom.io", "--timeout=60s", timeout_s=90)
+
+
+@pytest.fixture
+def operator(control_plane, crd, namespace, tmp_path):
+    op = Operator(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
+    yield op
+    op.stop()
+
+
+def _job(kubectl, namespace: str) -> dict:
+    return json.loads(kubectl("get", "tj", "tiny-gpt", "-n", namespace, "-o", "json").stdout)
+
+
+def _pods(kubectl, namespace: str) -> dict[str, dict]:
+    selector = "transom.io/job=tiny-gpt,transom.io/replica"  # worker pods, not the coordinator
+    out = json.loads(kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)
+    return {p["metadata"]["name"]: p for p in out["items"] if not p["metadata"].get("deletionTimestamp")}
+
+
+def _apply_example(kubectl, namespace: str, **ft) -> None:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest = copy.deepcopy(manifest)
+    manifest["spec"]["faultTolerance"].update(ft)
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+def _wait_running(kubectl, namespace: str, timeout_s: float = 90) -> dict:
+    def ready():
+        st = _job(kubectl, namespace).get("status", {})
+        return st if st.get("healthyReplicas") == 3 and st.get("state") == "Running" else None
+
+    return wait_for(ready, timeout_s, "job Running with 3/3 healthy replicas")
+
+
+def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace)
+    status = _wait_running(kubectl, namespace)
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["reason"]
+    pods = _pods(kubectl, namespace)
+    assert sorted(p["metadata"]["labels"]["transom.io/replica"] for p in pods.values()) == ["0", "1", "2"]
+    assert all(p["metadata"]["labels"]["transom.io/generation"] == "0" for p in pods.values())
+    assert len({p["spec"]["nodeName"] for p in pods.values()}) == 3
+    env = {e["name"]: e for e in next(iter(pods.values()))["spec"]["containers"][0]["env"]}
+    assert "secretKeyRef" in env["TRANSOM_COORDINATOR_TOKEN"]["valueFrom"]  # never a literal
+    assert kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace).returncode == 0
+    header = kubectl("get", "tj", "-n", namespace).stdout.splitlines()
+    assert "3/3" in header[1]
+
+
+def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    before = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items()}
+    kubectl("delete", "pod", "tiny-gpt-r1-n0-g0", "-n", namespace, "--grace-period=0", "--force")
+    wait_for(lambda: "tiny-gpt-r1-n0-g1" in _pods(kubectl, namespace), 30, "replica 1 generation 1 created")
+    status = _wait_running(kubectl, namespace)
+    after = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items()}
+    for name in ("tiny-gpt-r0-n0-g0", "tiny-gpt-r2-n0-g0"):
+        assert after[name] == before[name], f"{name} was touched"
+    assert status["totalRestarts"] == 1
+    r1 = next(r for r in status["replicas"] if r["id"] == 1)
+    assert r1["generation"] == 1 and r1["lastFailure"]["reason"]
+    events = kubectl("get", "events", "-n", namespace, "-o", "json").stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert {"ReplicaFailed", "ReplicaReplaced"} <= reasons
+
+
+def test_node_not_ready_replaces_the_replica_elsewhere_and_excludes_the_node(
+    kubectl, namespace, operator, core_v1
+):
+    _apply_example(kubectl, namespace, nodeNotReadyGraceSeconds=2)
+    _wait_running(kubectl, namespace)
+    victim = _pods(kubectl, namespace)["tiny-gpt-r0-n0-g0"]["spec"]["nodeName"]
+    make_node_not_ready(core_v1, victim)
+    try:
+        wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 60, "replica 0 replaced")
+        status = _wait_running(kubectl, namespace)
+        assert victim in [n["name"] for n in status["excludedNodes"]]
+        new = _pods(kubectl, namespace)["tiny-gpt-r0-n0-g1"]
+        assert new["spec"]["nodeName"] != victim
+        terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert any(victim in e.get("values", []) for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"])
+    finally:
+        restore_kwok_node(core_v1, victim)
+
+
+def test_failed_pod_is_replaced(kubectl, namespace, operator, core_v1):
+    from kube_helpers import fail_pod
+
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    fail_pod(core_v1, namespace, "tiny-gpt-r2-n0-g0", exit_code=1)
+    wait_for(lambda: "tiny-gpt-r2-n0-g1" in _pods(kubectl, namespace), 30, "replica 2 replaced")
+    status = _wait_running(kubectl, namespace)
+    r2 = next(r for r in status["replicas"] if r["id"] == 2)
+    assert r2["lastFailure"]["reason"] == "PodFailed"
+
+
+def test_operator_killed_mid_recovery_converges_and_only_one_of_two_acts(
+    kubectl, namespace, operator, control_plane, tmp_path
+):
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    second = Operator(control_plane.kubeconfig, namespace, tmp_path / "second.log")
+    try:
+        time.sleep(2)
+        lease = json.loads(kubectl("get", "lease", "transom-operator", "-n", namespace, "-o", "json").stdout)
+        holder = lease["spec"]["holderIdentity"]
+        # Kill the leader the moment a failure appears: the recovery is left half done.
+        kubectl("delete", "pod", "tiny-gpt-r0-n0-g0", "-n", namespace, "--grace-period=0", "--force")
+        operator.stop(signal.SIGKILL)
+        # The standby takes the Lease over once it expires and finishes the replacement.
+        wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 60, "replacement after failover")
+        status = _wait_running(kubectl, namespace)
+        assert status["totalRestarts"] == 1  # not counted twice
+        lease = json.loads(kubectl("get", "lease", "transom-operator", "-n", namespace, "-o", "json").stdout)
+        assert lease["spec"]["holderIdentity"] != holder
+    finally:
+        second.stop()
