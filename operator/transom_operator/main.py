@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port; 0 disables")
     p.add_argument("--metrics-address", default="0.0.0.0")
+    p.add_argument("--health-port", type=int, default=0, help="liveness endpoint /healthz; 0 disables")
     p.add_argument("--coordinator-image", default=os.environ.get("TRANSOM_COORDINATOR_IMAGE", DEFAULT_IMAGE))
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="transom-operator")
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             namespaces=args.namespace,
             standalone=True,  # we elect a leader on a Lease instead of kopf's peering CRDs
             memo=memo,
+            liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
         )
     finally:
         leader.stop()
