@@ -17,6 +17,7 @@ from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
 
 from transom import contract
+from transom_operator import metrics
 
 log = logging.getLogger("transom.operator")
 GROUP, VERSION, PLURAL = "transom.io", "v1alpha1", "trainingjobs"
@@ -37,6 +38,10 @@ class Kube:
         self.dynamic = dynamic.DynamicClient(api)
         self.requests = 0  # API calls made, for the reaction benchmark
 
+    def _count(self) -> None:
+        self.requests += 1
+        metrics.API_REQUESTS.inc()
+
     def _resource(self, manifest: dict):
         # The dynamic client sends the manifest as it is: the typed client would re-validate
         # it against its own models and refuse valid YAML (e.g. `nvidia.com/gpu: 8`).
@@ -44,7 +49,7 @@ class Kube:
 
     # --- reads ---------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict | None:
-        self.requests += 1
+        self._count()
         try:
             return _json(self.custom.get_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
@@ -54,17 +59,17 @@ class Kube:
             raise
 
     def list_pods(self, namespace: str, job: str) -> list[dict]:
-        self.requests += 1
+        self._count()
         resp = self.core.list_namespaced_pod(
             namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False)
         return _json(resp)["items"]
 
     def list_nodes(self) -> list[dict]:
-        self.requests += 1
+        self._count()
         return _json(self.core.list_node(_preload_content=False))["items"]
 
     def deployment_exists(self, namespace: str, name: str) -> bool:
-        self.requests += 1
+        self._count()
         try:
             self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
             return True
@@ -76,7 +81,7 @@ class Kube:
     # --- writes --------------------------------------------------------------------------
     def create(self, namespace: str, manifest: dict) -> bool:
         """Create any of the kinds the operator makes; False if it already existed."""
-        self.requests += 1
+        self._count()
         try:
             self._resource(manifest).create(body=manifest, namespace=namespace)
             return True
@@ -86,7 +91,7 @@ class Kube:
             raise
 
     def delete_pod(self, namespace: str, name: str, force: bool = False) -> None:
-        self.requests += 1
+        self._count()
         try:
             # A pod on a dead node never confirms its own deletion: force it.
             self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,
@@ -96,12 +101,12 @@ class Kube:
                 raise
 
     def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
-        self.requests += 1
+        self._count()
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False)
 
     def patch_job_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
-        self.requests += 1
+        self._count()
         self.custom.patch_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, name, {"metadata": {"annotations": annotations}},
             _preload_content=False)
@@ -117,7 +122,7 @@ class Kube:
             body = {"spec": {"taints": taints}}
         else:
             return
-        self.requests += 1
+        self._count()
         nodes = self.dynamic.resources.get(api_version="v1", kind="Node")
         nodes.patch(body=body, name=node, content_type="application/merge-patch+json")
 
@@ -137,7 +142,7 @@ class Kube:
             "reportingComponent": "transom-operator", "reportingInstance": "transom-operator",
             "action": reason, "source": {"component": "transom-operator"}, "count": 1,
         }
-        self.requests += 1
+        self._count()
         try:
             self._resource(body).create(body=body, namespace=meta["namespace"])
         except ApiException as e:  # an Event is a courtesy: never fail a reconcile for it

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:  # kopf logs every handler run at INFO: one line per pod event
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     api = _api_client()
     identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
