@@ -34,6 +34,9 @@ ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
 # (all of the worker's own replica), the launcher adds its restart count: a replica's
 # identity towards the coordinator is (generation, attempt).
 ENV_ATTEMPT = "TRANSOM_ATTEMPT"
+# The cross-replica collective timeout (spec.faultTolerance.collectiveTimeoutSeconds); read by
+# transom.ft.FTConfig.from_environ.
+ENV_COLLECTIVE_TIMEOUT = "TRANSOM_COLLECTIVE_TIMEOUT_S"
 # Optional fault injection for tests and demos (see transom.inject).
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).

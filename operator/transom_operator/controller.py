@@ -51,17 +51,21 @@ class Controller:
         now = datetime.now(timezone.utc)
         plan = replicas.plan(job, pods, nodes, now)
 
+        # Record the decision first, then act: an operator killed in between finds the new
+        # generation and restart count in the API and only finishes the pod work (a crash
+        # after acting but before recording would lose the restart from the count).
+        if plan.restart_history is not None:
+            value = plan.restart_history or None  # "" removes the annotation
+            self.kube.patch_job_annotations(namespace, name, {failures.ANNOTATION_RESTART_HISTORY: value})
+        self.kube.patch_job_status(namespace, name, plan.status_patch())
+        dead_nodes = {n for n, _ in plan.excluded_nodes_added}
         for pod in plan.delete:
-            on_dead_node = any(p.name == pod and p.node_name in {n for n, _ in plan.excluded_nodes_added} for p in pods)
+            on_dead_node = any(p.name == pod and p.node_name in dead_nodes for p in pods)
             self.kube.delete_pod(namespace, pod, force=on_dead_node)
         for manifest in plan.create:
             self.kube.create(namespace, manifest)
         for node, reason in plan.excluded_nodes_added:
             self.kube.exclude_node(node, job.spec.fault_tolerance.node_exclusion_policy, reason)
-        if plan.restart_history is not None:
-            value = plan.restart_history or None  # "" removes the annotation
-            self.kube.patch_job_annotations(namespace, name, {failures.ANNOTATION_RESTART_HISTORY: value})
-        self.kube.patch_job_status(namespace, name, plan.status_patch())
         for type_, reason, message in plan.events:
             self.kube.event(raw, type_, reason, message)
             log.info("%s/%s: %s", namespace, name, message)

@@ -101,6 +101,7 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         contract.ENV_NPROC_PER_NODE: str(spec.procs_per_node),
         contract.ENV_COORDINATOR_URL: coordinator_url,
         contract.ENV_CHECKPOINT_URI: spec.checkpoint.uri if spec.checkpoint else "",
+        contract.ENV_COLLECTIVE_TIMEOUT: str(spec.fault_tolerance.collective_timeout_seconds),
     }
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     env.append({

@@ -14,7 +14,7 @@ import yaml
 
 from pathlib import Path
 from kube_helpers import wait_for
-from test_operator import EXAMPLE, Operator, _wait_running
+from test_operator import EXAMPLE, Operator, _wait_running, delete_jobs
 
 _ROOT = Path(__file__).resolve().parents[2]
 CHART = _ROOT / "charts" / "transom"
@@ -56,6 +56,7 @@ def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, name
             wait_for(lambda: kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace, check=False)
                      .returncode == 0, 30, "coordinator deployment")
         finally:
+            delete_jobs(kubectl, namespace)
             op.stop()
         log = (tmp_path / "operator.log").read_text()
         assert "Forbidden" not in log and "forbidden" not in log, log[-3000:]

@@ -57,10 +57,21 @@ def crd(kubectl):
     kubectl("wait", "--for=condition=Established", "crd/trainingjobs.transom.io", "--timeout=60s", timeout_s=90)
 
 
+def delete_jobs(kubectl, namespace: str) -> None:
+    """Delete the namespace's jobs while an operator still runs (it removes its finalizer),
+    and wait for their pods to go: the next test needs the GPU nodes free."""
+    kubectl("delete", "tj", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False, timeout_s=90)
+    kubectl("wait", "--for=delete", "pod", "-l", "transom.io/job", "-n", namespace, "--timeout=60s",
+            check=False, timeout_s=90)
+
+
 @pytest.fixture
-def operator(control_plane, crd, namespace, tmp_path):
+def operator(control_plane, crd, namespace, tmp_path, kubectl):
     op = Operator(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
     yield op
+    if op.proc.poll() is not None:  # the test killed it: a standby must clean up
+        op = Operator(control_plane.kubeconfig, namespace, tmp_path / "cleanup.log")
+    delete_jobs(kubectl, namespace)
     op.stop()
 
 
@@ -123,10 +134,11 @@ def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operato
     assert {"ReplicaFailed", "ReplicaReplaced"} <= reasons
 
 
+@pytest.mark.parametrize("policy", ["Exclude", "Cordon", "Taint"])
 def test_node_not_ready_replaces_the_replica_elsewhere_and_excludes_the_node(
-    kubectl, namespace, operator, core_v1
+    kubectl, namespace, operator, core_v1, policy
 ):
-    _apply_example(kubectl, namespace, nodeNotReadyGraceSeconds=2)
+    _apply_example(kubectl, namespace, nodeNotReadyGraceSeconds=2, nodeExclusionPolicy=policy)
     _wait_running(kubectl, namespace)
     victim = _pods(kubectl, namespace)["tiny-gpt-r0-n0-g0"]["spec"]["nodeName"]
     make_node_not_ready(core_v1, victim)
@@ -138,7 +150,13 @@ def test_node_not_ready_replaces_the_replica_elsewhere_and_excludes_the_node(
         assert new["spec"]["nodeName"] != victim
         terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert any(victim in e.get("values", []) for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"])
+        node = json.loads(kubectl("get", "node", victim, "-o", "json").stdout)
+        assert node["spec"].get("unschedulable", False) is (policy == "Cordon")
+        tainted = any(t["key"] == "transom.io/excluded" for t in node["spec"].get("taints", []))
+        assert tainted is (policy == "Taint")
     finally:
+        kubectl("uncordon", victim, check=False)
+        kubectl("taint", "node", victim, "transom.io/excluded-", check=False)
         restore_kwok_node(core_v1, victim)
 
 

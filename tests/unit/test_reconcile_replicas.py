@@ -254,18 +254,20 @@ def test_too_many_restarts_fails_the_job_and_stops_acting():
     w.settle()
     w.step()
     w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
+    live = sorted(n for n, pod in w.pods.items() if not pod.deleting)
     p = w.step()
-    assert (p.create, p.delete) == ([], [])
+    # The failed job stops: every worker pod is deleted, nothing is created.
+    assert p.create == [] and sorted(p.delete) == live
     assert p.status.state == "Failed" and p.status.total_restarts == 1
     failed = cond(p.status, "Failed")
     assert failed.status == "True" and failed.reason == reasons.TOO_MANY_RESTARTS
     assert p.status.replicas[1].state == "Failed"
     assert [r for _, r, _ in p.events] == [reasons.EVENT_JOB_FAILED]
-    w.assert_quiet()
-    # Final: nothing more happens whatever the pods do.
-    w.set_pod("demo-r2-n0-g0", phase="Failed", exit_code=1)
+    w.settle()
+    assert w.pods == {}
     p = w.step()
-    assert (p.create, p.delete, p.events) == ([], [], []) and p.status.state == "Failed"
+    assert (p.create, p.delete) == ([], []) and p.status.state == "Failed"
+    w.assert_quiet()  # final: nothing more happens
 
 
 def test_restarts_outside_the_window_do_not_count():

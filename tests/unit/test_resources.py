@@ -63,6 +63,7 @@ def test_worker_pod_environment():
         contract.ENV_NODE_RANK: "1", contract.ENV_NNODES: "2", contract.ENV_NPROC_PER_NODE: "8",
         contract.ENV_COORDINATOR_URL: "http://demo-coordinator.ml.svc:8080",
         contract.ENV_CHECKPOINT_URI: "s3://bucket/run",
+        contract.ENV_COLLECTIVE_TIMEOUT: "60",
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
     token = env[contract.ENV_COORDINATOR_TOKEN]

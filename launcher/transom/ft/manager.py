@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from transom.contract import ENV_STATS_DIR
+from transom.contract import ENV_COLLECTIVE_TIMEOUT, ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     FailureReport,
@@ -97,7 +97,7 @@ class FTConfig:
     @classmethod
     def from_environ(cls, **overrides: Any) -> "FTConfig":
         env = {
-            "collective_timeout_s": os.environ.get("TRANSOM_COLLECTIVE_TIMEOUT_S"),
+            "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
             "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
             "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
         }

@@ -107,7 +107,7 @@ class LocalRun:
                 contract.ENV_COORDINATOR_URL: self.coordinator.url,
                 contract.ENV_COORDINATOR_TOKEN: self.token,
                 contract.ENV_STATS_DIR: str(self.stats_dir),
-                "TRANSOM_COLLECTIVE_TIMEOUT_S": str(self.config.collective_timeout_s),
+                contract.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
                 # One thread per worker: replicas share this machine's cores.
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }

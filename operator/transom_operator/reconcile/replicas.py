@@ -17,7 +17,8 @@ Rules:
   `requeue_after` says when to look again. Hardware-class failures put the node on
   `excludedNodes` unless nodeExclusionPolicy is None; new pods avoid excluded nodes.
 - More than maxReplicaRestarts replacements within restartWindowSeconds fails the job:
-  nothing more is deleted or created. Failed and Succeeded are final.
+  its worker pods are deleted (they would hold GPUs for nothing) and nothing more is
+  created; the coordinator stays for inspection. Failed and Succeeded are final.
 - Every replica's pods Succeeded: the job Succeeded. Once a replica has succeeded the
   training is over, so a replica failing afterwards is not replaced.
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
@@ -249,6 +250,9 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     if failed_now or final:
         out.create.clear()
         out.delete.clear()
+        if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
+            out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
+                              if not p.deleting and p.phase != "Succeeded")
 
     # --- status ---------------------------------------------------------------------
     healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
