@@ -45,8 +45,29 @@ def _coordinator(args: argparse.Namespace) -> int:
         startup_wait_s=args.startup_wait,
     )
 
+    writer = None
+    if args.kube_status or args.kube_api:
+        from pathlib import Path
+
+        from transom.coordinator.kube_status import StatusWriter
+
+        namespace = args.namespace or os.environ.get(contract.ENV_NAMESPACE, "")
+        if not namespace:
+            print(f"transom coordinator: --namespace (or {contract.ENV_NAMESPACE}) is needed to write status",
+                  file=sys.stderr)
+            return contract.EXIT_USAGE
+        try:
+            if args.kube_api:
+                writer = StatusWriter(args.kube_api, namespace, args.job, Path(args.kube_token_file),
+                                      Path(args.kube_ca_file), args.status_interval)
+            else:
+                writer = StatusWriter.in_cluster(namespace, args.job, args.status_interval)
+        except (ValueError, TypeError) as e:
+            print(f"transom coordinator: {e}", file=sys.stderr)
+            return contract.EXIT_USAGE
+
     async def serve() -> None:
-        server = CoordinatorServer(settings, token)
+        server = CoordinatorServer(settings, token, status_writer=writer)
         await server.start(args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -113,6 +134,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--round-timeout", type=float, default=120.0)
     c.add_argument("--startup-wait", type=float, default=60.0)
     c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
+    c.add_argument("--kube-status", action="store_true",
+                   help="write status.training of the TrainingJob (in-cluster ServiceAccount)")
+    c.add_argument("--namespace", default=None, help=f"the job's namespace (default: ${contract.ENV_NAMESPACE})")
+    c.add_argument("--status-interval", type=float, default=5.0, help="seconds between status writes")
+    c.add_argument("--kube-api", help="API server URL, to write status from outside a cluster (tests)")
+    c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
+    c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
     la.add_argument("--nproc-per-node", type=int, default=None)

@@ -252,6 +252,7 @@ def coordinator_command(job: api.TrainingJob) -> list[str]:
         "--replicas", str(spec.replicas),
         "--min-replicas", str(spec.min_replicas),
         "--heartbeat-timeout", str(spec.fault_tolerance.heartbeat_timeout_seconds),
+        "--kube-status",  # the coordinator writes status.training (its Role allows just that)
     ]
 
 

@@ -183,7 +183,7 @@ def test_coordinator_deployment_is_locked_down():
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" == c["livenessProbe"]["httpGet"]["path"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert c["command"] == ["transom", "coordinator", "--port", "8080", "--job", "demo", "--replicas", "3",
-                            "--min-replicas", "2", "--heartbeat-timeout", "30"]
+                            "--min-replicas", "2", "--heartbeat-timeout", "30", "--kube-status"]
     token = env_of(c)[contract.ENV_COORDINATOR_TOKEN]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "demo-coordinator-token", "key": "token"}
 

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
+from transom.coordinator.kube_status import StatusWriter
 from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
 from transom.coordinator.models import (
     ErrorBody,
@@ -130,7 +131,13 @@ class _MembershipCollector:
 class CoordinatorServer:
     """One job's coordinator. Owns its tick task; `start`/`stop` bracket its life."""
 
-    def __init__(self, settings: Settings, token: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: Settings,
+        token: str,
+        clock: Callable[[], float] = time.monotonic,
+        status_writer: "StatusWriter | None" = None,
+    ):
         if not token:
             raise ValueError("a coordinator needs a non-empty token")
         self.settings = settings
@@ -144,6 +151,8 @@ class CoordinatorServer:
         self._registry.register(_MembershipCollector(self))
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
+        self._status_writer = status_writer
+        self._status_task: asyncio.Task | None = None
         self.port: int | None = None
 
     # --- application ----------------------------------------------------------------------
@@ -304,14 +313,21 @@ class CoordinatorServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._tick_task = asyncio.create_task(self._tick())
+        if self._status_writer is not None:
+            m = self.membership
+            self._status_task = asyncio.create_task(
+                self._status_writer.run(lambda: max((r.step for r in m.replicas.values()), default=0))
+            )
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
 
     async def stop(self) -> None:
-        if self._tick_task is not None:
-            self._tick_task.cancel()
+        for task in (self._tick_task, self._status_task):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._tick_task
+                await task
             except asyncio.CancelledError:
                 pass
         if self._runner is not None:
