@@ -75,7 +75,16 @@ class Controller:
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
         name = job.metadata["name"]
-        if self.kube.deployment_exists(namespace, naming.coordinator(name)):
+        deployment = self.kube.get_deployment(namespace, naming.coordinator(name))
+        if deployment is not None:
+            # A spec change the coordinator must know (replicas, minReplicas, heartbeat
+            # timeout) rolls it; the replicas register again with the new one on their own.
+            want = resources.coordinator_command(job)
+            containers = deployment["spec"]["template"]["spec"]["containers"]
+            current = next((c for c in containers if c["name"] == "coordinator"), None)
+            if current is not None and current.get("command") != want:
+                self.kube.set_container_command(namespace, naming.coordinator(name), "coordinator", want)
+                log.info("%s/%s: coordinator settings changed; rolling it", namespace, name)
             return
         # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
         for manifest in resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image):

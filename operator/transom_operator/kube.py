@@ -68,15 +68,22 @@ class Kube:
         self._count()
         return _json(self.core.list_node(_preload_content=False))["items"]
 
-    def deployment_exists(self, namespace: str, name: str) -> bool:
+    def get_deployment(self, namespace: str, name: str) -> dict | None:
         self._count()
         try:
-            self.apps.read_namespaced_deployment(name, namespace, _preload_content=False)
-            return True
+            return _json(self.apps.read_namespaced_deployment(name, namespace, _preload_content=False))
         except ApiException as e:
             if e.status == 404:
-                return False
+                return None
             raise
+
+    def set_container_command(self, namespace: str, deployment: str, container: str, command: list[str]) -> None:
+        """Strategic merge on the container list (merged by name): only its command changes."""
+        self._count()
+        deployments = self.dynamic.resources.get(api_version="apps/v1", kind="Deployment")
+        body = {"spec": {"template": {"spec": {"containers": [{"name": container, "command": command}]}}}}
+        deployments.patch(body=body, name=deployment, namespace=namespace,
+                          content_type="application/strategic-merge-patch+json")
 
     # --- writes --------------------------------------------------------------------------
     def create(self, namespace: str, manifest: dict) -> bool:

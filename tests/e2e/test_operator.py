@@ -193,3 +193,17 @@ def test_operator_killed_mid_recovery_converges_and_only_one_of_two_acts(
         assert lease["spec"]["holderIdentity"] != holder
     finally:
         second.stop()
+
+
+def test_scaling_up_adds_a_replica_and_rolls_the_coordinator(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--type=merge", "-p", '{"spec": {"replicas": 4}}')
+    wait_for(lambda: "tiny-gpt-r3-n0-g0" in _pods(kubectl, namespace), 30, "replica 3 created")
+
+    def coordinator_knows():
+        d = json.loads(kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace, "-o", "json").stdout)
+        cmd = d["spec"]["template"]["spec"]["containers"][0]["command"]
+        return cmd[cmd.index("--replicas") + 1] == "4"
+
+    wait_for(coordinator_knows, 30, "coordinator started with --replicas 4")
