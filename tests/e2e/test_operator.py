@@ -12,9 +12,11 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,11 +36,20 @@ class Operator:
 
     def __init__(self, kubeconfig: Path, lease_namespace: str, log: Path):
         self.log = open(log, "ab")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.metrics_port = s.getsockname()[1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "transom_operator.main", "--metrics-port", "0",
+            [sys.executable, "-m", "transom_operator.main", "--metrics-port", str(self.metrics_port),
+             "--metrics-address", "127.0.0.1",
              "--lease-namespace", lease_namespace, "--resync-seconds", "5"],
             env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=self.log, stderr=subprocess.STDOUT,
         )
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+                if k and not k.startswith("#")}
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -132,6 +143,11 @@ def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operato
     events = kubectl("get", "events", "-n", namespace, "-o", "json").stdout
     reasons = {e["reason"] for e in json.loads(events)["items"]}
     assert {"ReplicaFailed", "ReplicaReplaced"} <= reasons
+    m = operator.metrics()
+    assert m["transom_operator_replacements_total"] == 1
+    assert m['transom_operator_replica_failures_total{reason="PodDeleted"}'] == 1
+    assert m["transom_operator_replacement_seconds_count"] == 1  # failure seen -> pods Running
+    assert m['transom_operator_jobs{state="Running"}'] == 1
 
 
 @pytest.mark.parametrize("policy", ["Exclude", "Cordon", "Taint"])
