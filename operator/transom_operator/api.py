@@ -247,7 +247,10 @@ class FaultTolerance(ApiModel):
     )
     heartbeat_timeout_seconds: int = Field(
         30, ge=1, le=3600,
-        description="A replica whose launcher has not reported for this long is considered hung and is replaced.",
+        description=(
+            "A replica whose leader has not sent a heartbeat to the job's coordinator for this long is "
+            "declared failed: it leaves the quorum and its launcher restarts it in place."
+        ),
     )
     node_not_ready_grace_seconds: int = Field(
         30, ge=0, le=3600,
