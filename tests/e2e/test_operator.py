@@ -223,3 +223,16 @@ def test_scaling_up_adds_a_replica_and_rolls_the_coordinator(kubectl, namespace,
         return cmd[cmd.index("--replicas") + 1] == "4"
 
     wait_for(coordinator_knows, 30, "coordinator started with --replicas 4")
+
+
+def test_suspend_deletes_the_workers_and_resume_brings_them_back(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    wait_for(lambda: not _pods(kubectl, namespace), 30, "worker pods deleted")
+    wait_for(lambda: _job(kubectl, namespace).get("status", {}).get("state") == "Suspended", 30, "state Suspended")
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+    status = _wait_running(kubectl, namespace)
+    # Resumed as new incarnations (the coordinator evicts the old ones), not counted as failures.
+    assert sorted(_pods(kubectl, namespace)) == ["tiny-gpt-r0-n0-g1", "tiny-gpt-r1-n0-g1", "tiny-gpt-r2-n0-g1"]
+    assert status["totalRestarts"] == 0
