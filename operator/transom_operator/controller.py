@@ -59,9 +59,9 @@ class Controller:
             self.kube.patch_job_annotations(namespace, name, {failures.ANNOTATION_RESTART_HISTORY: value})
         self.kube.patch_job_status(namespace, name, plan.status_patch())
         dead_nodes = {n for n, _ in plan.excluded_nodes_added}
+        on_dead_node = {p.name for p in pods if p.node_name in dead_nodes}
         for pod in plan.delete:
-            on_dead_node = any(p.name == pod and p.node_name in dead_nodes for p in pods)
-            self.kube.delete_pod(namespace, pod, force=on_dead_node)
+            self.kube.delete_pod(namespace, pod, force=pod in on_dead_node)
         for manifest in plan.create:
             self.kube.create(namespace, manifest)
         for node, reason in plan.excluded_nodes_added:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +21,11 @@ import yaml
 from kube_helpers import wait_for
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest
+from transom.launch.supervisor import free_port
 from transom_operator import api, resources
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_coordinator_reports_the_committed_step_into_status_training(kubectl, namespace, control_plane, tmp_path):
@@ -58,7 +52,7 @@ def test_coordinator_reports_the_committed_step_into_status_training(kubectl, na
     admin = yaml.safe_load(control_plane.kubeconfig.read_text())
     server = admin["clusters"][0]["cluster"]["server"]
     ca = admin["clusters"][0]["cluster"]["certificate-authority"]
-    port, token = _free_port(), "job-token"
+    port, token = free_port(), "job-token"
     proc = subprocess.Popen(
         [sys.executable, "-m", "transom", "coordinator", "--host", "127.0.0.1", "--port", str(port),
          "--job", "tiny-gpt", "--replicas", "1", "--namespace", namespace, "--status-interval", "0.2",

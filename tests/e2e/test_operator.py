@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from kube_helpers import make_node_not_ready, restore_kwok_node, wait_for
+from transom.launch.supervisor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "trainingjobs.transom.io.yaml"
@@ -36,9 +36,7 @@ class Operator:
 
     def __init__(self, kubeconfig: Path, lease_namespace: str, log: Path):
         self.log = open(log, "ab")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.metrics_port = s.getsockname()[1]
+        self.metrics_port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transom_operator.main", "--metrics-port", str(self.metrics_port),
              "--metrics-address", "127.0.0.1",

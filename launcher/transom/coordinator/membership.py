@@ -134,7 +134,6 @@ class Membership:
     next_round: int = 0
     last_quorum_id: int = -1
     round_failed_since: float | None = None
-    round_opened_at: float | None = None
     pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
     paused: bool = False
     # Set when the first replica leaves with reason "completed": the job's last step. A
@@ -267,8 +266,6 @@ class Membership:
             rep.last_loss = req.last_loss
         if answered is not None:
             return answered
-        if not self.pending:
-            self.round_opened_at = now
         self.pending[req.identity.replica_id] = req
         self.pending_since.setdefault(req.identity.replica_id, now)
         if req.failed and self.round_failed_since is None:
@@ -296,10 +293,9 @@ class Membership:
                 ready[rid] = req
         if not ready:  # the round is empty again: its failure report and clock go with it
             self.round_failed_since = None
-            self.round_opened_at = None
             return None
         if self.current is None:
-            opened = self.round_opened_at if self.round_opened_at is not None else now
+            opened = min(self.pending_since.get(r, now) for r in ready)
             if len(ready) < self.settings.num_replicas and now - opened < self.settings.startup_wait_s:
                 return None
         else:
@@ -390,7 +386,6 @@ class Membership:
             del self.pending[i]
             self.pending_since.pop(i, None)
         self.round_failed_since = None
-        self.round_opened_at = now if self.pending else None
         for req in self.pending.values():  # stragglers from a decided round start the next one
             if req.failed:
                 self.round_failed_since = now
@@ -422,6 +417,10 @@ class Membership:
         )
 
     # --- reporting -----------------------------------------------------------------------------------
+    def max_step(self) -> int:
+        """The highest step any replica (of any state) reported committed."""
+        return max((r.step for r in self.replicas.values()), default=0)
+
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas.values() if r.state == "healthy")
 
@@ -431,7 +430,7 @@ class Membership:
             round=self.next_round - 1,
             quorum_id=cur.quorum_id if cur else -1,
             members=cur.member_ids() if cur else [],
-            max_step=max((r.step for r in self.replicas.values()), default=0),
+            max_step=self.max_step(),
             num_replicas=self.settings.num_replicas,
             min_replicas=self.settings.min_replicas,
             healthy_replicas=self.healthy_count(),

@@ -109,7 +109,7 @@ class _MembershipCollector:
         g.add_metric([], m.healthy_count())
         yield g
         g = GaugeMetricFamily("transom_coordinator_step", "Highest committed step reported by any replica")
-        g.add_metric([], max((r.step for r in m.replicas.values()), default=0))
+        g.add_metric([], m.max_step())
         yield g
         g = GaugeMetricFamily("transom_coordinator_quorum_id", "Current quorum id")
         g.add_metric([], m.current.quorum_id if m.current else -1)
@@ -314,10 +314,7 @@ class CoordinatorServer:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._tick_task = asyncio.create_task(self._tick())
         if self._status_writer is not None:
-            m = self.membership
-            self._status_task = asyncio.create_task(
-                self._status_writer.run(lambda: max((r.step for r in m.replicas.values()), default=0))
-            )
+            self._status_task = asyncio.create_task(self._status_writer.run(self.membership.max_step))
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
 

@@ -85,15 +85,13 @@ class StepAllReduce:
             else:
                 flat = torch.zeros(sum(grads[i].numel() for i in idx), dtype=grads[idx[0]].dtype, device=grads[idx[0]].device)
             flats.append(flat)
-        group = self.group
         try:
-            assert group is not None
-            group.wait(group.allreduce_sum(flats))
+            # No local alias of the group: fail() must drop the only reference at once.
+            assert self.group is not None
+            self.group.wait(self.group.allreduce_sum(flats))
         except Exception as e:  # RuntimeError from Gloo/NCCL, TimeoutError from our wait
-            del group
             self.fail(f"{type(e).__name__}: {e}")
             return
-        del group
         for idx, flat in zip(buckets, flats):
             flat.div_(self.participants)
             offset = 0
