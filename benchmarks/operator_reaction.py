@@ -8,7 +8,10 @@ source, then measures:
 
 1. Reaction: a replica's pod is force-deleted `--failures` times; the figure is the time
    from the delete to the replacement pod (next generation) existing in the API server,
-   p50/p99 (target p99 <= 2 s).
+   p50/p99 (target p99 <= 2 s); and to it Running. Then the same with a hot spare
+   (`spareReplicas: 1`): time from the delete to the replica's next generation Running
+   (the promoted spare), side by side with the fresh replacement. kwok starts pods at once,
+   so the fresh figure is a lower bound: a real node adds image pull and container start.
 2. Scale: a job of `--replicas` x `--nodes-per-replica` pods (default 125 x 8 = 1,000) on
    `--kwok-nodes` fake nodes: seconds from `kubectl apply` to every pod Running (target
    <= 60 s), the operator's CPU seconds meanwhile, and API requests per reconcile pass
@@ -39,11 +42,12 @@ def kubectl(env, *args, input=None, check=True):
                           input=input, capture_output=True, text=True, check=check, timeout=120)
 
 
-def job_manifest(name: str, replicas: int, nodes_per_replica: int) -> dict:
+def job_manifest(name: str, replicas: int, nodes_per_replica: int, spares: int = 0) -> dict:
     return {
         "apiVersion": "transom.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
         "spec": {
             "replicas": replicas, "minReplicas": 1, "nodesPerReplica": nodes_per_replica, "procsPerNode": 1,
+            "spareReplicas": spares,
             "template": {"spec": {"containers": [{"name": "trainer", "image": "transom/bench:0"}]}},
             # No backoff: the benchmark measures the operator's reaction, not the policy's delay.
             "faultTolerance": {"maxReplicaRestarts": 1000, "restartWindowSeconds": 3600, "backoffSeconds": 0,
@@ -128,7 +132,13 @@ def main() -> int:
                     return False
                 raise
 
-        reactions = []
+        def replica_running(replica: int, generation: int, job: str) -> bool:
+            selector = f"transom.io/job={job},transom.io/replica={replica},transom.io/generation={generation}"
+            items = json.loads(core.list_namespaced_pod("bench", label_selector=selector,
+                                                        _preload_content=False).data)["items"]
+            return bool(items) and all(p["status"].get("phase") == "Running" for p in items)
+
+        reactions, fresh_running = [], []
         for i in range(args.failures):
             victim = f"react-r1-n0-g{i}"
             successor = f"react-r1-n0-g{i + 1}"
@@ -141,6 +151,8 @@ def main() -> int:
                 print((state / "operator.log").read_text()[-3000:])
                 raise
             reactions.append(time.monotonic() - t0)
+            wait(lambda gen=i + 1: replica_running(1, gen, "react"), 30, f"{successor} Running", interval_s=0.01)
+            fresh_running.append(time.monotonic() - t0)
             # The next failure only after the operator recorded the new incarnation as Running
             # (a pod deleted before that is re-created under the same generation, by design).
             def recorded(gen=i + 1):
@@ -154,7 +166,36 @@ def main() -> int:
         p99 = reactions[min(len(reactions) - 1, int(round(0.99 * (len(reactions) - 1))))]
         print(f"reaction (delete -> replacement pod created) over {len(reactions)} failures: "
               f"p50 {p50:.3f}s p99 {p99:.3f}s max {reactions[-1]:.3f}s (target p99 <= 2 s)")
-        kubectl(env, "delete", "tj", "react", "-n", "bench", "--wait=false")
+        kubectl(env, "delete", "tj", "react", "-n", "bench", "--wait=true", "--timeout=60s")
+        wait(lambda: not pods(env, "bench"), 60, "react pods gone")
+
+        # --- 1b. the same failures with a hot spare -------------------------------------------
+        kubectl(env, "apply", "-n", "bench", "-f", "-", input=json.dumps(job_manifest("spare", 3, 1, spares=1)))
+
+        def spare_ready() -> bool:
+            job = json.loads(kubectl(env, "get", "tj", "spare", "-n", "bench", "-o", "json").stdout)
+            st = job.get("status", {})
+            return st.get("readySpareReplicas") == 1 and st.get("state") == "Running"
+
+        spare_running = []
+        for i in range(args.failures):
+            wait(spare_ready, 90, "spare Ready and job Running", interval_s=0.05)
+            selector = f"transom.io/job=spare,transom.io/replica=1,transom.io/generation={i}"
+            (victim,) = json.loads(core.list_namespaced_pod("bench", label_selector=selector,
+                                                            _preload_content=False).data)["items"]
+            t0 = time.monotonic()
+            core.delete_namespaced_pod(victim["metadata"]["name"], "bench", grace_period_seconds=0,
+                                       _preload_content=False)
+            wait(lambda gen=i + 1: replica_running(1, gen, "spare"), 30, f"replica 1 generation {i + 1} Running",
+                 interval_s=0.01)
+            spare_running.append(time.monotonic() - t0)
+        kubectl(env, "delete", "tj", "spare", "-n", "bench", "--wait=false")
+        fresh_running.sort()
+        spare_running.sort()
+        fresh_p50, spare_p50 = statistics.median(fresh_running), statistics.median(spare_running)
+        print(f"failure -> replica Running, fresh pods: p50 {fresh_p50:.3f}s max {fresh_running[-1]:.3f}s; "
+              f"hot spare: p50 {spare_p50:.3f}s max {spare_running[-1]:.3f}s; "
+              f"ratio spare/fresh {spare_p50 / fresh_p50:.2f} (kwok: no image pull or container start)")
 
         # --- 2. a 1,000-pod job --------------------------------------------------------------
         total = args.replicas * args.nodes_per_replica
@@ -179,7 +220,10 @@ def main() -> int:
               f"{creates} pod creates)")
         result.update({
             "failures": len(reactions), "reaction_p50_s": round(p50, 3), "reaction_p99_s": round(p99, 3),
-            "reaction_max_s": round(reactions[-1], 3), "pods": total, "kwok_nodes": args.kwok_nodes,
+            "reaction_max_s": round(reactions[-1], 3),
+            "fresh_running_p50_s": round(fresh_p50, 3), "spare_running_p50_s": round(spare_p50, 3),
+            "spare_running_max_s": round(spare_running[-1], 3),
+            "spare_vs_fresh_ratio": round(spare_p50 / fresh_p50, 2), "pods": total, "kwok_nodes": args.kwok_nodes,
             "seconds_to_all_running": round(to_running, 1), "operator_cpu_s": round(cpu, 2),
             "reconcile_passes": int(passes), "api_requests": int(requests),
             "api_requests_per_pass_besides_creates": round(per_pass, 1),

@@ -83,6 +83,10 @@ def _coordinator(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, command: list[str]) -> int:
     from transom.launch.supervisor import LaunchConfig, Launcher
 
+    if os.environ.get(contract.ENV_SPARE_ID):
+        code = _wait_as_spare()
+        if code is not None:
+            return code
     try:
         env = contract.ReplicaEnv.from_environ()
         nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
@@ -91,6 +95,32 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
         print(f"transom launch: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
     return Launcher(config, env).run()
+
+
+def _wait_as_spare() -> int | None:
+    """Block until the operator promotes this spare pod; None once it is a replica."""
+    from transom.launch import spare
+
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _f: received.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        directory = spare.podinfo_dir()
+        logging.getLogger("transom.launch").info(
+            "spare %s: waiting for a replica identity in %s", os.environ[contract.ENV_SPARE_ID], directory)
+        found = spare.wait_for_assignment(directory, lambda: bool(received))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if found is None:
+        return 128 + received[0]
+    logging.getLogger("transom.launch").info(
+        "spare %s promoted to replica %d generation %d",
+        os.environ[contract.ENV_SPARE_ID], found.replica_id, found.generation)
+    # The workers inherit os.environ: they must see the replica identity too.
+    new_env = spare.promoted_environ(os.environ, found)
+    os.environ.clear()
+    os.environ.update(new_env)
+    return None
 
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:

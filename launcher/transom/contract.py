@@ -28,6 +28,12 @@ ENV_CHECKPOINT_URI = "TRANSOM_CHECKPOINT_URI"
 # The address other replicas use to reach this pod (downward API status.podIP);
 # 127.0.0.1 when unset, which is right for local mode.
 ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
+# Set instead of TRANSOM_REPLICA_ID / TRANSOM_REPLICA_GENERATION on a hot-spare pod: the
+# launcher waits until the operator relabels the pod with a replica identity (LABEL_REPLICA,
+# LABEL_GENERATION), which it reads from the downward-API labels file in PODINFO_DIR.
+ENV_SPARE_ID = "TRANSOM_SPARE_ID"
+ENV_PODINFO_DIR = "TRANSOM_PODINFO_DIR"  # overrides PODINFO_DIR (tests, local runs)
+PODINFO_DIR = "/etc/transom/podinfo"  # downward-API volume of spare pods; holds `labels`
 
 # --- set by the launcher for each worker --------------------------------------------
 # Besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -47,6 +53,7 @@ LABEL_JOB = "transom.io/job"
 LABEL_REPLICA = "transom.io/replica"
 LABEL_NODE_RANK = "transom.io/node-rank"
 LABEL_GENERATION = "transom.io/generation"
+LABEL_SPARE = "transom.io/spare"  # on hot-spare pods instead of LABEL_REPLICA until promoted
 ANNOTATION_EVICT_REASON = "transom.io/evict-reason"
 
 # --- launcher exit codes --------------------------------------------------------------

@@ -59,6 +59,7 @@ CAMEL_CASE = r"^[A-Z][A-Za-z0-9]*$"
 
 JobState = Literal["Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"]
 ReplicaState = Literal["Pending", "Running", "Replacing", "Succeeded", "Failed"]
+SpareState = Literal["Pending", "Ready"]
 ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"]
 CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
 NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]
@@ -430,6 +431,22 @@ class ReplicaStatus(StatusModel):
     last_failure: Failure | None = Field(None, description="The replica's most recent failure.")
 
 
+class SpareStatus(StatusModel):
+    """Observed state of one hot spare replica (pods kept running to take over a failed replica)."""
+
+    id: int = Field(ge=0, le=MAX_REPLICAS - 1, description="Spare index, 0 to spareReplicas - 1.")
+    generation: int = Field(
+        0, ge=0, le=MAX_GENERATION,
+        description="Incarnation of the spare; it increments when the spare is promoted or its pods are replaced.",
+    )
+    state: SpareState = Field("Pending", description="Ready (every pod running, can take over) or Pending.")
+    nodes: list[NodeNameItem] = Field(
+        default_factory=list, max_length=MAX_NODES_PER_REPLICA,
+        description="Nodes of the spare's pods, by node rank.",
+    )
+    last_failure: Failure | None = Field(None, description="Why the spare's pods were last replaced, if they were.")
+
+
 class ExcludedNode(StatusModel):
     """A node that this job's pods avoid after a hardware-class failure on it."""
 
@@ -488,6 +505,10 @@ class TrainingJobStatus(StatusModel):
     )
     replicas: list[ReplicaStatus] = Field(
         default_factory=list, max_length=MAX_REPLICAS, description="Per-replica state, by replica id.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
+    spares: list[SpareStatus] = Field(
+        default_factory=list, max_length=MAX_REPLICAS, description="Per-spare state, by spare id.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
     )
     excluded_nodes: list[ExcludedNode] = Field(

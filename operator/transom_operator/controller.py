@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from transom import contract
+
 from transom_operator import api, metrics, naming, resources
 from transom_operator.kube import Kube
 from transom_operator.reconcile import failures, replicas
@@ -62,6 +64,11 @@ class Controller:
         on_dead_node = {p.name for p in pods if p.node_name in dead_nodes}
         for pod in plan.delete:
             self.kube.delete_pod(namespace, pod, force=pod in on_dead_node)
+        # A spare's pods become the replica's by their labels; a pod gone meanwhile leaves a
+        # rank missing, which the next pass creates like any replacement pod.
+        for pod, labels in plan.relabel:
+            self.kube.patch_pod_labels(namespace, pod, labels)
+        metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
         for manifest in plan.create:
             self.kube.create(namespace, manifest)
         for node, reason in plan.excluded_nodes_added:

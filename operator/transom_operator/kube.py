@@ -105,6 +105,19 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
+        """Merge-patch a pod's labels (None removes one); False if the pod is gone."""
+        self._count()
+        pods = self.dynamic.resources.get(api_version="v1", kind="Pod")
+        try:
+            pods.patch(body={"metadata": {"labels": labels}}, name=name, namespace=namespace,
+                       content_type="application/merge-patch+json")
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
     def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
         self._count()
         self.custom.patch_namespaced_custom_object_status(

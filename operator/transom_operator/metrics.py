@@ -10,6 +10,9 @@ REPLICA_FAILURES = Counter(
     "transom_operator_replica_failures", "Replica failures detected, by reason", ["reason"], registry=REGISTRY
 )
 REPLACEMENTS = Counter("transom_operator_replacements", "Replica incarnations replaced", registry=REGISTRY)
+SPARE_PROMOTIONS = Counter(
+    "transom_operator_spare_promotions", "Failed replicas taken over by a hot spare", registry=REGISTRY
+)
 REPLACEMENT_SECONDS = Histogram(
     "transom_operator_replacement_seconds",
     "From a replica failure detected to all of its replacement pods Running",

@@ -15,6 +15,7 @@ NODE_NOT_READY = "NodeNotReady"  # its node NotReady for longer than the grace p
 NODE_LOST = "NodeLost"  # the kubelet reported the node lost or shut down
 FLAGGED_BY_COORDINATOR = "FlaggedByCoordinator"  # evict annotation (detector verdict, hang)
 REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
+NODE_EXCLUDED = "NodeExcluded"  # (spares) its node was excluded by a failure of another pod
 
 # Failure reasons that say the node, not the software, is at fault.
 HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES})
@@ -35,6 +36,7 @@ SUSPENDED = "Suspended"
 # --- Events (transitions a user can act on) -------------------------------------------
 EVENT_REPLICA_FAILED = "ReplicaFailed"
 EVENT_REPLICA_REPLACED = "ReplicaReplaced"
+EVENT_SPARE_PROMOTED = "SparePromoted"
 EVENT_NODE_EXCLUDED = "NodeExcluded"
 EVENT_JOB_DEGRADED = "JobDegraded"
 EVENT_JOB_FAILED = "JobFailed"

@@ -8,6 +8,7 @@ the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 - `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
   the pod environment of DESIGN.md (the token only through a secretKeyRef), and a node
   affinity keeping it off the job's excluded nodes.
+- `spare_pod`: a hot spare's pod, which waits to be promoted to a replica by relabelling.
 - `coordinator_resources`: the per-job coordinator: token Secret, ServiceAccount, a Role
   limited to this job, RoleBinding, ClusterIP Service and a locked-down Deployment.
 """
@@ -144,25 +145,18 @@ def exclude_nodes(affinity: dict[str, Any] | None, excluded: Iterable[str]) -> d
     return out
 
 
-def worker_pod(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
-               excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None) -> dict[str, Any]:
-    """Pod `node_rank` of replica `replica`, incarnation `generation`, from spec.template."""
-    name = job_name(job)
-    if coordinator_url is None:
-        coordinator_url = naming.coordinator_url(name, job_namespace(job))
+def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict[str, Any]],
+         excluded_nodes: Iterable[str]) -> dict[str, Any]:
+    """A worker pod from spec.template with our name, labels and environment."""
     template = copy.deepcopy(job.spec.template)
     template_meta = template.get("metadata") or {}
     pod_spec = template.get("spec") or {}
 
-    metadata = _metadata(
-        job, naming.worker_pod(name, replica, node_rank, generation), COMPONENT_WORKER,
-        labels={**(template_meta.get("labels") or {})},
-    )
-    metadata["labels"].update(worker_labels(job, replica, node_rank, generation))
+    metadata = _metadata(job, name, COMPONENT_WORKER, labels={**(template_meta.get("labels") or {})})
+    metadata["labels"].update(labels)
     if template_meta.get("annotations"):
         metadata["annotations"] = dict(template_meta["annotations"])
 
-    env = worker_env(job, replica, node_rank, generation, coordinator_url)
     env_from = []
     if job.spec.checkpoint and job.spec.checkpoint.credentials_secret:
         env_from.append({"secretRef": {"name": job.spec.checkpoint.credentials_secret.name}})
@@ -177,6 +171,68 @@ def worker_pod(job: api.TrainingJob, replica: int, node_rank: int, generation: i
     if affinity is not None:
         pod_spec["affinity"] = affinity
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def worker_pod(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
+               excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None) -> dict[str, Any]:
+    """Pod `node_rank` of replica `replica`, incarnation `generation`, from spec.template."""
+    name = job_name(job)
+    if coordinator_url is None:
+        coordinator_url = naming.coordinator_url(name, job_namespace(job))
+    return _pod(job, naming.worker_pod(name, replica, node_rank, generation),
+                worker_labels(job, replica, node_rank, generation),
+                worker_env(job, replica, node_rank, generation, coordinator_url), excluded_nodes)
+
+
+PODINFO_VOLUME = "transom-podinfo"
+
+
+def spare_labels(job: api.TrainingJob, spare: int, node_rank: int, generation: int) -> dict[str, str]:
+    """A spare pod's labels: `transom.io/spare` instead of `transom.io/replica` until promoted."""
+    return {
+        contract.LABEL_JOB: job_name(job),
+        contract.LABEL_SPARE: str(spare),
+        contract.LABEL_NODE_RANK: str(node_rank),
+        contract.LABEL_GENERATION: str(generation),
+    }
+
+
+def promotion_labels(replica: int, generation: int) -> dict[str, str | None]:
+    """The label patch that turns a spare pod into a pod of `replica` (None removes a label)."""
+    return {
+        contract.LABEL_SPARE: None,
+        contract.LABEL_REPLICA: str(replica),
+        contract.LABEL_GENERATION: str(generation),
+    }
+
+
+def spare_pod(job: api.TrainingJob, spare: int, node_rank: int, generation: int,
+              excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None) -> dict[str, Any]:
+    """Pod `node_rank` of hot spare `spare`: a worker pod whose launcher waits to be promoted.
+
+    Its environment has TRANSOM_SPARE_ID instead of the replica id and generation, and a
+    downward-API volume with the pod's labels, through which the launcher learns the replica
+    identity the operator gives it by relabelling (transom.launch.spare).
+    """
+    name = job_name(job)
+    if coordinator_url is None:
+        coordinator_url = naming.coordinator_url(name, job_namespace(job))
+    env = [e for e in worker_env(job, 0, node_rank, 0, coordinator_url)
+           if e["name"] not in (contract.ENV_REPLICA_ID, contract.ENV_REPLICA_GENERATION)]
+    env.append({"name": contract.ENV_SPARE_ID, "value": str(spare)})
+    env.append({"name": contract.ENV_PODINFO_DIR, "value": contract.PODINFO_DIR})
+    pod = _pod(job, naming.spare_pod(name, spare, node_rank, generation),
+               spare_labels(job, spare, node_rank, generation), env, excluded_nodes)
+    pod_spec = pod["spec"]
+    pod_spec["volumes"] = [v for v in pod_spec.get("volumes") or [] if v.get("name") != PODINFO_VOLUME] + [{
+        "name": PODINFO_VOLUME,
+        "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]},
+    }]
+    mount = {"name": PODINFO_VOLUME, "mountPath": contract.PODINFO_DIR, "readOnly": True}
+    for container in pod_spec.get("containers") or []:
+        container["volumeMounts"] = [m for m in container.get("volumeMounts") or []
+                                     if m.get("name") != PODINFO_VOLUME] + [mount]
+    return pod
 
 
 # --- the coordinator ------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 The job's ServiceAccount, Role and RoleBinding are the operator's own manifests
 (resources.py); the real `transom coordinator` runs with a token of that ServiceAccount and
-`--kube-api` pointing at the test API server, a replica reports step 42 through the real
-HTTP API, and the step must appear in `kubectl get tj`. The same token must not be able to
+`--kube-api` pointing at the test API server, a replica reports step 42 and a checkpoint of
+step 40 through the real HTTP API, and both (with a goodput) must appear in the job's
+status; the step in `kubectl get tj`. The same token must not be able to
 touch the rest of the job or other jobs.
 """
 
@@ -20,7 +21,7 @@ import yaml
 
 from kube_helpers import wait_for
 from transom.coordinator.client import CoordinatorClient
-from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest
+from transom.coordinator.models import CheckpointReport, Identity, QuorumRequest, RegisterRequest
 from transom.launch.supervisor import free_port
 from transom_operator import api, resources
 
@@ -64,13 +65,19 @@ def test_coordinator_reports_the_committed_step_into_status_training(kubectl, na
         client = CoordinatorClient(f"http://127.0.0.1:{port}", token, timeout_s=30)
         me = Identity(replica_id=0, generation=0, attempt=0)
         client.register(RegisterRequest(identity=me, store_addr="127.0.0.1:1", state_endpoints=["http://x"]))
-        client.quorum(QuorumRequest(identity=me, step=42, commit_quorum_id=-1, last_round=-1), timeout_s=30)
+        first = client.quorum(QuorumRequest(identity=me, step=41, commit_quorum_id=-1, last_round=-1), timeout_s=30)
+        client.quorum(QuorumRequest(identity=me, step=42, commit_quorum_id=first.quorum_id, last_round=first.round),
+                      timeout_s=30)
+        assert client.report_checkpoint(CheckpointReport(identity=me, step=40, uri="s3://b/tiny-gpt/step-40"))
 
         def step():
             st = json.loads(kubectl("get", "tj", "tiny-gpt", "-n", namespace, "-o", "json").stdout).get("status", {})
-            return st.get("training", {}).get("step") == 42
+            training = st.get("training", {})
+            return training if training.get("step") == 42 and training.get("lastCheckpoint") == 40 else None
 
-        wait_for(step, 30, "status.training.step == 42")
+        training = wait_for(step, 30, "status.training with step 42 and lastCheckpoint 40")
+        # One productive interval (step 41 -> 42) and nothing lost yet: a goodput above 0.
+        assert 0 < float(training["goodput"]) <= 1 and training["lastCheckpointTime"].endswith("Z")
         row = kubectl("get", "tj", "tiny-gpt", "-n", namespace).stdout.splitlines()[1]
         assert "42" in row.split()
     finally:

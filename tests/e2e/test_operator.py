@@ -94,9 +94,10 @@ def _pods(kubectl, namespace: str) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in out["items"] if not p["metadata"].get("deletionTimestamp")}
 
 
-def _apply_example(kubectl, namespace: str, **ft) -> None:
+def _apply_example(kubectl, namespace: str, spec: dict | None = None, **ft) -> None:
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest = copy.deepcopy(manifest)
+    manifest["spec"].update(spec or {})
     manifest["spec"]["faultTolerance"].update(ft)
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
@@ -234,3 +235,61 @@ def test_suspend_deletes_the_workers_and_resume_brings_them_back(kubectl, namesp
     # Resumed as new incarnations (the coordinator evicts the old ones), not counted as failures.
     assert sorted(_pods(kubectl, namespace)) == ["tiny-gpt-r0-n0-g1", "tiny-gpt-r1-n0-g1", "tiny-gpt-r2-n0-g1"]
     assert status["totalRestarts"] == 0
+
+
+def _spare_pods(kubectl, namespace: str) -> dict[str, dict]:
+    out = json.loads(kubectl("get", "pods", "-n", namespace, "-l", "transom.io/job=tiny-gpt,transom.io/spare",
+                             "-o", "json").stdout)
+    return {p["metadata"]["name"]: p for p in out["items"] if not p["metadata"].get("deletionTimestamp")}
+
+
+def test_hot_spare_takes_over_a_failed_replica_and_is_refilled(kubectl, namespace, operator, core_v1):
+    from kube_helpers import fail_pod
+
+    # 3 replicas + 1 spare fill the 4 GPU nodes; the failed replica's node takes the refill.
+    _apply_example(kubectl, namespace, spec={"spareReplicas": 1})
+    wait_for(lambda: _job(kubectl, namespace).get("status", {}).get("readySpareReplicas") == 1, 90, "spare Ready")
+    _wait_running(kubectl, namespace)
+    spare = _spare_pods(kubectl, namespace)["tiny-gpt-s0-n0-g0"]
+    assert spare["status"]["phase"] == "Running"
+    assert {v["name"] for v in spare["spec"]["volumes"]} >= {"transom-podinfo"}
+    others = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items() if n != "tiny-gpt-r1-n0-g0"}
+
+    t0 = time.monotonic()
+    fail_pod(core_v1, namespace, "tiny-gpt-r1-n0-g0", exit_code=1)
+
+    def promoted():
+        pods = _pods(kubectl, namespace)
+        return next((p for p in pods.values() if p["metadata"]["labels"]["transom.io/replica"] == "1"
+                     and p["metadata"]["labels"]["transom.io/generation"] == "1"), None)
+
+    pod = wait_for(promoted, 30, "replica 1 generation 1")
+    took_over_s = time.monotonic() - t0
+    # The spare pod itself, same uid, already Running: nothing had to be scheduled or started.
+    assert pod["metadata"]["uid"] == spare["metadata"]["uid"] and pod["status"]["phase"] == "Running"
+    assert "transom.io/spare" not in pod["metadata"]["labels"]
+    status = _wait_running(kubectl, namespace)
+    assert status["totalRestarts"] == 1
+    r1 = next(r for r in status["replicas"] if r["id"] == 1)
+    assert r1["generation"] == 1 and r1["lastFailure"]["reason"] == "PodFailed"
+    after = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items()}
+    assert all(after[n] == uid for n, uid in others.items()), "another replica was touched"
+    # The refill: spare 0 comes back as generation 1, on the node the failed replica freed.
+    wait_for(lambda: _job(kubectl, namespace)["status"].get("readySpareReplicas") == 1, 60, "spare refilled")
+    assert sorted(_spare_pods(kubectl, namespace)) == ["tiny-gpt-s0-n0-g1"]
+    events = {e["reason"] for e in json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]}
+    assert "SparePromoted" in events
+    assert operator.metrics()["transom_operator_spare_promotions_total"] == 1
+    print(f"spare took over replica 1 in {took_over_s:.2f} s after the pod failed")
+
+
+def test_pod_flagged_with_the_evict_annotation_is_replaced(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    kubectl("annotate", "pod", "tiny-gpt-r0-n0-g0", "-n", namespace, "transom.io/evict-reason=hung: no progress")
+    wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 30, "replica 0 replaced")
+    status = _wait_running(kubectl, namespace)
+    r0 = next(r for r in status["replicas"] if r["id"] == 0)
+    assert r0["lastFailure"]["reason"] == "FlaggedByCoordinator"
+    assert "hung: no progress" in r0["lastFailure"]["message"]
+    assert not status.get("excludedNodes")  # a software verdict does not blame the node

@@ -24,6 +24,7 @@ import requests
 from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import (
+    CheckpointReport,
     FailureReport,
     HeartbeatRequest,
     Identity,
@@ -558,3 +559,17 @@ def test_stop_does_not_hang_on_an_open_long_poll():
     assert time.monotonic() - t0 < 4.0
     with pytest.raises(requests.ConnectionError):
         requests.get(ct.url + "/healthz", timeout=1.0)
+
+
+def test_checkpoint_reports_keep_the_newest_and_need_a_live_replica(coord):
+    c = client(coord)
+    c.register(reg_req(0))
+    assert c.report_checkpoint(CheckpointReport(identity=ident(0), step=100, uri="file:///ck/step-100"))
+    assert not c.report_checkpoint(CheckpointReport(identity=ident(0), step=50, uri="file:///ck/step-50"))
+    assert c.status().last_checkpoint == 100
+    r = post(coord, "/v1/checkpoint", {"identity": ident(1).model_dump(), "step": 200, "uri": "x"})
+    assert r.status_code == 404  # not registered
+    r = post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": -1, "uri": "x"})
+    assert r.status_code == 400 and "step" in r.json()["error"]
+    r = post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": 300, "uri": ""})
+    assert r.status_code == 400

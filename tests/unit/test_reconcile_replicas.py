@@ -1,105 +1,21 @@
 """The replica policy (`reconcile.replicas.plan`), run against a small simulated world.
-
-`World` holds the job, its pods and the nodes; `step()` plans, applies the plan the way
-kube.py would (deleted pods get a deletionTimestamp, created pods appear Pending, status and
-the restart-history annotation are written) and returns the plan. Each test then asserts the
-state of the world, and that planning again without a change asks for nothing new.
+Each test asserts the state of the world, and that planning again without a change asks
+for nothing new.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import pytest
 
 from transom import contract
-from transom_operator import api, reasons
+from transom_operator import reasons
 from transom_operator.reconcile import failures, observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
-
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
-
-
-def make_job(**spec) -> api.TrainingJob:
-    full = {"replicas": 3, "minReplicas": 2, "nodesPerReplica": 2,
-            "template": {"spec": {"containers": [{"name": "t", "image": "t:1"}]}}}
-    ft = spec.pop("ft", {})
-    full["faultTolerance"] = {"backoffSeconds": 0, "maxBackoffSeconds": 0, **ft}
-    full.update(spec)
-    return api.TrainingJob.model_validate({
-        "apiVersion": api.API_VERSION, "kind": api.KIND,
-        "metadata": {"name": "demo", "namespace": "ml", "uid": "u1", "generation": 1},
-        "spec": full,
-    })
-
-
-class World:
-    def __init__(self, job: api.TrainingJob, num_nodes: int = 10):
-        self.job = job
-        self.pods: dict[str, ObservedPod] = {}
-        self.nodes = {f"n{i}": ObservedNode(f"n{i}", True, None) for i in range(num_nodes)}
-        self.now = T0
-        self._next_node = 0
-        self._uid = 0
-
-    def step(self):
-        p = plan(self.job, list(self.pods.values()), self.nodes, self.now)
-        for name in p.delete:
-            self.pods[name] = replace(self.pods[name], deleting=True)
-        for manifest in p.create:
-            self._uid += 1
-            pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": f"uid{self._uid}"}})
-            assert pod.name not in self.pods, f"{pod.name} created twice"
-            self.pods[pod.name] = pod
-        meta = dict(self.job.metadata)
-        if p.restart_history is not None:
-            meta["annotations"] = {**meta.get("annotations", {}), failures.ANNOTATION_RESTART_HISTORY: p.restart_history}
-        # Through JSON, as the status comes back from the API server on the next pass.
-        status = api.TrainingJobStatus.model_validate(p.status_patch())
-        self.job = self.job.model_copy(update={"status": status, "metadata": meta})
-        return p
-
-    def settle(self):
-        """Deleted pods go away; the others are scheduled and run."""
-        excluded = {e.name for e in (self.job.status.excluded_nodes if self.job.status else [])}
-        for name, pod in list(self.pods.items()):
-            if pod.deleting:
-                del self.pods[name]
-            elif pod.phase == "Pending":
-                node = self._free_node(excluded)
-                self.pods[name] = replace(pod, phase="Running", node_name=node)
-
-    def _free_node(self, excluded):
-        used = {p.node_name for p in self.pods.values()}
-        for name, node in self.nodes.items():
-            if name not in used and name not in excluded and node.ready:
-                return name
-        raise AssertionError("no free node")
-
-    def set_pod(self, name, **changes):
-        self.pods[name] = replace(self.pods[name], **changes)
-
-    def pod_of(self, replica, rank=0):
-        (pod,) = [p for p in self.pods.values() if p.replica == replica and p.node_rank == rank]
-        return pod
-
-    def running(self):
-        self.step()
-        self.settle()
-        self.step()
-        return self
-
-    def assert_quiet(self):
-        again = plan(self.job, list(self.pods.values()), self.nodes, self.now)
-        assert (again.create, again.delete, again.events, again.excluded_nodes_added) == ([], [], [], [])
-        assert again.status == self.job.status
-        assert again.restart_history is None
-
-
-def cond(status, type_):
-    return next(c for c in status.conditions if c.type == type_)
+from reconcile_world import T0, World, cond, make_job
 
 
 def test_first_pass_creates_every_pod_with_generation_zero():

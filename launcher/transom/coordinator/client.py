@@ -17,6 +17,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from transom.coordinator.models import (
+    CheckpointReport,
     FailureReport,
     HeartbeatRequest,
     Identity,
@@ -115,6 +116,11 @@ class CoordinatorClient:
     def report_failure(self, req: FailureReport, timeout_s: float = 5.0) -> bool:
         status, payload = self._call("POST", "/v1/failure", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "failure").get("accepted"))
+
+    def report_checkpoint(self, req: CheckpointReport, timeout_s: float = 5.0) -> bool:
+        """Tell the coordinator a checkpoint is committed; False if an equal or newer one was."""
+        status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
+        return bool(self._expect(status, payload, "checkpoint").get("accepted"))
 
     def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)

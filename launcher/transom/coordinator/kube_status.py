@@ -2,8 +2,8 @@
 
 The Kubernetes API is the only channel between coordinator and operator, and the
 coordinator owns exactly `status.training` (the operator owns the rest of status). This
-writer merge-patches the status subresource with the job's committed step whenever it
-changed, at most every `interval_s`, with the pod's ServiceAccount token (the per-job Role
+writer merge-patches the status subresource with the job's committed step, last committed
+checkpoint and goodput whenever they changed, at most every `interval_s`, with the pod's ServiceAccount token (the per-job Role
 allows `patch` on this one job's status and nothing else). It uses aiohttp, which the
 coordinator has anyway, instead of the kubernetes client, so the coordinator image stays
 small and `transom` keeps importing without it.
@@ -60,18 +60,18 @@ class StatusWriter:
                 # The body may quote the request; the token is in a header, never in it.
                 raise RuntimeError(f"{resp.status} {(await resp.text())[:300]}")
 
-    async def run(self, progress: Callable[[], int]) -> None:
-        """Write `progress()` (the committed step) whenever it changes; runs until cancelled."""
+    async def run(self, training: Callable[[], dict]) -> None:
+        """Write `training()` (status.training without updateTime) whenever it changes; runs until cancelled."""
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        written: int | None = None
+        written: dict | None = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
             while True:
-                step = progress()
-                if step != written:
+                current = training()
+                if current != written:
                     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                     try:
-                        await self.patch(session, {"step": step, "updateTime": now})
-                        written = step
+                        await self.patch(session, {**current, "updateTime": now})
+                        written = current
                     except Exception as e:  # the API server may be away: training goes on
                         log.warning("could not write status.training of %s/%s: %s", self.namespace, self.job, e)
                 await asyncio.sleep(self.interval_s)

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import collections
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from transom.coordinator.goodput import GoodputClock, as_decimal
 from transom.coordinator.models import (
+    CheckpointReport,
     Event,
     FailureReport,
     HeartbeatRequest,
@@ -144,6 +147,10 @@ class Membership:
     failures_total: collections.Counter[str] = field(default_factory=collections.Counter)
     quorum_changes_total: int = 0
     events_total: int = 0
+    # For status.training: the newest committed checkpoint (step, wall-clock unix time) and
+    # the goodput clock, advanced by every decided round.
+    last_checkpoint: tuple[int, float] | None = None
+    goodput: GoodputClock = field(default_factory=GoodputClock)
 
     # --- helpers -----------------------------------------------------------------------
     def _event(self, now: float, kind: str, message: str) -> None:
@@ -381,6 +388,7 @@ class Membership:
         )
         self.next_round += 1
         self.current = decision
+        self.goodput.observe(now, max_step)
         for i in ids:
             self.answers[i] = decision
             del self.pending[i]
@@ -416,6 +424,15 @@ class Membership:
             recover_from=recover_from,
         )
 
+    def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:
+        """A replica committed the checkpoint of `req.step`; older reports are ignored."""
+        self._live(req.identity)
+        if self.last_checkpoint is not None and req.step <= self.last_checkpoint[0]:
+            return False
+        self.last_checkpoint = (req.step, wall_time)
+        self._event(now, "checkpoint", f"checkpoint of step {req.step} committed by replica {req.identity.replica_id}")
+        return True
+
     # --- reporting -----------------------------------------------------------------------------------
     def max_step(self) -> int:
         """The highest step any replica (of any state) reported committed."""
@@ -423,6 +440,18 @@ class Membership:
 
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas.values() if r.state == "healthy")
+
+    def training(self, now: float) -> dict:
+        """status.training of the TrainingJob (camelCase, as the CRD has it), without updateTime."""
+        out: dict = {"step": self.max_step()}
+        if self.last_checkpoint is not None:
+            step, wall = self.last_checkpoint
+            out["lastCheckpoint"] = step
+            out["lastCheckpointTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+        goodput = self.goodput.value(now)
+        if goodput is not None:
+            out["goodput"] = as_decimal(goodput)
+        return out
 
     def status(self, now: float) -> JobStatus:
         cur = self.current
@@ -435,6 +464,8 @@ class Membership:
             min_replicas=self.settings.min_replicas,
             healthy_replicas=self.healthy_count(),
             paused=self.paused,
+            last_checkpoint=self.last_checkpoint[0] if self.last_checkpoint else None,
+            goodput=self.goodput.value(now),
             replicas=[
                 ReplicaStatus(
                     replica_id=r.identity.replica_id,

@@ -64,6 +64,14 @@ class FailureReport(_Msg):
     exit_code: int | None = Field(default=None, ge=-255, le=255)
 
 
+class CheckpointReport(_Msg):
+    """A replica committed a checkpoint (its manifest is written): it ends up in status.training."""
+
+    identity: Identity
+    step: int = Step
+    uri: str = Field(min_length=1, max_length=2048, description="where the checkpoint lives")
+
+
 class LeaveRequest(_Msg):
     """A replica that finished (or stops on purpose) leaves without being counted as failed."""
 
@@ -142,6 +150,8 @@ class JobStatus(_Msg):
     min_replicas: int
     healthy_replicas: int
     paused: bool
+    last_checkpoint: int | None = None
+    goodput: float | None = None
     replicas: list[ReplicaStatus]
     events: list[Event]
 

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ValidationError
 from transom.coordinator.kube_status import StatusWriter
 from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
 from transom.coordinator.models import (
+    CheckpointReport,
     ErrorBody,
     FailureReport,
     HeartbeatRequest,
@@ -164,6 +165,7 @@ class CoordinatorServer:
         r.add_post("/v1/quorum", self._quorum)
         r.add_post("/v1/failure", self._failure)
         r.add_post("/v1/leave", self._leave)
+        r.add_post("/v1/checkpoint", self._checkpoint)
         r.add_get("/v1/replicas/{id}", self._replica)
         r.add_put("/v1/rendezvous", self._put_rendezvous)
         r.add_get("/v1/rendezvous/{id}", self._get_rendezvous)
@@ -234,6 +236,12 @@ class CoordinatorServer:
             self.membership.try_decide(self.clock())
             self._changed.notify_all()
         return _ok()
+
+    async def _checkpoint(self, request: web.Request) -> web.Response:
+        req = await _parse(request, CheckpointReport)
+        async with self._lock:
+            accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
+        return _ok({"accepted": accepted})
 
     async def _quorum(self, request: web.Request) -> web.Response:
         req = await _parse(request, QuorumRequest)
@@ -314,7 +322,7 @@ class CoordinatorServer:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._tick_task = asyncio.create_task(self._tick())
         if self._status_writer is not None:
-            self._status_task = asyncio.create_task(self._status_writer.run(self.membership.max_step))
+            self._status_task = asyncio.create_task(self._status_writer.run(lambda: self.membership.training(self.clock())))
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
 

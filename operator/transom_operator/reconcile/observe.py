@@ -13,9 +13,6 @@ from typing import Any
 
 from transom import contract
 
-LABEL_SPARE = "transom.io/spare"  # set on hot-spare pods instead of transom.io/replica
-
-
 def parse_time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp ("2025-01-31T12:00:00Z") as an aware datetime; None if absent."""
     if value is None or value == "":
@@ -85,7 +82,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         name=metadata.get("name", ""),
         uid=metadata.get("uid", ""),
         replica=_int_label(labels, contract.LABEL_REPLICA),
-        spare=_int_label(labels, LABEL_SPARE),
+        spare=_int_label(labels, contract.LABEL_SPARE),
         node_rank=_int_label(labels, contract.LABEL_NODE_RANK),
         generation=_int_label(labels, contract.LABEL_GENERATION),
         phase=status.get("phase") or "Pending",

@@ -25,9 +25,9 @@ Rules:
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
 - Replicas with ids >= spec.replicas (a scale-down) have their pods deleted.
-
-Not done yet: hot spares (spec.spareReplicas) are neither created nor promoted;
-`readySpareReplicas` is left unset.
+- Hot spares (`spares.py`): a failed replica whose replacement a Ready spare can take is
+  promoted at once by relabelling the spare's pods (no backoff: nothing new has to start);
+  the spare is refilled in the background. Without a Ready spare, the rules above apply.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any
 
 from transom_operator import api, reasons, resources
-from transom_operator.reconcile import failures
+from transom_operator.reconcile import failures, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
@@ -50,6 +50,7 @@ class Plan:
 
     create: list[dict[str, Any]] = field(default_factory=list)  # pod manifests
     delete: list[str] = field(default_factory=list)  # pod names
+    relabel: list[tuple[str, dict[str, str | None]]] = field(default_factory=list)  # (pod, labels; None removes)
     excluded_nodes_added: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     status: api.TrainingJobStatus = field(default_factory=api.TrainingJobStatus)
@@ -91,7 +92,7 @@ def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
     extra: list[ObservedPod] = []  # pods of replicas beyond spec.replicas
     for pod in pods:
         if pod.replica is None or pod.generation is None or pod.node_rank is None:
-            continue  # spares (not handled yet) and pods whose labels are not ours
+            continue  # spare pods (spares.group) and pods whose labels are not ours
         if pod.replica >= spec.replicas or pod.node_rank >= spec.nodes_per_replica:
             extra.append(pod)
         else:
@@ -143,7 +144,9 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     raw_history = annotations.get(failures.ANNOTATION_RESTART_HISTORY)
     history = [h for h in failures.parse_history(raw_history) if now_s - h.time < ft.restart_window_seconds]
     excluded = {e.name: e for e in prev.excluded_nodes}
+    pods = list(pods)
     replicas, extra = _group(pods, spec, {r.id: r for r in prev.replicas})
+    spare_list, spare_extra = spares.group(pods, spec, {s.id: s for s in prev.spares})
     was_failed = prev.state == "Failed"
     was_succeeded = prev.state == "Succeeded"
     final = was_failed or was_succeeded
@@ -219,6 +222,12 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
                         out.excluded_nodes_added.append((node, why))
                         out.events.append((reasons.WARNING, reasons.EVENT_NODE_EXCLUDED,
                                            f"Excluded node {node} from job {name}: {why}"))
+            spare = spares.take_ready(spare_list, spec.nodes_per_replica, node_map, excluded)
+            if spare is not None:
+                current, patches = spares.promote(spare, r.id, generation)
+                out.relabel.extend(patches)
+                out.events.append((reasons.NORMAL, reasons.EVENT_SPARE_PROMOTED,
+                                   f"Spare {spare.id} took over replica {r.id} as generation {generation}"))
         out.delete.extend(p.name for p in stale if not p.deleting)
 
         missing = [rank for rank in range(spec.nodes_per_replica) if rank not in current]
@@ -240,6 +249,8 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
                 out._requeue(wait)
         view = _Replica(r.id, generation, current, [], r.recorded)
         state = _pods_state(view, spec.nodes_per_replica)
+        # A promoted spare's pods too: until a later pass sees them relabelled, recording the
+        # replica Running would make their absence (a crash before the relabel) a new failure.
         if r.failure or (state == "Pending" and last_failure is not None):
             state = "Replacing"
         statuses.append(api.ReplicaStatus(
@@ -253,6 +264,13 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
             out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
                               if not p.deleting and p.phase != "Succeeded")
+    # Spares serve only a job that is still training; otherwise they would hold GPUs for nothing.
+    active = not (suspended or final or failed_now or training_done)
+    spare_plan = spares.plan(job, spare_list, spare_extra, active, node_map, excluded, now)
+    out.create.extend(spare_plan.create)
+    out.delete.extend(spare_plan.delete)
+    if spare_plan.requeue_after is not None:
+        out._requeue(spare_plan.requeue_after)
 
     # --- status ---------------------------------------------------------------------
     healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
@@ -328,6 +346,9 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         healthy_replicas=healthy,
         total_restarts=(prev.total_restarts or 0) + (0 if failed_now else new_restarts),
         replicas=statuses,
+        ready_spare_replicas=(sum(1 for s in spare_plan.statuses if s.state == "Ready")
+                              if spec.spare_replicas or prev.spares else None),
+        spares=spare_plan.statuses,
         excluded_nodes=list(excluded.values()),
         training=prev.training,
     )

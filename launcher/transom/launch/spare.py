@@ -1,0 +1,98 @@
+"""A hot spare's launcher waits for a replica identity, then runs as that replica.
+
+A spare pod is scheduled, pulled and started before any replica fails, so that taking
+over costs neither scheduling nor an image pull. Its environment has TRANSOM_SPARE_ID
+instead of TRANSOM_REPLICA_ID and TRANSOM_REPLICA_GENERATION, because a pod's environment
+cannot change after it starts. Its labels can: the operator promotes a spare by relabelling
+its pods (`transom.io/replica`, `transom.io/generation`, `transom.io/spare` removed), and the
+kubelet rewrites the downward-API file `<PODINFO_DIR>/labels` within its sync period. The
+launcher polls that file and, once it names a replica, continues exactly like a replica
+pod's launcher with that identity.
+
+The file holds one `key="value"` line per label, values quoted and escaped as Go's
+strconv.Quote does (the kubelet's format).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from transom import contract
+
+log = logging.getLogger("transom.launch")
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The replica identity the operator gave this spare."""
+
+    replica_id: int
+    generation: int
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """The downward-API labels file as a dict; malformed lines are skipped, never fatal."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, raw = line.partition("=")
+        if not sep or not key:
+            continue
+        try:
+            value = ast.literal_eval(raw)  # a Go-quoted string is a valid Python literal
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(value, str):
+            out[key.strip()] = value
+    return out
+
+
+def assignment(labels: Mapping[str, str]) -> Assignment | None:
+    """The identity in `labels`, or None while the pod is still a spare."""
+    if contract.LABEL_SPARE in labels:
+        return None  # the relabel removes it together with setting the replica
+    try:
+        return Assignment(int(labels[contract.LABEL_REPLICA]), int(labels[contract.LABEL_GENERATION]))
+    except (KeyError, ValueError):
+        return None
+
+
+def podinfo_dir(environ: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(env.get(contract.ENV_PODINFO_DIR) or contract.PODINFO_DIR)
+
+
+def wait_for_assignment(directory: Path, stopped: Callable[[], bool], poll_s: float = POLL_S) -> Assignment | None:
+    """Poll `directory/labels` until it names a replica; None if `stopped()` first.
+
+    A spare may wait for days, so there is no deadline: the wait ends with a promotion or
+    with the pod's termination (SIGTERM sets `stopped`).
+    """
+    path = directory / "labels"
+    logged_missing = False
+    while not stopped():
+        try:
+            found = assignment(parse_labels(path.read_text()))
+        except OSError as e:
+            if not logged_missing:
+                log.warning("spare: cannot read %s yet (%s); is the podinfo volume mounted?", path, e)
+                logged_missing = True
+            found = None
+        if found is not None:
+            return found
+        time.sleep(poll_s)
+    return None
+
+
+def promoted_environ(environ: Mapping[str, str], found: Assignment) -> dict[str, str]:
+    """The pod environment a replica pod with this identity would have had."""
+    env = {k: v for k, v in environ.items() if k != contract.ENV_SPARE_ID}
+    env[contract.ENV_REPLICA_ID] = str(found.replica_id)
+    env[contract.ENV_REPLICA_GENERATION] = str(found.generation)
+    return env
