@@ -1,0 +1,217 @@
+"""The checkpoint engine: a snapshot in the training loop, everything else in the background.
+
+    engine = CheckpointEngine(CheckpointConfig.from_environ(interval_steps=200, keep=2))
+    ...
+    optimizer.step()
+    if engine.due(step):
+        engine.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+    ...                         # next forward/backward: the copy runs meanwhile
+    engine.wait_snapshot()      # before the next optimizer.step()
+    ...
+    engine.close()
+
+`save` flattens the state (structure.py), starts the copy into reusable host buffers
+(snapshot.py) and returns; the stall is that call plus whatever `wait_snapshot` still has
+to wait. One background thread, owned by the engine and stopped by `close()`, then writes
+this replica's part, and (on part 0's writer) commits the step, prunes old checkpoints and
+reports the committed step (`on_commit`, which FaultTolerant points at the coordinator).
+
+Policy when a checkpoint comes due while the previous one is still persisting: it is
+skipped (counted in `skipped`, logged). Host memory stays at one copy of the state, and a
+storage outage cannot pile up snapshots; the checkpoint after the outage is the newest
+state anyway. Storage errors are retried with backoff for as long as the engine runs and
+never reach the training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from transom import contract
+from transom.checkpoint import layout, structure
+from transom.checkpoint.persist import commit, dtype_name, write_part
+from transom.checkpoint.restore import committed_steps
+from transom.checkpoint.snapshot import Snapshot
+from transom.checkpoint.storage import Storage, retry
+
+log = logging.getLogger("transom.checkpoint")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    uri: str
+    interval_steps: int = 0  # 0: only when save() is called
+    keep: int = 2
+    commit_timeout_s: float = 600.0  # how long part 0's writer waits for the other parts
+    snapshot_timeout_s: float = 300.0
+    retry_first_s: float = 0.5
+    retry_max_s: float = 30.0
+    storage_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise ValueError("checkpoint uri must not be empty")
+        if self.interval_steps < 0 or self.keep < 1:
+            raise ValueError("interval_steps must be >= 0 and keep >= 1")
+
+    @classmethod
+    def from_environ(cls, **overrides: Any) -> "CheckpointConfig | None":
+        """From TRANSOM_CHECKPOINT_URI (set by the operator from spec.checkpoint.uri); None if unset."""
+        uri = overrides.pop("uri", None) or os.environ.get(contract.ENV_CHECKPOINT_URI, "")
+        return cls(uri=uri, **overrides) if uri else None
+
+
+@dataclass
+class _Job:
+    step: int
+    part: int
+    num_parts: int
+    entries: list[layout.Entry]
+    skeleton: Any
+
+
+class CheckpointEngine:
+    def __init__(self, config: CheckpointConfig, on_commit: Callable[[int, str], None] | None = None):
+        self.config = config
+        self.storage = Storage(config.uri, **config.storage_options)
+        self.on_commit = on_commit
+        self._snapshot = Snapshot()
+        self._job: _Job | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="transom-checkpoint", daemon=True)
+        self._thread.start()
+        # Figures for the caller and the benchmark.
+        self.committed_step: int | None = None
+        self.skipped = 0
+        self.failed = 0
+        self.last_stall_s = 0.0
+        self.last_persist_s = 0.0
+
+    def due(self, step: int) -> bool:
+        return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._job is not None
+
+    # --- the training loop's side -----------------------------------------------------------
+    def save(self, step: int, state: Any, part: int = 0, num_parts: int = 1) -> bool:
+        """Snapshot `state` as checkpoint `step`; this replica writes part `part` of `num_parts`.
+
+        Returns False (and writes nothing) if the previous checkpoint is still persisting.
+        """
+        t0 = time.monotonic()
+        if not 0 <= part < num_parts:
+            raise ValueError(f"part must be in [0, {num_parts}), got {part}")
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the checkpoint engine is closed")
+            if self._job is not None:
+                self.skipped += 1
+                log.warning("checkpoint of step %d skipped: step %d is still persisting", step, self._job.step)
+                return False
+        tensors, skeleton = structure.flatten(state, torch.is_tensor)
+        skeleton = json.loads(json.dumps(skeleton))  # a deep copy, and a clear error if not JSON
+        self._snapshot.start(tensors)
+        sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        parts = layout.partition(sizes, num_parts)
+        entries = [layout.Entry(key=k, dtype=dtype_name(t.dtype), shape=list(t.shape), nbytes=sizes[k], crc32=0,
+                                part=parts[k]) for k, t in tensors.items()]
+        with self._cond:
+            self._job = _Job(step, part, num_parts, entries, skeleton)
+            self._cond.notify_all()
+        self.last_stall_s = time.monotonic() - t0
+        return True
+
+    def wait_snapshot(self) -> float:
+        """Block until the host copy is complete (call before optimizer.step()); returns seconds waited."""
+        t0 = time.monotonic()
+        if self._snapshot.busy:
+            self._snapshot.wait(self.config.snapshot_timeout_s)
+        waited = time.monotonic() - t0
+        self.last_stall_s += waited
+        return waited
+
+    def wait_persisted(self, timeout_s: float) -> bool:
+        """Block until no checkpoint is in flight; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._job is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the checkpoint in flight (up to timeout_s), then stop the background thread."""
+        self.wait_persisted(timeout_s)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(1.0, timeout_s))
+
+    # --- the background side ------------------------------------------------------------------
+    def _stopped(self) -> bool:
+        return self._closing
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                job = self._job
+            assert job is not None
+            t0 = time.monotonic()
+            try:
+                self._persist(job)
+            except Exception as e:  # closing mid-retry, or a bug: never into the training loop
+                self.failed += 1
+                log.error("checkpoint of step %d not written: %s: %s", job.step, type(e).__name__, e)
+            self.last_persist_s = time.monotonic() - t0
+            with self._cond:
+                self._job = None
+                self._cond.notify_all()
+
+    def _persist(self, job: _Job) -> None:
+        buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
+        mine = {e.key: buffers[e.key] for e in job.entries if e.part == job.part}
+        backoff = dict(stopped=self._stopped, first_s=self.config.retry_first_s, max_s=self.config.retry_max_s)
+        retry(f"writing part {job.part} of step {job.step}",
+              lambda: write_part(self.storage, job.step, job.part, mine), **backoff)
+        if job.part != 0:
+            return
+        manifest = layout.Manifest(step=job.step, num_parts=job.num_parts, entries=job.entries,
+                                   structure=job.skeleton, created=time.time())
+        done = retry(f"committing step {job.step}",
+                     lambda: commit(self.storage, manifest, self.config.commit_timeout_s, self._stopped), **backoff)
+        if not done:
+            self.failed += 1
+            log.error("checkpoint of step %d not committed: not every part was written within %.0fs",
+                      job.step, self.config.commit_timeout_s)
+            return
+        self.committed_step = job.step
+        retry("pruning old checkpoints", self._prune, **backoff)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(job.step, self.storage.url(layout.step_dir(job.step)))
+            except Exception as e:
+                log.warning("could not report checkpoint of step %d: %s", job.step, e)
+
+    def _prune(self) -> None:
+        done, incomplete = committed_steps(self.storage)
+        for step in layout.to_delete(done, incomplete, self.config.keep):
+            self.storage.remove(layout.step_dir(step))

@@ -1,0 +1,110 @@
+"""The checkpoint's view of storage: fsspec URLs, atomic small writes, listing, retries.
+
+`file://` (or a plain path) serves NFS and PVC mounts, `s3://` goes through s3fs; anything
+else fsspec knows works too. S3 settings come from the usual AWS variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for S3-compatible servers),
+which the operator passes in from `checkpoint.credentialsSecret`.
+
+A small file that marks completion (a part's checksums, the manifest) must never be seen
+half written: on a local file system it is written to a temporary name, fsynced and
+renamed; an S3 PUT is atomic by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger("transom.checkpoint")
+T = TypeVar("T")
+
+
+class Storage:
+    def __init__(self, uri: str, **storage_options) -> None:
+        if not uri:
+            raise ValueError("a checkpoint URI is required (TRANSOM_CHECKPOINT_URI, e.g. s3://bucket/job)")
+        self.uri = uri.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **storage_options)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def url(self, *parts: str) -> str:
+        """A full URL (for DCP's FsspecWriter/Reader) of a path under the root."""
+        return "/".join([self.uri, *parts])
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def read_text(self, *parts: str) -> str:
+        with self.fs.open(self.path(*parts), "rb") as f:
+            return f.read().decode()
+
+    def write_atomic(self, data: bytes, *parts: str) -> None:
+        target = self.path(*parts)
+        if self.local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.tmp-{os.getpid()}-{random.randrange(1 << 30)}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            dir_fd = os.open(os.path.dirname(target), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        else:
+            self.fs.pipe_file(target, data)
+
+    def list_dirs(self) -> list[str]:
+        """Names directly under the root (no error when the root does not exist yet)."""
+        self.fs.invalidate_cache()
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def sizes(self, *parts: str) -> dict[str, int]:
+        """Every file under a directory, relative path -> size."""
+        base = self.path(*parts).rstrip("/")
+        self.fs.invalidate_cache()
+        out = {}
+        for path, info in self.fs.find(base, detail=True).items():
+            if info.get("type", "file") == "file":
+                out[path[len(base):].lstrip("/")] = int(info["size"])
+        return out
+
+    def remove(self, *parts: str) -> None:
+        try:
+            self.fs.rm(self.path(*parts), recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: float = 0.5,
+          max_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call `fn` until it succeeds, backing off exponentially (with jitter) between failures.
+
+    Storage that is away does not fail the checkpoint: it waits for the storage to return.
+    Raises the last error once `stopped()` (the engine is closing).
+    """
+    delay = first_s
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if stopped():
+                raise
+            log.warning("checkpoint: %s failed (%s: %s); retrying in %.1fs", what, type(e).__name__, e, delay)
+            sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(max_s, delay * 2)

@@ -1,0 +1,66 @@
+"""Pure rules of the checkpoint layout: names, partition, retention, manifest, structure."""
+
+from __future__ import annotations
+
+import pytest
+
+from transom.checkpoint import layout, structure
+
+
+def test_step_dirs_sort_by_step_and_parse_back():
+    names = [layout.step_dir(s) for s in (5, 40, 300)]
+    assert names == sorted(names) and names[0] == "step-000000000005"
+    assert [layout.parse_step_dir(n) for n in names] == [5, 40, 300]
+    assert layout.parse_step_dir("step-5") is None and layout.parse_step_dir("s3://b/x/step-000000000007/") == 7
+    with pytest.raises(ValueError):
+        layout.step_dir(-1)
+
+
+def test_partition_balances_bytes_and_is_deterministic():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10, "e": 0}
+    parts = layout.partition(sizes, 2)
+    load = [sum(s for k, s in sizes.items() if parts[k] == p) for p in range(2)]
+    assert sorted(load) == [110, 110] and layout.partition(dict(reversed(sizes.items())), 2) == parts
+    assert set(layout.partition(sizes, 1).values()) == {0}
+    assert set(layout.partition({"x": 1}, 3).values()) == {0}  # more parts than entries: some stay empty
+
+
+@pytest.mark.parametrize("done, incomplete, keep, expected", [
+    ([10, 20, 30], [], 2, [10]),
+    ([10, 20, 30], [25, 40], 3, [25]),  # 40 may still be in flight; 25 was abandoned
+    ([], [5], 2, []),  # nothing committed yet: keep every attempt
+    ([30], [], 1, []),
+])
+def test_retention(done, incomplete, keep, expected):
+    assert layout.to_delete(done, incomplete, keep) == expected
+
+
+def test_manifest_round_trip_and_rejects_strangers():
+    m = layout.Manifest(step=3, num_parts=2, entries=[layout.Entry("model/w", "float32", [2, 2], 16, 7, 1)],
+                        structure={"model": {"w": {"__tensor__": "model/w"}}}, created=1.5, files={"a": 3})
+    assert layout.Manifest.from_json(m.to_json()) == m
+    for bad in ("{}", "not json", '{"format": "transom-dcp-1"}', '{"format": "other"}'):
+        with pytest.raises(ValueError):
+            layout.Manifest.from_json(bad)
+
+
+class T:  # stands in for a tensor
+    def __init__(self, v):
+        self.v = v
+
+
+def test_flatten_keeps_int_keys_tuples_and_escapes_slashes():
+    state = {"model": {"fc.weight": T(1), "a/b": T(2)},
+             "optimizer": {"state": {0: {"exp_avg": T(3), "step": 4}}, "param_groups": [{"betas": (0.9, 0.99)}]},
+             "step": 7, "name": None}
+    tensors, skeleton = structure.flatten(state, lambda x: isinstance(x, T))
+    assert sorted(tensors) == ["model/a%2Fb", "model/fc.weight", "optimizer/state/0/exp_avg"]
+    import json
+    back = structure.unflatten(json.loads(json.dumps(skeleton)), tensors)
+    assert back["optimizer"]["state"][0]["exp_avg"].v == 3 and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert back["model"]["a/b"].v == 2 and back["step"] == 7 and back["name"] is None
+
+
+def test_flatten_names_what_it_cannot_store():
+    with pytest.raises(TypeError, match="data/sampler: cannot checkpoint a set"):
+        structure.flatten({"data": {"sampler": {1, 2}}}, lambda x: False)
