@@ -21,17 +21,10 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_replicas_survive_a_coordinator_restart(tmp_path):
@@ -58,7 +51,7 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
     ]
     try:
         m = coordinator.server.membership
-        _wait(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 90, "step 10")
+        wait_until(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 90, "step 10")
         coordinator.stop()
         time.sleep(1.5)  # the replicas are now retrying against a closed port
         coordinator = CoordinatorThread(settings, token, port=port)

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,10 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _kill_pod(launcher: subprocess.Popen) -> None:
@@ -78,7 +70,7 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         m = coordinator.server.membership
-        _wait(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 120, "step 10")
+        wait_until(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 120, "step 10")
         assert spare.poll() is None and not list(stats.glob("steps-r1-g1-*"))  # the spare only waits
         _kill_pod(launchers[1])
         tmp = podinfo / "labels.new"

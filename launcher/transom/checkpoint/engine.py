@@ -100,11 +100,6 @@ class CheckpointEngine:
     def due(self, step: int) -> bool:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
 
-    @property
-    def busy(self) -> bool:
-        with self._cond:
-            return self._job is not None
-
     # --- the training loop's side -----------------------------------------------------------
     def save(self, step: int, state: Any, part: int = 0, num_parts: int = 1) -> bool:
         """Snapshot `state` as checkpoint `step`; this replica writes part `part` of `num_parts`.

@@ -66,10 +66,6 @@ class Manifest:
     format: str = FORMAT
     files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
 

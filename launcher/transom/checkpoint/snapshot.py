@@ -28,10 +28,6 @@ class Snapshot:
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # wait() is called by the training loop and the persister
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

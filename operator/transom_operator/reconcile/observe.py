@@ -2,11 +2,13 @@
 
 `observe_pod` and `observe_node` parse raw API objects (camelCase dicts, as the API server's
 JSON or `kubernetes`' `sanitize_for_serialization` gives them); the decision functions
-never touch raw dicts, so their tests build `ObservedPod`s directly.
+never touch raw dicts, so their tests build `ObservedPod`s directly. `group_pods` sorts
+them into replicas (or spares) and generations, the same way for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -103,3 +105,37 @@ def observe_node(node: dict[str, Any]) -> ObservedNode:
     ready = ready_condition is not None and ready_condition.get("status") == "True"
     since = None if ready or ready_condition is None else parse_time(ready_condition.get("lastTransitionTime"))
     return ObservedNode(name=metadata.get("name", ""), ready=ready, not_ready_since=since)
+
+
+@dataclass(frozen=True)
+class PodSet:
+    """The pods of one replica (or spare) id, split by generation."""
+
+    generation: int  # the highest of the pods' generations and the recorded one
+    current: dict[int, ObservedPod]  # node rank -> pod of that generation
+    stale: list[ObservedPod]  # pods of older generations
+
+
+def group_pods(pods: Iterable[ObservedPod], id_of: Callable[[ObservedPod], int | None], count: int,
+               nodes_per_replica: int, recorded: Mapping[int, int]) -> tuple[list[PodSet], list[ObservedPod]]:
+    """Pods by `id_of` (ids 0 .. count - 1, `recorded` generation per id), and the pods whose id
+    or node rank is out of range. Pods that `id_of` gives None, or without generation or node
+    rank labels, are not ours to group and are left out."""
+    by_id: dict[int, list[ObservedPod]] = {}
+    extra: list[ObservedPod] = []
+    for pod in pods:
+        pid = id_of(pod)
+        if pid is None or pod.generation is None or pod.node_rank is None:
+            continue
+        if pid >= count or pod.node_rank >= nodes_per_replica:
+            extra.append(pod)
+        else:
+            by_id.setdefault(pid, []).append(pod)
+    out = []
+    for i in range(count):
+        own = by_id.get(i, [])
+        generation = max([p.generation for p in own if p.generation is not None] + [recorded.get(i, 0)])
+        out.append(PodSet(generation=generation,
+                          current={p.node_rank: p for p in own if p.generation == generation and p.node_rank is not None},
+                          stale=[p for p in own if p.generation is not None and p.generation < generation]))
+    return out, extra

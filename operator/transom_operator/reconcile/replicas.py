@@ -39,7 +39,7 @@ from typing import Any
 
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile import failures, spares
-from transom_operator.reconcile.observe import ObservedNode, ObservedPod
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
 
@@ -88,27 +88,11 @@ class _Replica:
 
 def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
            recorded: Mapping[int, api.ReplicaStatus]) -> tuple[list[_Replica], list[ObservedPod]]:
-    by_id: dict[int, list[ObservedPod]] = {}
-    extra: list[ObservedPod] = []  # pods of replicas beyond spec.replicas
-    for pod in pods:
-        if pod.replica is None or pod.generation is None or pod.node_rank is None:
-            continue  # spare pods (spares.group) and pods whose labels are not ours
-        if pod.replica >= spec.replicas or pod.node_rank >= spec.nodes_per_replica:
-            extra.append(pod)
-        else:
-            by_id.setdefault(pod.replica, []).append(pod)
-    out = []
-    for rid in range(spec.replicas):
-        own = by_id.get(rid, [])
-        rec = recorded.get(rid)
-        generation = max([p.generation for p in own] + [rec.generation if rec else 0])
-        out.append(_Replica(
-            id=rid, generation=generation,
-            current={p.node_rank: p for p in own if p.generation == generation},
-            stale=[p for p in own if p.generation < generation],
-            recorded=rec,
-        ))
-    return out, extra
+    # Spare pods have no replica label (spares.group takes them).
+    sets, extra = group_pods(pods, lambda p: p.replica, spec.replicas, spec.nodes_per_replica,
+                             {i: r.generation for i, r in recorded.items()})
+    return [_Replica(id=i, generation=s.generation, current=s.current, stale=s.stale, recorded=recorded.get(i))
+            for i, s in enumerate(sets)], extra
 
 
 def _pods_state(r: _Replica, nodes_per_replica: int) -> str:

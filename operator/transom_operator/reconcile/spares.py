@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from transom_operator import api, reasons, resources
-from transom_operator.reconcile.observe import ObservedNode, ObservedPod
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 
 @dataclass
@@ -69,27 +69,10 @@ class Spare:
 def group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
           recorded: Mapping[int, api.SpareStatus]) -> tuple[list[Spare], list[ObservedPod]]:
     """Spare pods by spare id; pods of spare ids beyond spec.spareReplicas come back apart."""
-    by_id: dict[int, list[ObservedPod]] = {}
-    extra: list[ObservedPod] = []
-    for pod in pods:
-        if pod.spare is None or pod.replica is not None or pod.generation is None or pod.node_rank is None:
-            continue
-        if pod.spare >= spec.spare_replicas or pod.node_rank >= spec.nodes_per_replica:
-            extra.append(pod)
-        else:
-            by_id.setdefault(pod.spare, []).append(pod)
-    out = []
-    for sid in range(spec.spare_replicas):
-        own = by_id.get(sid, [])
-        rec = recorded.get(sid)
-        generation = max([p.generation for p in own] + [rec.generation if rec else 0])
-        out.append(Spare(
-            id=sid, generation=generation,
-            current={p.node_rank: p for p in own if p.generation == generation},
-            stale=[p for p in own if p.generation < generation],
-            recorded=rec,
-        ))
-    return out, extra
+    sets, extra = group_pods(pods, lambda p: p.spare if p.replica is None else None, spec.spare_replicas,
+                             spec.nodes_per_replica, {i: s.generation for i, s in recorded.items()})
+    return [Spare(id=i, generation=s.generation, current=s.current, stale=s.stale, recorded=recorded.get(i))
+            for i, s in enumerate(sets)], extra
 
 
 def take_ready(spares: list[Spare], nodes_per_replica: int, nodes: Mapping[str, ObservedNode],
