@@ -3,13 +3,16 @@
     transom run --replicas 3 -- python examples/train_tiny_gpt.py --steps 60
     transom run --replicas 2 --nproc-per-replica 2 -- python examples/train_tiny_gpt.py --inner ddp
     transom run --replicas 2 --nproc-per-replica 2 -- python examples/train_tiny_gpt.py --inner fsdp
+    transom run --replicas 3 --checkpoint-uri /tmp/ckpt -- python examples/train_tiny_gpt.py --checkpoint-interval 20
 
 The text is generated (a seeded toy grammar), so the example needs no download. Each
 replica reads its own shard of every step's batch (chosen by replica id and step, so a
 repeated step sees the same data); with `--inner ddp` the replica's processes split that
 shard further and average inside the replica with DDP (or shard the model with FSDP2,
 and Transom averages each shard index across replicas), while Transom averages across
-replicas and survives a replica's death.
+replicas and survives a replica's death. With a checkpoint URI, the run checkpoints every
+`--checkpoint-interval` steps and at the end, and a new run resumes from the newest
+checkpoint.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--inner", choices=["none", "ddp", "fsdp"], default="none", help="data parallelism inside a replica")
+    p.add_argument("--checkpoint-interval", type=int, default=None,
+                   help="steps between checkpoints when a checkpoint URI is set (TRANSOM_CHECKPOINT_URI)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -109,7 +114,11 @@ def main() -> None:
             fully_shard(block)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    trainer = ft.FaultTolerant(model, optimizer, ctx)
+    # None without a checkpoint URI in the environment: then nothing is checkpointed.
+    checkpoint = ft.CheckpointConfig.from_environ(interval_steps=args.checkpoint_interval)
+    trainer = ft.FaultTolerant(model, optimizer, ctx, checkpoint=checkpoint)
+    if trainer.restored_step is not None and ctx.rank == 0:
+        print(f"replica {trainer.replica_id}: resumed from the checkpoint of step {trainer.restored_step}", flush=True)
 
     loss = None
     for step in trainer.steps(args.steps):

@@ -141,6 +141,10 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             max_restarts=args.max_restarts,
             timeout_s=args.timeout,
             quiet=args.quiet,
+            checkpoint_uri=os.path.abspath(args.checkpoint_uri) if args.checkpoint_uri and "://" not in args.checkpoint_uri
+            else (args.checkpoint_uri or ""),
+            checkpoint_interval=args.checkpoint_interval,
+            checkpoint_keep=args.checkpoint_keep,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -191,6 +195,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=int, default=3, help="in-place restarts per launcher")
     r.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")
+    r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
+    r.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints (the script may override)")
+    r.add_argument("--checkpoint-keep", type=int, help="committed checkpoints to keep")
     return p
 
 

@@ -25,6 +25,8 @@ ENV_COORDINATOR_URL = "TRANSOM_COORDINATOR_URL"
 # never from a literal in the pod spec.
 ENV_COORDINATOR_TOKEN = "TRANSOM_COORDINATOR_TOKEN"
 ENV_CHECKPOINT_URI = "TRANSOM_CHECKPOINT_URI"
+ENV_CHECKPOINT_INTERVAL = "TRANSOM_CHECKPOINT_INTERVAL_STEPS"  # spec.checkpoint.intervalSteps
+ENV_CHECKPOINT_KEEP = "TRANSOM_CHECKPOINT_KEEP"  # spec.checkpoint.keep
 # The address other replicas use to reach this pod (downward API status.podIP);
 # 127.0.0.1 when unset, which is right for local mode.
 ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"

@@ -104,6 +104,9 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         contract.ENV_CHECKPOINT_URI: spec.checkpoint.uri if spec.checkpoint else "",
         contract.ENV_COLLECTIVE_TIMEOUT: str(spec.fault_tolerance.collective_timeout_seconds),
     }
+    if spec.checkpoint:
+        plain[contract.ENV_CHECKPOINT_INTERVAL] = str(spec.checkpoint.interval_steps)
+        plain[contract.ENV_CHECKPOINT_KEEP] = str(spec.checkpoint.keep)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     env.append({
         "name": contract.ENV_COORDINATOR_TOKEN,

@@ -38,6 +38,14 @@ class RunResult:
                     pass  # the last line of a SIGKILLed worker may be cut short
         return sorted(out, key=lambda r: r["t"])
 
+    def digests(self) -> dict[tuple[int, int], str]:
+        """(replica, rank) -> sha256 of the rank's final parameters."""
+        out = {}
+        for path in self.stats_dir.glob("final-r*-k*.json"):
+            f = json.loads(path.read_text())
+            out[(f["replica"], f["rank"])] = f["digest"]
+        return out
+
     def incarnations(self, replica: int) -> int:
         return len(list(self.stats_dir.glob(f"steps-r{replica}-g*-a*.jsonl")))
 

@@ -92,7 +92,7 @@ def test_two_replicas_each_write_a_part_and_one_commits(tmp_path):
     engines = [CheckpointEngine(CheckpointConfig(uri=str(tmp_path)), on_commit=lambda s, u: commits.append((s, u)))
                for _ in range(2)]
     for k, e in enumerate(engines):
-        assert e.save(10, state, part=k, num_parts=2)
+        assert e.save(10, state, layout.Slot(writer=k, writers=2))
     for e in engines:
         assert e.wait_persisted(60)
         e.close()
@@ -108,7 +108,7 @@ def test_two_replicas_each_write_a_part_and_one_commits(tmp_path):
 def test_a_missing_part_never_commits_and_a_due_checkpoint_is_skipped_meanwhile(tmp_path):
     _, _, state = make_state()
     engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=1.5))
-    assert engine.save(10, state, part=0, num_parts=2)  # part 1's writer never shows up
+    assert engine.save(10, state, layout.Slot(writer=0, writers=2))  # part 1's writer never shows up
     engine.wait_snapshot()
     assert not engine.save(11, state) and engine.skipped == 1  # still persisting step 10
     assert engine.wait_persisted(30)
@@ -118,6 +118,24 @@ def test_a_missing_part_never_commits_and_a_due_checkpoint_is_skipped_meanwhile(
     assert not (tmp_path / layout.step_dir(10) / layout.MANIFEST).exists()
     with pytest.raises(NoCheckpoint):
         load_latest(str(tmp_path))
+
+
+def test_a_writer_that_skips_releases_the_committer_at_once(tmp_path):
+    _, _, state = make_state()
+    committer = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=120))
+    busy = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=2))
+    # `busy` commits step 5 and waits (2 s) for a partner that never comes: it is persisting.
+    assert busy.save(5, state, layout.Slot(writer=0, writers=2))
+    assert committer.save(10, state, layout.Slot(writer=0, writers=2))
+    assert not busy.save(10, state, layout.Slot(writer=1, writers=2))  # skipped: leaves a marker when free
+    t0 = time.monotonic()
+    assert committer.wait_persisted(60)
+    waited = time.monotonic() - t0
+    for e in (committer, busy):
+        e.close()
+    assert (tmp_path / layout.step_dir(10) / "part-1" / layout.PART_SKIPPED).exists()
+    assert not (tmp_path / layout.step_dir(10) / layout.MANIFEST).exists()
+    assert committer.failed == 1 and waited < 30, f"the committer waited {waited:.1f}s instead of giving up"
 
 
 def _newest_shard(root: Path, step: int) -> Path:

@@ -37,9 +37,10 @@ def test_retention(done, incomplete, keep, expected):
 
 def test_manifest_round_trip_and_rejects_strangers():
     m = layout.Manifest(step=3, num_parts=2, entries=[layout.Entry("model/w", "float32", [2, 2], 16, 7, 1)],
-                        structure={"model": {"w": {"__tensor__": "model/w"}}}, created=1.5, files={"a": 3})
+                        structures=[{"model": {"w": {"__tensor__": "model/w"}}}], created=1.5, files={"a": 3})
     assert layout.Manifest.from_json(m.to_json()) == m
-    for bad in ("{}", "not json", '{"format": "transom-dcp-1"}', '{"format": "other"}'):
+    two_structures_one_shard = m.to_json().replace('"structures":[', '"structures":[{},')
+    for bad in ("{}", "not json", '{"format": "transom-dcp-2"}', '{"format": "other"}', two_structures_one_shard):
         with pytest.raises(ValueError):
             layout.Manifest.from_json(bad)
 
@@ -59,6 +60,32 @@ def test_flatten_keeps_int_keys_tuples_and_escapes_slashes():
     back = structure.unflatten(json.loads(json.dumps(skeleton)), tensors)
     assert back["optimizer"]["state"][0]["exp_avg"].v == 3 and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
     assert back["model"]["a/b"].v == 2 and back["step"] == 7 and back["name"] is None
+
+
+@pytest.mark.parametrize("replica_rank,replicas,rank,world,sharded,part,num_parts", [
+    (0, 1, 0, 1, False, 0, 1),
+    (2, 3, 0, 1, False, 2, 3),  # one process per replica: replica k writes part k
+    (1, 2, 1, 2, False, 3, 4),  # DDP: every rank of every replica writes a share of one shard
+    (1, 3, 0, 2, True, 1, 6),  # FSDP2: shard 0 is split between the 3 replicas' rank 0
+    (2, 3, 1, 2, True, 5, 6),
+])
+def test_slot_assigns_every_part_once(replica_rank, replicas, rank, world, sharded, part, num_parts):
+    slot = layout.Slot.of(replica_rank, replicas, rank, world, sharded)
+    assert (slot.part, slot.num_parts) == (part, num_parts)
+    everyone = {layout.Slot.of(k, replicas, r, world, sharded).part for k in range(replicas) for r in range(world)}
+    assert everyone == set(range(num_parts))
+    with pytest.raises(ValueError):
+        layout.Slot(writer=2, writers=2)
+
+
+def test_sharded_tensors_keep_a_description_and_a_prefix():
+    state = {"w": T(5), "plain": T(6)}
+    localize = lambda t: (T(t.v * 10), {"placements": [["shard", 0]]}) if t.v == 5 else (t, None)  # noqa: E731
+    tensors, skeleton = structure.flatten(state, lambda x: isinstance(x, T), localize, prefix="shard-1/")
+    assert sorted(tensors) == ["shard-1/plain", "shard-1/w"] and tensors["shard-1/w"].v == 50
+    back = structure.unflatten(skeleton, tensors, rebuild=lambda t, meta: ("rebuilt", t.v, meta["placements"]))
+    assert back["w"] == ("rebuilt", 50, [["shard", 0]]) and back["plain"].v == 6
+    assert structure.unflatten(skeleton, tensors)["w"].v == 50  # no rebuild: the local part
 
 
 def test_flatten_names_what_it_cannot_store():

@@ -63,6 +63,7 @@ def test_worker_pod_environment():
         contract.ENV_NODE_RANK: "1", contract.ENV_NNODES: "2", contract.ENV_NPROC_PER_NODE: "8",
         contract.ENV_COORDINATOR_URL: "http://demo-coordinator.ml.svc:8080",
         contract.ENV_CHECKPOINT_URI: "s3://bucket/run",
+        contract.ENV_CHECKPOINT_INTERVAL: "500", contract.ENV_CHECKPOINT_KEEP: "3",  # the CRD's defaults
         contract.ENV_COLLECTIVE_TIMEOUT: "60",
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
@@ -92,6 +93,7 @@ def test_no_checkpoint_gives_empty_uri_and_no_env_from():
     pod = resources.worker_pod(make_job(checkpoint=None), 0, 0, 0)
     container = pod["spec"]["containers"][0]
     assert env_of(container)[contract.ENV_CHECKPOINT_URI]["value"] == ""
+    assert contract.ENV_CHECKPOINT_INTERVAL not in env_of(container)
     assert "envFrom" not in container
 
 

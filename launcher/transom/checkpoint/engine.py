@@ -4,14 +4,17 @@
     ...
     optimizer.step()
     if engine.due(step):
-        engine.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+        engine.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, slot)
     ...                         # next forward/backward: the copy runs meanwhile
     engine.wait_snapshot()      # before the next optimizer.step()
     ...
     engine.close()
 
-`save` flattens the state (structure.py), starts the copy into reusable host buffers
-(snapshot.py) and returns; the stall is that call plus whatever `wait_snapshot` still has
+`FaultTolerant` does this for a training script (ft/checkpointing.py); `slot` says which
+part of the checkpoint this process writes (layout.Slot).
+
+`save` flattens the state (structure.py; DTensors become their local parts, sharding.py),
+starts the copy into reusable host buffers (snapshot.py) and returns; the stall is that call plus whatever `wait_snapshot` still has
 to wait. One background thread, owned by the engine and stopped by `close()`, then writes
 this replica's part, and (on part 0's writer) commits the step, prunes old checkpoints and
 reports the committed step (`on_commit`, which FaultTolerant points at the coordinator).
@@ -19,7 +22,8 @@ reports the committed step (`on_commit`, which FaultTolerant points at the coord
 Policy when a checkpoint comes due while the previous one is still persisting: it is
 skipped (counted in `skipped`, logged). Host memory stays at one copy of the state, and a
 storage outage cannot pile up snapshots; the checkpoint after the outage is the newest
-state anyway. Storage errors are retried with backoff for as long as the engine runs and
+state anyway. The skipping writer leaves a `skipped` marker in its part once it is free, so
+the committer of that step stops waiting for it. Storage errors are retried with backoff for as long as the engine runs and
 never reach the training loop.
 """
 
@@ -37,8 +41,8 @@ from typing import Any
 import torch
 
 from transom import contract
-from transom.checkpoint import layout, structure
-from transom.checkpoint.persist import commit, dtype_name, write_part
+from transom.checkpoint import layout, sharding, structure
+from transom.checkpoint.persist import commit, dtype_name, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
 from transom.checkpoint.snapshot import Snapshot
 from transom.checkpoint.storage import Storage, retry
@@ -51,8 +55,12 @@ class CheckpointConfig:
     uri: str
     interval_steps: int = 0  # 0: only when save() is called
     keep: int = 2
-    commit_timeout_s: float = 600.0  # how long part 0's writer waits for the other parts
+    # How long part 0's writer waits for the other parts: this, or 3x the time its own part
+    # took if longer (parts are balanced by size, so a writer far slower than that is gone).
+    commit_timeout_s: float = 60.0
     snapshot_timeout_s: float = 300.0
+    save_on_close: bool = True  # FaultTolerant.close() saves the final step
+    close_timeout_s: float = 300.0  # how long close() waits for the last checkpoint to persist
     retry_first_s: float = 0.5
     retry_max_s: float = 30.0
     storage_options: dict = field(default_factory=dict)
@@ -65,18 +73,27 @@ class CheckpointConfig:
 
     @classmethod
     def from_environ(cls, **overrides: Any) -> "CheckpointConfig | None":
-        """From TRANSOM_CHECKPOINT_URI (set by the operator from spec.checkpoint.uri); None if unset."""
-        uri = overrides.pop("uri", None) or os.environ.get(contract.ENV_CHECKPOINT_URI, "")
-        return cls(uri=uri, **overrides) if uri else None
+        """From the pod environment (the operator sets it from spec.checkpoint); None without a URI.
+
+        Arguments that are not None win over TRANSOM_CHECKPOINT_URI, _INTERVAL_STEPS and _KEEP.
+        """
+        values: dict[str, Any] = {"uri": os.environ.get(contract.ENV_CHECKPOINT_URI, "")}
+        for name, var in (("interval_steps", contract.ENV_CHECKPOINT_INTERVAL), ("keep", contract.ENV_CHECKPOINT_KEEP)):
+            if raw := os.environ.get(var):
+                try:
+                    values[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values) if values["uri"] else None
 
 
 @dataclass
 class _Job:
     step: int
-    part: int
-    num_parts: int
-    entries: list[layout.Entry]
-    skeleton: Any
+    slot: layout.Slot
+    entries: list[layout.Entry]  # of this process's part
+    skeleton: Any  # the shard's skeleton if this is its first writer, else None
 
 
 class CheckpointEngine:
@@ -86,6 +103,7 @@ class CheckpointEngine:
         self.on_commit = on_commit
         self._snapshot = Snapshot()
         self._job: _Job | None = None
+        self._skips: list[tuple[int, int]] = []  # (step, part) skipped while busy: markers to write
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="transom-checkpoint", daemon=True)
@@ -101,30 +119,31 @@ class CheckpointEngine:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
 
     # --- the training loop's side -----------------------------------------------------------
-    def save(self, step: int, state: Any, part: int = 0, num_parts: int = 1) -> bool:
-        """Snapshot `state` as checkpoint `step`; this replica writes part `part` of `num_parts`.
+    def save(self, step: int, state: Any, slot: layout.Slot = layout.Slot()) -> bool:
+        """Snapshot `state` as checkpoint `step`; this process writes the part `slot` names.
 
         Returns False (and writes nothing) if the previous checkpoint is still persisting.
         """
         t0 = time.monotonic()
-        if not 0 <= part < num_parts:
-            raise ValueError(f"part must be in [0, {num_parts}), got {part}")
         with self._cond:
             if self._closing:
                 raise RuntimeError("the checkpoint engine is closed")
             if self._job is not None:
                 self.skipped += 1
+                self._skips.append((step, slot.part))
                 log.warning("checkpoint of step %d skipped: step %d is still persisting", step, self._job.step)
                 return False
-        tensors, skeleton = structure.flatten(state, torch.is_tensor)
+        prefix = layout.shard_prefix(slot.shard, slot.shards)
+        tensors, skeleton = structure.flatten(state, torch.is_tensor, sharding.localize, prefix)
         skeleton = json.loads(json.dumps(skeleton))  # a deep copy, and a clear error if not JSON
-        self._snapshot.start(tensors)
         sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-        parts = layout.partition(sizes, num_parts)
+        parts = layout.partition(sizes, slot.writers)
+        mine = {k: t for k, t in tensors.items() if parts[k] == slot.writer}
+        self._snapshot.start(mine)
         entries = [layout.Entry(key=k, dtype=dtype_name(t.dtype), shape=list(t.shape), nbytes=sizes[k], crc32=0,
-                                part=parts[k]) for k, t in tensors.items()]
+                                part=slot.part, shard=slot.shard) for k, t in mine.items()]
         with self._cond:
-            self._job = _Job(step, part, num_parts, entries, skeleton)
+            self._job = _Job(step, slot, entries, skeleton if slot.writer == 0 else None)
             self._cond.notify_all()
         self.last_stall_s = time.monotonic() - t0
         return True
@@ -179,24 +198,29 @@ class CheckpointEngine:
             self.last_persist_s = time.monotonic() - t0
             with self._cond:
                 self._job = None
+                skips, self._skips = self._skips, []
                 self._cond.notify_all()
+            for step, part in skips:
+                try:  # best effort: without the marker the committer waits out its timeout
+                    mark_skipped(self.storage, step, part)
+                except Exception as e:
+                    log.warning("could not mark part %d of step %d as skipped: %s", part, step, e)
 
     def _persist(self, job: _Job) -> None:
         buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
-        mine = {e.key: buffers[e.key] for e in job.entries if e.part == job.part}
         backoff = dict(stopped=self._stopped, first_s=self.config.retry_first_s, max_s=self.config.retry_max_s)
-        retry(f"writing part {job.part} of step {job.step}",
-              lambda: write_part(self.storage, job.step, job.part, mine), **backoff)
-        if job.part != 0:
+        t0 = time.monotonic()
+        retry(f"writing part {job.slot.part} of step {job.step}",
+              lambda: write_part(self.storage, job.step, job.slot.part, buffers, job.entries, job.skeleton), **backoff)
+        if job.slot.part != 0:
             return
-        manifest = layout.Manifest(step=job.step, num_parts=job.num_parts, entries=job.entries,
-                                   structure=job.skeleton, created=time.time())
+        wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))
         done = retry(f"committing step {job.step}",
-                     lambda: commit(self.storage, manifest, self.config.commit_timeout_s, self._stopped), **backoff)
+                     lambda: commit(self.storage, job.step, job.slot, wait_s, self._stopped), **backoff)
         if not done:
             self.failed += 1
-            log.error("checkpoint of step %d not committed: not every part was written within %.0fs",
-                      job.step, self.config.commit_timeout_s)
+            log.error("checkpoint of step %d not committed: a part was skipped or not written within %.0fs",
+                      job.step, wait_s)
             return
         self.committed_step = job.step
         retry("pruning old checkpoints", self._prune, **backoff)

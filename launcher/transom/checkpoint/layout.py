@@ -3,16 +3,17 @@
 Pure (no torch, no I/O), so the rules are table-tested alone. One checkpoint of step N:
 
     <uri>/step-<N, 12 digits>/
-        part-<k>/__0_0.distcp       shard k's tensors, written by replica k (DCP's file format)
+        part-<k>/__0_0.distcp       part k's tensors (DCP's file format)
         part-<k>/.metadata          DCP's index of that part
-        part-<k>/checksums.json     written last by its writer: the part is complete
+        part-<k>/checksums.json     its entries with their CRC-32, written last by its writer
+        part-<k>/skipped            instead of the above: its writer skipped this checkpoint
         .metadata                   DCP's index of the whole step (the parts merged)
         manifest.json               written last of all: the commit
 
-Replicas hold identical state, so the entries are split into `num_parts` shards balanced
-by size (`partition`), and replica k of the quorum writes part k. Only a step directory
-with a readable `manifest.json` is a checkpoint; anything else is an attempt that did not
-finish and is never read. Step numbers are zero-padded so that names sort by step.
+Replicas hold identical state, so each shard's entries are split into parts balanced by
+size (`partition`), and each writer writes one part (`Slot`). Only a step directory with a
+readable `manifest.json` is a checkpoint; anything else is an attempt that did not finish
+and is never read. Step numbers are zero-padded so that names sort by step.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import asdict, dataclass, field
 
 MANIFEST = "manifest.json"
 PART_DONE = "checksums.json"
+PART_SKIPPED = "skipped"
 DCP_METADATA = ".metadata"
-FORMAT = "transom-dcp-1"
+FORMAT = "transom-dcp-2"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 
 
@@ -44,6 +46,46 @@ def part_dir(k: int) -> str:
     return f"part-{k}"
 
 
+def shard_prefix(shard: int, shards: int) -> str:
+    """Key prefix of a shard's tensors: none when the state is not sharded."""
+    return f"shard-{shard}/" if shards > 1 else ""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The share of one checkpoint that one process writes.
+
+    The state has `shards` shards: 1 when every rank of a replica holds the same state
+    (one process, DDP), the replica's world size when each rank holds a different piece
+    (FSDP2). Every shard is held by `writers` processes with identical copies, and split
+    between them: writer w of shard s writes part `s * writers + w`.
+    """
+
+    writer: int = 0
+    writers: int = 1
+    shard: int = 0
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.writer < self.writers and 0 <= self.shard < self.shards):
+            raise ValueError(f"invalid checkpoint slot {self}")
+
+    @property
+    def part(self) -> int:
+        return self.shard * self.writers + self.writer
+
+    @property
+    def num_parts(self) -> int:
+        return self.shards * self.writers
+
+    @classmethod
+    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> "Slot":
+        """The slot of `rank` (of `world_size` in its replica) in replica `replica_rank` of the quorum."""
+        if sharded:  # rank r of every replica holds shard r: the replicas split it
+            return cls(writer=replica_rank, writers=num_replicas, shard=rank, shards=world_size)
+        return cls(writer=replica_rank * world_size + rank, writers=num_replicas * world_size)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of the checkpoint, as the manifest records it."""
@@ -54,6 +96,7 @@ class Entry:
     nbytes: int
     crc32: int
     part: int
+    shard: int = 0
 
 
 @dataclass
@@ -61,8 +104,9 @@ class Manifest:
     step: int
     num_parts: int
     entries: list[Entry]
-    structure: dict  # JSON skeleton of the saved object, tensors replaced by their keys
+    structures: list  # per shard: JSON skeleton of the saved object, tensors replaced by their keys
     created: float  # unix seconds
+    num_shards: int = 1
     format: str = FORMAT
     files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
 
@@ -77,9 +121,13 @@ class Manifest:
             if raw.get("format") != FORMAT:
                 raise ValueError(f"unknown checkpoint format {raw.get('format')!r}")
             entries = [Entry(**e) for e in raw["entries"]]
-            return cls(step=int(raw["step"]), num_parts=int(raw["num_parts"]), entries=entries,
-                       structure=raw["structure"], created=float(raw["created"]), format=raw["format"],
-                       files={str(k): int(v) for k, v in raw.get("files", {}).items()})
+            m = cls(step=int(raw["step"]), num_parts=int(raw["num_parts"]), entries=entries,
+                    structures=list(raw["structures"]), created=float(raw["created"]),
+                    num_shards=int(raw["num_shards"]), format=raw["format"],
+                    files={str(k): int(v) for k, v in raw.get("files", {}).items()})
+            if len(m.structures) != m.num_shards:
+                raise ValueError(f"{len(m.structures)} structures for {m.num_shards} shards")
+            return m
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
 

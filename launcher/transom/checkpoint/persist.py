@@ -7,10 +7,14 @@ checkpoint with the standard `dcp.load` (the step directory carries a merged `.m
 and DCP already streams tensors to any fsspec file system. What Transom adds around it:
 the split of the work between replicas, the checksums, and the commit.
 
-The commit (by part 0's writer) waits for every part's `checksums.json`, merges the
+Each writer ends its part with `checksums.json`: the part's entries (key, dtype, shape,
+size, CRC-32) and, from a shard's first writer, the shard's JSON skeleton. The commit (by
+part 0's writer) waits for every part's file, builds the manifest from them, merges the
 parts' DCP metadata into the step's `.metadata` (each entry's file path prefixed with its
 part directory), and writes `manifest.json` last. A writer killed at any point leaves no
-manifest, and a directory without one is never read.
+manifest, and a directory without one is never read. A writer that skips a checkpoint
+(busy with the previous one) leaves a `skipped` marker, so the committer gives up at once
+instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import pickle
 import time
 import warnings
@@ -32,6 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from transom.checkpoint import layout
 from transom.checkpoint.storage import Storage
+
+log = logging.getLogger("transom.checkpoint")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,8 +73,10 @@ def run_dcp(fn: Callable[[], object]) -> object:
             raise DcpError(str(e).splitlines()[-1] if str(e) else "checkpoint failed") from e
 
 
-def write_part(storage: Storage, step: int, part: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Write `tensors` as part `part` of `step`; returns their checksums (also stored)."""
+def write_part(storage: Storage, step: int, part: int, tensors: Mapping[str, torch.Tensor],
+               entries: list[layout.Entry], structure: object | None) -> list[layout.Entry]:
+    """Write `tensors` as part `part` of `step`, then its done file: the part's entries with
+    their checksums, and `structure` (the shard's skeleton, from the shard's first writer)."""
     directory = layout.part_dir(part)
     step_name = layout.step_dir(step)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="transom-crc") as pool:
@@ -76,30 +85,43 @@ def write_part(storage: Storage, step: int, part: int, tensors: Mapping[str, tor
         if tensors:
             writer = FsspecWriter(storage.url(step_name, directory), sync_files=True)
             run_dcp(lambda: dcp.save(dict(tensors), storage_writer=writer, no_dist=True))
-        checksums = {k: f.result() for k, f in futures.items()}
-    storage.write_atomic(json.dumps(checksums, sort_keys=True).encode(), step_name, directory, layout.PART_DONE)
-    return checksums
+        done = [dataclasses.replace(e, crc32=futures[e.key].result()) for e in entries]
+    record: dict = {"entries": [dataclasses.asdict(e) for e in done]}
+    if structure is not None:
+        record["structure"] = structure
+    storage.write_atomic(json.dumps(record, sort_keys=True).encode(), step_name, directory, layout.PART_DONE)
+    return done
 
 
-def commit(storage: Storage, manifest: layout.Manifest, wait_s: float, stopped: Callable[[], bool],
+def mark_skipped(storage: Storage, step: int, part: int) -> None:
+    """Tell the committer of `step` that part `part` will not come (its writer was busy)."""
+    storage.write_atomic(b"busy\n", layout.step_dir(step), layout.part_dir(part), layout.PART_SKIPPED)
+
+
+def commit(storage: Storage, step: int, slot: layout.Slot, wait_s: float, stopped: Callable[[], bool],
            poll_s: float = 0.2) -> bool:
-    """Merge the parts and write the manifest; False if some part did not finish in wait_s."""
-    step_name = layout.step_dir(manifest.step)
+    """Merge the parts and write the manifest; False if some part did not finish in wait_s
+    or its writer skipped this checkpoint."""
+    step_name = layout.step_dir(step)
     deadline = time.monotonic() + wait_s
-    parts_with_data = sorted({e.part for e in manifest.entries})
-    for k in range(manifest.num_parts):
+    for k in range(slot.num_parts):
         while not storage.exists(step_name, layout.part_dir(k), layout.PART_DONE):
+            if storage.exists(step_name, layout.part_dir(k), layout.PART_SKIPPED):
+                log.warning("step %d not committed: the writer of part %d skipped it", step, k)
+                return False
             if time.monotonic() > deadline or stopped():
                 return False
             time.sleep(poll_s)
-    checksums: dict[str, int] = {}
-    for k in range(manifest.num_parts):
-        checksums.update(json.loads(storage.read_text(step_name, layout.part_dir(k), layout.PART_DONE)))
-    missing = [e.key for e in manifest.entries if e.key not in checksums]
-    if missing:
-        raise RuntimeError(f"the parts of step {manifest.step} lack {len(missing)} entries, e.g. {missing[0]}")
-    # Each writer checksummed its own share; the manifest carries them all.
-    manifest.entries = [dataclasses.replace(e, crc32=checksums[e.key]) for e in manifest.entries]
+    entries: list[layout.Entry] = []
+    structures: list = [None] * slot.shards
+    for k in range(slot.num_parts):
+        record = json.loads(storage.read_text(step_name, layout.part_dir(k), layout.PART_DONE))
+        entries += [layout.Entry(**e) for e in record["entries"]]
+        if "structure" in record:
+            structures[k // slot.writers] = record["structure"]
+    if any(s is None for s in structures):
+        raise RuntimeError(f"step {step}: a shard's structure is missing from its first part")
+    parts_with_data = sorted({e.part for e in entries})
     merged = None
     state_dict_metadata: dict = {}
     storage_data: dict = {}
@@ -115,6 +137,8 @@ def commit(storage: Storage, manifest: layout.Manifest, wait_s: float, stopped: 
         buf = io.BytesIO()
         pickle.dump(merged, buf)
         storage.write_atomic(buf.getvalue(), step_name, layout.DCP_METADATA)
+    manifest = layout.Manifest(step=step, num_parts=slot.num_parts, entries=entries, structures=structures,
+                               created=time.time(), num_shards=slot.shards)
     manifest.files = storage.sizes(step_name)
     manifest.files.pop(layout.MANIFEST, None)
     storage.write_atomic(manifest.to_json().encode(), step_name, layout.MANIFEST)

@@ -8,6 +8,10 @@ not rely on a template of the live objects: it stores every tensor under a flat 
 manifest, where each tensor is `{"__tensor__": key}`. JSON rather than pickle: loading a
 checkpoint from shared storage must never run code.
 
+A tensor that is one rank's shard of a larger one (an FSDP2 DTensor) is stored as its local
+part; `localize` returns that part and a small JSON description (placements, global
+shape), kept next to the key, from which `rebuild` makes the sharded tensor again on load.
+
 Pure Python; tensors are recognised by `is_tensor` (passed in, so this imports no torch).
 """
 
@@ -16,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-TENSOR, DICT, TUPLE = "__tensor__", "__dict__", "__tuple__"
+TENSOR, DICT, TUPLE, META = "__tensor__", "__dict__", "__tuple__", "__meta__"
+Localize = Callable[[Any], "tuple[Any, dict | None]"]  # tensor -> (what to store, description)
+Rebuild = Callable[[Any, dict], Any]  # (stored tensor, description) -> tensor to return
 
 
 def _key_part(key: Any) -> str:
@@ -24,19 +30,26 @@ def _key_part(key: Any) -> str:
     return text.replace("%", "%25").replace("/", "%2F")
 
 
-def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[dict[str, Any], Any]:
-    """(tensors by flat key, JSON skeleton). TypeError names the path of anything else."""
+def flatten(obj: Any, is_tensor: Callable[[Any], bool], localize: Localize | None = None,
+            prefix: str = "") -> tuple[dict[str, Any], Any]:
+    """(tensors by flat key, JSON skeleton). TypeError names the path of anything else.
+
+    Keys start with `prefix` (which keeps the shards of one checkpoint apart).
+    """
     tensors: dict[str, Any] = {}
 
     def walk(value: Any, path: str) -> Any:
         if is_tensor(value):
-            key = path or "value"
+            key = prefix + (path or "value")
+            meta = None
+            if localize is not None:
+                value, meta = localize(value)
             tensors[key] = value
-            return {TENSOR: key}
+            return {TENSOR: key, META: meta} if meta else {TENSOR: key}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, Mapping):
-            if all(isinstance(k, str) and k not in (TENSOR, DICT, TUPLE) for k in value):
+            if all(isinstance(k, str) and k not in (TENSOR, DICT, TUPLE, META) for k in value):
                 return {k: walk(v, f"{path}/{_key_part(k)}" if path else _key_part(k)) for k, v in value.items()}
             items = []
             for k, v in value.items():
@@ -54,16 +67,25 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool]) -> tuple[dict[str, Any],
     return tensors, skeleton
 
 
-def unflatten(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
-    """The nested object `flatten` took apart; KeyError names a missing tensor."""
-    if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
-    if isinstance(skeleton, dict):
-        if TENSOR in skeleton and len(skeleton) == 1:
-            return tensors[skeleton[TENSOR]]
-        if TUPLE in skeleton and len(skeleton) == 1:
-            return tuple(unflatten(v, tensors) for v in skeleton[TUPLE])
-        if DICT in skeleton and len(skeleton) == 1:
-            return {k: unflatten(v, tensors) for k, v in skeleton[DICT]}
-        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
-    return skeleton
+def unflatten(skeleton: Any, tensors: Mapping[str, Any], rebuild: Rebuild | None = None) -> Any:
+    """The nested object `flatten` took apart; KeyError names a missing tensor.
+
+    A tensor stored with a description goes through `rebuild`; without one, the stored
+    (local) tensor is returned as it is.
+    """
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            if TENSOR in node and set(node) <= {TENSOR, META}:
+                value = tensors[node[TENSOR]]
+                meta = node.get(META)
+                return rebuild(value, meta) if meta and rebuild is not None else value
+            if TUPLE in node and len(node) == 1:
+                return tuple(walk(v) for v in node[TUPLE])
+            if DICT in node and len(node) == 1:
+                return {k: walk(v) for k, v in node[DICT]}
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(skeleton)

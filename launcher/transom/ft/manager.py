@@ -18,6 +18,12 @@ update; gradients are averaged over the participants (a joiner sends zeros and l
 source's state meanwhile); every rank of the replica votes, and the optimizer steps only if
 all succeeded. A failed step is discarded and the same step runs again under the next
 quorum; `max_failed_steps` failures in a row raise.
+
+With a checkpoint URI (TRANSOM_CHECKPOINT_URI, or `checkpoint=CheckpointConfig(...)`), the
+trainer restores the newest checkpoint when it starts, snapshots the state after every
+`interval_steps`-th committed step (the host copy overlaps the next forward/backward and
+is awaited before the next optimizer step), and saves the final step in `close()`
+(ft/checkpointing.py).
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_COLLECTIVE_TIMEOUT, ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
+    CheckpointReport,
     FailureReport,
     HeartbeatRequest,
     Identity,
@@ -51,6 +59,7 @@ from transom.coordinator.models import (
     RegisterRequest,
 )
 from transom import inject
+from transom.ft.checkpointing import Checkpoints
 from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
 from transom.ft.replica import ReplicaContext, init
@@ -130,7 +139,9 @@ class FaultTolerant:
         *,
         extra_state: Stateful | None = None,
         config: FTConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
     ):
+        """`checkpoint` None: from the pod environment (no checkpoints without a URI there)."""
         self.ctx = ctx or init()
         self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
         self.config = config or FTConfig.from_environ()
@@ -154,6 +165,14 @@ class FaultTolerant:
         self._in_step = False
         self._closed = False
         self.completed_elsewhere = False  # the job finished without this replica
+        self._quorum_rank, self._quorum_size = 0, 1  # this replica's place in the last quorum
+        self.restored_step: int | None = None  # the checkpoint this incarnation started from
+        self.checkpoints: Checkpoints | None = None
+        checkpoint = checkpoint or CheckpointConfig.from_environ()
+        if checkpoint is not None:
+            self.checkpoints = Checkpoints(checkpoint, self.ctx, model, optimizer, extra_state, self._report_checkpoint)
+            self.restored_step = self.checkpoints.restore()
+            self.step = self.restored_step or 0
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
         self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr)
@@ -256,11 +275,16 @@ class FaultTolerant:
             self._drop_group()
         elif recovering:
             try:
+                if self.checkpoints is not None:
+                    self.checkpoints.wait_snapshot()  # the copy reads what _recover overwrites
                 self._recover(q)
             except Exception as e:
                 ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
         committed = self._vote(not ftar.failed)
+        self._quorum_rank, self._quorum_size = q.rank, len(q.members)
         if committed:
+            if self.checkpoints is not None:
+                self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
             factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
             saved = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
@@ -273,6 +297,8 @@ class FaultTolerant:
             self.step += 1
             self._commit_quorum_id = q.quorum_id
             self._failed_in_a_row = 0
+            if self.checkpoints is not None and self.checkpoints.due(self.step):
+                self.checkpoints.save(self.step, q.rank, len(q.members))
         else:
             self._failed_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -300,6 +326,9 @@ class FaultTolerant:
         if not self.completed_elsewhere:  # a replica left behind holds no final state
             self.stats.final(self.step, state_digest(self.model))
         self.stats.close()
+        if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
+            final = self.step if not self.completed_elsewhere and not self._evicted else None
+            self.checkpoints.close(final, self._quorum_rank, self._quorum_size)
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
@@ -316,6 +345,10 @@ class FaultTolerant:
         self._store = None
 
     # --- internals ------------------------------------------------------------------------------
+    def _report_checkpoint(self, step: int, uri: str) -> None:
+        """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
+        self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri))
+
     def _gather(self, value: str) -> list[str]:
         if self.ctx.ctrl_group is None:
             return [value]

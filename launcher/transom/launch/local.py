@@ -44,6 +44,9 @@ class RunConfig:
     max_generations: int = 3
     timeout_s: float = 3600.0
     quiet: bool = False
+    checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
+    checkpoint_interval: int | None = None
+    checkpoint_keep: int | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -112,6 +115,12 @@ class LocalRun:
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )
+        if self.config.checkpoint_uri:
+            env[contract.ENV_CHECKPOINT_URI] = self.config.checkpoint_uri
+        for var, value in ((contract.ENV_CHECKPOINT_INTERVAL, self.config.checkpoint_interval),
+                           (contract.ENV_CHECKPOINT_KEEP, self.config.checkpoint_keep)):
+            if value is not None:
+                env[var] = str(value)
         faults = self.faults.get(replica, []) if generation == 0 else []
         env[contract.ENV_FAULT] = ";".join(faults)
         cmd = [
@@ -144,6 +153,13 @@ class LocalRun:
             self.say(line)
             self._last_line = line
 
+
+    def _last_checkpoint(self) -> tuple[int, float] | None:
+        membership = self.coordinator.server.membership
+        try:
+            return self.coordinator.call(lambda: membership.last_checkpoint)
+        except Exception:  # the coordinator is gone: the summary says "unknown"
+            return None
 
     # --- main ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -194,12 +210,14 @@ class LocalRun:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=5)
+            last_checkpoint = self._last_checkpoint()
             self.coordinator.stop()
         summary = summarize(
             self.stats_dir, self.config.replicas, {r: len(f) for r, f in self.faults.items()},
             time.monotonic() - self._t0,
         )
         summary["exit_code"] = exit_code
+        summary["last_checkpoint"] = last_checkpoint[0] if last_checkpoint else None
         if self._own_stats_dir:
             shutil.rmtree(self.stats_dir, ignore_errors=True)
         summary["events"] = self._events

@@ -1,0 +1,133 @@
+"""Checkpoints of a FaultTolerant training loop: what is saved, who writes what, and restore.
+
+FaultTolerant owns one `Checkpoints` when a checkpoint URI is configured (the pod's
+TRANSOM_CHECKPOINT_URI, or `CheckpointConfig(uri=...)` from the script). The saved state
+is the step, `model.state_dict()`, `optimizer.state_dict()`, the `extra_state`'s state
+dict (LR scheduler, data position) and the RNG states (torch CPU, the device's CUDA
+generator, Python's `random`). With the data a function of the step (training-api.md,
+rule 2), the step is the data position.
+
+Who writes: replica k of a quorum of R takes part of every checkpoint (layout.Slot): with
+FSDP2 (DTensor state) rank r of each replica writes a share of shard r; otherwise every
+rank of every replica writes a share of the one shard. The replica at quorum rank 0's
+rank 0 commits and reports the step to the coordinator.
+
+Restore, at start: every rank of a replica tries the same committed steps, newest first,
+and they agree (a vote on the replica's control group) on the newest one every rank could
+verify. A replica that restores an older step than its peers hold simply recovers from a
+peer at its first quorum, as a restarted replica always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transom.checkpoint import layout, sharding
+from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
+from transom.checkpoint.restore import CorruptCheckpoint, committed_steps, load_step
+from transom.ft.replica import ReplicaContext
+
+log = logging.getLogger("transom.ft")
+
+
+def rng_state(device: torch.device) -> dict:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+class Checkpoints:
+    def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, extra_state: Any,
+                 on_commit: Callable[[int, str], None] | None = None):
+        self.config, self.ctx = config, ctx
+        self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
+        self.sharded = sharding.is_sharded(model.state_dict())
+        self.engine = CheckpointEngine(config, on_commit=on_commit)
+        self.last_saved: int | None = None
+
+    def state(self, step: int) -> dict:
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+            "rng": rng_state(self.ctx.device),
+        }
+
+    def due(self, step: int) -> bool:
+        return self.engine.due(step) and step != self.last_saved
+
+    def save(self, step: int, replica_rank: int, num_members: int) -> bool:
+        """Start checkpoint `step` (returns at once; False if skipped because one is persisting)."""
+        slot = layout.Slot.of(replica_rank, num_members, self.ctx.rank, self.ctx.world_size, self.sharded)
+        self.last_saved = step
+        return self.engine.save(step, self.state(step), slot)
+
+    def wait_snapshot(self) -> None:
+        """Before anything changes the state in place (optimizer.step, loading a peer's state)."""
+        self.engine.wait_snapshot()
+
+    def restore(self) -> int | None:
+        """Load the newest checkpoint every rank of this replica can verify; its step, or None."""
+        storage = self.engine.storage
+        steps = self._from_leader(committed_steps(storage)[0] if self.ctx.is_leader else None)
+        num_shards = self.ctx.world_size if self.sharded else 1
+        rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
+        for step in steps:
+            state, why = None, ""
+            try:
+                state = load_step(storage, step, self.ctx.device, self.ctx.rank, num_shards, rebuild)
+            except CorruptCheckpoint as e:
+                why = str(e)
+            if not self._all(state is not None):
+                log.warning("replica %d rank %d: checkpoint step %d is not usable%s; trying an older one",
+                            self.ctx.replica_id, self.ctx.rank, step, f" ({why})" if why else " on another rank")
+                continue
+            assert state is not None
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.extra_state is not None and state["extra"] is not None:
+                self.extra_state.load_state_dict(state["extra"])
+            set_rng_state(state["rng"], self.ctx.device)
+            self.last_saved = step
+            log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, step)
+            return step
+        return None
+
+    def close(self, final_step: int | None, replica_rank: int, num_members: int) -> None:
+        """Save `final_step` if it is not saved yet (None: no final checkpoint), wait for the
+        checkpoint in flight up to close_timeout_s, and stop the engine's thread."""
+        if final_step is not None and self.config.save_on_close and final_step != self.last_saved:
+            self.engine.wait_persisted(self.config.close_timeout_s)
+            self.save(final_step, replica_rank, num_members)
+        self.engine.close(self.config.close_timeout_s)
+
+    # --- agreement between the ranks of a replica ----------------------------------------------
+    def _from_leader(self, value: Any) -> Any:
+        if self.ctx.ctrl_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.ctrl_group)
+        return box[0]
+
+    def _all(self, ok: bool) -> bool:
+        if self.ctx.ctrl_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctx.ctrl_group)
+        return bool(flag.item())
