@@ -1,6 +1,6 @@
 # Transom developer entry points. Everything a fresh machine needs is installed from here.
 #
-#   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20
+#   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, checkpoints
 #   make test      unit, integration and e2e tests (installs and builds the test control plane first)
 #   make generate  regenerate derived files (CRDs) from their sources
 #
@@ -30,9 +30,14 @@ install: $(VENV)/.deps-installed
 testenv: install
 	hack/testenv.sh build
 
+# The demo checkpoints every 25 steps into a fresh directory (a second run would resume).
+DEMO_CHECKPOINTS ?= /tmp/transom-demo-checkpoints
+
 demo: install
+	rm -rf $(DEMO_CHECKPOINTS)
 	$(VENV)/bin/transom run --replicas 3 --nproc-per-replica 1 \
 		--inject kill:replica=1,step=20 --summary-json demo.summary.json \
+		--checkpoint-uri $(DEMO_CHECKPOINTS) --checkpoint-interval 25 \
 		-- $(PY) examples/train_tiny_gpt.py --steps 60
 
 test: install testenv

@@ -77,7 +77,7 @@ def _start(name: str, argv: list[str], d: Path, procs: dict, env: dict | None = 
     log = open(d / "logs" / f"{name}.log", "ab")
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True, cwd=d, env={**os.environ, **(env or {})})
-    procs[name] = {"pid": p.pid, "exe": str(Path(argv[0]).resolve())}
+    procs[name] = {"pid": p.pid, "exe": str(Path(argv[0]).resolve()), "argv": argv}
     _save(d, {"procs": procs})  # record at once: a failed up must still be stoppable
 
 
@@ -329,6 +329,36 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
     _save(d, {"env": asdict(env), "readyz": readyz, "ca": str(ca.pair.cert),
               "admin_cert": str(admin.cert), "admin_key": str(admin.key)})
     return env
+
+
+def stop_s3() -> None:
+    """Stop the S3 server (an outage, for tests); `start_s3` brings it back with its data."""
+    d = state_dir()
+    entry = json.loads((d / STATE_FILE).read_text())["procs"]["weed"]
+    if _alive(entry):
+        os.kill(entry["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _alive(entry) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(entry):
+            os.kill(entry["pid"], signal.SIGKILL)
+    try:
+        os.waitpid(entry["pid"], os.WNOHANG)  # reap it if this process started it
+    except ChildProcessError:
+        pass
+
+
+def start_s3() -> None:
+    """Start the S3 server again on the same ports and data directory; wait until it serves."""
+    d = state_dir()
+    state = json.loads((d / STATE_FILE).read_text())
+    procs = state["procs"]
+    if _alive(procs["weed"]):
+        return
+    if "argv" not in procs["weed"]:
+        raise RuntimeError("this testenv was started by an older version: `hack/testenv.sh down` and start it again")
+    _start("weed", procs["weed"]["argv"], d, procs)
+    _wait("S3 server", lambda: _http_ok(state["env"]["s3_endpoint"]), d)
 
 
 def down() -> None:

@@ -1,12 +1,14 @@
 """Checkpoints on the real S3-compatible server of hack/testenv (SeaweedFS), through s3fs.
 
 Credentials and endpoint come the way a pod gets them: the AWS variables
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL). The outage test stops the
+server process itself and starts it again on the same ports and data.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 
 import boto3
 import pytest
@@ -16,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from transom.checkpoint import layout
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import load_latest
+from testenv import cluster  # noqa: E402  (hack/ is on sys.path: tests/e2e/conftest.py)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,3 +68,58 @@ def test_s3_round_trip_two_parts_retention_and_dcp(bucket):
     target = {"model/weight": torch.zeros(256, 256)}
     dcp.load(target, checkpoint_id=f"{uri}/{layout.step_dir(30)}", no_dist=True)
     assert torch.equal(target["model/weight"], model.weight.detach())
+
+
+def test_s3_outage_during_persist_training_goes_on_and_the_checkpoint_lands_after(bucket):
+    """The S3 server is stopped while step 20 persists: the loop keeps stepping, nothing
+    partial is ever visible, and step 20 is committed once the server is back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])  # ~100 MB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    uri = f"s3://{bucket}/jobs/outage"
+    engine = CheckpointEngine(CheckpointConfig(uri=uri, keep=3, retry_first_s=0.2, retry_max_s=1.0))
+
+    def train_step() -> None:
+        engine.wait_snapshot()  # as FaultTolerant does before every optimizer step
+        opt.step()
+        model(torch.randn(4, 1024)).sum().backward()
+
+    model(torch.randn(4, 1024)).sum().backward()
+    assert engine.save(10, {"model": model.state_dict()})
+    assert engine.wait_persisted(120) and engine.committed_step == 10
+    train_step()
+
+    assert engine.save(20, {"model": model.state_dict()})
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cluster.stop_s3()
+    try:
+        assert not engine.wait_persisted(0), "step 20 finished persisting before the server went away"
+        # Training goes on: due checkpoints are skipped, no step waits for the storage.
+        slowest = 0.0
+        for step in range(21, 41):
+            t0 = time.monotonic()
+            train_step()
+            if step % 5 == 0:
+                assert not engine.save(step, {"model": model.state_dict()})
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 1.0, f"a training step waited {slowest:.2f}s for the storage"
+        assert engine.skipped == 4 and engine.committed_step == 10
+    finally:
+        cluster.start_s3()
+    # From now on a reader sees step 10 or a complete step 20, never anything in between.
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        restored = load_latest(uri)
+        assert restored.skipped == [], f"a committed checkpoint failed verification: {restored.skipped}"
+        seen.append(restored.step)
+        if restored.step == 20:
+            break
+        time.sleep(0.2)
+    assert seen[-1] == 20, f"step 20 was not committed after the server returned (saw {sorted(set(seen))})"
+    assert set(seen) <= {10, 20}
+    for k, v in expected.items():
+        assert torch.equal(restored.state["model"][k], v), f"{k} differs from the state saved at step 20"
+    assert engine.wait_persisted(60)
+    engine.close()
+    assert engine.committed_step == 20 and engine.failed == 0
