@@ -14,17 +14,18 @@
 part of the checkpoint this process writes (layout.Slot).
 
 `save` flattens the state (structure.py; DTensors become their local parts, sharding.py),
-starts the copy into reusable host buffers (snapshot.py) and returns; the stall is that call plus whatever `wait_snapshot` still has
-to wait. One background thread, owned by the engine and stopped by `close()`, then writes
-this replica's part, and (on part 0's writer) commits the step, prunes old checkpoints and
-reports the committed step (`on_commit`, which FaultTolerant points at the coordinator).
+starts the copy of this process's part into reusable host buffers (snapshot.py) and
+returns; the stall is that call plus whatever `wait_snapshot` still has to wait. One
+background thread, owned by the engine and stopped by `close()`, then writes the part,
+and (on part 0's writer) commits the step, prunes old checkpoints and reports the
+committed step (`on_commit`, which FaultTolerant points at the coordinator).
 
 Policy when a checkpoint comes due while the previous one is still persisting: it is
 skipped (counted in `skipped`, logged). Host memory stays at one copy of the state, and a
 storage outage cannot pile up snapshots; the checkpoint after the outage is the newest
 state anyway. The skipping writer leaves a `skipped` marker in its part once it is free, so
-the committer of that step stops waiting for it. Storage errors are retried with backoff for as long as the engine runs and
-never reach the training loop.
+the committer of that step stops waiting for it. Storage errors are retried with backoff
+for as long as the engine runs and never reach the training loop.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class CheckpointConfig:
     snapshot_timeout_s: float = 300.0
     save_on_close: bool = True  # FaultTolerant.close() saves the final step
     close_timeout_s: float = 300.0  # how long close() waits for the last checkpoint to persist
+    restore_timeout_s: float = 300.0  # how long a restore waits for storage that is away
     retry_first_s: float = 0.5
     retry_max_s: float = 30.0
     storage_options: dict = field(default_factory=dict)

@@ -14,14 +14,17 @@ rank 0 commits and reports the step to the coordinator.
 
 Restore, at start: every rank of a replica tries the same committed steps, newest first,
 and they agree (a vote on the replica's control group) on the newest one every rank could
-verify. A replica that restores an older step than its peers hold simply recovers from a
-peer at its first quorum, as a restarted replica always does.
+verify. A replica that joins peers already past the newest checkpoint (a replacement while
+the job trains) skips the restore: it recovers their newer state at its first quorum
+anyway, and reading the checkpoint would only delay its rejoin.
+Should those peers be gone by then, the trainer raises and the next incarnation restores.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from transom.checkpoint import layout, sharding
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import CorruptCheckpoint, committed_steps, load_step
+from transom.checkpoint.storage import retry
 from transom.ft.replica import ReplicaContext
 
 log = logging.getLogger("transom.ft")
@@ -59,6 +63,7 @@ class Checkpoints:
         self.sharded = sharding.is_sharded(model.state_dict())
         self.engine = CheckpointEngine(config, on_commit=on_commit)
         self.last_saved: int | None = None
+        self.skipped_restore_of: int | None = None  # newest checkpoint not restored: a peer was ahead
 
     def state(self, step: int) -> dict:
         return {
@@ -82,10 +87,25 @@ class Checkpoints:
         """Before anything changes the state in place (optimizer.step, loading a peer's state)."""
         self.engine.wait_snapshot()
 
-    def restore(self) -> int | None:
-        """Load the newest checkpoint every rank of this replica can verify; its step, or None."""
+    def restore(self, peer_step: Callable[[], int | None] | None = None) -> int | None:
+        """Load the newest checkpoint every rank of this replica can verify; its step, or None.
+
+        `peer_step` (the leader's): the newest step a live peer holds, None if unknown.
+        """
         storage = self.engine.storage
-        steps = self._from_leader(committed_steps(storage)[0] if self.ctx.is_leader else None)
+        plan = None
+        if self.ctx.is_leader:
+            steps = self._list_committed()
+            ahead = peer_step() if peer_step is not None and steps else None
+            # Strictly ahead: peers that restored the same step (a whole job starting again) do
+            # not count, since recovering costs the first step this replica's gradients.
+            plan = (steps, ahead is not None and ahead > steps[0])
+        steps, peer_is_ahead = self._from_leader(plan)
+        if peer_is_ahead:
+            self.skipped_restore_of = steps[0]
+            log.warning("replica %d rank %d: a live peer is past step %d; recovering from it instead of "
+                        "restoring the checkpoint", self.ctx.replica_id, self.ctx.rank, steps[0])
+            return None
         num_shards = self.ctx.world_size if self.sharded else 1
         rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
         for step in steps:
@@ -108,6 +128,13 @@ class Checkpoints:
             log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, step)
             return step
         return None
+
+    def _list_committed(self) -> list[int]:
+        """Committed steps, newest first. Storage that is away is waited for (restore_timeout_s):
+        starting from step 0 beside a checkpoint that exists would throw its steps away."""
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        return retry("listing checkpoints", lambda: committed_steps(self.engine.storage)[0],
+                     stopped=lambda: time.monotonic() > deadline, first_s=0.5, max_s=5.0)
 
     def close(self, final_step: int | None, replica_rank: int, num_members: int) -> None:
         """Save `final_step` if it is not saved yet (None: no final checkpoint), wait for the

@@ -171,7 +171,7 @@ class FaultTolerant:
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, self.ctx, model, optimizer, extra_state, self._report_checkpoint)
-            self.restored_step = self.checkpoints.restore()
+            self.restored_step = self.checkpoints.restore(self._peer_step)
             self.step = self.restored_step or 0
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
@@ -282,6 +282,12 @@ class FaultTolerant:
                 ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
         committed = self._vote(not ftar.failed)
         self._quorum_rank, self._quorum_size = q.rank, len(q.members)
+        if self.checkpoints is not None and self.checkpoints.skipped_restore_of is not None:
+            newest = self.checkpoints.skipped_restore_of
+            if q.max_step < newest:  # the peer we counted on is gone: start over and restore
+                raise RuntimeError(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
+                                   f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
+            self.checkpoints.skipped_restore_of = None
         if committed:
             if self.checkpoints is not None:
                 self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
@@ -345,6 +351,16 @@ class FaultTolerant:
         self._store = None
 
     # --- internals ------------------------------------------------------------------------------
+    def _peer_step(self) -> int | None:
+        """The newest step a healthy peer reported to the coordinator; None if none or unknown."""
+        try:
+            status = self.client.status(timeout_s=5.0)
+        except Exception as e:  # no answer: restore, which is always correct
+            log.warning("replica %d: coordinator status unavailable (%s); restoring the checkpoint", self.replica_id, e)
+            return None
+        steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != self.replica_id]
+        return max(steps, default=None)
+
     def _report_checkpoint(self, step: int, uri: str) -> None:
         """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
         self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri))
