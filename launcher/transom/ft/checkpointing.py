@@ -80,8 +80,10 @@ class Checkpoints:
     def save(self, step: int, replica_rank: int, num_members: int) -> bool:
         """Start checkpoint `step` (returns at once; False if skipped because one is persisting)."""
         slot = layout.Slot.of(replica_rank, num_members, self.ctx.rank, self.ctx.world_size, self.sharded)
-        self.last_saved = step
-        return self.engine.save(step, self.state(step), slot)
+        started = self.engine.save(step, self.state(step), slot)
+        if started:  # a skipped step may still be saved by close()
+            self.last_saved = step
+        return started
 
     def wait_snapshot(self) -> None:
         """Before anything changes the state in place (optimizer.step, loading a peer's state)."""
@@ -123,7 +125,8 @@ class Checkpoints:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.extra_state is not None and state["extra"] is not None:
                 self.extra_state.load_state_dict(state["extra"])
-            set_rng_state(state["rng"], self.ctx.device)
+            if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
+                set_rng_state(state["rng"], self.ctx.device)
             self.last_saved = step
             log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, step)
             return step
