@@ -331,21 +331,30 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
     return env
 
 
+def _stop(entries: list[dict]) -> None:
+    """SIGTERM the live ones, SIGKILL what is left after 15 s, reap those this process started."""
+    live = [p for p in entries if _alive(p)]
+    for p in live:
+        try:
+            os.kill(p["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in live) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in live:
+        if _alive(p):
+            os.kill(p["pid"], signal.SIGKILL)
+    for p in entries:  # reap the ones this process started (tests), if any
+        try:
+            os.waitpid(p["pid"], os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
 def stop_s3() -> None:
     """Stop the S3 server (an outage, for tests); `start_s3` brings it back with its data."""
-    d = state_dir()
-    entry = json.loads((d / STATE_FILE).read_text())["procs"]["weed"]
-    if _alive(entry):
-        os.kill(entry["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        while _alive(entry) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(entry):
-            os.kill(entry["pid"], signal.SIGKILL)
-    try:
-        os.waitpid(entry["pid"], os.WNOHANG)  # reap it if this process started it
-    except ChildProcessError:
-        pass
+    _stop([json.loads((state_dir() / STATE_FILE).read_text())["procs"]["weed"]])
 
 
 def start_s3() -> None:
@@ -367,21 +376,5 @@ def down() -> None:
     path = d / STATE_FILE
     if path.exists():
         procs = json.loads(path.read_text()).get("procs", {})
-        live = [p for p in reversed(list(procs.values())) if _alive(p)]
-        for p in live:
-            try:
-                os.kill(p["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in live) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for p in live:
-            if _alive(p):
-                os.kill(p["pid"], signal.SIGKILL)
-        for p in procs.values():  # reap the ones this process started (tests), if any
-            try:
-                os.waitpid(p["pid"], os.WNOHANG)
-            except ChildProcessError:
-                pass
+        _stop(list(reversed(list(procs.values()))))  # newest first
     shutil.rmtree(d, ignore_errors=True)

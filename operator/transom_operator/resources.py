@@ -77,14 +77,18 @@ def _metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str,
 
 # --- worker pods ----------------------------------------------------------------------
 
-def worker_labels(job: api.TrainingJob, replica: int, node_rank: int, generation: int) -> dict[str, str]:
-    """The labels by which the operator finds a pod's replica, node rank and generation."""
+def _identity_labels(job: api.TrainingJob, role: str, index: int, node_rank: int, generation: int) -> dict[str, str]:
     return {
         contract.LABEL_JOB: job_name(job),
-        contract.LABEL_REPLICA: str(replica),
+        role: str(index),
         contract.LABEL_NODE_RANK: str(node_rank),
         contract.LABEL_GENERATION: str(generation),
     }
+
+
+def worker_labels(job: api.TrainingJob, replica: int, node_rank: int, generation: int) -> dict[str, str]:
+    """The labels by which the operator finds a pod's replica, node rank and generation."""
+    return _identity_labels(job, contract.LABEL_REPLICA, replica, node_rank, generation)
 
 
 def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
@@ -192,12 +196,7 @@ PODINFO_VOLUME = "transom-podinfo"
 
 def spare_labels(job: api.TrainingJob, spare: int, node_rank: int, generation: int) -> dict[str, str]:
     """A spare pod's labels: `transom.io/spare` instead of `transom.io/replica` until promoted."""
-    return {
-        contract.LABEL_JOB: job_name(job),
-        contract.LABEL_SPARE: str(spare),
-        contract.LABEL_NODE_RANK: str(node_rank),
-        contract.LABEL_GENERATION: str(generation),
-    }
+    return _identity_labels(job, contract.LABEL_SPARE, spare, node_rank, generation)
 
 
 def promotion_labels(replica: int, generation: int) -> dict[str, str | None]:

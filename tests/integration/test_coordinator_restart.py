@@ -9,11 +9,7 @@ the new coordinator gathers them at the step they hold: no restart, no lost step
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +17,9 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
+from launching import start_launcher
 from waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
@@ -32,23 +28,8 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
     settings = Settings(job="restart", num_replicas=2, min_replicas=1)
     coordinator = CoordinatorThread(settings, token, port=port)
     coordinator.start()
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        **{
-            contract.ENV_NUM_REPLICAS: "2",
-            contract.ENV_COORDINATOR_URL: coordinator.url,
-            contract.ENV_COORDINATOR_TOKEN: token,
-            contract.ENV_STATS_DIR: str(tmp_path),
-        },
-    )
-    cmd = [sys.executable, "-m", "transom", "launch", "--nproc-per-node", "1", "--",
-           sys.executable, str(ROOT / "examples" / "train_tiny_gpt.py"), "--steps", "80"]
-    launchers = [
-        subprocess.Popen(cmd, env={**env, contract.ENV_REPLICA_ID: str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
+    launchers = [start_launcher(coordinator.url, token, 2, tmp_path, 80, **{contract.ENV_REPLICA_ID: str(r)})
+                 for r in range(2)]
     try:
         m = coordinator.server.membership
         wait_until(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 90, "step 10")

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,9 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
+from launching import start_launcher
 from waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
@@ -56,18 +55,10 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
     podinfo.mkdir()
     (podinfo / "labels").write_text(f'{contract.LABEL_JOB}="spare"\n{contract.LABEL_SPARE}="0"\n'
                                     f'{contract.LABEL_GENERATION}="0"\n')
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{
-        contract.ENV_NUM_REPLICAS: "2",
-        contract.ENV_COORDINATOR_URL: coordinator.url,
-        contract.ENV_COORDINATOR_TOKEN: token,
-        contract.ENV_STATS_DIR: str(stats),
-    })
-    cmd = [sys.executable, "-m", "transom", "launch", "--nproc-per-node", "1", "--",
-           sys.executable, str(ROOT / "examples" / "train_tiny_gpt.py"), "--steps", "60"]
-    launchers = {r: subprocess.Popen(cmd, env={**env, contract.ENV_REPLICA_ID: str(r)}, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True) for r in range(2)}
-    spare = subprocess.Popen(cmd, env={**env, contract.ENV_SPARE_ID: "0", contract.ENV_PODINFO_DIR: str(podinfo)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launchers = {r: start_launcher(coordinator.url, token, 2, stats, 60, **{contract.ENV_REPLICA_ID: str(r)})
+                 for r in range(2)}
+    spare = start_launcher(coordinator.url, token, 2, stats, 60,
+                           **{contract.ENV_SPARE_ID: "0", contract.ENV_PODINFO_DIR: str(podinfo)})
     try:
         m = coordinator.server.membership
         wait_until(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 120, "step 10")

@@ -88,17 +88,31 @@ def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", s
     return structure.unflatten(manifest.structures[mine], tensors, rebuild)
 
 
+def load_newest(storage: Storage, steps: list[int], device: str | torch.device = "cpu", shard: int = 0,
+                num_shards: int = 1, rebuild: Callable[[torch.Tensor, dict], Any] | None = None,
+                agree: Callable[[bool], bool] = lambda ok: ok) -> Restored:
+    """The first of `steps` (newest first) that verifies; NoCheckpoint if none does.
+
+    `agree` makes the ranks of a replica take the same step: it gets whether this rank's
+    shard verified and returns whether every rank's did.
+    """
+    skipped: list[tuple[int, str]] = []
+    for step in steps:
+        state, why = None, "it failed on another rank"
+        try:
+            state = load_step(storage, step, device, shard, num_shards, rebuild)
+        except CorruptCheckpoint as e:
+            why = str(e)
+        if not agree(state is not None):
+            log.warning("checkpoint step %d under %s is unusable (%s); trying an older one", step, storage.uri, why)
+            skipped.append((step, why))
+            continue
+        return Restored(step=step, state=state, uri=storage.url(layout.step_dir(step)), skipped=skipped)
+    raise NoCheckpoint(f"no complete checkpoint under {storage.uri}"
+                       + (f" ({len(skipped)} failed verification)" if skipped else ""))
+
+
 def load_latest(uri: str, device: str | torch.device = "cpu", **storage_options) -> Restored:
     """The newest (unsharded) checkpoint that verifies; NoCheckpoint if there is none."""
     storage = Storage(uri, **storage_options)
-    done, _ = committed_steps(storage)
-    skipped: list[tuple[int, str]] = []
-    for step in done:
-        try:
-            state = load_step(storage, step, device)
-        except CorruptCheckpoint as e:
-            log.warning("checkpoint step %d under %s is unusable (%s); trying an older one", step, uri, e)
-            skipped.append((step, str(e)))
-            continue
-        return Restored(step=step, state=state, uri=storage.url(layout.step_dir(step)), skipped=skipped)
-    raise NoCheckpoint(f"no complete checkpoint under {uri}" + (f" ({len(skipped)} failed verification)" if skipped else ""))
+    return load_newest(storage, committed_steps(storage)[0], device)

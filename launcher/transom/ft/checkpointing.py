@@ -29,11 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from transom.checkpoint import layout, sharding
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
-from transom.checkpoint.restore import CorruptCheckpoint, committed_steps, load_step
+from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
 from transom.ft.replica import ReplicaContext
 
@@ -102,7 +101,7 @@ class Checkpoints:
             # Strictly ahead: peers that restored the same step (a whole job starting again) do
             # not count, since recovering costs the first step this replica's gradients.
             plan = (steps, ahead is not None and ahead > steps[0])
-        steps, peer_is_ahead = self._from_leader(plan)
+        steps, peer_is_ahead = self.ctx.from_leader(plan)
         if peer_is_ahead:
             self.skipped_restore_of = steps[0]
             log.warning("replica %d rank %d: a live peer is past step %d; recovering from it instead of "
@@ -110,27 +109,21 @@ class Checkpoints:
             return None
         num_shards = self.ctx.world_size if self.sharded else 1
         rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
-        for step in steps:
-            state, why = None, ""
-            try:
-                state = load_step(storage, step, self.ctx.device, self.ctx.rank, num_shards, rebuild)
-            except CorruptCheckpoint as e:
-                why = str(e)
-            if not self._all(state is not None):
-                log.warning("replica %d rank %d: checkpoint step %d is not usable%s; trying an older one",
-                            self.ctx.replica_id, self.ctx.rank, step, f" ({why})" if why else " on another rank")
-                continue
-            assert state is not None
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.extra_state is not None and state["extra"] is not None:
-                self.extra_state.load_state_dict(state["extra"])
-            if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
-                set_rng_state(state["rng"], self.ctx.device)
-            self.last_saved = step
-            log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, step)
-            return step
-        return None
+        try:
+            restored = load_newest(storage, steps, self.ctx.device, self.ctx.rank, num_shards, rebuild,
+                                   agree=self.ctx.all_ok)
+        except NoCheckpoint:
+            return None
+        state = restored.state
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.extra_state is not None and state["extra"] is not None:
+            self.extra_state.load_state_dict(state["extra"])
+        if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
+            set_rng_state(state["rng"], self.ctx.device)
+        self.last_saved = restored.step
+        log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, restored.step)
+        return restored.step
 
     def _list_committed(self) -> list[int]:
         """Committed steps, newest first. Storage that is away is waited for (restore_timeout_s):
@@ -142,22 +135,8 @@ class Checkpoints:
     def close(self, final_step: int | None, replica_rank: int, num_members: int) -> None:
         """Save `final_step` if it is not saved yet (None: no final checkpoint), wait for the
         checkpoint in flight up to close_timeout_s, and stop the engine's thread."""
+        deadline = time.monotonic() + self.config.close_timeout_s
         if final_step is not None and self.config.save_on_close and final_step != self.last_saved:
             self.engine.wait_persisted(self.config.close_timeout_s)
             self.save(final_step, replica_rank, num_members)
-        self.engine.close(self.config.close_timeout_s)
-
-    # --- agreement between the ranks of a replica ----------------------------------------------
-    def _from_leader(self, value: Any) -> Any:
-        if self.ctx.ctrl_group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.ctx.ctrl_group)
-        return box[0]
-
-    def _all(self, ok: bool) -> bool:
-        if self.ctx.ctrl_group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctx.ctrl_group)
-        return bool(flag.item())
+        self.engine.close(max(0.0, deadline - time.monotonic()))  # one budget for both waits

@@ -176,7 +176,7 @@ class FaultTolerant:
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
         self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr)
-        endpoints = self._gather(self._state_server.url)
+        endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop = threading.Event()
@@ -280,7 +280,7 @@ class FaultTolerant:
                 self._recover(q)
             except Exception as e:
                 ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
-        committed = self._vote(not ftar.failed)
+        committed = self.ctx.all_ok(not ftar.failed)
         self._quorum_rank, self._quorum_size = q.rank, len(q.members)
         if self.checkpoints is not None and self.checkpoints.skipped_restore_of is not None:
             newest = self.checkpoints.skipped_restore_of
@@ -365,37 +365,29 @@ class FaultTolerant:
         """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
         self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri))
 
-    def _gather(self, value: str) -> list[str]:
-        if self.ctx.ctrl_group is None:
-            return [value]
-        out: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(out, value, group=self.ctx.ctrl_group)
-        return out
-
     def _await_quorum(self) -> QuorumResponse | None:
-        payload: list[Any] = [None]
+        payload: Any = None  # only the leader asked; it tells the other ranks
         if self._future is not None:
             try:
-                payload[0] = self._future.result(timeout=self.config.quorum_timeout_s + 30).model_dump_json()
+                payload = self._future.result(timeout=self.config.quorum_timeout_s + 30).model_dump_json()
             except Evicted as e:
                 self._evicted = str(e)
-                payload[0] = {"evicted": str(e)}
+                payload = {"evicted": str(e)}
             except JobCompleted as e:
-                payload[0] = {"completed": str(e)}
+                payload = {"completed": str(e)}
             except Exception as e:
-                payload[0] = {"error": f"{type(e).__name__}: {e}"}
+                payload = {"error": f"{type(e).__name__}: {e}"}
             self._future = None
-        if self.ctx.ctrl_group is not None:
-            dist.broadcast_object_list(payload, src=0, group=self.ctx.ctrl_group)
-        if isinstance(payload[0], dict):
-            if "evicted" in payload[0]:
-                raise Evicted(payload[0]["evicted"], 409)
-            if "completed" in payload[0]:
-                log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, payload[0]["completed"])
+        answer = self.ctx.from_leader(payload)
+        if isinstance(answer, dict):
+            if "evicted" in answer:
+                raise Evicted(answer["evicted"], 409)
+            if "completed" in answer:
+                log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, answer["completed"])
                 self.completed_elsewhere = True
                 return None
-            raise RuntimeError(f"replica {self.replica_id}: no quorum: {payload[0]['error']}")
-        return QuorumResponse.model_validate_json(payload[0])
+            raise RuntimeError(f"replica {self.replica_id}: no quorum: {answer['error']}")
+        return QuorumResponse.model_validate_json(answer)
 
     def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
         try:
@@ -461,13 +453,6 @@ class FaultTolerant:
             "replica %d rank %d recovered step %d from replica %d (%.1f MB in %.2fs)",
             self.replica_id, self.ctx.rank, q.max_step, src.replica_id, len(blob) / 1e6, time.monotonic() - t0,
         )
-
-    def _vote(self, ok: bool) -> bool:
-        if self.ctx.ctrl_group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctx.ctrl_group)
-        return bool(flag.item())
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:

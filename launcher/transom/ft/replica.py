@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,32 @@ class ReplicaContext:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    # Agreements between the ranks of the replica, over its control group. Every rank must
+    # call them in the same order; with one process they return their argument.
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order."""
+        if self.ctrl_group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.ctrl_group)
+        return out
+
+    def from_leader(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (picklable)."""
+        if self.ctrl_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank if `ok` was true on every rank."""
+        if self.ctrl_group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctrl_group)
+        return bool(flag.item())
 
 
 def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext:

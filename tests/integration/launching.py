@@ -1,0 +1,31 @@
+"""`transom launch` started by hand, as a pod runs it, against a coordinator the test owns.
+
+For tests that need to do what `transom run` does not allow: restart the coordinator,
+kill a whole launcher, run a spare launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from transom import contract
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_gpt.py"
+
+
+def start_launcher(coordinator_url: str, token: str, num_replicas: int, stats_dir: Path, steps: int,
+                   **env: str) -> subprocess.Popen:
+    """One single-process replica's launcher running the tiny GPT example; `env` adds the
+    replica's (or spare's) identity. Output is captured (stdout, with stderr merged)."""
+    environ = dict(os.environ, OMP_NUM_THREADS="1", **{
+        contract.ENV_NUM_REPLICAS: str(num_replicas),
+        contract.ENV_COORDINATOR_URL: coordinator_url,
+        contract.ENV_COORDINATOR_TOKEN: token,
+        contract.ENV_STATS_DIR: str(stats_dir),
+    }, **env)
+    cmd = [sys.executable, "-m", "transom", "launch", "--nproc-per-node", "1", "--",
+           sys.executable, str(EXAMPLE), "--steps", str(steps)]
+    return subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
