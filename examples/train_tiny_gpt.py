@@ -121,12 +121,14 @@ def main() -> None:
         print(f"replica {trainer.replica_id}: resumed from the checkpoint of step {trainer.restored_step}", flush=True)
 
     loss = None
-    for step in trainer.steps(args.steps):
-        x, y = batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
-        loss = model(x, y)
-        loss.backward()
-        trainer.finish_step(loss)
-    trainer.close()
+    try:
+        for step in trainer.steps(args.steps):
+            x, y = batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
+            loss = model(x, y)
+            loss.backward()
+            trainer.finish_step(loss)
+    finally:
+        trainer.close()  # completes the job after the last step; before it, reports a failure
     if ctx.rank == 0 and loss is not None:
         print(f"replica {trainer.replica_id}: {trainer.step} steps, last loss {loss.item():.4f}", flush=True)
 

@@ -9,11 +9,48 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from transom import contract
+
+if TYPE_CHECKING:
+    from transom.coordinator.membership import Settings
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite, positive number of seconds (no nan, no inf, no 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """Like `seconds`, but 0 is allowed."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+count = _at_least(1)  # argparse types: integers of at least 1, and of at least 0
+non_negative = _at_least(0)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -24,7 +61,6 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from transom.coordinator.membership import Settings
     from transom.coordinator.server import CoordinatorServer
 
     token = os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")
@@ -34,16 +70,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     if not token:
         print(f"transom coordinator: a token is required ({contract.ENV_COORDINATOR_TOKEN} or --token-file)", file=sys.stderr)
         return contract.EXIT_USAGE
-    settings = Settings(
-        job=args.job,
-        num_replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        failed_grace_s=args.failed_grace,
-        round_timeout_s=args.round_timeout,
-        startup_wait_s=args.startup_wait,
-    )
+    try:
+        settings = coordinator_settings(args)
+    except ValueError as e:
+        print(f"transom coordinator: {e}", file=sys.stderr)
+        return contract.EXIT_USAGE
 
     writer = None
     if args.kube_status or args.kube_api:
@@ -80,8 +111,33 @@ def _coordinator(args: argparse.Namespace) -> int:
     return contract.EXIT_OK
 
 
+def coordinator_settings(args: argparse.Namespace) -> "Settings":
+    """The coordinator's Settings from its flags; ValueError names a contradiction."""
+    from transom.coordinator.membership import Settings, default_heartbeat_interval
+
+    interval = args.heartbeat_interval
+    if interval is None:  # follows the timeout, so any timeout the CRD allows works
+        interval = default_heartbeat_interval(args.heartbeat_timeout)
+    return Settings(
+        job=args.job,
+        num_replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        heartbeat_interval_s=interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        failed_grace_s=args.failed_grace,
+        round_timeout_s=args.round_timeout,
+        startup_wait_s=args.startup_wait,
+    )
+
+
 def _launch(args: argparse.Namespace, command: list[str]) -> int:
+    from transom.launch import processes
     from transom.launch.supervisor import LaunchConfig, Launcher
+
+    owner = os.environ.get(contract.ENV_OWNER_PID)
+    if owner and owner.isdigit() and not processes.follow_parent(int(owner)):
+        print("transom launch: the `transom run` that started it is gone", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
     if os.environ.get(contract.ENV_SPARE_ID):
         code = _wait_as_spare()
@@ -160,44 +216,46 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="0.0.0.0")
     c.add_argument("--port", type=int, default=8080)
     c.add_argument("--job", default=os.environ.get(contract.ENV_JOB, "local"))
-    c.add_argument("--replicas", type=int, required=True, help="spec.replicas of the job")
-    c.add_argument("--min-replicas", type=int, default=1, help="training pauses below this many")
-    c.add_argument("--heartbeat-interval", type=float, default=1.0)
-    c.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    c.add_argument("--failed-grace", type=float, default=1.0)
-    c.add_argument("--round-timeout", type=float, default=120.0)
-    c.add_argument("--startup-wait", type=float, default=60.0)
+    c.add_argument("--replicas", type=count, required=True, help="spec.replicas of the job")
+    c.add_argument("--min-replicas", type=count, default=1, help="training pauses below this many")
+    c.add_argument("--heartbeat-interval", type=seconds, default=None,
+                   help="seconds between a replica's heartbeats (default: min(1, timeout/3))")
+    c.add_argument("--heartbeat-timeout", type=seconds, default=3.0)
+    c.add_argument("--failed-grace", type=seconds_or_zero, default=1.0)
+    c.add_argument("--round-timeout", type=seconds, default=120.0)
+    c.add_argument("--startup-wait", type=seconds_or_zero, default=60.0)
     c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
     c.add_argument("--kube-status", action="store_true",
                    help="write status.training of the TrainingJob (in-cluster ServiceAccount)")
     c.add_argument("--namespace", default=None, help=f"the job's namespace (default: ${contract.ENV_NAMESPACE})")
-    c.add_argument("--status-interval", type=float, default=5.0, help="seconds between status writes")
+    c.add_argument("--status-interval", type=seconds, default=5.0, help="seconds between status writes")
     c.add_argument("--kube-api", help="API server URL, to write status from outside a cluster (tests)")
     c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
     c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
-    la.add_argument("--nproc-per-node", type=int, default=None)
-    la.add_argument("--max-restarts", type=int, default=3)
+    la.add_argument("--nproc-per-node", type=count, default=None)
+    la.add_argument("--max-restarts", type=non_negative, default=3)
 
     r = sub.add_parser("run", help="run a whole fault-tolerant job locally")
-    r.add_argument("--replicas", type=int, required=True)
-    r.add_argument("--nproc-per-replica", type=int, default=1)
-    r.add_argument("--min-replicas", type=int, default=1)
+    r.add_argument("--replicas", type=count, required=True)
+    r.add_argument("--nproc-per-replica", type=count, default=1)
+    r.add_argument("--min-replicas", type=count, default=1)
     r.add_argument(
         "--inject", action="append", default=[], metavar="ACTION:replica=I,step=S",
         help="inject a fault (kill, stop, raise); repeatable",
     )
     r.add_argument("--summary-json", help="write the end summary here")
     r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
-    r.add_argument("--collective-timeout", type=float, default=10.0)
-    r.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    r.add_argument("--max-restarts", type=int, default=3, help="in-place restarts per launcher")
-    r.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    r.add_argument("--collective-timeout", type=seconds, default=10.0)
+    r.add_argument("--heartbeat-timeout", type=seconds, default=3.0)
+    r.add_argument("--max-restarts", type=non_negative, default=3, help="in-place restarts per launcher")
+    r.add_argument("--timeout", type=seconds, default=3600.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
-    r.add_argument("--checkpoint-interval", type=int, help="committed steps between checkpoints (the script may override)")
-    r.add_argument("--checkpoint-keep", type=int, help="committed checkpoints to keep")
+    r.add_argument("--checkpoint-interval", type=non_negative,
+                   help="committed steps between checkpoints (the script may override)")
+    r.add_argument("--checkpoint-keep", type=count, help="committed checkpoints to keep")
     return p
 
 

@@ -49,14 +49,24 @@ ENV_COLLECTIVE_TIMEOUT = "TRANSOM_COLLECTIVE_TIMEOUT_S"
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).
 ENV_STATS_DIR = "TRANSOM_STATS_DIR"
+# Set by `transom run` on the launchers it starts: a launcher stops when that process dies.
+ENV_OWNER_PID = "TRANSOM_OWNER_PID"
 
 # --- Kubernetes labels and annotations ----------------------------------------------
+# Keys under this domain (or a subdomain of it) are the operator's: a pod template that sets
+# one is refused by the CRD's schema, so nothing a job's user writes can pose as them.
+RESERVED_DOMAIN = "transom.io"
 LABEL_JOB = "transom.io/job"
 LABEL_REPLICA = "transom.io/replica"
 LABEL_NODE_RANK = "transom.io/node-rank"
 LABEL_GENERATION = "transom.io/generation"
 LABEL_SPARE = "transom.io/spare"  # on hot-spare pods instead of LABEL_REPLICA until promoted
-ANNOTATION_EVICT_REASON = "transom.io/evict-reason"
+
+
+def is_reserved_key(key: str) -> bool:
+    """True for a label or annotation key whose prefix is transom.io or a subdomain of it."""
+    prefix, slash, _ = key.partition("/")
+    return bool(slash) and (prefix == RESERVED_DOMAIN or prefix.endswith("." + RESERVED_DOMAIN))
 
 # --- launcher exit codes --------------------------------------------------------------
 EXIT_OK = 0

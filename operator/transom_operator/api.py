@@ -26,6 +26,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from transom.contract import RESERVED_DOMAIN, is_reserved_key
+
 GROUP = "transom.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -47,6 +49,7 @@ MAX_PODS = 16384  # (replicas + spareReplicas) x nodesPerReplica
 MAX_JOB_NAME = 40
 MAX_CONTAINERS = 32
 MAX_STEP = 2**62  # as the coordinator's
+MAX_RESTARTS = 10_000  # bound of faultTolerance.maxReplicaRestarts
 MAX_GENERATION = 2**31
 MAX_COUNT = 2**31 - 1
 # The API server keeps `maximum` as a float64: 2**63 - 1 would round up and overflow to a
@@ -147,8 +150,40 @@ TEMPLATE_HAS_CONTAINER = Rule(
 )
 
 _PASSTHROUGH = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+MAX_TEMPLATE_KEYS = 256  # labels or annotations of the pod template (bounds the CEL cost)
+
+
+def _reserved_keys(template: dict[str, Any]) -> list[str]:
+    meta = template.get("metadata")
+    if not isinstance(meta, dict):
+        return []
+    return [f"{kind}: {key}" for kind in ("labels", "annotations")
+            if isinstance(meta.get(kind), dict) for key in meta[kind] if is_reserved_key(str(key))]
+
+
+TEMPLATE_NO_RESERVED_KEYS_MESSAGE = (
+    f"template.metadata labels and annotations must not use the {RESERVED_DOMAIN}/ prefix: the operator "
+    "sets those keys, and a template must not pose as it"
+)
+
+
+def _string_map(what: str) -> dict[str, Any]:
+    """A labels or annotations map of the template, whose keys must not be reserved."""
+    return {
+        "type": "object",
+        "maxProperties": MAX_TEMPLATE_KEYS,
+        "additionalProperties": {"type": "string"},
+        "description": f"{what} of the worker pods. Keys under {RESERVED_DOMAIN}/ are reserved for the operator.",
+        "x-kubernetes-validations": [{
+            "rule": f"self.all(k, !k.startsWith('{RESERVED_DOMAIN}/') && !k.contains('.{RESERVED_DOMAIN}/'))",
+            "message": TEMPLATE_NO_RESERVED_KEYS_MESSAGE,
+        }],
+    }
+
+
 # The pod template is passed through unchecked (the API server validates it when the
-# operator creates the pods); only spec.containers is declared, so that CEL can see it.
+# operator creates the pods); only what CEL must see is declared: spec.containers, and the
+# labels and annotations, whose reserved keys are refused.
 _POD_TEMPLATE_SCHEMA = {
     **_PASSTHROUGH,
     "x-kubernetes-embedded-resource": False,
@@ -156,10 +191,15 @@ _POD_TEMPLATE_SCHEMA = {
         "Pod template (a core/v1 PodTemplateSpec) of every worker pod. It is kept as an "
         "object passthrough: its fields are not listed here and are validated when the "
         "operator creates the pods. The operator adds the transom.io labels, the TRANSOM_* "
-        "environment of the launcher and a node anti-affinity for excluded nodes."
+        "environment of the launcher, a node anti-affinity for excluded nodes and, where the "
+        "template leaves them unset, a restricted security context."
     ),
     "properties": {
-        "metadata": {**_PASSTHROUGH, "description": "Labels and annotations for the worker pods."},
+        "metadata": {
+            **_PASSTHROUGH,
+            "description": "Labels and annotations for the worker pods.",
+            "properties": {"labels": _string_map("Labels"), "annotations": _string_map("Annotations")},
+        },
         "spec": {
             **_PASSTHROUGH,
             "description": "The worker pod's spec (core/v1 PodSpec).",
@@ -223,7 +263,7 @@ class FaultTolerance(ApiModel):
     )
 
     max_replica_restarts: int = Field(
-        10, ge=0, le=10_000,
+        10, ge=0, le=MAX_RESTARTS,
         description=(
             "Replica replacements allowed within restartWindowSeconds; one more fails the job. "
             "In-place restarts of a replica's processes by the launcher do not count."
@@ -386,6 +426,14 @@ class TrainingJobSpec(ApiModel):
     def _template_has_container(cls, template: dict[str, Any]) -> dict[str, Any]:
         if not TEMPLATE_HAS_CONTAINER.check(template):
             raise ValueError(TEMPLATE_HAS_CONTAINER.message)
+        meta = template.get("metadata")
+        for kind in ("labels", "annotations"):
+            value = meta.get(kind) if isinstance(meta, dict) else None
+            if value is not None and (not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KEYS
+                                      or not all(isinstance(v, str) for v in value.values())):
+                raise ValueError(f"template.metadata.{kind} must map at most {MAX_TEMPLATE_KEYS} keys to strings")
+        if _reserved_keys(template):
+            raise ValueError(f"{TEMPLATE_NO_RESERVED_KEYS_MESSAGE} (found {', '.join(_reserved_keys(template))})")
         return template
 
 
@@ -455,10 +503,57 @@ class ExcludedNode(StatusModel):
     time: Timestamp | None = Field(None, description="When the node was excluded.")
 
 
+Blame = Literal["Replica", "Node"]
+
+
+class Verdict(StatusModel):
+    """The coordinator's request that one incarnation of a replica be replaced."""
+
+    cel_rules = (
+        Rule(
+            "self.blame != 'Node' || has(self.nodeRank)",
+            "nodeRank must be set when blame is Node: it names the node to exclude",
+            lambda v: v.blame != "Node" or v.node_rank is not None,
+            ".nodeRank",
+        ),
+    )
+
+    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica to replace.")
+    generation: int = Field(
+        ge=0, le=MAX_GENERATION,
+        description="The incarnation the verdict is about; a newer one (already replaced) is left alone.",
+    )
+    reason: Reason = Field(description="What was found, as one CamelCase word (for example Hang, FailSlow).")
+    message: str | None = Field(None, max_length=1024, description="What was found, for humans.")
+    blame: Blame = Field(
+        "Replica",
+        description=(
+            "Replica: replace the replica. Node: also treat the node of pod nodeRank as faulty "
+            "(spec.faultTolerance.nodeExclusionPolicy)."
+        ),
+    )
+    node_rank: int | None = Field(
+        None, ge=0, le=MAX_NODES_PER_REPLICA - 1, description="The pod (node rank) whose node is blamed.",
+    )
+    time: Timestamp | None = Field(None, description="When the verdict was reached.")
+
+
 class TrainingProgress(StatusModel):
-    """Training progress, written by the job's coordinator."""
+    """Training progress, written by the job's coordinator (a job's user cannot write status)."""
 
     step: int | None = Field(None, ge=0, le=MAX_STEP, description="Last optimizer step committed by the replicas.")
+    completed_step: int | None = Field(
+        None, ge=0, le=MAX_STEP,
+        description=(
+            "Set once a replica committed the job's last step (or its script ended the job): "
+            "training is complete. Worker pods that exit before it are failures."
+        ),
+    )
+    verdicts: list[Verdict] = Field(
+        default_factory=list, max_length=MAX_REPLICAS,
+        description="Replica incarnations the coordinator wants replaced; the operator acts on them.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
     last_checkpoint: int | None = Field(
         None, ge=0, le=MAX_STEP,
         description="Step of the last committed checkpoint (the directory step-<N>/ under spec.checkpoint.uri).",
@@ -472,6 +567,18 @@ class TrainingProgress(StatusModel):
         ),
     )
     update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
+
+
+class RestartRecord(StatusModel):
+    """One replacement of a replica within spec.faultTolerance.restartWindowSeconds."""
+
+    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica that was replaced.")
+    generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation that failed.")
+    time: int = Field(ge=0, le=MAX_INT, description="When its failure was seen, in unix seconds.")
+    node: NodeName | None = Field(None, description="The node of its pod that failed first, if any.")
+
+
+MAX_RESTART_HISTORY = MAX_RESTARTS + MAX_REPLICAS  # the limit, plus the failures of the pass that exceeds it
 
 
 class TrainingJobStatus(StatusModel):
@@ -510,6 +617,14 @@ class TrainingJobStatus(StatusModel):
     spares: list[SpareStatus] = Field(
         default_factory=list, max_length=MAX_REPLICAS, description="Per-spare state, by spare id.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
+    restart_history: list[RestartRecord] = Field(
+        default_factory=list, max_length=MAX_RESTART_HISTORY,
+        description=(
+            "Replacements within restartWindowSeconds, oldest first: what maxReplicaRestarts, the "
+            "backoff and the repeated-failures rule count. Kept in status so only the operator writes it."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
     excluded_nodes: list[ExcludedNode] = Field(
         default_factory=list, max_length=1024,

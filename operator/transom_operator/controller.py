@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from transom import contract
 
-from transom_operator import api, metrics, naming, resources
+from transom_operator import api, metrics, naming, reasons, resources
 from transom_operator.kube import Kube
 from transom_operator.reconcile import failures, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
@@ -29,6 +29,9 @@ DEFAULT_REQUEUE_S = 10.0
 class Controller:
     kube: Kube
     coordinator_image: str
+    # What the cluster admin allows beyond excluding a node for one job (failures.NODE_ACTIONS).
+    node_actions: frozenset[str] = frozenset()
+    network_policy: bool = True  # give every job a NetworkPolicy that admits only its own pods
     # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
     _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
     _states: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -54,11 +57,8 @@ class Controller:
         plan = replicas.plan(job, pods, nodes, now)
 
         # Record the decision first, then act: an operator killed in between finds the new
-        # generation and restart count in the API and only finishes the pod work (a crash
-        # after acting but before recording would lose the restart from the count).
-        if plan.restart_history is not None:
-            value = plan.restart_history or None  # "" removes the annotation
-            self.kube.patch_job_annotations(namespace, name, {failures.ANNOTATION_RESTART_HISTORY: value})
+        # generation, restart count and history in the API and only finishes the pod work (a
+        # crash after acting but before recording would lose the restart from the count).
         self.kube.patch_job_status(namespace, name, plan.status_patch())
         dead_nodes = {n for n, _ in plan.excluded_nodes_added}
         on_dead_node = {p.name for p in pods if p.node_name in dead_nodes}
@@ -71,8 +71,11 @@ class Controller:
         metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
         for manifest in plan.create:
             self.kube.create(namespace, manifest)
+        policy, refused = failures.node_action(job.spec.fault_tolerance.node_exclusion_policy, self.node_actions)
         for node, reason in plan.excluded_nodes_added:
-            self.kube.exclude_node(node, job.spec.fault_tolerance.node_exclusion_policy, reason)
+            self.kube.exclude_node(node, policy, reason)
+        if refused and plan.excluded_nodes_added:
+            plan.events.append((reasons.WARNING, reasons.EVENT_NODE_ACTION_NOT_ALLOWED, refused))
         for type_, reason, message in plan.events:
             self.kube.event(raw, type_, reason, message)
             log.info("%s/%s: %s", namespace, name, message)
@@ -94,7 +97,10 @@ class Controller:
                 log.info("%s/%s: coordinator settings changed; rolling it", namespace, name)
             return
         # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
-        for manifest in resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image):
+        # The policy comes first, so no pod of the job is ever reachable from outside it.
+        manifests = [resources.network_policy(job)] if self.network_policy else []
+        manifests += resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image)
+        for manifest in manifests:
             self.kube.create(namespace, manifest)
 
     def _observe(self, namespace: str, name: str, job: api.TrainingJob, plan: replicas.Plan) -> None:

@@ -36,7 +36,7 @@ HEADER = (
 # Keywords of a structural schema that pass through unchanged.
 _KEPT = frozenset({
     "type", "description", "required", "minimum", "maximum", "minLength", "maxLength",
-    "pattern", "enum", "format", "default", "minItems", "maxItems",
+    "pattern", "enum", "format", "default", "minItems", "maxItems", "maxProperties",
 })
 _DROPPED = frozenset({"title"})
 
@@ -83,8 +83,12 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
         if key in _DROPPED:
             continue
         if key == "additionalProperties":
-            # false (extra="forbid") is the API server's own pruning; true would break it.
-            if value is not False:
+            # false (extra="forbid") is the API server's own pruning; true would break it. A
+            # schema is a map (only Kubernetes' own labels and annotations: our API uses lists
+            # of named items).
+            if isinstance(value, dict):
+                out[key] = structural(value, defs, f"{path}{{}}")
+            elif value is not False:
                 raise SchemaError(f"{path}: additionalProperties {value!r}; use a list of named items")
             continue
         if key == "properties":

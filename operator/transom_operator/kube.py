@@ -123,12 +123,6 @@ class Kube:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False)
 
-    def patch_job_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
-        self._count()
-        self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name, {"metadata": {"annotations": annotations}},
-            _preload_content=False)
-
     def exclude_node(self, node: str, policy: str, reason: str) -> None:
         """Taint (NoSchedule) or cordon a node the job excluded; `Exclude` touches nothing."""
         if policy == "Cordon":

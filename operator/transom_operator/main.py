@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="transom-operator")
     p.add_argument("--resync-seconds", type=float, default=10.0, help="longest time between two passes of a job")
+    p.add_argument("--allow-node-taint", action="store_true",
+                   help="carry out nodeExclusionPolicy Taint (else a job's blamed node is excluded for it only)")
+    p.add_argument("--allow-node-cordon", action="store_true",
+                   help="carry out nodeExclusionPolicy Cordon (else a job's blamed node is excluded for it only)")
+    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                   help="give every job a NetworkPolicy that admits only the job's own pods (default: on)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -58,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     leader.start()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address, registry=metrics.REGISTRY)
-    memo = kopf.Memo(controller=Controller(Kube(api), args.coordinator_image), leader=leader, wakeups={},
-                     resync_s=args.resync_seconds)
+    node_actions = frozenset(a for a, on in (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon)) if on)
+    controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy)
+    memo = kopf.Memo(controller=controller, leader=leader, wakeups={}, resync_s=args.resync_seconds)
 
     @kopf.on.startup()
     def configure(settings: kopf.OperatorSettings, **_):

@@ -49,6 +49,11 @@ def coordinator_token_secret(job: str) -> str:
     return _label(f"{job}-coordinator-token")
 
 
+def network_policy(job: str) -> str:
+    """The NetworkPolicy that admits only the job's own pods to the job's pods."""
+    return _label(f"{job}-isolation")
+
+
 def coordinator_url(job: str, namespace: str, port: int = COORDINATOR_PORT) -> str:
     """How pods in the cluster reach the job's coordinator (its ClusterIP Service)."""
     return f"http://{coordinator(job)}.{namespace}.svc:{port}"

@@ -13,7 +13,8 @@ POD_DELETED = "PodDeleted"  # deleted (by a user, a drain, the pod GC) or gone
 POD_EVICTED = "PodEvicted"  # evicted by the kubelet (node pressure) or the eviction API
 NODE_NOT_READY = "NodeNotReady"  # its node NotReady for longer than the grace period
 NODE_LOST = "NodeLost"  # the kubelet reported the node lost or shut down
-FLAGGED_BY_COORDINATOR = "FlaggedByCoordinator"  # evict annotation (detector verdict, hang)
+FLAGGED_BY_COORDINATOR = "FlaggedByCoordinator"  # a verdict in status.training.verdicts
+EXITED_EARLY = "ExitedEarly"  # exited 0 before the coordinator recorded the job complete
 REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
 NODE_EXCLUDED = "NodeExcluded"  # (spares) its node was excluded by a failure of another pod
 
@@ -38,6 +39,7 @@ EVENT_REPLICA_FAILED = "ReplicaFailed"
 EVENT_REPLICA_REPLACED = "ReplicaReplaced"
 EVENT_SPARE_PROMOTED = "SparePromoted"
 EVENT_NODE_EXCLUDED = "NodeExcluded"
+EVENT_NODE_ACTION_NOT_ALLOWED = "NodeActionNotAllowed"  # Taint/Cordon asked for, not allowed by the admin
 EVENT_JOB_DEGRADED = "JobDegraded"
 EVENT_JOB_FAILED = "JobFailed"
 EVENT_JOB_SUCCEEDED = "JobSucceeded"

@@ -6,9 +6,11 @@ what these return and the tests compare dicts. Every object carries an ownerRefe
 the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 
 - `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
-  the pod environment of DESIGN.md (the token only through a secretKeyRef), and a node
-  affinity keeping it off the job's excluded nodes.
+  the pod environment of DESIGN.md (the token only through a secretKeyRef), a node
+  affinity keeping it off the job's excluded nodes, and a restricted security context and
+  no ServiceAccount token wherever the template does not ask otherwise.
 - `spare_pod`: a hot spare's pod, which waits to be promoted to a replica by relabelling.
+- `network_policy`: only the job's own pods may connect to the job's pods.
 - `coordinator_resources`: the per-job coordinator: token Secret, ServiceAccount, a Role
   limited to this job, RoleBinding, ClusterIP Service and a locked-down Deployment.
 """
@@ -29,6 +31,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "transom-operator"
 COMPONENT_WORKER = "worker"
 COMPONENT_COORDINATOR = "coordinator"
+COMPONENT_NETWORK = "network-policy"
 
 # The coordinator is a small asyncio HTTP server; these hold a few thousand replicas.
 COORDINATOR_RESOURCES = {
@@ -152,6 +155,27 @@ def exclude_nodes(affinity: dict[str, Any] | None, excluded: Iterable[str]) -> d
     return out
 
 
+def harden(pod_spec: dict[str, Any]) -> None:
+    """Restricted defaults (Kubernetes' "restricted" Pod Security Standard) for whatever the
+    template leaves unset: no ServiceAccount token (the workers never call the API server),
+    non-root, the RuntimeDefault seccomp profile, no privilege escalation, no capabilities.
+    A template that sets a field keeps its value, and a default that would contradict it (a
+    root user, a privileged container) is not added."""
+    pod_spec.setdefault("automountServiceAccountToken", False)
+    containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+    pod_sc = pod_spec.setdefault("securityContext", {})
+    runs_as_root = pod_sc.get("runAsUser") == 0 or any(
+        (c.get("securityContext") or {}).get("runAsUser") == 0 for c in containers)
+    if not runs_as_root:
+        pod_sc.setdefault("runAsNonRoot", True)
+    pod_sc.setdefault("seccompProfile", {"type": "RuntimeDefault"})
+    for container in containers:
+        sc = container.setdefault("securityContext", {})
+        if not sc.get("privileged"):
+            sc.setdefault("allowPrivilegeEscalation", False)
+            sc.setdefault("capabilities", {"drop": ["ALL"]})
+
+
 def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict[str, Any]],
          excluded_nodes: Iterable[str]) -> dict[str, Any]:
     """A worker pod from spec.template with our name, labels and environment."""
@@ -174,6 +198,7 @@ def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict
     # A replica's pod that exits is done: the launcher already restarted its processes in
     # place; anything further is the operator's replacement of the whole replica.
     pod_spec["restartPolicy"] = "Never"
+    harden(pod_spec)
     affinity = exclude_nodes(pod_spec.get("affinity"), excluded_nodes)
     if affinity is not None:
         pod_spec["affinity"] = affinity
@@ -261,8 +286,25 @@ def coordinator_service_account(job: api.TrainingJob) -> dict[str, Any]:
     }
 
 
+def network_policy(job: api.TrainingJob) -> dict[str, Any]:
+    """Ingress to the job's pods (workers, spares, coordinator) only from the job's own pods.
+
+    The coordinator's API, the replicas' stores, state servers and collectives all trust the
+    job's token; this keeps anyone else who holds it (or guesses a port) off the network
+    path too. Policies add up: an admin may allow more (a Prometheus scraping the
+    coordinator) with a policy of their own.
+    """
+    selector = {"matchLabels": {contract.LABEL_JOB: job_name(job)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _metadata(job, naming.network_policy(job_name(job)), COMPONENT_NETWORK),
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": selector}]}]},
+    }
+
+
 def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
-    """Only what the coordinator does: write its job's status.training, Events, pod annotations."""
+    """Only what the coordinator does: write its job's status.training (progress, completion,
+    verdicts) and Events."""
     name = job_name(job)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -272,8 +314,6 @@ def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
             {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/status"], "resourceNames": [name],
              "verbs": ["get", "patch"]},
             {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-            # Pod names change with every generation, so resourceNames cannot pin them.
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
         ],
     }
 

@@ -26,17 +26,24 @@ def test_chart_lints_clean(helm):
     assert "0 chart(s) failed" in out.stdout
 
 
-def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, namespace, control_plane, tmp_path):
-    helm("install", "transom", str(CHART), "-n", namespace, timeout_s=120)
+@pytest.mark.parametrize("scope", ["cluster", "namespace"])
+def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, namespace, control_plane, tmp_path,
+                                                             scope):
+    watch = ["--set", f"watchNamespaces={{{namespace}}}"] if scope == "namespace" else []
+    helm("install", "transom", str(CHART), "-n", namespace, *watch, timeout_s=120)
+    sa = f"system:serviceaccount:{namespace}:transom-operator"
+    can = lambda *a: kubectl("auth", "can-i", *a, f"--as={sa}", check=False).stdout.strip()  # noqa: E731
     try:
         deployment = json.loads(kubectl("get", "deployment", "transom-operator", "-n", namespace, "-o", "json").stdout)
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
-        # Least privilege: the operator may create Secrets but never read them.
-        can_read = kubectl("auth", "can-i", "get", "secrets", "-A",
-                           f"--as=system:serviceaccount:{namespace}:transom-operator", check=False)
-        assert can_read.stdout.strip() == "no"
+        # Least privilege: the operator may create Secrets but never read them, and it may not
+        # change nodes unless the admin allowed Taint or Cordon.
+        assert can("get", "secrets", "-A") == "no"
+        assert can("patch", "nodes") == "no" and can("list", "nodes") == "yes"
+        assert can("create", "pods", "-n", namespace) == "yes"
+        assert can("create", "pods", "-n", "default") == ("yes" if scope == "cluster" else "no")
 
         token = kubectl("create", "token", "transom-operator", "-n", namespace, "--duration=1h").stdout.strip()
         admin = yaml.safe_load(control_plane.kubeconfig.read_text())
@@ -49,16 +56,34 @@ def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, name
             "contexts": [{"name": "c", "context": {"cluster": "c", "user": "transom-operator"}}],
             "current-context": "c",
         }))
-        op = Operator(kubeconfig, namespace, tmp_path / "operator.log")
+        # As the chart runs it: --namespace for each watched namespace.
+        args = ("--namespace", namespace) if scope == "namespace" else ()
+        op = Operator(kubeconfig, namespace, tmp_path / "operator.log", args)
         try:
             kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
             _wait_running(kubectl, namespace)
             wait_for(lambda: kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace, check=False)
                      .returncode == 0, 30, "coordinator deployment")
+            assert kubectl("get", "networkpolicy", "tiny-gpt-isolation", "-n", namespace).returncode == 0
         finally:
             delete_jobs(kubectl, namespace)
             op.stop()
         log = (tmp_path / "operator.log").read_text()
         assert "Forbidden" not in log and "forbidden" not in log, log[-3000:]
+    finally:
+        helm("uninstall", "transom", "-n", namespace, check=False, timeout_s=120)
+
+
+def test_a_user_with_the_edit_role_manages_jobs_but_not_their_status(helm, kubectl, namespace):
+    # Status holds the operator's records (restart history, excluded nodes) and the
+    # coordinator's verdicts: a job's user must not be able to forge them.
+    helm("install", "transom", str(CHART), "-n", namespace, timeout_s=120)
+    try:
+        kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace)
+        can = lambda *a: kubectl("auth", "can-i", *a, "-n", namespace, "--as=alice", check=False).stdout.strip()  # noqa: E731
+        wait_for(lambda: can("create", "trainingjobs.transom.io") == "yes", 30, "edit aggregates transom-edit")
+        assert can("patch", "trainingjobs.transom.io") == "yes"
+        assert can("patch", "trainingjobs.transom.io", "--subresource=status") == "no"
+        assert can("update", "trainingjobs.transom.io", "--subresource=status") == "no"
     finally:
         helm("uninstall", "transom", "-n", namespace, check=False, timeout_s=120)

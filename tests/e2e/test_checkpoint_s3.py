@@ -50,7 +50,7 @@ def test_s3_round_trip_two_parts_retention_and_dcp(bucket):
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
         engines = [CheckpointEngine(CheckpointConfig(uri=uri, keep=2)) for _ in range(2)]
         for k, e in enumerate(engines):  # two replicas, one part each
-            assert e.save(step, state, layout.Slot(writer=k, writers=2))
+            assert e.save(step, state, layout.Slot(writer=k, writers=2), f"attempt-{step}")
         for e in engines:
             assert e.wait_persisted(60)
             e.close()

@@ -34,13 +34,13 @@ pytestmark = pytest.mark.timeout(240)
 class Operator:
     """One `transom-operator` process; stop() is SIGTERM, kill() is SIGKILL."""
 
-    def __init__(self, kubeconfig: Path, lease_namespace: str, log: Path):
+    def __init__(self, kubeconfig: Path, lease_namespace: str, log: Path, extra_args: tuple[str, ...] = ()):
         self.log = open(log, "ab")
         self.metrics_port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transom_operator.main", "--metrics-port", str(self.metrics_port),
              "--metrics-address", "127.0.0.1",
-             "--lease-namespace", lease_namespace, "--resync-seconds", "5"],
+             "--lease-namespace", lease_namespace, "--resync-seconds", "5", *extra_args],
             env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=self.log, stderr=subprocess.STDOUT,
         )
 
@@ -75,8 +75,9 @@ def delete_jobs(kubectl, namespace: str) -> None:
 
 
 @pytest.fixture
-def operator(control_plane, crd, namespace, tmp_path, kubectl):
-    op = Operator(control_plane.kubeconfig, namespace, tmp_path / "operator.log")
+def operator(control_plane, crd, namespace, tmp_path, kubectl, request):
+    marker = request.node.get_closest_marker("operator_args")
+    op = Operator(control_plane.kubeconfig, namespace, tmp_path / "operator.log", marker.args if marker else ())
     yield op
     if op.proc.poll() is not None:  # the test killed it: a standby must clean up
         op = Operator(control_plane.kubeconfig, namespace, tmp_path / "cleanup.log")
@@ -119,9 +120,17 @@ def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operato
     assert sorted(p["metadata"]["labels"]["transom.io/replica"] for p in pods.values()) == ["0", "1", "2"]
     assert all(p["metadata"]["labels"]["transom.io/generation"] == "0" for p in pods.values())
     assert len({p["spec"]["nodeName"] for p in pods.values()}) == 3
-    env = {e["name"]: e for e in next(iter(pods.values()))["spec"]["containers"][0]["env"]}
+    pod = next(iter(pods.values()))["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert "secretKeyRef" in env["TRANSOM_COORDINATOR_TOKEN"]["valueFrom"]  # never a literal
+    # The API server took the restricted defaults: no token mounted, non-root, nothing extra.
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not any(v["name"] == "kube-api-access" or "projected" in v for v in pod.get("volumes", []))
     assert kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace).returncode == 0
+    policy = json.loads(kubectl("get", "networkpolicy", "tiny-gpt-isolation", "-n", namespace, "-o", "json").stdout)
+    mine = {"matchLabels": {"transom.io/job": "tiny-gpt"}}
+    assert policy["spec"]["podSelector"] == mine and policy["spec"]["ingress"] == [{"from": [{"podSelector": mine}]}]
     header = kubectl("get", "tj", "-n", namespace).stdout.splitlines()
     assert "3/3" in header[1]
 
@@ -150,9 +159,41 @@ def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operato
 
 
 @pytest.mark.parametrize("policy", ["Exclude", "Cordon", "Taint"])
+@pytest.mark.operator_args("--allow-node-cordon", "--allow-node-taint")
 def test_node_not_ready_replaces_the_replica_elsewhere_and_excludes_the_node(
     kubectl, namespace, operator, core_v1, policy
 ):
+    victim = _exclude_a_not_ready_node(kubectl, namespace, core_v1, policy)
+    try:
+        node = json.loads(kubectl("get", "node", victim, "-o", "json").stdout)
+        assert node["spec"].get("unschedulable", False) is (policy == "Cordon")
+        tainted = any(t["key"] == "transom.io/excluded" for t in node["spec"].get("taints", []))
+        assert tainted is (policy == "Taint")
+    finally:
+        kubectl("uncordon", victim, check=False)
+        kubectl("taint", "node", victim, "transom.io/excluded-", check=False)
+        restore_kwok_node(core_v1, victim)
+
+
+def test_cordon_needs_the_cluster_admins_consent(kubectl, namespace, operator, core_v1):
+    # A job's user writes nodeExclusionPolicy; without --allow-node-cordon the node is only
+    # excluded for this job, and the Event says why.
+    victim = _exclude_a_not_ready_node(kubectl, namespace, core_v1, "Cordon")
+    try:
+        node = json.loads(kubectl("get", "node", victim, "-o", "json").stdout)
+        assert not node["spec"].get("unschedulable", False)
+        assert not any(t["key"] == "transom.io/excluded" for t in node["spec"].get("taints", []))
+        events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        refused = [e["message"] for e in events if e["reason"] == "NodeActionNotAllowed"]
+        assert refused and "--allow-node-cordon" in refused[0]
+    finally:
+        kubectl("uncordon", victim, check=False)
+        restore_kwok_node(core_v1, victim)
+
+
+def _exclude_a_not_ready_node(kubectl, namespace: str, core_v1, policy: str) -> str:
+    """Make replica 0's node NotReady; wait until the replica runs elsewhere and the node is
+    excluded for the job. Returns the node (still NotReady: the caller restores it)."""
     _apply_example(kubectl, namespace, nodeNotReadyGraceSeconds=2, nodeExclusionPolicy=policy)
     _wait_running(kubectl, namespace)
     victim = _pods(kubectl, namespace)["tiny-gpt-r0-n0-g0"]["spec"]["nodeName"]
@@ -165,14 +206,10 @@ def test_node_not_ready_replaces_the_replica_elsewhere_and_excludes_the_node(
         assert new["spec"]["nodeName"] != victim
         terms = new["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert any(victim in e.get("values", []) for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"])
-        node = json.loads(kubectl("get", "node", victim, "-o", "json").stdout)
-        assert node["spec"].get("unschedulable", False) is (policy == "Cordon")
-        tainted = any(t["key"] == "transom.io/excluded" for t in node["spec"].get("taints", []))
-        assert tainted is (policy == "Taint")
-    finally:
-        kubectl("uncordon", victim, check=False)
-        kubectl("taint", "node", victim, "transom.io/excluded-", check=False)
+    except BaseException:
         restore_kwok_node(core_v1, victim)
+        raise
+    return victim
 
 
 def test_failed_pod_is_replaced(kubectl, namespace, operator, core_v1):
@@ -283,13 +320,25 @@ def test_hot_spare_takes_over_a_failed_replica_and_is_refilled(kubectl, namespac
     print(f"spare took over replica 1 in {took_over_s:.2f} s after the pod failed")
 
 
-def test_pod_flagged_with_the_evict_annotation_is_replaced(kubectl, namespace, operator):
-    _apply_example(kubectl, namespace)
+def test_a_coordinator_verdict_replaces_the_replica_and_a_pod_annotation_does_not(kubectl, namespace, operator):
+    _apply_example(kubectl, namespace, nodeExclusionPolicy="Cordon")
     _wait_running(kubectl, namespace)
-    kubectl("annotate", "pod", "tiny-gpt-r0-n0-g0", "-n", namespace, "transom.io/evict-reason=hung: no progress")
+    # Anyone who can patch pods could write this; it was once read as a verdict.
+    kubectl("annotate", "pod", "tiny-gpt-r0-n0-g0", "-n", namespace, "transom.io/evict-reason=hardware: xid 79")
+    time.sleep(3)  # the pod event wakes the job's daemon at once; a pass takes well under a second
+    assert "tiny-gpt-r0-n0-g1" not in _pods(kubectl, namespace)
+    assert _job(kubectl, namespace)["status"]["totalRestarts"] == 0
+
+    # The coordinator's verdict, written with the coordinator's own ServiceAccount (its Role).
+    verdict = {"replica": 0, "generation": 0, "reason": "Hang", "message": "no step for 600s"}
+    wait_for(lambda: kubectl("get", "role", "tiny-gpt-coordinator", "-n", namespace, check=False).returncode == 0,
+             30, "the coordinator's Role")
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"training": {"verdicts": [verdict]}}}),
+            f"--as=system:serviceaccount:{namespace}:tiny-gpt-coordinator")
     wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 30, "replica 0 replaced")
     status = _wait_running(kubectl, namespace)
     r0 = next(r for r in status["replicas"] if r["id"] == 0)
     assert r0["lastFailure"]["reason"] == "FlaggedByCoordinator"
-    assert "hung: no progress" in r0["lastFailure"]["message"]
-    assert not status.get("excludedNodes")  # a software verdict does not blame the node
+    assert "Hang" in r0["lastFailure"]["message"] and "no step for 600s" in r0["lastFailure"]["message"]
+    assert not status.get("excludedNodes")  # blame Replica: the node is not excluded

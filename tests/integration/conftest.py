@@ -54,7 +54,9 @@ class RunResult:
 def transom_run(tmp_path):
     counter = iter(range(100))
 
-    def run(run_args: list[str], script_args: list[str], timeout_s: float = 240) -> RunResult:
+    def run(run_args: list[str], script_args: list[str], timeout_s: float = 240,
+            script: Path | str = EXAMPLE) -> RunResult:
+        """`transom run RUN_ARGS -- python SCRIPT SCRIPT_ARGS` (`script` "-c": inline code)."""
         workdir = tmp_path / f"run{next(counter)}"
         workdir.mkdir()
         summary_path = workdir / "summary.json"
@@ -62,7 +64,7 @@ def transom_run(tmp_path):
         cmd = [
             sys.executable, "-m", "transom", "run", *run_args,
             "--summary-json", str(summary_path), "--stats-dir", str(stats), "--timeout", str(timeout_s - 20),
-            "--", sys.executable, str(EXAMPLE), *script_args,
+            "--", sys.executable, str(script), *script_args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -1,15 +1,18 @@
 """The checkpoint engine against a real local file system and real torch state.
 
 Round trip bit-identical (model, Adam state, RNG, step), two replicas writing one part
-each, a step whose part never arrives (no manifest), corrupted and truncated shards
-(skipped, the previous checkpoint restored), a writer SIGKILLed mid-persist, retention,
-the skip policy while a persist is in flight, and DCP's own `dcp.load` reading a Transom
-checkpoint.
+each, a step whose part never arrives (no manifest), a part left by another attempt at the
+same step (never mixed in), corrupted and truncated shards and hostile files (skipped, the
+previous checkpoint restored, nothing unpickled), a writer SIGKILLed mid-persist,
+retention, the skip policy while a persist is in flight, and DCP's own `dcp.load` reading a
+Transom checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -92,13 +95,13 @@ def test_two_replicas_each_write_a_part_and_one_commits(tmp_path):
     engines = [CheckpointEngine(CheckpointConfig(uri=str(tmp_path)), on_commit=lambda s, u: commits.append((s, u)))
                for _ in range(2)]
     for k, e in enumerate(engines):
-        assert e.save(10, state, layout.Slot(writer=k, writers=2))
+        assert e.save(10, state, layout.Slot(writer=k, writers=2), attempt="round-7")
     for e in engines:
         assert e.wait_persisted(60)
         e.close()
     step_dir = tmp_path / layout.step_dir(10)
     for k in range(2):
-        assert (step_dir / layout.part_dir(k) / "__0_0.distcp").stat().st_size > 0
+        assert (step_dir / layout.data_path("round-7", k)).stat().st_size > 0
     manifest = layout.Manifest.from_json((step_dir / layout.MANIFEST).read_text())
     assert {e.part for e in manifest.entries} == {0, 1} and manifest.num_parts == 2
     assert commits == [(10, f"{tmp_path}/{layout.step_dir(10)}")]
@@ -108,13 +111,13 @@ def test_two_replicas_each_write_a_part_and_one_commits(tmp_path):
 def test_a_missing_part_never_commits_and_a_due_checkpoint_is_skipped_meanwhile(tmp_path):
     _, _, state = make_state()
     engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=1.5))
-    assert engine.save(10, state, layout.Slot(writer=0, writers=2))  # part 1's writer never shows up
+    assert engine.save(10, state, layout.Slot(writer=0, writers=2), "a")  # part 1's writer never shows up
     engine.wait_snapshot()
     assert not engine.save(11, state) and engine.skipped == 1  # still persisting step 10
     assert engine.wait_persisted(30)
     engine.close()
     assert engine.failed == 1 and engine.committed_step is None
-    assert (tmp_path / layout.step_dir(10) / "part-0" / layout.PART_DONE).exists()
+    assert (tmp_path / layout.step_dir(10) / layout.attempt_dir("a") / "part-0" / layout.PART_DONE).exists()
     assert not (tmp_path / layout.step_dir(10) / layout.MANIFEST).exists()
     with pytest.raises(NoCheckpoint):
         load_latest(str(tmp_path))
@@ -125,21 +128,117 @@ def test_a_writer_that_skips_releases_the_committer_at_once(tmp_path):
     committer = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=120))
     busy = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=2))
     # `busy` commits step 5 and waits (2 s) for a partner that never comes: it is persisting.
-    assert busy.save(5, state, layout.Slot(writer=0, writers=2))
-    assert committer.save(10, state, layout.Slot(writer=0, writers=2))
-    assert not busy.save(10, state, layout.Slot(writer=1, writers=2))  # skipped: leaves a marker when free
+    assert busy.save(5, state, layout.Slot(writer=0, writers=2), "a5")
+    assert committer.save(10, state, layout.Slot(writer=0, writers=2), "a10")
+    assert not busy.save(10, state, layout.Slot(writer=1, writers=2), "a10")  # skipped: leaves a marker when free
     t0 = time.monotonic()
     assert committer.wait_persisted(60)
     waited = time.monotonic() - t0
     for e in (committer, busy):
         e.close()
-    assert (tmp_path / layout.step_dir(10) / "part-1" / layout.PART_SKIPPED).exists()
+    assert (tmp_path / layout.step_dir(10) / layout.attempt_dir("a10") / "part-1" / layout.PART_SKIPPED).exists()
     assert not (tmp_path / layout.step_dir(10) / layout.MANIFEST).exists()
     assert committer.failed == 1 and waited < 30, f"the committer waited {waited:.1f}s instead of giving up"
 
 
 def _newest_shard(root: Path, step: int) -> Path:
-    return root / layout.step_dir(step) / "part-0" / "__0_0.distcp"
+    (path,) = (root / layout.step_dir(step)).glob(f"attempt-*/part-0/{layout.DATA_FILE}")
+    return path
+
+
+def test_a_part_left_by_another_attempt_is_never_mixed_in(tmp_path):
+    # A crashed run left part 1 of step 10; the run that resumed reaches step 10 again with
+    # other weights. Its committer must take only its own attempt's parts.
+    _, _, state_a = make_state(seed=1)
+    _, _, state_b = make_state(seed=2)
+    crashed = CheckpointEngine(CheckpointConfig(uri=str(tmp_path)))
+    assert crashed.save(10, state_a, layout.Slot(writer=1, writers=2), attempt="run-a/round-9")
+    assert crashed.wait_persisted(60)
+    crashed.close()
+    alone = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=1.5))
+    save(alone, 10, state_b, slot=layout.Slot(writer=0, writers=2), attempt="run-b/round-4")
+    alone.close()
+    assert alone.committed_step is None and not (tmp_path / layout.step_dir(10) / layout.MANIFEST).exists()
+
+    engines = [CheckpointEngine(CheckpointConfig(uri=str(tmp_path))) for _ in range(2)]
+    for k, e in enumerate(engines):
+        assert e.save(10, state_b, layout.Slot(writer=k, writers=2), attempt="run-b/round-5")
+    for e in engines:
+        assert e.wait_persisted(60)
+        e.close()
+    restored = load_latest(str(tmp_path))
+    assert restored.step == 10
+    assert_same(state_b, restored.state)  # every tensor from run b, none from run a
+    manifest = layout.Manifest.from_json((tmp_path / layout.step_dir(10) / layout.MANIFEST).read_text())
+    assert manifest.attempt == "run-b/round-5"
+    assert {e.file.split("/")[0] for e in manifest.entries} == {layout.attempt_dir("run-b/round-5")}
+
+
+def _steps_10_and_20(tmp_path) -> dict:
+    """Commit checkpoints of steps 10 and 20 under tmp_path; the state saved at 10."""
+    _, _, state = make_state()
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), keep=3))
+    save(engine, 10, state)
+    save(engine, 20, dict(state, step=20))
+    engine.close()
+    return state
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {_RunsCode.marker}",))
+
+
+@pytest.mark.parametrize("target", ["dcp-index", "data-file", "part-record"])
+def test_a_pickle_planted_in_storage_never_runs(tmp_path, target):
+    _steps_10_and_20(tmp_path)
+    _RunsCode.marker = tmp_path / "code-ran"
+    step_dir = tmp_path / layout.step_dir(20)
+    path = {"dcp-index": step_dir / layout.DCP_METADATA, "data-file": _newest_shard(tmp_path, 20),
+            "part-record": _newest_shard(tmp_path, 20).parent / layout.PART_DONE}[target]
+    with open(path, "wb") as f:
+        pickle.dump(_RunsCode(), f)
+    restored = load_latest(str(tmp_path))
+    assert not _RunsCode.marker.exists(), "restore ran code from storage"
+    # Transom never reads DCP's index; a planted data file fails its checksum: the older one is used.
+    assert restored.step == (20 if target in ("dcp-index", "part-record") else 10)
+
+
+def _break(manifest: dict, case: str) -> dict:
+    entry = manifest["entries"][0]
+    if case == "unknown-dtype":
+        entry["dtype"] = "qint4"
+    elif case == "huge-shape":
+        entry["shape"], entry["nbytes"] = [10**8, 10**8, 10**4], 4 * 10**20
+    elif case == "negative-shape":
+        entry["shape"] = [-1] + entry["shape"][1:]
+    elif case == "skeleton-names-a-missing-key":
+        manifest["structures"][0]["model"]["extra"] = {"__tensor__": "model/nowhere"}
+    elif case == "no-shards":
+        manifest["num_shards"] = 0
+    elif case == "offset-past-the-file":
+        entry["offset"] = 10**12
+    elif case == "path-outside":
+        manifest["files"]["../../etc/passwd"] = manifest["files"].pop(entry["file"])
+        for e in manifest["entries"]:
+            e["file"] = "../../etc/passwd"
+    elif case == "another-step":
+        manifest["step"] = 10
+    elif case == "deep-skeleton":
+        manifest["structures"][0]["deep"] = json.loads("[" * 500 + "]" * 500)
+    return manifest
+
+
+@pytest.mark.parametrize("case", ["unknown-dtype", "huge-shape", "negative-shape", "skeleton-names-a-missing-key",
+                                  "no-shards", "offset-past-the-file", "path-outside", "another-step",
+                                  "deep-skeleton", "not-json"])
+def test_a_bad_manifest_is_a_bad_checkpoint_not_a_crash(tmp_path, case):
+    state = _steps_10_and_20(tmp_path)
+    path = tmp_path / layout.step_dir(20) / layout.MANIFEST
+    path.write_text("{not json" if case == "not-json" else json.dumps(_break(json.loads(path.read_text()), case)))
+    restored = load_latest(str(tmp_path))
+    assert restored.step == 10 and [s for s, _ in restored.skipped] == [20]
+    assert_same(state, restored.state)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -160,7 +259,7 @@ def test_corrupted_shard_is_detected_and_the_previous_checkpoint_restored(tmp_pa
     shard.write_bytes(bytes(data))
     restored = load_latest(str(tmp_path))
     assert restored.step == 10 and [s for s, _ in restored.skipped] == [20]
-    assert ("bytes on storage" in restored.skipped[0][1]) is (damage == "truncate")
+    assert ("bytes on storage" if damage == "truncate" else "CRC-32") in restored.skipped[0][1]
     assert_same(state, restored.state)
 
 
@@ -213,9 +312,9 @@ def test_writer_killed_mid_persist_leaves_no_manifest(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "committed 10"
         assert proc.stdout.readline().strip() == "persisting 20"
-        part = tmp_path / layout.step_dir(20) / "part-0"
+        step_dir = tmp_path / layout.step_dir(20)
         deadline = time.monotonic() + 60
-        while not (part.exists() and any(part.iterdir())):  # bytes are being written
+        while not any(step_dir.glob(f"attempt-*/part-0/{layout.DATA_FILE}")):  # bytes are being written
             assert time.monotonic() < deadline and proc.poll() is None, "the persist never started"
             time.sleep(0.005)
         os.kill(proc.pid, signal.SIGKILL)
@@ -226,3 +325,28 @@ def test_writer_killed_mid_persist_leaves_no_manifest(tmp_path):
     assert not (tmp_path / layout.step_dir(20) / layout.MANIFEST).exists()
     restored = load_latest(str(tmp_path))
     assert restored.step == 10 and restored.state["step"] == 10 and torch.equal(restored.state["w"], torch.ones(10))
+
+
+def test_a_committed_step_whose_manifest_is_gone_is_reported(tmp_path, caplog):
+    from transom import contract
+    from transom.ft.checkpointing import Checkpoints
+    from transom.ft.replica import ReplicaContext
+
+    env = contract.ReplicaEnv.from_environ({contract.ENV_COORDINATOR_URL: "http://127.0.0.1:1",
+                                            contract.ENV_REPLICA_ID: "0", contract.ENV_NUM_REPLICAS: "1"})
+    ctx = ReplicaContext(env=env, rank=0, local_rank=0, world_size=1, backend="gloo", device=torch.device("cpu"),
+                         ctrl_group=None)
+    model, opt, _ = make_state()
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), keep=3))
+    for step in (10, 20):
+        save(engine, step, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()})
+    engine.close()
+    (tmp_path / layout.step_dir(20) / layout.MANIFEST).unlink()
+    checkpoints = Checkpoints(CheckpointConfig(uri=str(tmp_path)), ctx, model, opt, None)
+    try:
+        with caplog.at_level("ERROR", logger="transom.ft"):
+            # The coordinator recorded step 20 committed; storage no longer has its manifest.
+            assert checkpoints.restore(lambda: (None, 20)) == 10
+    finally:
+        checkpoints.engine.close()
+    assert "checkpoint step 20 was committed" in caplog.text and "it is lost" in caplog.text

@@ -258,7 +258,7 @@ def test_get_paths_are_validated(coord, path, status):
     r = get(coord, path)
     assert r.status_code == status, r.text
     if status == 200:
-        assert r.json() == {"replica_id": 0, "state": "unknown", "reason": None}
+        assert r.json() == {"replica_id": 0, "state": "unknown", "reason": None, "job_completed": False}
     else:
         assert r.json()["error"]
 
@@ -396,16 +396,19 @@ def test_status_reflects_replicas(coord):
     for rid in range(3):
         c.register(reg_req(rid))
     quorum_together(coord, [q_req(rid) for rid in range(3)])
-    c.heartbeat(HeartbeatRequest(identity=ident(1), step=4))
+    c.heartbeat(HeartbeatRequest(identity=ident(1), step=1))
+    # Step 4 cannot have been committed under one round at step 0: refused, nothing recorded.
+    bad = post(coord, "/v1/heartbeat", {"identity": ident(1).model_dump(), "step": 4})
+    assert bad.status_code == 400 and "can hold at most 1 committed steps" in bad.json()["error"]
     c.report_failure(FailureReport(identity=ident(2), reason="oom"))
     r = get(coord, "/v1/status")
     assert r.status_code == 200
     s = r.json()
     assert (s["quorum_id"], s["members"], s["num_replicas"], s["healthy_replicas"]) == (0, [0, 1, 2], 3, 2)
-    assert s["paused"] is False and s["max_step"] == 4
+    assert s["paused"] is False and s["max_step"] == 1
     rows = {row["replica_id"]: row for row in s["replicas"]}
     assert [rows[i]["state"] for i in range(3)] == ["healthy", "healthy", "failed"]
-    assert rows[1]["step"] == 4 and rows[2]["failures"] == 1 and rows[2]["last_failure"] == "oom"
+    assert rows[1]["step"] == 1 and rows[2]["failures"] == 1 and rows[2]["last_failure"] == "oom"
     assert rows[2]["heartbeat_age_s"] is None and 0 <= rows[0]["heartbeat_age_s"] < 5
     assert {"registered", "quorum", "failed"} <= {e["kind"] for e in s["events"]}
 

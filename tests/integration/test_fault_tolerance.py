@@ -108,9 +108,13 @@ def test_loss_after_two_failures_matches_failure_free_run(transom_run):
     assert abs(hurt - base) / base <= 0.05, (base, hurt)
 
 
-def test_python_exception_restarts_the_replica_in_place(transom_run):
-    result = transom_run(["--replicas", "2", "--inject", "raise:replica=0,step=8"], ["--steps", "60"])
-    assert_consistent_finish(result, 60, 2)
-    assert result.incarnations(0) == 2 and result.incarnations(1) == 1
-    assert "injected fault at step 8" in result.output
-    assert commit_gap(result.records(1)) <= 2.0
+def test_an_exception_restarts_the_replica_even_when_the_script_closes_in_finally(transom_run):
+    # The example closes its trainer in a `finally:`. A replica that raises must count as
+    # failed and be restarted; closing must not end the whole job as if it were complete.
+    result = transom_run(["--replicas", "2", "--inject", "raise:replica=1,step=5"], ["--steps", "100"])
+    assert_consistent_finish(result, 100, 2)  # long enough for the restarted replica to rejoin
+    assert result.summary["completed_step"] == 100
+    assert result.incarnations(1) == 2 and result.incarnations(0) == 1
+    assert "injected fault at step 5" in result.output
+    assert "closed at step 5, before the target 100" in result.output
+    assert commit_gap(result.records(0)) <= 2.0

@@ -1,10 +1,10 @@
 """A small simulated world for the reconcile tests: the job, its pods and its nodes.
 
 `World.step()` plans, applies the plan the way kube.py would (deleted pods get a
-deletionTimestamp, created pods appear Pending, relabelled pods change identity, status and
-the restart-history annotation are written) and returns the plan. `settle()` lets deleted
-pods go and schedules the pending ones; `assert_quiet()` checks that planning again without a
-change asks for nothing new.
+deletionTimestamp, created pods appear Pending, relabelled pods change identity, the status
+is written) and returns the plan. `settle()` lets deleted pods go and schedules the pending
+ones; `coordinator()` writes status.training as the job's coordinator would;
+`assert_quiet()` checks that planning again without a change asks for nothing new.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 from transom import contract
 from transom_operator import api
-from transom_operator.reconcile import failures, observe
+from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
 
@@ -54,13 +54,18 @@ class World:
             pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": f"uid{self._uid}"}})
             assert pod.name not in self.pods, f"{pod.name} created twice"
             self.pods[pod.name] = pod
-        meta = dict(self.job.metadata)
-        if p.restart_history is not None:
-            meta["annotations"] = {**meta.get("annotations", {}), failures.ANNOTATION_RESTART_HISTORY: p.restart_history}
-        # Through JSON, as the status comes back from the API server on the next pass.
+        # Through JSON, as the status comes back from the API server on the next pass; the
+        # operator's patch leaves status.training (the coordinator's) as it was.
         status = api.TrainingJobStatus.model_validate(p.status_patch())
-        self.job = self.job.model_copy(update={"status": status, "metadata": meta})
+        training = self.job.status.training if self.job.status else None
+        self.job = self.job.model_copy(update={"status": status.model_copy(update={"training": training})})
         return p
+
+    def coordinator(self, **training):
+        """status.training as the job's coordinator writes it (camelCase keys, as on the wire)."""
+        status = self.job.status or api.TrainingJobStatus()
+        value = api.TrainingProgress.model_validate(training)
+        self.job = self.job.model_copy(update={"status": status.model_copy(update={"training": value})})
 
     def settle(self):
         """Deleted pods go away; the others are scheduled and run."""
@@ -96,7 +101,6 @@ class World:
         again = plan(self.job, list(self.pods.values()), self.nodes, self.now)
         assert (again.create, again.delete, again.relabel, again.events, again.excluded_nodes_added) == ([], [], [], [], [])
         assert again.status == self.job.status
-        assert again.restart_history is None
 
 
 def cond(status, type_):

@@ -35,14 +35,66 @@ def test_retention(done, incomplete, keep, expected):
     assert layout.to_delete(done, incomplete, keep) == expected
 
 
+def _manifest(**changes) -> layout.Manifest:
+    data = "attempt-x/part-1/__0_0.distcp"
+    fields = dict(step=3, attempt="q1/round5", num_parts=2,
+                  entries=[layout.Entry(key="model/w", dtype="float32", shape=[2, 2], nbytes=16, crc32=7, part=1,
+                                        file=data, offset=64, length=1600)],
+                  structures=[{"model": {"w": {"__tensor__": "model/w"}}}], created=1.5,
+                  files={data: layout.FileInfo(size=2000, crc32=9)})
+    fields.update(changes)
+    return layout.Manifest(**fields)
+
+
 def test_manifest_round_trip_and_rejects_strangers():
-    m = layout.Manifest(step=3, num_parts=2, entries=[layout.Entry("model/w", "float32", [2, 2], 16, 7, 1)],
-                        structures=[{"model": {"w": {"__tensor__": "model/w"}}}], created=1.5, files={"a": 3})
+    m = _manifest()
     assert layout.Manifest.from_json(m.to_json()) == m
     two_structures_one_shard = m.to_json().replace('"structures":[', '"structures":[{},')
-    for bad in ("{}", "not json", '{"format": "transom-dcp-2"}', '{"format": "other"}', two_structures_one_shard):
+    for bad in ("{}", "not json", '{"format": "transom-dcp-2"}', '{"format": "other"}', two_structures_one_shard,
+                "[" * 10_000 + "]" * 10_000, m.to_json().replace('"step":3', '"step":"3"')):
         with pytest.raises(ValueError):
             layout.Manifest.from_json(bad)
+
+
+@pytest.mark.parametrize("changes, why", [
+    (dict(num_shards=0), "greater than or equal to 1"),
+    (dict(num_parts=1), "out of range"),  # the entry is in part 1
+    (dict(structures=[{"w": {"__tensor__": "model/missing"}}]), "names tensors it does not store"),
+    (dict(structures=[{"w": {"__tensor__": 5}}]), "bad tensor reference"),
+    (dict(files={"attempt-x/part-1/__0_0.distcp": layout.FileInfo(size=100, crc32=9)}), "are not inside"),
+    (dict(files={"../secret": layout.FileInfo(size=2000, crc32=9)}), "not a path inside"),
+])
+def test_manifest_cross_references_are_checked(changes, why):
+    with pytest.raises(ValueError, match=why):
+        _manifest(**changes)
+
+
+@pytest.mark.parametrize("entry, why", [
+    (dict(dtype="qint8"), "unknown dtype"),
+    (dict(shape=[2, 3]), "is 24 bytes, not 16"),
+    (dict(shape=[-4, -1]), "invalid shape"),
+    (dict(nbytes=-16), "greater than or equal to 0"),
+    (dict(crc32=1 << 32), "less than 4294967296"),
+])
+def test_entries_must_describe_a_real_tensor(entry, why):
+    fields = dict(key="w", dtype="float32", shape=[2, 2], nbytes=16, crc32=0, part=0)
+    with pytest.raises(ValueError, match=why):
+        layout.Entry(**{**fields, **entry})
+
+
+@pytest.mark.parametrize("path, inside", [
+    ("attempt-1/part-0/__0_0.distcp", True), (".metadata", True), ("../x", False), ("a/../../x", False),
+    ("/etc/passwd", False), ("a b", False), ("", False),
+])
+def test_paths_stay_inside_the_step_directory(path, inside):
+    assert layout.is_inside(path) is inside
+
+
+def test_attempts_get_their_own_directories():
+    assert layout.attempt_dir("q/round1") != layout.attempt_dir("q/round2")
+    assert layout.data_path("q/round1", 3).startswith(layout.attempt_dir("q/round1") + "/part-3/")
+    with pytest.raises(ValueError):
+        layout.attempt_dir("")
 
 
 class T:  # stands in for a tensor
@@ -86,6 +138,28 @@ def test_sharded_tensors_keep_a_description_and_a_prefix():
     back = structure.unflatten(skeleton, tensors, rebuild=lambda t, meta: ("rebuilt", t.v, meta["placements"]))
     assert back["w"] == ("rebuilt", 50, [["shard", 0]]) and back["plain"].v == 6
     assert structure.unflatten(skeleton, tensors)["w"].v == 50  # no rebuild: the local part
+
+
+def test_keys_that_would_collide_are_refused():
+    # {1: a, "1": b} would store both tensors under one key and silently lose one.
+    with pytest.raises(TypeError, match="two entries map to the checkpoint key"):
+        structure.flatten({"state": {1: T(1), "1": T(2)}}, lambda x: isinstance(x, T))
+
+
+def test_tensor_keys_checks_a_skeleton_read_back():
+    _, skeleton = structure.flatten({"a": [T(1), (T(2), {3: T(3)})], "b": None}, lambda x: isinstance(x, T))
+    assert structure.tensor_keys(skeleton) == ["a/0", "a/1/0", "a/1/1/3"]
+    for bad in ([{"__tensor__": "x"}, {"__tensor__": "x"}], {"__dict__": "nope"}, {"__tuple__": 3},
+                {"__tensor__": "x", "other": 1}, json_nested(100)):
+        with pytest.raises(ValueError):
+            structure.tensor_keys(bad)
+
+
+def json_nested(depth: int):
+    node: list = []
+    for _ in range(depth):
+        node = [node]
+    return node
 
 
 def test_flatten_names_what_it_cannot_store():

@@ -53,9 +53,13 @@ FAILURES = [
     ("deleted", dict(deleting=True), reasons.POD_DELETED, None),
     ("kubelet eviction", dict(phase="Failed", reason="Evicted"), reasons.POD_EVICTED, None),
     ("node lost", dict(phase="Failed", reason="NodeLost"), reasons.NODE_LOST, reasons.NODE_LOST),
-    ("software verdict", dict(evict_reason="hung: no heartbeat"), reasons.FLAGGED_BY_COORDINATOR, None),
-    ("hardware verdict", dict(evict_reason="hardware: GPU Xid 79"), reasons.FLAGGED_BY_COORDINATOR,
-     reasons.FLAGGED_BY_COORDINATOR),
+    # verdicts come from the coordinator's part of status, about generation 0 of replica 1
+    ("software verdict", dict(verdict={"reason": "Hang", "message": "no step for 600s"}),
+     reasons.FLAGGED_BY_COORDINATOR, None),
+    ("hardware verdict", dict(verdict={"reason": "GpuXid", "message": "Xid 79", "blame": "Node", "nodeRank": 0}),
+     reasons.FLAGGED_BY_COORDINATOR, reasons.FLAGGED_BY_COORDINATOR),
+    ("exited 0 early", dict(phase="Succeeded", exit_code=0, finished=T0 - timedelta(seconds=31)),
+     reasons.EXITED_EARLY, None),
 ]
 
 
@@ -64,7 +68,10 @@ def test_failed_replica_is_replaced_alone(what, change, reason, exclusion):
     w = World(make_job()).running()
     others = {n: p.uid for n, p in w.pods.items() if p.replica != 1}
     bad = w.pod_of(1)
-    w.set_pod(bad.name, **change)
+    if "verdict" in change:
+        w.coordinator(step=10, verdicts=[{"replica": 1, "generation": 0, **change["verdict"]}])
+    else:
+        w.set_pod(bad.name, **change)
     expected_delete = [n for n in ["demo-r1-n0-g0", "demo-r1-n1-g0"] if not w.pods[n].deleting]
     p = w.step()
     assert sorted(p.delete) == expected_delete
@@ -196,7 +203,7 @@ def test_restarts_outside_the_window_do_not_count():
     w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
     p = w.step()
     assert p.status.state == "Recovering" and len(p.create) == 2 and p.status.total_restarts == 2
-    assert len(failures.parse_history(p.restart_history)) == 1  # the old record was pruned
+    assert len(p.status.restart_history) == 1  # the old record was pruned
 
 
 def test_fewer_than_min_replicas_is_degraded():
@@ -219,10 +226,11 @@ def test_starting_job_below_min_replicas_is_pending_not_degraded():
     assert w.job.status.state == "Pending" and cond(w.job.status, "Degraded").status == "False"
 
 
-def test_all_pods_succeeded_is_succeeded():
+def test_all_pods_succeeded_is_succeeded_once_the_coordinator_recorded_completion():
     w = World(make_job()).running()
+    w.coordinator(step=100, completedStep=100)
     for name in list(w.pods):
-        w.set_pod(name, phase="Succeeded", exit_code=0)
+        w.set_pod(name, phase="Succeeded", exit_code=0, finished=T0)
     p = w.step()
     assert p.status.state == "Succeeded" and cond(p.status, "Succeeded").status == "True"
     assert (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished") in p.events
@@ -230,14 +238,86 @@ def test_all_pods_succeeded_is_succeeded():
     w.assert_quiet()
 
 
-def test_failure_after_training_finished_is_not_replaced():
+def test_pods_that_exit_0_before_completion_wait_for_the_record_then_are_replaced():
     w = World(make_job()).running()
     for name in list(w.pods):
-        w.set_pod(name, phase="Succeeded", exit_code=0)
+        w.set_pod(name, phase="Succeeded", exit_code=0, finished=T0)
+    w.now = T0 + timedelta(seconds=10)
+    p = w.step()  # the coordinator's record may still be on its way
+    assert (p.create, p.delete) == ([], []) and p.status.state != "Succeeded"
+    assert p.requeue_after == pytest.approx(20)
+    w.now = T0 + timedelta(seconds=31)
+    p = w.step()
+    assert p.status.state != "Succeeded" and len(p.create) == 6 and p.status.total_restarts == 3
+    assert {r.last_failure.reason for r in p.status.replicas} == {reasons.EXITED_EARLY}
+
+
+def test_a_replica_that_exited_0_does_not_stop_the_others_from_being_replaced():
+    # The job is done only when the coordinator says so, not when one replica's pods exit 0.
+    w = World(make_job()).running()
+    for rank in (0, 1):
+        w.set_pod(f"demo-r0-n{rank}-g0", phase="Succeeded", exit_code=0, finished=T0)
+    w.set_pod("demo-r2-n1-g0", phase="Failed", exit_code=1)
+    p = w.step()
+    assert sorted(m["metadata"]["name"] for m in p.create) == ["demo-r2-n0-g1", "demo-r2-n1-g1"]
+    assert p.status.state == "Recovering" and p.status.replicas[2].last_failure.reason == reasons.POD_FAILED
+
+
+def test_failure_after_training_finished_is_not_replaced():
+    w = World(make_job()).running()
+    w.coordinator(step=100, completedStep=100)
+    for name in list(w.pods):
+        w.set_pod(name, phase="Succeeded", exit_code=0, finished=T0)
     w.set_pod("demo-r2-n1-g0", phase="Failed", exit_code=1)
     p = w.step()
     assert p.create == [] and p.status.state == "Succeeded"
     assert [r.state for r in p.status.replicas] == ["Succeeded", "Succeeded", "Failed"]
+
+
+def test_completed_job_deletes_pods_not_yet_running_and_waits_for_the_running_ones():
+    w = World(make_job()).running()
+    w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
+    w.step()  # replica 1 is being replaced: its new pods are Pending
+    w.coordinator(step=100, completedStep=100)
+    for name in ("demo-r0-n0-g0", "demo-r0-n1-g0"):
+        w.set_pod(name, phase="Succeeded", exit_code=0, finished=T0)
+    p = w.step()
+    assert p.create == [] and sorted(p.delete) == ["demo-r1-n0-g1", "demo-r1-n1-g1"]
+    assert p.status.state == "Running"  # replica 2 still runs; it is told "job completed"
+    w.settle()
+    for name in ("demo-r2-n0-g0", "demo-r2-n1-g0"):
+        w.set_pod(name, phase="Succeeded", exit_code=0, finished=T0)
+    p = w.step()
+    assert p.status.state == "Succeeded" and p.create == []
+    w.assert_quiet()
+
+
+def test_pod_annotations_are_not_verdicts():
+    # Whoever can patch pods (or write the template) must not be able to replace replicas or
+    # exclude nodes: the operator reads no annotation as a verdict.
+    w = World(make_job(ft={"nodeExclusionPolicy": "Cordon"})).running()
+    raw = {
+        "metadata": {"name": "demo-r1-n0-g0", "uid": "u", "annotations": {
+            "transom.io/evict-reason": "hardware: GPU Xid 79", "transom.io/restart-history": "[[1,0,0,\"n1\"]]"},
+            "labels": {contract.LABEL_REPLICA: "1", contract.LABEL_NODE_RANK: "0", contract.LABEL_GENERATION: "0"}},
+        "spec": {"nodeName": w.pod_of(1).node_name}, "status": {"phase": "Running"},
+    }
+    w.pods["demo-r1-n0-g0"] = replace(observe.observe_pod(raw), uid=w.pod_of(1).uid)
+    p = w.step()
+    assert (p.create, p.delete, p.excluded_nodes_added) == ([], [], [])
+    assert p.status.total_restarts == 0
+    w.assert_quiet()
+
+
+def test_a_verdict_about_an_older_generation_is_ignored():
+    w = World(make_job()).running()
+    w.coordinator(step=5, verdicts=[{"replica": 1, "generation": 0, "reason": "Hang"}])
+    assert len(w.step().create) == 2  # generation 0 replaced
+    w.settle()
+    w.step()
+    p = w.step()  # the verdict still names generation 0: generation 1 stays
+    assert (p.create, p.delete) == ([], []) and p.status.replicas[1].generation == 1
+    w.assert_quiet()
 
 
 def test_suspend_deletes_every_pod_and_resumes_with_the_next_generation():
@@ -271,8 +351,7 @@ def test_operator_restart_mid_recovery_converges():
     w = World(make_job()).running()
     w.set_pod("demo-r1-n0-g0", phase="Failed", exit_code=1)
     p = plan(w.job, list(w.pods.values()), w.nodes, w.now)
-    meta = {**w.job.metadata, "annotations": {failures.ANNOTATION_RESTART_HISTORY: p.restart_history}}
-    w.job = w.job.model_copy(update={"status": p.status, "metadata": meta})  # only the status made it
+    w.job = w.job.model_copy(update={"status": p.status})  # only the status made it
     again = w.step()
     assert sorted(again.delete) == ["demo-r1-n0-g0", "demo-r1-n1-g0"]
     assert sorted(m["metadata"]["name"] for m in again.create) == ["demo-r1-n0-g1", "demo-r1-n1-g1"]
@@ -298,17 +377,17 @@ def test_observe_pod_parses_the_api_object():
             "name": "demo-r1-n0-g2", "uid": "u", "creationTimestamp": "2025-01-01T00:00:00Z",
             "deletionTimestamp": "2025-01-01T00:01:00Z",
             "labels": {contract.LABEL_REPLICA: "1", contract.LABEL_NODE_RANK: "0", contract.LABEL_GENERATION: "2"},
-            "annotations": {contract.ANNOTATION_EVICT_REASON: "slow GPU"},
         },
         "spec": {"nodeName": "n3"},
         "status": {"phase": "Failed", "containerStatuses": [
             {"name": "a", "state": {"running": {}}},
-            {"name": "b", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}},
+            {"name": "b", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                   "finishedAt": "2025-01-01T00:00:00Z"}}},
         ]},
     }
     assert observe.observe_pod(raw) == ObservedPod(
         name="demo-r1-n0-g2", uid="u", replica=1, spare=None, node_rank=0, generation=2, phase="Failed",
-        node_name="n3", deleting=True, exit_code=137, reason="OOMKilled", evict_reason="slow GPU", created=T0,
+        node_name="n3", deleting=True, exit_code=137, reason="OOMKilled", created=T0, finished=T0,
     )
 
 
@@ -332,9 +411,3 @@ def test_observe_node(conditions, expected):
 @pytest.mark.parametrize("n, expected", [(0, 0), (1, 0), (2, 10), (3, 20), (4, 40), (5, 60), (60, 60)])
 def test_backoff_seconds(n, expected):
     assert failures.backoff_seconds(n, backoff=10, max_backoff=60) == expected
-
-
-def test_unreadable_history_is_no_history():
-    assert failures.parse_history("not json") == [] and failures.parse_history('[[1,2]]') == []
-    records = [failures.RestartRecord(1, 0, 5, "n1"), failures.RestartRecord(0, 3, 9, None)]
-    assert failures.parse_history(failures.format_history(records)) == records

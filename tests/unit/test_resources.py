@@ -161,13 +161,53 @@ def test_coordinator_role_is_least_privilege():
     status = rules[(("transom.io",), ("trainingjobs/status",))]
     assert status["resourceNames"] == ["demo"] and sorted(status["verbs"]) == ["get", "patch"]
     assert rules[(("transom.io",), ("trainingjobs",))]["resourceNames"] == ["demo"]
-    assert rules[(("",), ("pods",))]["verbs"] == ["get", "patch"]
+    # It writes status.training (verdicts included) and Events; it never touches pods.
+    assert {res for r in role["rules"] for res in r["resources"]} == {"trainingjobs", "trainingjobs/status", "events"}
     for r in role["rules"]:
         assert not {"*", "delete", "create", "list", "watch", "update"} & set(r["verbs"]) or r["resources"] == ["events"]
         assert "*" not in r["resources"] and "*" not in r["apiGroups"]
     binding = resources.coordinator_role_binding(make_job())
     assert binding["roleRef"]["name"] == "demo-coordinator"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-coordinator", "namespace": "ml"}]
+
+
+def test_worker_pod_is_restricted_where_the_template_is_silent():
+    pod = resources.worker_pod(make_job(), replica=0, node_rank=0, generation=0)["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    sc = pod["containers"][0]["securityContext"]
+    assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_worker_pod_keeps_what_the_template_asks_for():
+    template = {"spec": {
+        "automountServiceAccountToken": True,
+        "securityContext": {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}},
+        "initContainers": [{"name": "setup", "image": "i", "securityContext": {"privileged": True}}],
+        "containers": [{"name": "trainer", "image": "t", "securityContext": {
+            "capabilities": {"add": ["IPC_LOCK"]}, "allowPrivilegeEscalation": True}}],
+    }}
+    pod = resources.worker_pod(make_job(template=template), replica=0, node_rank=0, generation=0)["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"] == {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}}  # no runAsNonRoot
+    assert pod["initContainers"][0]["securityContext"] == {"privileged": True}  # no contradicting default
+    assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]},
+                                                       "allowPrivilegeEscalation": True}
+
+
+def test_network_policy_admits_only_the_jobs_own_pods():
+    policy = resources.network_policy(make_job())
+    assert policy["metadata"]["name"] == "demo-isolation" and policy["metadata"]["namespace"] == "ml"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    spec = policy["spec"]
+    mine = {"matchLabels": {contract.LABEL_JOB: "demo"}}
+    assert spec["podSelector"] == mine and spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"] == [{"from": [{"podSelector": mine}]}]
+    # Every pod the job owns carries the label the policy selects.
+    worker = resources.worker_pod(make_job(), replica=0, node_rank=0, generation=0)
+    coordinator = resources.coordinator_deployment(make_job(), image="t:1")["spec"]["template"]
+    for labels in (worker["metadata"]["labels"], coordinator["metadata"]["labels"]):
+        assert mine["matchLabels"].items() <= labels.items()
 
 
 def test_coordinator_deployment_is_locked_down():

@@ -4,14 +4,16 @@
     ...
     optimizer.step()
     if engine.due(step):
-        engine.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, slot)
+        engine.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, slot, attempt)
     ...                         # next forward/backward: the copy runs meanwhile
     engine.wait_snapshot()      # before the next optimizer.step()
     ...
     engine.close()
 
 `FaultTolerant` does this for a training script (ft/checkpointing.py); `slot` says which
-part of the checkpoint this process writes (layout.Slot).
+part of the checkpoint this process writes (layout.Slot), and `attempt` is an id that every
+writer of this checkpoint shares and no other attempt at the same step uses (FaultTolerant
+uses the quorum round in which the step was committed).
 
 `save` flattens the state (structure.py; DTensors become their local parts, sharding.py),
 starts the copy of this process's part into reusable host buffers (snapshot.py) and
@@ -32,9 +34,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +46,8 @@ from typing import Any
 import torch
 
 from transom import contract
-from transom.checkpoint import layout, sharding, structure
-from transom.checkpoint.persist import commit, dtype_name, mark_skipped, write_part
+from transom.checkpoint import blob, layout, sharding, structure
+from transom.checkpoint.persist import commit, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
 from transom.checkpoint.snapshot import Snapshot
 from transom.checkpoint.storage import Storage, retry
@@ -72,6 +76,11 @@ class CheckpointConfig:
             raise ValueError("checkpoint uri must not be empty")
         if self.interval_steps < 0 or self.keep < 1:
             raise ValueError("interval_steps must be >= 0 and keep >= 1")
+        for name in ("commit_timeout_s", "snapshot_timeout_s", "close_timeout_s", "restore_timeout_s",
+                     "retry_first_s", "retry_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
     @classmethod
     def from_environ(cls, **overrides: Any) -> "CheckpointConfig | None":
@@ -93,6 +102,7 @@ class CheckpointConfig:
 @dataclass
 class _Job:
     step: int
+    attempt: str
     slot: layout.Slot
     entries: list[layout.Entry]  # of this process's part
     skeleton: Any  # the shard's skeleton if this is its first writer, else None
@@ -105,7 +115,7 @@ class CheckpointEngine:
         self.on_commit = on_commit
         self._snapshot = Snapshot()
         self._job: _Job | None = None
-        self._skips: list[tuple[int, int]] = []  # (step, part) skipped while busy: markers to write
+        self._skips: list[tuple[int, str, int]] = []  # (step, attempt, part) skipped while busy: markers to write
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="transom-checkpoint", daemon=True)
@@ -121,18 +131,24 @@ class CheckpointEngine:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
 
     # --- the training loop's side -----------------------------------------------------------
-    def save(self, step: int, state: Any, slot: layout.Slot = layout.Slot()) -> bool:
+    def save(self, step: int, state: Any, slot: layout.Slot = layout.Slot(), attempt: str | None = None) -> bool:
         """Snapshot `state` as checkpoint `step`; this process writes the part `slot` names.
 
-        Returns False (and writes nothing) if the previous checkpoint is still persisting.
+        `attempt`: the id every writer of this checkpoint shares (a fresh one by default,
+        which only works for a single writer). Returns False (and writes nothing) if the
+        previous checkpoint is still persisting.
         """
+        if attempt is None:
+            if slot.writers > 1:
+                raise ValueError("the writers of one checkpoint must pass the attempt id they share")
+            attempt = uuid.uuid4().hex
         t0 = time.monotonic()
         with self._cond:
             if self._closing:
                 raise RuntimeError("the checkpoint engine is closed")
             if self._job is not None:
                 self.skipped += 1
-                self._skips.append((step, slot.part))
+                self._skips.append((step, attempt, slot.part))
                 log.warning("checkpoint of step %d skipped: step %d is still persisting", step, self._job.step)
                 return False
         prefix = layout.shard_prefix(slot.shard, slot.shards)
@@ -142,10 +158,10 @@ class CheckpointEngine:
         parts = layout.partition(sizes, slot.writers)
         mine = {k: t for k, t in tensors.items() if parts[k] == slot.writer}
         self._snapshot.start(mine)
-        entries = [layout.Entry(key=k, dtype=dtype_name(t.dtype), shape=list(t.shape), nbytes=sizes[k], crc32=0,
+        entries = [layout.Entry(key=k, dtype=blob.dtype_name(t.dtype), shape=list(t.shape), nbytes=sizes[k], crc32=0,
                                 part=slot.part, shard=slot.shard) for k, t in mine.items()]
         with self._cond:
-            self._job = _Job(step, slot, entries, skeleton if slot.writer == 0 else None)
+            self._job = _Job(step, attempt, slot, entries, skeleton if slot.writer == 0 else None)
             self._cond.notify_all()
         self.last_stall_s = time.monotonic() - t0
         return True
@@ -202,9 +218,9 @@ class CheckpointEngine:
                 self._job = None
                 skips, self._skips = self._skips, []
                 self._cond.notify_all()
-            for step, part in skips:
+            for step, attempt, part in skips:
                 try:  # best effort: without the marker the committer waits out its timeout
-                    mark_skipped(self.storage, step, part)
+                    mark_skipped(self.storage, step, attempt, part)
                 except Exception as e:
                     log.warning("could not mark part %d of step %d as skipped: %s", part, step, e)
 
@@ -213,12 +229,13 @@ class CheckpointEngine:
         backoff = dict(stopped=self._stopped, first_s=self.config.retry_first_s, max_s=self.config.retry_max_s)
         t0 = time.monotonic()
         retry(f"writing part {job.slot.part} of step {job.step}",
-              lambda: write_part(self.storage, job.step, job.slot.part, buffers, job.entries, job.skeleton), **backoff)
+              lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
+                                 job.skeleton), **backoff)
         if job.slot.part != 0:
             return
         wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))
         done = retry(f"committing step {job.step}",
-                     lambda: commit(self.storage, job.step, job.slot, wait_s, self._stopped), **backoff)
+                     lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped), **backoff)
         if not done:
             self.failed += 1
             log.error("checkpoint of step %d not committed: a part was skipped or not written within %.0fs",

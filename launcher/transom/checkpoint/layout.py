@@ -3,32 +3,63 @@
 Pure (no torch, no I/O), so the rules are table-tested alone. One checkpoint of step N:
 
     <uri>/step-<N, 12 digits>/
-        part-<k>/__0_0.distcp       part k's tensors (DCP's file format)
-        part-<k>/.metadata          DCP's index of that part
-        part-<k>/checksums.json     its entries with their CRC-32, written last by its writer
-        part-<k>/skipped            instead of the above: its writer skipped this checkpoint
-        .metadata                   DCP's index of the whole step (the parts merged)
-        manifest.json               written last of all: the commit
+        attempt-<a>/part-<k>/__0_0.distcp   part k's tensors (DCP's file format)
+        attempt-<a>/part-<k>/checksums.json its entries, offsets and CRC-32s, written last by its writer
+        attempt-<a>/part-<k>/skipped        instead of the above: its writer skipped this checkpoint
+        .metadata                           DCP's index of the whole step (for `dcp.load`)
+        manifest.json                       written last of all: the commit
 
 Replicas hold identical state, so each shard's entries are split into parts balanced by
-size (`partition`), and each writer writes one part (`Slot`). Only a step directory with a
-readable `manifest.json` is a checkpoint; anything else is an attempt that did not finish
-and is never read. Step numbers are zero-padded so that names sort by step.
+size (`partition`), and each writer writes one part (`Slot`). Every attempt at saving a
+step (the writers of one quorum round) writes into a directory of its own, named from an
+id all its writers share, so parts of different attempts (a crashed run and the run that
+resumed, two lineages at the same step) can never mix: the committer reads only its own
+attempt's parts. Only a step directory with a readable `manifest.json` is a checkpoint;
+anything else is an attempt that did not finish and is never read. Step numbers are
+zero-padded so that names sort by step.
+
+A manifest is read back from storage, so it is data to check, not to trust: `Manifest`
+validates every field and every cross-reference (dtypes from a fixed list, sizes that match
+shapes, parts, shards, files and offsets in range, skeletons that name only its tensors)
+and `Manifest.from_json` raises ValueError, never anything else, for anything off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from transom.checkpoint import structure
 
 MANIFEST = "manifest.json"
 PART_DONE = "checksums.json"
 PART_SKIPPED = "skipped"
+DATA_FILE = "__0_0.distcp"  # DCP's name for a single writer's data file
 DCP_METADATA = ".metadata"
-FORMAT = "transom-dcp-2"
+FORMAT = "transom-dcp-3"
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not one of ours
+MAX_PARTS = 1 << 24
+MAX_SHARDS = 1 << 16
+MAX_INT = 1 << 62
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
+# Bytes per element of every dtype a checkpoint may hold (blob.DTYPES maps them to torch).
+DTYPE_SIZES: Mapping[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+_REL_PATH = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_./-]{0,255}$")
+
+
+def is_inside(path: str) -> bool:
+    """True for a path inside a step directory, as the manifest names it: relative, no ".."."""
+    return bool(_REL_PATH.match(path)) and ".." not in path.split("/")
 
 
 def step_dir(step: int) -> str:
@@ -44,6 +75,18 @@ def parse_step_dir(name: str) -> int | None:
 
 def part_dir(k: int) -> str:
     return f"part-{k}"
+
+
+def attempt_dir(attempt: str) -> str:
+    """The directory of one attempt at a step: a short hash of the id its writers share."""
+    if not attempt:
+        raise ValueError("a checkpoint attempt id must not be empty")
+    return "attempt-" + hashlib.sha256(attempt.encode()).hexdigest()[:16]
+
+
+def data_path(attempt: str, part: int) -> str:
+    """Part `part`'s data file, relative to the step directory."""
+    return f"{attempt_dir(attempt)}/{part_dir(part)}/{DATA_FILE}"
 
 
 def shard_prefix(shard: int, shards: int) -> str:
@@ -86,50 +129,109 @@ class Slot:
         return cls(writer=replica_rank * world_size + rank, writers=num_replicas * world_size)
 
 
-@dataclass(frozen=True)
-class Entry:
+class _Record(BaseModel):
+    # Read back from storage: unknown fields, wrong types and coercions are all refused.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Entry(_Record):
     """One tensor of the checkpoint, as the manifest records it."""
 
-    key: str
-    dtype: str  # torch dtype name without "torch.", e.g. "float32"
-    shape: list[int]
-    nbytes: int
-    crc32: int
-    part: int
-    shard: int = 0
+    key: str = Field(min_length=1, max_length=4096)
+    dtype: str  # torch dtype name without "torch.", e.g. "float32" (one of DTYPE_SIZES)
+    shape: list[int] = Field(max_length=64)
+    nbytes: int = Field(ge=0, le=MAX_INT)
+    crc32: int = Field(ge=0, lt=1 << 32)
+    part: int = Field(ge=0, lt=MAX_PARTS)
+    shard: int = Field(default=0, ge=0, lt=MAX_SHARDS)
+    file: str = Field(default="", max_length=256)  # the data file, relative to the step
+    offset: int = Field(default=0, ge=0, le=MAX_INT)  # where its blob starts in `file`
+    length: int = Field(default=0, ge=0, le=MAX_INT)  # and how long the blob is
+
+    @model_validator(mode="after")
+    def _sizes_agree(self) -> "Entry":
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"{self.key}: unknown dtype {self.dtype!r}")
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            if d < 0 or d > MAX_INT:
+                raise ValueError(f"{self.key}: invalid shape {self.shape}")
+            n *= d
+        if n != self.nbytes:
+            raise ValueError(f"{self.key}: {self.dtype}{self.shape} is {n} bytes, not {self.nbytes}")
+        return self
 
 
-@dataclass
-class Manifest:
-    step: int
-    num_parts: int
+class FileInfo(_Record):
+    """A file of the step directory: its size and CRC-32, checked before anything reads it."""
+
+    size: int = Field(ge=0, le=MAX_INT)
+    crc32: int = Field(ge=0, lt=1 << 32)
+
+
+class PartRecord(_Record):
+    """What a writer leaves in `checksums.json` when its part is complete."""
+
+    attempt: str = Field(min_length=1, max_length=1024)
     entries: list[Entry]
-    structures: list  # per shard: JSON skeleton of the saved object, tensors replaced by their keys
+    files: dict[str, FileInfo]
+    structure: Any = None  # the shard's skeleton, from the shard's first writer only
+
+
+class Manifest(_Record):
+    """The commit record of one checkpoint. Construction validates everything."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    format: Literal["transom-dcp-3"] = FORMAT
+    step: int = Field(ge=0, lt=10**12)
+    attempt: str = Field(min_length=1, max_length=1024)
+    num_parts: int = Field(ge=1, le=MAX_PARTS)
+    num_shards: int = Field(default=1, ge=1, le=MAX_SHARDS)
+    entries: list[Entry]
+    structures: list[Any]  # per shard: JSON skeleton of the saved object, tensors replaced by their keys
+    files: dict[str, FileInfo]  # relative path -> size and CRC-32
     created: float  # unix seconds
-    num_shards: int = 1
-    format: str = FORMAT
-    files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if len(self.structures) != self.num_shards:
+            raise ValueError(f"{len(self.structures)} structures for {self.num_shards} shards")
+        for path in self.files:
+            if not is_inside(path):
+                raise ValueError(f"file {path!r} is not a path inside the step directory")
+        keys: list[set[str]] = [set() for _ in range(self.num_shards)]
+        for e in self.entries:
+            if e.part >= self.num_parts or e.shard >= self.num_shards:
+                raise ValueError(f"{e.key}: part {e.part} or shard {e.shard} out of range")
+            if e.key in keys[e.shard]:
+                raise ValueError(f"{e.key}: stored twice in shard {e.shard}")
+            keys[e.shard].add(e.key)
+            info = self.files.get(e.file)
+            if info is None or e.offset + e.length > info.size or e.length < e.nbytes:
+                raise ValueError(f"{e.key}: bytes {e.offset}..{e.offset + e.length} are not inside {e.file!r}")
+        for shard, skeleton in enumerate(self.structures):
+            missing = set(structure.tensor_keys(skeleton)) - keys[shard]
+            if missing:
+                raise ValueError(f"shard {shard}'s skeleton names tensors it does not store: {sorted(missing)[:5]}")
+        return self
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+        return self.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
-        """Parse a manifest; ValueError (never anything else) if it is not one of ours."""
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        """Parse and validate a manifest; ValueError (never anything else) if it is not one of ours."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest of {len(text)} bytes")
         try:
-            raw = json.loads(text)
-            if raw.get("format") != FORMAT:
-                raise ValueError(f"unknown checkpoint format {raw.get('format')!r}")
-            entries = [Entry(**e) for e in raw["entries"]]
-            m = cls(step=int(raw["step"]), num_parts=int(raw["num_parts"]), entries=entries,
-                    structures=list(raw["structures"]), created=float(raw["created"]),
-                    num_shards=int(raw["num_shards"]), format=raw["format"],
-                    files={str(k): int(v) for k, v in raw.get("files", {}).items()})
-            if len(m.structures) != m.num_shards:
-                raise ValueError(f"{len(m.structures)} structures for {m.num_shards} shards")
-            return m
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed manifest: {e}") from None
+            return cls.model_validate(json.loads(text))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "manifest"
+            raise ValueError(f"malformed manifest: {where}: {first['msg']} ({e.error_count()} problems)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, TypeError) as e:
+            raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from None
 
 
 def partition(sizes: Mapping[str, int], num_parts: int) -> dict[str, int]:

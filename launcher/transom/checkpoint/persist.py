@@ -1,145 +1,115 @@
 """Write one part of a checkpoint, and commit a step once every part is complete.
 
-A part is written with torch.distributed.checkpoint's own writer (`FsspecWriter`,
-`no_dist=True`: each replica writes its part alone, no collective), so the bytes on
-storage are DCP's format and DCP reads them. Why DCP's format: users can open a Transom
-checkpoint with the standard `dcp.load` (the step directory carries a merged `.metadata`),
-and DCP already streams tensors to any fsspec file system. What Transom adds around it:
-the split of the work between replicas, the checksums, and the commit.
+A part's tensors go into one file in DCP's format (`attempt-<a>/part-<k>/__0_0.distcp`):
+each tensor is the blob `torch.save` writes (blob.py), one after another, which is exactly
+what DCP's own writer produces, so `dcp.load` reads a Transom checkpoint (dcp_index.py).
+Writing it here rather than through `dcp.save` gives Transom what it checks on the way
+back: every blob's offset and length, the file's size and CRC-32 (computed as it streams
+out, no second read), and each tensor's CRC-32 (of the host copy, on a helper thread while
+the file is written). It also needs nothing from DCP that older torch lacks.
 
-Each writer ends its part with `checksums.json`: the part's entries (key, dtype, shape,
-size, CRC-32) and, from a shard's first writer, the shard's JSON skeleton. The commit (by
-part 0's writer) waits for every part's file, builds the manifest from them, merges the
-parts' DCP metadata into the step's `.metadata` (each entry's file path prefixed with its
-part directory), and writes `manifest.json` last. A writer killed at any point leaves no
-manifest, and a directory without one is never read. A writer that skips a checkpoint
-(busy with the previous one) leaves a `skipped` marker, so the committer gives up at once
-instead of waiting out its timeout.
+Each writer ends its part with `checksums.json` (a `layout.PartRecord`: the attempt, its
+entries and file, and from a shard's first writer the shard's JSON skeleton). The commit
+(by part 0's writer) waits for every part of *its own attempt*, validates what the parts
+say, writes DCP's index `.metadata`, and writes `manifest.json` last. A writer killed at any
+point leaves no manifest, and a directory without one is never read. A writer that skips a
+checkpoint (busy with the previous one) leaves a `skipped` marker in its attempt's part, so
+the committer gives up at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import json
-import logging
-import pickle
 import time
-import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
-from transom.checkpoint import layout
+from transom.checkpoint import blob, dcp_index, layout
 from transom.checkpoint.storage import Storage
 
-log = logging.getLogger("transom.checkpoint")
+
+class _Tally:
+    """A write-only stream that counts and checksums what passes through to `sink`."""
+
+    def __init__(self, sink):
+        self.sink, self.size, self.crc32 = sink, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sink.write(view)
+        self.size += len(view)
+        self.crc32 = zlib.crc32(view, self.crc32)
+        return len(view)
+
+    def flush(self) -> None:
+        self.sink.flush()
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def crc32(t: torch.Tensor) -> int:
-    """CRC-32 of a CPU tensor's bytes (zlib releases the GIL on large buffers)."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
-
-
-class DcpError(RuntimeError):
-    """A failure inside torch.distributed.checkpoint, as an ordinary exception."""
-
-
-def run_dcp(fn: Callable[[], object]) -> object:
-    """Call DCP without its warnings, turning its CheckpointException into DcpError.
-
-    DCP's CheckpointException derives from BaseException, so `except Exception` (the
-    retry loop, the restore fallback) would let it through and kill the calling thread.
-    DCP also warns that torch.distributed is not initialised: that is what no_dist asks for.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
-        try:
-            return fn()
-        except CheckpointException as e:
-            raise DcpError(str(e).splitlines()[-1] if str(e) else "checkpoint failed") from e
-
-
-def write_part(storage: Storage, step: int, part: int, tensors: Mapping[str, torch.Tensor],
+def write_part(storage: Storage, step: int, attempt: str, part: int, tensors: Mapping[str, torch.Tensor],
                entries: list[layout.Entry], structure: object | None) -> list[layout.Entry]:
-    """Write `tensors` as part `part` of `step`, then its done file: the part's entries with
-    their checksums, and `structure` (the shard's skeleton, from the shard's first writer)."""
-    directory = layout.part_dir(part)
-    step_name = layout.step_dir(step)
+    """Write `tensors` as part `part` of `attempt` at `step`, then its done file: the part's
+    entries with their checksums and offsets, and `structure` (the shard's skeleton, from the
+    shard's first writer). Returns the entries as recorded."""
+    step_name, rel = layout.step_dir(step), layout.data_path(attempt, part)
+    done: list[layout.Entry] = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="transom-crc") as pool:
-        # Checksums of the host copy, computed while DCP writes it.
-        futures = {k: pool.submit(crc32, t) for k, t in tensors.items()}
-        if tensors:
-            writer = FsspecWriter(storage.url(step_name, directory), sync_files=True)
-            run_dcp(lambda: dcp.save(dict(tensors), storage_writer=writer, no_dist=True))
-        done = [dataclasses.replace(e, crc32=futures[e.key].result()) for e in entries]
-    record: dict = {"entries": [dataclasses.asdict(e) for e in done]}
-    if structure is not None:
-        record["structure"] = structure
-    storage.write_atomic(json.dumps(record, sort_keys=True).encode(), step_name, directory, layout.PART_DONE)
+        # Checksums of the host copy, computed while the file is written.
+        crcs = {e.key: pool.submit(blob.crc32, tensors[e.key]) for e in entries}
+        with storage.open_write(step_name, rel) as f:
+            out = _Tally(f)
+            for e in entries:
+                offset = out.size
+                blob.write(tensors[e.key], out)
+                done.append(e.model_copy(update={"file": rel, "offset": offset, "length": out.size - offset}))
+        done = [e.model_copy(update={"crc32": crcs[e.key].result()}) for e in done]
+    record = layout.PartRecord(attempt=attempt, entries=done, files={rel: layout.FileInfo(size=out.size,
+                               crc32=out.crc32)}, structure=structure)
+    storage.write_atomic(record.model_dump_json().encode(), step_name, layout.attempt_dir(attempt),
+                         layout.part_dir(part), layout.PART_DONE)
     return done
 
 
-def mark_skipped(storage: Storage, step: int, part: int) -> None:
-    """Tell the committer of `step` that part `part` will not come (its writer was busy)."""
-    storage.write_atomic(b"busy\n", layout.step_dir(step), layout.part_dir(part), layout.PART_SKIPPED)
+def mark_skipped(storage: Storage, step: int, attempt: str, part: int) -> None:
+    """Tell the committer of `attempt` at `step` that part `part` will not come (its writer was busy)."""
+    storage.write_atomic(b"busy\n", layout.step_dir(step), layout.attempt_dir(attempt), layout.part_dir(part),
+                         layout.PART_SKIPPED)
 
 
-def commit(storage: Storage, step: int, slot: layout.Slot, wait_s: float, stopped: Callable[[], bool],
-           poll_s: float = 0.2) -> bool:
-    """Merge the parts and write the manifest; False if some part did not finish in wait_s
-    or its writer skipped this checkpoint."""
-    step_name = layout.step_dir(step)
+def commit(storage: Storage, step: int, attempt: str, slot: layout.Slot, wait_s: float,
+           stopped: Callable[[], bool], poll_s: float = 0.2) -> bool:
+    """Merge the parts of `attempt` and write the manifest; False if some part did not finish
+    in wait_s or its writer skipped this checkpoint. ValueError if a part's record is not
+    one a writer of this attempt could have written."""
+    step_name, attempt_name = layout.step_dir(step), layout.attempt_dir(attempt)
     deadline = time.monotonic() + wait_s
     for k in range(slot.num_parts):
-        while not storage.exists(step_name, layout.part_dir(k), layout.PART_DONE):
-            if storage.exists(step_name, layout.part_dir(k), layout.PART_SKIPPED):
-                log.warning("step %d not committed: the writer of part %d skipped it", step, k)
+        while not storage.exists(step_name, attempt_name, layout.part_dir(k), layout.PART_DONE):
+            if storage.exists(step_name, attempt_name, layout.part_dir(k), layout.PART_SKIPPED):
                 return False
             if time.monotonic() > deadline or stopped():
                 return False
             time.sleep(poll_s)
     entries: list[layout.Entry] = []
+    files: dict[str, layout.FileInfo] = {}
     structures: list = [None] * slot.shards
     for k in range(slot.num_parts):
-        record = json.loads(storage.read_text(step_name, layout.part_dir(k), layout.PART_DONE))
-        entries += [layout.Entry(**e) for e in record["entries"]]
-        if "structure" in record:
-            structures[k // slot.writers] = record["structure"]
+        text = storage.read_text(step_name, attempt_name, layout.part_dir(k), layout.PART_DONE,
+                                 limit=layout.MAX_MANIFEST_BYTES)
+        record = layout.PartRecord.model_validate_json(text)
+        if record.attempt != attempt or any(e.part != k for e in record.entries):
+            raise ValueError(f"step {step}: part {k}'s record belongs to another attempt or part")
+        entries += record.entries
+        files.update(record.files)
+        if record.structure is not None:
+            structures[k // slot.writers] = record.structure
     if any(s is None for s in structures):
-        raise RuntimeError(f"step {step}: a shard's structure is missing from its first part")
-    parts_with_data = sorted({e.part for e in entries})
-    merged = None
-    state_dict_metadata: dict = {}
-    storage_data: dict = {}
-    for k in parts_with_data:
-        meta = FsspecReader(storage.url(step_name, layout.part_dir(k))).read_metadata()
-        state_dict_metadata.update(meta.state_dict_metadata)
-        for index, info in (meta.storage_data or {}).items():
-            storage_data[index] = dataclasses.replace(info, relative_path=f"{layout.part_dir(k)}/{info.relative_path}")
-        merged = meta
-    if merged is not None:
-        merged = dataclasses.replace(merged, state_dict_metadata=state_dict_metadata, storage_data=storage_data,
-                                     planner_data=None, storage_meta=None)
-        buf = io.BytesIO()
-        pickle.dump(merged, buf)
-        storage.write_atomic(buf.getvalue(), step_name, layout.DCP_METADATA)
-    manifest = layout.Manifest(step=step, num_parts=slot.num_parts, entries=entries, structures=structures,
-                               created=time.time(), num_shards=slot.shards)
-    manifest.files = storage.sizes(step_name)
-    manifest.files.pop(layout.MANIFEST, None)
+        raise ValueError(f"step {step}: a shard's structure is missing from its first part")
+    index = dcp_index.build(entries)
+    storage.write_atomic(index, step_name, layout.DCP_METADATA)
+    files[layout.DCP_METADATA] = layout.FileInfo(size=len(index), crc32=zlib.crc32(index))
+    manifest = layout.Manifest(step=step, attempt=attempt, num_parts=slot.num_parts, num_shards=slot.shards,
+                               entries=entries, structures=structures, files=files, created=time.time())
     storage.write_atomic(manifest.to_json().encode(), step_name, layout.MANIFEST)
     return True

@@ -1,27 +1,27 @@
 """Read back the newest complete checkpoint, verified, falling back to older ones.
 
-A checkpoint is a step directory with a manifest. Before loading, every file the manifest
-lists must exist with its recorded size (a truncated upload fails here, cheaply); after
-loading, every tensor's CRC-32 must match. A checkpoint that fails either check, or
-cannot be read at all, is skipped with a warning and the one before it is tried. The number
-of replicas does not matter: every checkpoint holds the whole state. A sharded checkpoint
-(FSDP2, one shard per rank of a replica) loads only into a replica with as many ranks, each
-rank reading its own shard.
+Storage is not trusted to run code, and not trusted to be intact. So a restore reads the
+manifest (JSON, validated as data by `layout.Manifest`), then for each data file it needs
+checks the file's size on storage and reads it whole, checks the file's CRC-32, and only
+then cuts the tensors out of it (blob.py: the raw bytes of each `torch.save` blob, never
+its pickle), each checked against its own CRC-32. DCP's `.metadata` pickle is never read.
+A checkpoint that fails any check, or cannot be read at all for any reason, is skipped with
+a warning and the one before it is tried. The number of replicas does not matter: every
+checkpoint holds the whole state. A sharded checkpoint (FSDP2, one shard per rank of a
+replica) loads only into a replica with as many ranks, each rank reading its own shard.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FsspecReader
 
-from transom.checkpoint import layout, structure
-from transom.checkpoint.persist import crc32, run_dcp
+from transom.checkpoint import blob, layout, structure
 from transom.checkpoint.storage import Storage
 
 log = logging.getLogger("transom.checkpoint")
@@ -54,55 +54,87 @@ def committed_steps(storage: Storage) -> tuple[list[int], list[int]]:
     return sorted(done, reverse=True), sorted(set(steps) - set(done))
 
 
+def read_manifest(storage: Storage, step: int) -> layout.Manifest:
+    name = layout.step_dir(step)
+    try:
+        manifest = layout.Manifest.from_json(storage.read_text(name, layout.MANIFEST, limit=layout.MAX_MANIFEST_BYTES))
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"unreadable manifest: {e}") from None
+    if manifest.step != step:
+        raise CorruptCheckpoint(f"the manifest of {name} is the manifest of step {manifest.step}")
+    return manifest
+
+
 def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", shard: int = 0, num_shards: int = 1,
               rebuild: Callable[[torch.Tensor, dict], Any] | None = None) -> Any:
     """Load and verify shard `shard` of `num_shards` of one checkpoint (an unsharded one
     loads whole for any shard); CorruptCheckpoint says why it is unusable."""
-    name = layout.step_dir(step)
-    try:
-        manifest = layout.Manifest.from_json(storage.read_text(name, layout.MANIFEST))
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"unreadable manifest: {e}") from None
+    manifest = read_manifest(storage, step)
     if manifest.num_shards != 1 and manifest.num_shards != num_shards:
         raise IncompatibleCheckpoint(
             f"checkpoint step {step} is sharded over {manifest.num_shards} ranks per replica and this replica "
             f"has {num_shards}; restore it with the same number of processes per replica")
     mine = shard if manifest.num_shards > 1 else 0
-    entries = [e for e in manifest.entries if e.shard == mine]
-    sizes = storage.sizes(name)
-    for path, size in manifest.files.items():
-        if sizes.get(path) != size:
-            raise CorruptCheckpoint(f"{path}: {sizes.get(path, 'missing')} bytes on storage, manifest says {size}")
-    tensors = {e.key: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in entries}
-    if tensors:
-        try:
-            run_dcp(lambda: dcp.load(tensors, storage_reader=FsspecReader(storage.url(name)), no_dist=True))
-        except Exception as e:  # a corrupt shard fails inside torch's deserialisation
-            raise CorruptCheckpoint(f"DCP could not read it: {type(e).__name__}: {e}") from None
-    for e in entries:
-        got = crc32(tensors[e.key])
-        if got != e.crc32:
-            raise CorruptCheckpoint(f"checksum mismatch for {e.key} (part {e.part}): {got} != {e.crc32}")
+    by_file: dict[str, list[layout.Entry]] = {}
+    for e in manifest.entries:
+        if e.shard == mine:
+            by_file.setdefault(e.file, []).append(e)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, entries in sorted(by_file.items()):
+        data = _verified_file(storage, step, path, manifest.files[path])
+        for e in entries:
+            try:
+                t = blob.decode(memoryview(data)[e.offset:e.offset + e.length], e.dtype, e.shape)
+            except blob.BlobError as err:
+                raise CorruptCheckpoint(f"{e.key}: {err}") from None
+            if blob.crc32(t) != e.crc32:
+                raise CorruptCheckpoint(f"checksum mismatch for {e.key} (part {e.part})")
+            tensors[e.key] = t
+        del data
     if str(device) != "cpu":
         tensors = {k: t.to(device) for k, t in tensors.items()}
     return structure.unflatten(manifest.structures[mine], tensors, rebuild)
 
 
+def _verified_file(storage: Storage, step: int, path: str, info: layout.FileInfo) -> bytearray:
+    """A data file's bytes, once its size and CRC-32 match the manifest; CorruptCheckpoint if not."""
+    name = layout.step_dir(step)
+    try:
+        size = storage.size(name, path)  # before reading: a manifest cannot make us read more than exists
+        if size != info.size:
+            raise CorruptCheckpoint(f"{path}: {size} bytes on storage, manifest says {info.size}")
+        data = storage.read_bytes(name, path, size=size)
+    except (OSError, ValueError) as e:
+        if isinstance(e, CorruptCheckpoint):
+            raise
+        raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {e}") from None
+    if zlib.crc32(data) != info.crc32:
+        raise CorruptCheckpoint(f"{path}: CRC-32 differs from the manifest's")
+    return data
+
+
 def load_newest(storage: Storage, steps: list[int], device: str | torch.device = "cpu", shard: int = 0,
                 num_shards: int = 1, rebuild: Callable[[torch.Tensor, dict], Any] | None = None,
-                agree: Callable[[bool], bool] = lambda ok: ok) -> Restored:
-    """The first of `steps` (newest first) that verifies; NoCheckpoint if none does.
+                agree: Callable[[bool], bool] = lambda ok: ok, use: Callable[[Any], None] | None = None) -> Restored:
+    """The first of `steps` (newest first) that verifies (and that `use` takes); NoCheckpoint
+    if none does.
 
-    `agree` makes the ranks of a replica take the same step: it gets whether this rank's
-    shard verified and returns whether every rank's did.
+    Any failure while reading or using a checkpoint makes it a bad one, never an exception
+    here (only IncompatibleCheckpoint, a setup error, propagates). `agree` makes the ranks
+    of a replica take the same step: it gets whether this rank's shard verified and returns
+    whether every rank's did, so one rank's failure cannot leave the others waiting.
     """
     skipped: list[tuple[int, str]] = []
     for step in steps:
         state, why = None, "it failed on another rank"
         try:
             state = load_step(storage, step, device, shard, num_shards, rebuild)
-        except CorruptCheckpoint as e:
-            why = str(e)
+            if use is not None:
+                use(state)
+        except IncompatibleCheckpoint:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever storage holds, it is just a bad checkpoint
+            state, why = None, str(e) if isinstance(e, CorruptCheckpoint) else f"{type(e).__name__}: {e}"
         if not agree(state is not None):
             log.warning("checkpoint step %d under %s is unusable (%s); trying an older one", step, storage.uri, why)
             skipped.append((step, why))

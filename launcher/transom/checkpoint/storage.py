@@ -12,12 +12,13 @@ renamed; an S3 PUT is atomic by itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -44,9 +45,48 @@ class Storage:
     def exists(self, *parts: str) -> bool:
         return self.fs.exists(self.path(*parts))
 
-    def read_text(self, *parts: str) -> str:
+    def read_text(self, *parts: str, limit: int = 1 << 30) -> str:
+        """A small file's text; ValueError if it is larger than `limit` (it is not ours)."""
+        size = self.size(*parts)
+        if size > limit:
+            raise ValueError(f"{'/'.join(parts)} is {size} bytes, more than {limit}")
         with self.fs.open(self.path(*parts), "rb") as f:
-            return f.read().decode()
+            return f.read(limit + 1).decode()
+
+    def size(self, *parts: str) -> int:
+        """Bytes of one file as storage reports it (FileNotFoundError if absent)."""
+        self.fs.invalidate_cache(self.path(*parts))
+        return int(self.fs.info(self.path(*parts))["size"])
+
+    def read_bytes(self, *parts: str, size: int) -> bytearray:
+        """Exactly `size` bytes of a file into one buffer; ValueError if it holds another number."""
+        out = bytearray(size)
+        view = memoryview(out)
+        got = 0
+        with self.fs.open(self.path(*parts), "rb") as f:
+            while got < size:
+                chunk = f.read(min(64 << 20, size - got))
+                if not chunk:
+                    break
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+            if got != size or f.read(1):
+                raise ValueError(f"{'/'.join(parts)} does not hold the {size} bytes the manifest says")
+        return out
+
+    @contextlib.contextmanager
+    def open_write(self, *parts: str) -> Iterator[BinaryIO]:
+        """A new file for streaming writes; on a local file system fsynced before it is closed."""
+        target = self.path(*parts)
+        if self.local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with self.fs.open(target, "wb") as f:
+                yield f
 
     def write_atomic(self, data: bytes, *parts: str) -> None:
         target = self.path(*parts)
@@ -91,17 +131,25 @@ class Storage:
             pass
 
 
+# Errors that say the code or the data is wrong, not that storage is away: waiting cannot
+# fix them, so they fail at once with their message.
+PERMANENT_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, ImportError)
+
+
 def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: float = 0.5,
           max_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> T:
     """Call `fn` until it succeeds, backing off exponentially (with jitter) between failures.
 
     Storage that is away does not fail the checkpoint: it waits for the storage to return.
-    Raises the last error once `stopped()` (the engine is closing).
+    Raises the last error once `stopped()` (the engine is closing), and a PERMANENT_ERRORS
+    one at once.
     """
     delay = first_s
     while True:
         try:
             return fn()
+        except PERMANENT_ERRORS:
+            raise
         except Exception as e:
             if stopped():
                 raise

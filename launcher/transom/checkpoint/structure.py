@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 TENSOR, DICT, TUPLE, META = "__tensor__", "__dict__", "__tuple__", "__meta__"
+MAX_DEPTH = 64  # nesting of a skeleton read back from storage or a peer
 Localize = Callable[[Any], "tuple[Any, dict | None]"]  # tensor -> (what to store, description)
 Rebuild = Callable[[Any, dict], Any]  # (stored tensor, description) -> tensor to return
 
@@ -41,6 +42,9 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool], localize: Localize | Non
     def walk(value: Any, path: str) -> Any:
         if is_tensor(value):
             key = prefix + (path or "value")
+            if key in tensors:  # {1: a, "1": b}: both would be stored under one key
+                raise TypeError(f"{path or '<root>'}: two entries map to the checkpoint key {key!r} "
+                                "(keys that differ only in type, like 1 and '1')")
             meta = None
             if localize is not None:
                 value, meta = localize(value)
@@ -65,6 +69,46 @@ def flatten(obj: Any, is_tensor: Callable[[Any], bool], localize: Localize | Non
 
     skeleton = walk(obj, "")
     return tensors, skeleton
+
+
+def tensor_keys(skeleton: Any) -> list[str]:
+    """The tensor keys a skeleton refers to, in order; ValueError if it is not one `flatten`
+    could have made (a skeleton read from storage or a peer is data to check, not to trust)."""
+    keys: list[str] = []
+
+    def walk(node: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"skeleton nested deeper than {MAX_DEPTH}")
+        if isinstance(node, list):
+            for v in node:
+                walk(v, depth + 1)
+        elif isinstance(node, dict):
+            if TENSOR in node:
+                if not isinstance(node[TENSOR], str) or not set(node) <= {TENSOR, META}:
+                    raise ValueError(f"bad tensor reference {str(node)[:200]}")
+                keys.append(node[TENSOR])
+            elif DICT in node:
+                items = node[DICT]
+                if len(node) != 1 or not isinstance(items, list) or not all(
+                        isinstance(i, list) and len(i) == 2 and isinstance(i[0], (str, int, bool, type(None)))
+                        for i in items):
+                    raise ValueError("bad dict entry in skeleton")
+                for _, v in items:
+                    walk(v, depth + 1)
+            elif TUPLE in node:
+                if len(node) != 1 or not isinstance(node[TUPLE], list):
+                    raise ValueError("bad tuple in skeleton")
+                walk(node[TUPLE], depth + 1)
+            else:
+                for v in node.values():
+                    walk(v, depth + 1)
+        elif node is not None and not isinstance(node, (bool, int, float, str)):
+            raise ValueError(f"skeleton holds a {type(node).__name__}")
+
+    walk(skeleton, 0)
+    if len(set(keys)) != len(keys):
+        raise ValueError("skeleton refers to a tensor twice")
+    return keys
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, Any], rebuild: Rebuild | None = None) -> Any:

@@ -60,8 +60,11 @@ class StatusWriter:
                 # The body may quote the request; the token is in a header, never in it.
                 raise RuntimeError(f"{resp.status} {(await resp.text())[:300]}")
 
-    async def run(self, training: Callable[[], dict]) -> None:
-        """Write `training()` (status.training without updateTime) whenever it changes; runs until cancelled."""
+    async def run(self, training: Callable[[], dict], wake: asyncio.Event | None = None) -> None:
+        """Write `training()` (status.training without updateTime) whenever it changes; runs until
+        cancelled. Setting `wake` makes the next check happen at once rather than after interval_s
+        (the operator waits for `completedStep` to call the job done)."""
+        wake = wake or asyncio.Event()
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         written: dict | None = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
@@ -74,4 +77,8 @@ class StatusWriter:
                         written = current
                     except Exception as e:  # the API server may be away: training goes on
                         log.warning("could not write status.training of %s/%s: %s", self.namespace, self.job, e)
-                await asyncio.sleep(self.interval_s)
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=self.interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                wake.clear()

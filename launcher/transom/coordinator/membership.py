@@ -21,11 +21,19 @@ The protocol, one *round* per training step:
 
 Because one process decides and every member of a round gets the same answer, two groups
 of replicas can never train apart (no split brain).
+
+Progress that cannot have happened is refused (ValueError, HTTP 400): a member of a round
+commits at most one step under it, so no replica can hold more than one step past the
+newest round it was answered, nor anyone more than one past the highest step any round
+decided. That bounds what a quorum request, heartbeat, leave or checkpoint report may
+claim once this coordinator has decided a round (before its first round, after a restart,
+it has nothing to compare with).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -62,6 +70,11 @@ class JobCompleted(Exception):
     """A replica already finished the job; there is nothing left to join (HTTP 410)."""
 
 
+def default_heartbeat_interval(timeout_s: float) -> float:
+    """One beat a second, or three per timeout when the timeout is shorter than 3 s."""
+    return min(1.0, timeout_s / 3)
+
+
 @dataclass(frozen=True)
 class Settings:
     job: str = "local"
@@ -82,6 +95,10 @@ class Settings:
     startup_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s", "round_timeout_s",
+                     "startup_wait_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
         if self.num_replicas < 1:
             raise ValueError("num_replicas must be at least 1")
         if not 1 <= self.min_replicas <= self.num_replicas:
@@ -134,13 +151,15 @@ class Membership:
     pending: dict[int, QuorumRequest] = field(default_factory=dict)
     answers: dict[int, Decision] = field(default_factory=dict)
     current: Decision | None = None
+    # One past the highest max_step of any decided round: no replica can hold more steps.
+    step_limit: int = 0
     next_round: int = 0
     last_quorum_id: int = -1
     round_failed_since: float | None = None
     pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
     paused: bool = False
-    # Set when the first replica leaves with reason "completed": the job's last step. A
-    # replica still asking for a quorum after that cannot be helped (its peers are gone).
+    # Set when the first replica leaves with `completed`: the job's last step. A replica
+    # still asking for a quorum after that cannot be helped (its peers are gone).
     completed_step: int | None = None
     events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
     # Monotonic counters exported as metrics.
@@ -169,6 +188,18 @@ class Membership:
         if rep.state != "healthy":
             raise Conflict(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
         return rep
+
+    def _check_step(self, replica_id: int, step: int, what: str) -> None:
+        """ValueError if `step` is more than replica `replica_id` can have committed."""
+        if self.current is None:
+            return  # no round decided yet: nothing to compare with
+        answered = self.answers.get(replica_id)
+        limit = answered.max_step + 1 if answered is not None else self.step_limit
+        if step > limit:
+            where = f"one past round {answered.round} (step {answered.max_step})" if answered else \
+                "one past the newest step of any round"
+            raise ValueError(f"{what} of replica {replica_id} claims step {step}, but it can hold at most "
+                             f"{limit} committed steps ({where})")
 
     def _fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
         rep.state = "failed"
@@ -217,6 +248,7 @@ class Membership:
 
     def heartbeat(self, req: HeartbeatRequest, now: float) -> None:
         rep = self._live(req.identity)
+        self._check_step(req.identity.replica_id, req.step, "heartbeat")
         rep.last_heartbeat = now
         rep.step = max(rep.step, req.step)
 
@@ -231,23 +263,26 @@ class Membership:
 
     def leave(self, req: LeaveRequest, now: float) -> None:
         rep = self._live(req.identity)
+        self._check_step(req.identity.replica_id, req.step, "leave")
         rep.state = "left"
         rep.step = max(rep.step, req.step)
-        if req.reason == "completed" and self.completed_step is None:
+        if req.completed and self.completed_step is None:
             self.completed_step = req.step
+            self._event(now, "completed", f"replica {rep.identity.replica_id} completed the job at step {req.step}")
         self.pending.pop(rep.identity.replica_id, None)
         self.pending_since.pop(rep.identity.replica_id, None)
-        self._event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {req.reason}")
+        why = req.reason or ("completed" if req.completed else "no reason given")
+        self._event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {why}")
 
     def replica_state(self, identity: Identity) -> ReplicaState:
         rep = self.replicas.get(identity.replica_id)
-        if rep is None:
-            return ReplicaState(replica_id=identity.replica_id, state="unknown")
+        done = self.completed_step is not None
+        if rep is None or rep.identity.key() < identity.key():
+            return ReplicaState(replica_id=identity.replica_id, state="unknown", job_completed=done)
         if rep.identity.key() > identity.key():
-            return ReplicaState(replica_id=identity.replica_id, state="superseded")
-        if rep.identity.key() < identity.key():
-            return ReplicaState(replica_id=identity.replica_id, state="unknown")
-        return ReplicaState(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure)
+            return ReplicaState(replica_id=identity.replica_id, state="superseded", job_completed=done)
+        return ReplicaState(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure,
+                            job_completed=done)
 
     # --- time ---------------------------------------------------------------------------------
     def expire(self, now: float) -> bool:
@@ -264,6 +299,8 @@ class Membership:
     def request_quorum(self, req: QuorumRequest, now: float) -> Decision | None:
         """Enter the open round; return this replica's decision if one is ready now."""
         rep = self._live(req.identity)
+        # A retry of an answered request passes too: the round that answered it included its step.
+        self._check_step(req.identity.replica_id, req.step, "quorum request")
         answered = self.answer_for(req)
         if answered is None and self.completed_step is not None:
             raise JobCompleted(f"the job completed at step {self.completed_step}")
@@ -388,6 +425,7 @@ class Membership:
         )
         self.next_round += 1
         self.current = decision
+        self.step_limit = max(self.step_limit, max_step + 1)
         self.goodput.observe(now, max_step)
         for i in ids:
             self.answers[i] = decision
@@ -427,6 +465,7 @@ class Membership:
     def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:
         """A replica committed the checkpoint of `req.step`; older reports are ignored."""
         self._live(req.identity)
+        self._check_step(req.identity.replica_id, req.step, "checkpoint report")
         if self.last_checkpoint is not None and req.step <= self.last_checkpoint[0]:
             return False
         self.last_checkpoint = (req.step, wall_time)
@@ -444,6 +483,8 @@ class Membership:
     def training(self, now: float) -> dict:
         """status.training of the TrainingJob (camelCase, as the CRD has it), without updateTime."""
         out: dict = {"step": self.max_step()}
+        if self.completed_step is not None:
+            out["completedStep"] = self.completed_step
         if self.last_checkpoint is not None:
             step, wall = self.last_checkpoint
             out["lastCheckpoint"] = step
@@ -464,6 +505,7 @@ class Membership:
             min_replicas=self.settings.min_replicas,
             healthy_replicas=self.healthy_count(),
             paused=self.paused,
+            completed_step=self.completed_step,
             last_checkpoint=self.last_checkpoint[0] if self.last_checkpoint else None,
             goodput=self.goodput.value(now),
             replicas=[

@@ -73,11 +73,17 @@ class CheckpointReport(_Msg):
 
 
 class LeaveRequest(_Msg):
-    """A replica that finished (or stops on purpose) leaves without being counted as failed."""
+    """A replica that stops without being counted as failed.
+
+    `completed` says the job is done: this replica committed the job's last step (or its
+    script ended the job on purpose). A replica that leaves because the job completed
+    without it leaves with `completed` false.
+    """
 
     identity: Identity
     step: int = Step
-    reason: str = Field(default="completed", max_length=256)
+    completed: bool = Field(default=False, description="the job is complete at `step`")
+    reason: str = Field(default="", max_length=256)
 
 
 class QuorumRequest(_Msg):
@@ -133,6 +139,7 @@ class ReplicaState(_Msg):
     replica_id: int
     state: Literal["healthy", "failed", "left", "superseded", "unknown"]
     reason: str | None = None
+    job_completed: bool = Field(default=False, description="a replica completed the job (the launcher's exit 0 needs it)")
 
 
 class Event(_Msg):
@@ -150,6 +157,7 @@ class JobStatus(_Msg):
     min_replicas: int
     healthy_replicas: int
     paused: bool
+    completed_step: int | None = None
     last_checkpoint: int | None = None
     goodput: float | None = None
     replicas: list[ReplicaStatus]

@@ -153,6 +153,7 @@ class CoordinatorServer:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer
+        self._status_due = asyncio.Event()  # write status.training now (the job completed)
         self._status_task: asyncio.Task | None = None
         self.port: int | None = None
 
@@ -201,7 +202,9 @@ class CoordinatorServer:
         if request.path.startswith("/v1/"):
             header = request.headers.get("Authorization", "")
             scheme, _, presented = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
+            # Header bytes that are not UTF-8 arrive as surrogates: still just a wrong token.
+            given = presented.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
                 return _error(401, "missing or wrong bearer token")
         return await handler(request)
 
@@ -235,6 +238,8 @@ class CoordinatorServer:
             self.membership.leave(req, self.clock())
             self.membership.try_decide(self.clock())
             self._changed.notify_all()
+        if req.completed:
+            self._status_due.set()
         return _ok()
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
@@ -322,7 +327,8 @@ class CoordinatorServer:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._tick_task = asyncio.create_task(self._tick())
         if self._status_writer is not None:
-            self._status_task = asyncio.create_task(self._status_writer.run(lambda: self.membership.training(self.clock())))
+            self._status_task = asyncio.create_task(
+                self._status_writer.run(lambda: self.membership.training(self.clock()), self._status_due))
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
 

@@ -10,7 +10,9 @@ rule 2), the step is the data position.
 Who writes: replica k of a quorum of R takes part of every checkpoint (layout.Slot): with
 FSDP2 (DTensor state) rank r of each replica writes a share of shard r; otherwise every
 rank of every replica writes a share of the one shard. The replica at quorum rank 0's
-rank 0 commits and reports the step to the coordinator.
+rank 0 commits and reports the step to the coordinator. The writers of a checkpoint are
+the members of the quorum round that committed its step, and that round names their
+attempt (`Writers`), so parts of another round or another run are never mixed in.
 
 Restore, at start: every rank of a replica tries the same committed steps, newest first,
 and they agree (a vote on the replica's control group) on the newest one every rank could
@@ -26,6 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +56,16 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+@dataclass(frozen=True)
+class Writers:
+    """Who writes a checkpoint: this replica's rank in the quorum round that committed the step,
+    the round's size, and the attempt id every member of that round derives from it."""
+
+    replica_rank: int
+    num_members: int
+    attempt: str
+
+
 class Checkpoints:
     def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, extra_state: Any,
@@ -76,10 +89,11 @@ class Checkpoints:
     def due(self, step: int) -> bool:
         return self.engine.due(step) and step != self.last_saved
 
-    def save(self, step: int, replica_rank: int, num_members: int) -> bool:
+    def save(self, step: int, writers: Writers) -> bool:
         """Start checkpoint `step` (returns at once; False if skipped because one is persisting)."""
-        slot = layout.Slot.of(replica_rank, num_members, self.ctx.rank, self.ctx.world_size, self.sharded)
-        started = self.engine.save(step, self.state(step), slot)
+        slot = layout.Slot.of(writers.replica_rank, writers.num_members, self.ctx.rank, self.ctx.world_size,
+                              self.sharded)
+        started = self.engine.save(step, self.state(step), slot, writers.attempt)
         if started:  # a skipped step may still be saved by close()
             self.last_saved = step
         return started
@@ -88,16 +102,20 @@ class Checkpoints:
         """Before anything changes the state in place (optimizer.step, loading a peer's state)."""
         self.engine.wait_snapshot()
 
-    def restore(self, peer_step: Callable[[], int | None] | None = None) -> int | None:
+    def restore(self, coordinator: Callable[[], tuple[int | None, int | None]] | None = None) -> int | None:
         """Load the newest checkpoint every rank of this replica can verify; its step, or None.
 
-        `peer_step` (the leader's): the newest step a live peer holds, None if unknown.
+        `coordinator` (the leader's): the newest step a live peer holds and the newest
+        checkpoint the coordinator recorded committed, each None if unknown.
         """
         storage = self.engine.storage
         plan = None
         if self.ctx.is_leader:
             steps = self._list_committed()
-            ahead = peer_step() if peer_step is not None and steps else None
+            ahead, recorded = coordinator() if coordinator is not None and steps else (None, None)
+            if recorded is not None and recorded not in steps and (not steps or recorded > steps[0]):
+                log.error("checkpoint step %d was committed (the coordinator recorded it) but %s has no manifest "
+                          "for it: it is lost", recorded, storage.url(layout.step_dir(recorded)))
             # Strictly ahead: peers that restored the same step (a whole job starting again) do
             # not count, since recovering costs the first step this replica's gradients.
             plan = (steps, ahead is not None and ahead > steps[0])
@@ -111,19 +129,25 @@ class Checkpoints:
         rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
         try:
             restored = load_newest(storage, steps, self.ctx.device, self.ctx.rank, num_shards, rebuild,
-                                   agree=self.ctx.all_ok)
-        except NoCheckpoint:
+                                   agree=self.ctx.all_ok, use=self._apply)
+        except NoCheckpoint as e:
+            if steps:
+                log.error("replica %d rank %d: %s; starting from step 0", self.ctx.replica_id, self.ctx.rank, e)
             return None
-        state = restored.state
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.extra_state is not None and state["extra"] is not None:
-            self.extra_state.load_state_dict(state["extra"])
-        if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
-            set_rng_state(state["rng"], self.ctx.device)
         self.last_saved = restored.step
         log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, restored.step)
         return restored.step
+
+    def _apply(self, state: Any) -> None:
+        """Load a checkpoint's state into the live objects (raises if they do not take it)."""
+        if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
+            raise ValueError("the checkpoint holds no model and optimizer state")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.extra_state is not None and state.get("extra") is not None:
+            self.extra_state.load_state_dict(state["extra"])
+        if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
+            set_rng_state(state["rng"], self.ctx.device)
 
     def _list_committed(self) -> list[int]:
         """Committed steps, newest first. Storage that is away is waited for (restore_timeout_s):
@@ -132,11 +156,15 @@ class Checkpoints:
         return retry("listing checkpoints", lambda: committed_steps(self.engine.storage)[0],
                      stopped=lambda: time.monotonic() > deadline, first_s=0.5, max_s=5.0)
 
-    def close(self, final_step: int | None, replica_rank: int, num_members: int) -> None:
-        """Save `final_step` if it is not saved yet (None: no final checkpoint), wait for the
-        checkpoint in flight up to close_timeout_s, and stop the engine's thread."""
-        deadline = time.monotonic() + self.config.close_timeout_s
-        if final_step is not None and self.config.save_on_close and final_step != self.last_saved:
-            self.engine.wait_persisted(self.config.close_timeout_s)
-            self.save(final_step, replica_rank, num_members)
+    def close(self, final_step: int | None, writers: Writers | None, wait: bool = True) -> None:
+        """Save `final_step` if it is not saved yet (None: no final checkpoint; `writers` of the
+        round that committed it), wait for the checkpoint in flight up to close_timeout_s (not
+        at all without `wait`: a failing replica must not hold its restart back), and stop the
+        engine's thread."""
+        budget = self.config.close_timeout_s if wait else 0.0
+        deadline = time.monotonic() + budget
+        if final_step is not None and writers is not None and self.config.save_on_close \
+                and final_step != self.last_saved:
+            self.engine.wait_persisted(budget)
+            self.save(final_step, writers)
         self.engine.close(max(0.0, deadline - time.monotonic()))  # one budget for both waits

@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
-import io
 import logging
 import math
 import os
@@ -59,7 +58,9 @@ from transom.coordinator.models import (
     RegisterRequest,
 )
 from transom import inject
-from transom.ft.checkpointing import Checkpoints
+from transom.checkpoint import sharding
+from transom.ft import wire
+from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
 from transom.ft.replica import ReplicaContext, init
@@ -98,8 +99,10 @@ class FTConfig:
     def __post_init__(self) -> None:
         if self.lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
-        if min(self.collective_timeout_s, self.quorum_timeout_s, self.recovery_timeout_s) <= 0:
-            raise ValueError("timeouts must be positive")
+        for name in ("collective_timeout_s", "quorum_timeout_s", "recovery_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # nan would compare false and never time out
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
         if self.max_failed_steps < 1:
             raise ValueError("max_failed_steps must be at least 1")
 
@@ -164,14 +167,15 @@ class FaultTolerant:
         self._step_started = 0.0
         self._in_step = False
         self._closed = False
+        self.num_steps: int | None = None  # the job's target, from steps()
         self.completed_elsewhere = False  # the job finished without this replica
-        self._quorum_rank, self._quorum_size = 0, 1  # this replica's place in the last quorum
+        self._writers: Writers | None = None  # of a checkpoint of the last committed step
         self.restored_step: int | None = None  # the checkpoint this incarnation started from
         self.checkpoints: Checkpoints | None = None
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, self.ctx, model, optimizer, extra_state, self._report_checkpoint)
-            self.restored_step = self.checkpoints.restore(self._peer_step)
+            self.restored_step = self.checkpoints.restore(self._coordinator_view)
             self.step = self.restored_step or 0
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
@@ -215,7 +219,13 @@ class FaultTolerant:
         return self.ctx.num_replicas
 
     def steps(self, num_steps: int) -> Iterator[int]:
-        """Yield the index of the step to run until `num_steps` steps are committed."""
+        """Yield the index of the step to run until `num_steps` steps are committed.
+
+        `num_steps` is the job's target: `close()` completes the job only once it is reached.
+        """
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+        self.num_steps = num_steps
         while self.step < num_steps and not self.completed_elsewhere:
             self.begin_step()
             yield self.step
@@ -281,7 +291,6 @@ class FaultTolerant:
             except Exception as e:
                 ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
         committed = self.ctx.all_ok(not ftar.failed)
-        self._quorum_rank, self._quorum_size = q.rank, len(q.members)
         if self.checkpoints is not None and self.checkpoints.skipped_restore_of is not None:
             newest = self.checkpoints.skipped_restore_of
             if q.max_step < newest:  # the peer we counted on is gone: start over and restore
@@ -303,8 +312,10 @@ class FaultTolerant:
             self.step += 1
             self._commit_quorum_id = q.quorum_id
             self._failed_in_a_row = 0
+            # Every member that committed this step in this round writes its checkpoint together.
+            self._writers = Writers(q.rank, len(q.members), f"{q.store_prefix}/round{q.round}")
             if self.checkpoints is not None and self.checkpoints.due(self.step):
-                self.checkpoints.save(self.step, q.rank, len(q.members))
+                self.checkpoints.save(self.step, self._writers)
         else:
             self._failed_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,28 +333,43 @@ class FaultTolerant:
             raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
         return committed
 
-    def close(self) -> None:
-        """Leave the job (not a failure), stop every thread this object started."""
+    def close(self, end_job: bool = False) -> None:
+        """Leave the job and stop every thread this object started. Call it once training ends,
+        also when it ends with an exception (`try: ... finally: trainer.close()`).
+
+        Closing completes the job once this replica has committed the `num_steps` that
+        `steps()` was given, or with `end_job=True`: the script ends the job at the current
+        step on purpose (early stopping), and every replica still training stops at its next
+        step. Closing before that (an exception, a `break`) is a failure: the coordinator drops
+        this replica from the next quorum at once, and its launcher restarts it.
+        """
         if self._closed:
             return
         self._closed = True
         if sys.excepthook == self._on_uncaught:
             sys.excepthook = self._previous_excepthook
-        if not self.completed_elsewhere:  # a replica left behind holds no final state
+        done = end_job or (self.num_steps is not None and self.step >= self.num_steps)
+        completed = done and not self.completed_elsewhere and not self._evicted
+        failed = not done and not self.completed_elsewhere and not self._evicted
+        if failed:  # before anything slow: the other replicas stop waiting for this one now
+            self._report_close_failure()
+        if completed:
             self.stats.final(self.step, state_digest(self.model))
         self.stats.close()
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
-            final = self.step if not self.completed_elsewhere and not self._evicted else None
-            self.checkpoints.close(final, self._quorum_rank, self._quorum_size)
+            # A replica that fails saves nothing and does not wait for the checkpoint in flight.
+            self.checkpoints.close(self.step if completed else None, self._writers, wait=not failed)
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-            if not self._evicted:
+            if completed or self.completed_elsewhere:
+                reason = "job completed elsewhere" if self.completed_elsewhere else \
+                    "ended the job" if end_job and self.step < (self.num_steps or 0) else "completed"
                 try:
-                    reason = "job completed elsewhere" if self.completed_elsewhere else "completed"
-                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step, reason=reason))
+                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step, completed=completed,
+                                                   reason=reason))
                 except Exception as e:
                     log.warning("could not tell the coordinator that replica %d left: %s", self.replica_id, e)
         self._drop_group()
@@ -351,15 +377,16 @@ class FaultTolerant:
         self._store = None
 
     # --- internals ------------------------------------------------------------------------------
-    def _peer_step(self) -> int | None:
-        """The newest step a healthy peer reported to the coordinator; None if none or unknown."""
+    def _coordinator_view(self) -> tuple[int | None, int | None]:
+        """(the newest step a healthy peer reported, the newest checkpoint the coordinator
+        recorded committed); None for what is unknown."""
         try:
             status = self.client.status(timeout_s=5.0)
         except Exception as e:  # no answer: restore, which is always correct
             log.warning("replica %d: coordinator status unavailable (%s); restoring the checkpoint", self.replica_id, e)
-            return None
+            return None, None
         steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != self.replica_id]
-        return max(steps, default=None)
+        return max(steps, default=None), status.last_checkpoint
 
     def _report_checkpoint(self, step: int, uri: str) -> None:
         """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
@@ -424,26 +451,24 @@ class FaultTolerant:
         self._group_prefix = ""  # a dropped group is never reused, even for the same quorum
 
     def _snapshot(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "step": self.step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-            },
-            buf,
-        )
-        return buf.getvalue()
+        """This rank's committed state for a recovering peer (wire.py: tensors and JSON, no pickle)."""
+        return wire.encode({
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+        }, sharding.localize)
 
     def _recover(self, q: QuorumResponse) -> None:
         assert q.recover_from is not None
         src = q.recover_from
         t0 = time.monotonic()
         blob = fetch_state(src.endpoints[self.ctx.rank], q.round, self.ctx.env.coordinator_token, self.config.recovery_timeout_s)
-        state = torch.load(io.BytesIO(blob), map_location=self.ctx.device, weights_only=False)
-        if state["step"] != q.max_step:
-            raise RuntimeError(f"peer sent step {state['step']}, expected {q.max_step}")
+        # The peer's bytes are data: decoded without unpickling, checked before use.
+        state = wire.decode(blob, self.ctx.device, sharding.rebuilder(sharding.mesh_of(self.model)))
+        if not isinstance(state, dict) or state.get("step") != q.max_step:
+            step = state.get("step") if isinstance(state, dict) else None
+            raise RuntimeError(f"peer sent step {step!r}, expected {q.max_step}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.extra_state is not None and state["extra"] is not None:
@@ -453,6 +478,20 @@ class FaultTolerant:
             "replica %d rank %d recovered step %d from replica %d (%.1f MB in %.2fs)",
             self.replica_id, self.ctx.rank, q.max_step, src.replica_id, len(blob) / 1e6, time.monotonic() - t0,
         )
+
+    def _report_close_failure(self) -> None:
+        """close() before the target: report this replica failed (the leader talks for it)."""
+        if not self.ctx.is_leader:
+            return
+        target = "no target (steps() was not used)" if self.num_steps is None else f"the target {self.num_steps}"
+        exc = sys.exc_info()[1]  # close() in a `finally:` while an exception propagates
+        cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        reason = f"closed at step {self.step}, before {target}{cause}"[:1000]
+        log.error("replica %d %s", self.replica_id, reason)
+        try:
+            self.client.report_failure(FailureReport(identity=self.identity, reason=reason), timeout_s=2.0)
+        except Exception as e:  # the launcher reports the exit too
+            log.warning("could not report replica %d failed: %s", self.replica_id, e)
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:

@@ -2,18 +2,22 @@
 
 Every rank runs a small HTTP server (one daemon thread, owned and stopped by the Manager).
 When the coordinator names this replica as a recovery source for a round, the rank
-serialises its committed state into memory *before* its next optimizer step and publishes
-it under that round; the recovering rank of the same shard index fetches it. Only the
-newest snapshot is kept, so memory is bounded by one copy of the rank's state.
+encodes its committed state into memory *before* its next optimizer step (wire.py: tensors
+and JSON, nothing a receiver would execute) and publishes it under that round; the
+recovering rank of the same shard index fetches it. Only the newest snapshot is kept, so
+memory is bounded by one copy of the rank's state.
 
 Requests carry the job's bearer token: the state is the model, and the model is the
-customer's property.
+customer's property. The server holds at most `max_connections` connections at once (one
+thread each) and drops a connection that sends or takes nothing for `idle_timeout_s`, so
+idle or half-open connections cannot pile up threads; anything malformed gets a 4xx.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import threading
 import time
 import urllib.error
@@ -21,10 +25,42 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 log = logging.getLogger("transom.ft")
+_STATE_PATH = re.compile(r"^/state/(\d{1,18})$")
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, but at most `max_connections` of them; more are closed at once."""
+
+    daemon_threads = True
+    request_queue_size = 128  # connections wait in the kernel, not in a thread of ours
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: a real joiner retries
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):  # a client that went away: not our error
+        log.debug("state server: connection from %s ended badly", client_address, exc_info=True)
 
 
 class StateServer:
-    def __init__(self, token: str, bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1"):
+    def __init__(self, token: str, bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
+                 max_connections: int = 32, idle_timeout_s: float = 10.0):
         self._token = token.encode()
         self._lock = threading.Lock()
         self._round: int | None = None
@@ -32,18 +68,21 @@ class StateServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout_s  # per socket read or write: a stalled peer is dropped
+
             def log_message(self, fmt, *args):  # quiet: one line per transfer is logged below
                 pass
 
             def do_GET(self):
-                presented = self.headers.get("Authorization", "").partition(" ")[2].encode()
+                header = self.headers.get("Authorization", "")
+                presented = header.partition(" ")[2].encode("utf-8", "surrogateescape")
                 if not hmac.compare_digest(presented, server._token):
                     return self._reply(401, b"missing or wrong bearer token")
-                parts = self.path.strip("/").split("/")
-                if len(parts) != 2 or parts[0] != "state" or not parts[1].isdigit():
+                match = _STATE_PATH.match(self.path)
+                if match is None:
                     return self._reply(400, b"expected GET /state/<round>")
                 with server._lock:
-                    ready = server._round == int(parts[1])
+                    ready = server._round == int(match.group(1))
                     payload = server._payload
                 if not ready:
                     return self._reply(404, b"no snapshot for this round (yet)")
@@ -56,8 +95,7 @@ class StateServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._httpd = ThreadingHTTPServer((bind_host, 0), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((bind_host, 0), Handler, max_connections)
         self.url = f"http://{advertise_host}:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="transom-state-server", daemon=True)
         self._thread.start()

@@ -13,9 +13,11 @@ Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
-from transom.coordinator.membership import Settings
+from transom.coordinator.membership import Settings, default_heartbeat_interval
+from transom.inject import Fault
+from transom.launch.supervisor import check_command
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.summary import summarize
 
@@ -49,15 +53,30 @@ class RunConfig:
     checkpoint_keep: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.command:
-            raise ValueError("a training command is required after --")
+        """Everything a run could only find out by failing later is refused here, at once."""
+        check_command(self.command)
         if not 1 <= self.replicas <= 64:
             raise ValueError("--replicas must be between 1 and 64 in local mode")
+        if not 1 <= self.nproc_per_replica <= 1024:
+            raise ValueError("--nproc-per-replica must be between 1 and 1024")
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError("--min-replicas must be between 1 and --replicas")
-        for replica, _ in self.injects:
+        if self.max_restarts < 0:
+            raise ValueError("--max-restarts must not be negative")
+        for name, value in (("--collective-timeout", self.collective_timeout_s),
+                            ("--heartbeat-timeout", self.heartbeat_timeout_s), ("--timeout", self.timeout_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
+            raise ValueError("--checkpoint-interval must not be negative")
+        if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
+            raise ValueError("--checkpoint-keep must be at least 1")
+        for replica, spec in self.injects:
             if replica >= self.replicas:
                 raise ValueError(f"--inject names replica {replica}, but there are only {self.replicas}")
+            if Fault.parse(spec).rank >= self.nproc_per_replica:
+                raise ValueError(f"--inject names rank {Fault.parse(spec).rank}, but a replica has only "
+                                 f"{self.nproc_per_replica} process(es) (--nproc-per-replica)")
 
 
 class LocalRun:
@@ -74,7 +93,7 @@ class LocalRun:
             job="local",
             num_replicas=config.replicas,
             min_replicas=config.min_replicas,
-            heartbeat_interval_s=min(1.0, config.heartbeat_timeout_s / 3),
+            heartbeat_interval_s=default_heartbeat_interval(config.heartbeat_timeout_s),
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
         self.coordinator = CoordinatorThread(settings, self.token)
@@ -123,6 +142,7 @@ class LocalRun:
                 env[var] = str(value)
         faults = self.faults.get(replica, []) if generation == 0 else []
         env[contract.ENV_FAULT] = ";".join(faults)
+        env[contract.ENV_OWNER_PID] = str(os.getpid())  # the launcher stops if this process dies
         cmd = [
             sys.executable, "-m", "transom", "launch",
             "--nproc-per-node", str(self.config.nproc_per_replica),
@@ -154,70 +174,91 @@ class LocalRun:
             self._last_line = line
 
 
-    def _last_checkpoint(self) -> tuple[int, float] | None:
+    def _outcome(self) -> tuple[int | None, int | None]:
+        """(the step at which a replica completed the job, the newest committed checkpoint)."""
         membership = self.coordinator.server.membership
         try:
-            return self.coordinator.call(lambda: membership.last_checkpoint)
+            completed, checkpoint = self.coordinator.call(lambda: (membership.completed_step, membership.last_checkpoint))
         except Exception:  # the coordinator is gone: the summary says "unknown"
-            return None
+            return None, None
+        return completed, checkpoint[0] if checkpoint else None
 
     # --- main ----------------------------------------------------------------------------------
+    def _supervise(self, received: list[int]) -> int:
+        """Run until every replica finished (0), one failed for good or time ran out (1), or a
+        signal came (128 + its number)."""
+        for r in range(self.config.replicas):
+            self._start(r, 0)
+        deadline = self._t0 + self.config.timeout_s
+        next_show = 0.0
+        while len(self.done) < self.config.replicas:
+            if received:
+                self.say(f"received {signal.Signals(received[0]).name}; stopping every replica")
+                return 128 + received[0]
+            if time.monotonic() > deadline:
+                self.say(f"timed out after {self.config.timeout_s:.0f}s")
+                return 1
+            for r, proc in list(self.launchers.items()):
+                code = proc.poll()
+                if code is None or r in self.done:
+                    continue
+                if code == 0:
+                    self.done.add(r)
+                    continue
+                gen = self.generation[r] + 1
+                if gen >= self.config.max_generations:
+                    self.say(f"replica {r} failed {gen} generations; giving up")
+                    return 1
+                self.say(f"replica {r} launcher exited with {code}; starting generation {gen}")
+                self._start(r, gen)
+            if time.monotonic() >= next_show:
+                self._show_progress()
+                next_show = time.monotonic() + 0.5
+            time.sleep(0.05)
+        self._show_progress()
+        return 0
+
+    def _stop_launchers(self) -> None:
+        """SIGTERM the launchers still running (they stop their workers), SIGKILL after 15 s."""
+        for proc in self.launchers.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.launchers.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+                proc.wait(timeout=5)
+
     def run(self) -> int:
         self.coordinator.start()
         self.say(
             f"coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
             f"{self.config.nproc_per_replica} processes; injecting {sum(map(len, self.faults.values()))} fault(s)"
         )
-        exit_code = 0
+        # SIGTERM or Ctrl-C stops the run like an error would: every launcher is stopped (they
+        # stop their workers' process groups) before this process exits.
+        received: list[int] = []
+        previous = {s: signal.signal(s, lambda signum, _f: received.append(signum))
+                    for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for r in range(self.config.replicas):
-                self._start(r, 0)
-            deadline = self._t0 + self.config.timeout_s
-            next_show = 0.0
-            while len(self.done) < self.config.replicas:
-                if time.monotonic() > deadline:
-                    self.say(f"timed out after {self.config.timeout_s:.0f}s")
-                    exit_code = 1
-                    break
-                for r, proc in list(self.launchers.items()):
-                    code = proc.poll()
-                    if code is None or r in self.done:
-                        continue
-                    if code == 0:
-                        self.done.add(r)
-                        continue
-                    gen = self.generation[r] + 1
-                    if gen >= self.config.max_generations:
-                        self.say(f"replica {r} failed {gen} generations; giving up")
-                        exit_code = 1
-                        break
-                    self.say(f"replica {r} launcher exited with {code}; starting generation {gen}")
-                    self._start(r, gen)
-                if exit_code:
-                    break
-                if time.monotonic() >= next_show:
-                    self._show_progress()
-                    next_show = time.monotonic() + 0.5
-                time.sleep(0.05)
-            self._show_progress()
+            exit_code = self._supervise(received)
         finally:
-            for proc in self.launchers.values():
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in self.launchers.values():
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
-            last_checkpoint = self._last_checkpoint()
+            self._stop_launchers()
+            completed_step, last_checkpoint = self._outcome()
             self.coordinator.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if exit_code == 0 and completed_step is None:
+            self.say("every launcher exited 0, but no replica completed the job")
+            exit_code = 1
         summary = summarize(
             self.stats_dir, self.config.replicas, {r: len(f) for r, f in self.faults.items()},
             time.monotonic() - self._t0,
         )
         summary["exit_code"] = exit_code
-        summary["last_checkpoint"] = last_checkpoint[0] if last_checkpoint else None
+        summary["completed_step"] = completed_step
+        summary["last_checkpoint"] = last_checkpoint
         if self._own_stats_dir:
             shutil.rmtree(self.stats_dir, ignore_errors=True)
         summary["events"] = self._events

@@ -6,7 +6,14 @@ replica as the unit of failure: when any worker exits non-zero, it tells the coo
 once (so the other replicas stop waiting for this one), stops the remaining workers and
 starts them all again as a new attempt, up to `max_restarts`. It also polls the
 coordinator: a replica the coordinator declared dead (missed heartbeats: a hang) is killed
-and restarted the same way. SIGTERM/SIGINT are forwarded to the workers.
+and restarted the same way. SIGTERM/SIGINT are forwarded to the workers. Each worker is
+the leader of a process group of its own, and signals go to the whole group: whatever a
+worker started is stopped with it, and after every attempt (however it ended) nothing of
+its groups is left running (processes.py). Workers also die with the launcher itself.
+
+Workers that all exit 0 have finished only if the job is complete: the launcher asks the
+coordinator, and workers that stopped before a replica completed the job (a script that
+ends early, or never trains) are a failure like any other.
 
 MASTER_ADDR is found without cluster DNS: a single-node replica uses loopback; node 0 of
 a multi-node replica publishes its address through the coordinator and the others read it.
@@ -19,19 +26,55 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from transom import contract
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
+from transom.launch import processes
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
 STATE_POLL_S = 1.0
+COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
+
+
+def check_command(command: list[str]) -> None:
+    """ValueError now for a command that could only fail later: an empty one, a program that is
+    not there, or `python SCRIPT` with no such script (rather than restarts that cannot help)."""
+    if not command:
+        raise ValueError("a command to run is required after --")
+    program = command[0]
+    if shutil.which(program) is None:
+        raise ValueError(f"{program}: command not found (not executable or not on PATH)")
+    if Path(program).name.startswith("python"):
+        script = _python_script(command[1:])
+        if script is not None and not Path(script).is_file():
+            raise ValueError(f"{program}: no such script: {script}")
+
+
+def _python_script(args: list[str]) -> str | None:
+    """The script a `python ARGS` command runs, or None (-c, -m, stdin)."""
+    options_with_value = {"-W", "-X", "--check-hash-based-pycs"}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-c", "-m", "-"):
+            return None
+        if arg in options_with_value:
+            i += 2
+            continue
+        if arg.startswith("-"):
+            i += 1
+            continue
+        return arg
+    return None
 
 
 @dataclass(frozen=True)
@@ -44,8 +87,7 @@ class LaunchConfig:
     rendezvous_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not self.command:
-            raise ValueError("a command to run is required after --")
+        check_command(self.command)
         if not 1 <= self.nproc_per_node <= 1024:
             raise ValueError("nproc_per_node must be between 1 and 1024")
         if self.max_restarts < 0:
@@ -111,30 +153,30 @@ class Launcher:
                     contract.ENV_NPROC_PER_NODE: str(n),
                 }
             )
-            # Its own session, so a signal meant for the launcher's terminal is not delivered
-            # twice; the launcher forwards what the workers must see.
-            self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True))
+            # Its own session (and process group), so a signal meant for the launcher's terminal
+            # is not delivered twice; the launcher forwards what the workers must see, to the group.
+            self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True,
+                                                 preexec_fn=processes.dies_with_parent()))
         log.info(
             "replica %d node %d attempt %d: started %d workers (master %s:%d)",
             self.env.replica_id, self.env.node_rank, attempt, n, addr, port,
         )
 
     def _stop_workers(self, first: int, grace_s: float) -> None:
-        """Send `first` to live workers, SIGKILL whatever is still alive after grace_s."""
+        """Send `first` to every worker's process group, then SIGKILL whatever of the groups
+        still runs after grace_s (at once for workers that already exited)."""
         for w in self.workers:
             if w.poll() is None:
-                try:
-                    w.send_signal(first)
-                except ProcessLookupError:
-                    pass
+                processes.signal_group(w.pid, first)
         deadline = time.monotonic() + grace_s
         for w in self.workers:
-            remaining = deadline - time.monotonic()
             try:
-                w.wait(timeout=max(0.0, remaining))
+                w.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait(timeout=10)
+                pass
+            if not processes.kill_group(w.pid):  # its pgid is its pid: the leader of a new session
+                log.error("replica %d: processes of worker %d's group survive SIGKILL", self.env.replica_id, w.pid)
+            w.wait(timeout=10)
         self.workers = []
 
     def _report(self, attempt: int, reason: str, exit_code: int | None) -> None:
@@ -158,7 +200,7 @@ class Launcher:
                     self._report(attempt, reason, code if code >= 0 else None)
                     return "failed", reason
             if all(c == 0 for c in codes):
-                return "ok", "all workers succeeded"
+                return self._finished(attempt)
             if time.monotonic() >= next_state_poll:
                 next_state_poll = time.monotonic() + STATE_POLL_S
                 try:
@@ -170,6 +212,19 @@ class Launcher:
                 if state is not None and state.state == "superseded":
                     return "superseded", "a newer incarnation of this replica registered"
             time.sleep(POLL_S)
+
+    def _finished(self, attempt: int) -> tuple[str, str]:
+        """Every worker exited 0: 'ok' if the coordinator says the job completed, else 'failed'."""
+        try:
+            state = self.client.replica_state(self.identity(attempt), timeout_s=COMPLETION_CHECK_S)
+        except Exception as e:
+            reason = f"workers exited 0, but the coordinator could not confirm that the job completed: {e}"
+        else:
+            if state.job_completed:
+                return "ok", "all workers succeeded"
+            reason = "workers exited 0 before the job completed (no replica reached the last step)"
+        self._report(attempt, reason, 0)
+        return "failed", reason
 
     # --- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -183,7 +238,7 @@ class Launcher:
                 self._spawn(attempt)
                 outcome, reason = self._watch(attempt)
                 if outcome == "ok":
-                    self.workers = []
+                    self._stop_workers(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left
                     return contract.EXIT_OK
                 if outcome == "signal":
                     assert self._signal is not None

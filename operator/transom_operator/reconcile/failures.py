@@ -3,68 +3,45 @@
 A replica (one incarnation: the pods of its current generation) fails when one of its pods
 - sits on a node that has been NotReady for longer than nodeNotReadyGraceSeconds (NodeNotReady),
 - was lost with its node (NodeLost),
-- carries the coordinator's evict annotation (FlaggedByCoordinator),
+- is named by a verdict of the job's coordinator in `status.training.verdicts`
+  (FlaggedByCoordinator),
 - was evicted by the kubelet (PodEvicted) or exited non-zero (PodFailed),
+- exited 0 although the coordinator has not recorded the job complete (ExitedEarly),
 - is being deleted, or is gone although the replica was recorded Running (PodDeleted).
-Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, a verdict of a
-hardware detector, and a second failure on the same node within the restart window
+Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, a verdict that
+blames a node, and a second failure on the same node within the restart window
 (RepeatedFailures).
 
-The restart history (one record per replaced incarnation, kept in a job annotation so that
-it survives operator restarts) is what the restart limit, the backoff and the repeated-
-failure rule count.
+Every input is something a job's user cannot write: pod and node status (kubelet, node
+controller), the operator's own status (the restart history) and the coordinator's part of
+status. Pod annotations and labels from the template are never read as a verdict.
+
+The restart history (one record per replaced incarnation, kept in `status.restartHistory`
+so that it survives operator restarts) is what the restart limit, the backoff and the
+repeated-failure rule count.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from transom_operator import reasons
+from transom_operator import api, reasons
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 
-# Where the restart history lives on the TrainingJob (metadata.annotations), as compact
-# JSON: [[replica, generation, unix_seconds, node or null], ...], pruned to the window.
-# TODO(lead): move to transom.contract if anything outside the operator reads it.
-ANNOTATION_RESTART_HISTORY = "transom.io/restart-history"
-
-# Words in an evict reason that blame the hardware rather than the software.
-HARDWARE_WORDS = ("hardware", "detector", "gpu", "xid", "ecc", "nvlink", "slow")
 # Pod status reasons that mean the node went away under the pod.
 NODE_LOST_POD_REASONS = frozenset({"NodeLost", "NodeShutdown", "Terminated"})  # Terminated: graceful node shutdown
+# How long a pod that exited 0 may wait for the coordinator's completion record before it
+# counts as an early exit. The launcher exits 0 only after the coordinator confirmed the
+# completion, and the coordinator writes status.training at once when it happens.
+COMPLETION_WAIT_S = 30.0
 
 # Order in which causes are reported when a replica has several at once.
 _PRIORITY = (
     reasons.NODE_NOT_READY, reasons.NODE_LOST, reasons.FLAGGED_BY_COORDINATOR,
-    reasons.POD_EVICTED, reasons.POD_FAILED, reasons.POD_DELETED,
+    reasons.POD_EVICTED, reasons.POD_FAILED, reasons.EXITED_EARLY, reasons.POD_DELETED,
 )
-
-
-@dataclass(frozen=True)
-class RestartRecord:
-    """One replacement of a replica: which incarnation failed, when, and on which node."""
-
-    replica: int
-    generation: int
-    time: int  # unix seconds
-    node: str | None
-
-
-def parse_history(raw: str | None) -> list[RestartRecord]:
-    """The annotation's records; anything unreadable counts as no history (never a crash)."""
-    if not raw:
-        return []
-    try:
-        items = json.loads(raw)
-        return [RestartRecord(int(r), int(g), int(t), n if isinstance(n, str) else None) for r, g, t, n in items]
-    except (ValueError, TypeError):
-        return []
-
-
-def format_history(records: Iterable[RestartRecord]) -> str:
-    return json.dumps([[r.replica, r.generation, r.time, r.node] for r in records], separators=(",", ":"))
 
 
 @dataclass
@@ -77,33 +54,34 @@ class ReplicaFailure:
     exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
 
 
-def is_hardware_verdict(evict_reason: str) -> bool:
-    text = evict_reason.lower()
-    return any(word in text for word in HARDWARE_WORDS)
+@dataclass(frozen=True)
+class Incarnation:
+    """One incarnation of a replica as `detect` sees it."""
+
+    replica: int
+    generation: int
+    current: Mapping[int, ObservedPod]  # node rank -> pod of this generation
+    recorded_running: bool  # status recorded it with every pod running: a missing pod was lost
+    verdict: api.Verdict | None  # the coordinator's verdict about this generation, if any
 
 
-def detect(
-    replica: int,
-    generation: int,
-    nodes_per_replica: int,
-    current: Mapping[int, ObservedPod],
-    recorded_running: bool,
-    nodes: Mapping[str, ObservedNode],
-    history: list[RestartRecord],
-    grace_seconds: int,
-    now: datetime,
-) -> tuple[ReplicaFailure | None, float | None]:
-    """The failure of incarnation `generation` of `replica`, if any, and when to look again.
-
-    `current` maps node rank to the incarnation's pods; `recorded_running` says the status
-    recorded this incarnation with all its pods running (so a missing pod was lost, not
-    yet created). The second value is the seconds until a NotReady node's grace runs out.
-    """
+def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, ObservedNode],
+           history: list[api.RestartRecord], grace_seconds: int, completed: bool,
+           now: datetime) -> tuple[ReplicaFailure | None, float | None]:
+    """The failure of `inc`, if any, and the seconds until a grace period runs out (when to
+    look again). `completed`: the coordinator recorded the job complete, so a pod that
+    exited 0 finished."""
     causes: list[tuple[str, str, str | None, str | None]] = []  # reason, message, node, exclude-reason
     recheck: float | None = None
-    for rank in sorted(current):
-        pod = current[rank]
+
+    def later(seconds: float) -> None:
+        nonlocal recheck
+        recheck = seconds if recheck is None else min(recheck, seconds)
+
+    for rank in sorted(inc.current):
+        pod = inc.current[rank]
         node = nodes.get(pod.node_name) if pod.node_name else None
+        where = f" on node {pod.node_name}" if pod.node_name else ""
         if node is not None and not node.ready and node.not_ready_since is not None:
             elapsed = (now - node.not_ready_since).total_seconds()
             if elapsed >= grace_seconds:
@@ -111,15 +89,8 @@ def detect(
                                f"node {node.name} of pod {pod.name} NotReady for {int(elapsed)}s",
                                node.name, reasons.NODE_NOT_READY))
             else:
-                wait = grace_seconds - elapsed
-                recheck = wait if recheck is None else min(recheck, wait)
-        if pod.evict_reason:
-            hardware = is_hardware_verdict(pod.evict_reason) and pod.node_name
-            causes.append((reasons.FLAGGED_BY_COORDINATOR,
-                           f"pod {pod.name} flagged by the coordinator: {pod.evict_reason}",
-                           pod.node_name, reasons.FLAGGED_BY_COORDINATOR if hardware else None))
+                later(grace_seconds - elapsed)
         if pod.phase == "Failed":
-            where = f" on node {pod.node_name}" if pod.node_name else ""
             if pod.reason in NODE_LOST_POD_REASONS:
                 causes.append((reasons.NODE_LOST, f"pod {pod.name}{where} lost with its node ({pod.reason})",
                                pod.node_name, reasons.NODE_LOST if pod.node_name else None))
@@ -128,18 +99,29 @@ def detect(
             else:
                 code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
                 repeated = pod.node_name is not None and any(
-                    h.node == pod.node_name and (h.replica, h.generation) != (replica, generation) for h in history
+                    h.node == pod.node_name and (h.replica, h.generation) != (inc.replica, inc.generation)
+                    for h in history
                 )
                 message = f"pod {pod.name}{where} failed{code}"
                 if repeated:
                     message += f"; a second failure on node {pod.node_name} within the restart window"
                 causes.append((reasons.POD_FAILED, message, pod.node_name,
                                reasons.REPEATED_FAILURES if repeated else None))
+        elif pod.phase == "Succeeded" and not completed:
+            waited = (now - pod.finished).total_seconds() if pod.finished else COMPLETION_WAIT_S
+            if waited >= COMPLETION_WAIT_S:
+                causes.append((reasons.EXITED_EARLY,
+                               f"pod {pod.name}{where} exited 0 but the coordinator has not recorded the job "
+                               "complete", pod.node_name, None))
+            else:
+                later(COMPLETION_WAIT_S - waited)
         elif pod.deleting:
             causes.append((reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None))
-    if recorded_running:
+    if inc.verdict is not None:
+        causes.append(_verdict_cause(inc.verdict, inc.current))
+    if inc.recorded_running:
         for rank in range(nodes_per_replica):
-            if rank not in current:
+            if rank not in inc.current:
                 causes.append((reasons.POD_DELETED, f"pod of node rank {rank} is gone", None, None))
     if not causes:
         return None, recheck
@@ -150,6 +132,32 @@ def detect(
         if why and bad_node and all(bad_node != n for n, _ in exclude):
             exclude.append((bad_node, why))
     return ReplicaFailure(reason, message, node, exclude), None
+
+
+def _verdict_cause(verdict: api.Verdict, current: Mapping[int, ObservedPod]) -> tuple[str, str, str | None, str | None]:
+    pod = current.get(verdict.node_rank) if verdict.node_rank is not None else None
+    node = pod.node_name if pod is not None else None
+    message = f"the coordinator found {verdict.reason}" + (f": {verdict.message}" if verdict.message else "")
+    blamed = reasons.FLAGGED_BY_COORDINATOR if verdict.blame == "Node" and node else None
+    return reasons.FLAGGED_BY_COORDINATOR, message, node, blamed
+
+
+# nodeExclusionPolicy values that change a node for every workload on it, not just this job:
+# the operator carries them out only where the cluster admin allowed it.
+NODE_ACTIONS = ("Taint", "Cordon")
+
+
+def node_action(requested: str, allowed: frozenset[str]) -> tuple[str, str | None]:
+    """The exclusion policy carried out for a job that asks for `requested`, and why it differs.
+
+    A job's user writes the spec; tainting or cordoning nodes is the cluster admin's call
+    (`transom-operator --allow-node-taint/--allow-node-cordon`, the chart's `nodeExclusion`
+    values). Otherwise the node is excluded for this job only.
+    """
+    if requested in NODE_ACTIONS and requested not in allowed:
+        return "Exclude", (f"nodeExclusionPolicy {requested} is not allowed by this installation of the "
+                           f"operator (--allow-node-{requested.lower()}); the node is excluded for this job only")
+    return requested, None
 
 
 def backoff_seconds(failures_in_window: int, backoff: int, max_backoff: int) -> int:

@@ -50,8 +50,8 @@ class ObservedPod:
     deleting: bool  # has a deletionTimestamp
     exit_code: int | None  # of the first terminated container
     reason: str | None  # status.reason (Evicted, NodeLost, ...) or the terminated container's
-    evict_reason: str | None  # contract.ANNOTATION_EVICT_REASON, set by the coordinator
     created: datetime | None
+    finished: datetime | None = None  # when the first terminated container ended
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,10 @@ def _first_terminated(status: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def observe_pod(pod: dict[str, Any]) -> ObservedPod:
+    # Nothing here comes from the pod's annotations or its template: a job's user writes those,
+    # so they never count as a verdict. Labels are the operator's own (reserved in templates).
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
-    annotations = metadata.get("annotations") or {}
     status = pod.get("status") or {}
     terminated = _first_terminated(status)
     exit_code = terminated.get("exitCode") if terminated else None
@@ -92,8 +93,8 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         deleting=metadata.get("deletionTimestamp") is not None,
         exit_code=exit_code,
         reason=reason,
-        evict_reason=annotations.get(contract.ANNOTATION_EVICT_REASON) or None,
         created=parse_time(metadata.get("creationTimestamp")),
+        finished=parse_time(terminated.get("finishedAt")) if terminated else None,
     )
 
 

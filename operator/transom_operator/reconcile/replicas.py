@@ -1,12 +1,11 @@
 """The replica policy: from a TrainingJob, its pods and the nodes, what to do and what status to write.
 
 `plan(job, pods, nodes, now)` is level-based and idempotent: it compares the world with the
-spec on every pass, and given the same world twice (after its status and restart history
-were written) the second plan asks for nothing new. All memory lives in the API: the
-replicas' generations, restarts and last failures in `status.replicas`, the excluded nodes
-in `status.excludedNodes`, and the restart history in the job annotation
-`failures.ANNOTATION_RESTART_HISTORY` (which the caller writes when `Plan.restart_history`
-is not None). So an operator restarted mid-recovery converges.
+spec on every pass, and given the same world twice (after its status was written) the
+second plan asks for nothing new. All memory lives in the job's status, which a job's user
+cannot write: the replicas' generations, restarts and last failures in `status.replicas`,
+the excluded nodes in `status.excludedNodes`, and the restart history in
+`status.restartHistory`. So an operator restarted mid-recovery converges.
 
 Rules:
 - The current generation of a replica is the highest of its pods' generations and the one
@@ -19,8 +18,11 @@ Rules:
 - More than maxReplicaRestarts replacements within restartWindowSeconds fails the job:
   its worker pods are deleted (they would hold GPUs for nothing) and nothing more is
   created; the coordinator stays for inspection. Failed and Succeeded are final.
-- Every replica's pods Succeeded: the job Succeeded. Once a replica has succeeded the
-  training is over, so a replica failing afterwards is not replaced.
+- The job is complete when its coordinator records it (`status.training.completedStep`:
+  a replica committed the last step). A replica whose pods exited 0 before that failed
+  (ExitedEarly, after `failures.COMPLETION_WAIT_S`). Once complete, nothing is replaced or
+  created, pods not yet running are deleted, and the job is Succeeded when no worker pod
+  runs any more.
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
@@ -54,7 +56,6 @@ class Plan:
     excluded_nodes_added: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     status: api.TrainingJobStatus = field(default_factory=api.TrainingJobStatus)
-    restart_history: str | None = None  # new value of the history annotation; None: unchanged
     requeue_after: float | None = None  # seconds until a backoff or grace period runs out
 
     def status_patch(self) -> dict[str, Any]:
@@ -124,9 +125,10 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     out = Plan()
     now_s = int(now.timestamp())
 
-    annotations = job.metadata.get("annotations") or {}
-    raw_history = annotations.get(failures.ANNOTATION_RESTART_HISTORY)
-    history = [h for h in failures.parse_history(raw_history) if now_s - h.time < ft.restart_window_seconds]
+    history = [h for h in prev.restart_history if now_s - h.time < ft.restart_window_seconds]
+    training = prev.training or api.TrainingProgress()
+    completed = training.completed_step is not None  # the coordinator's record, not a pod's exit
+    verdicts = {(v.replica, v.generation): v for v in training.verdicts}
     excluded = {e.name: e for e in prev.excluded_nodes}
     pods = list(pods)
     replicas, extra = _group(pods, spec, {r.id: r for r in prev.replicas})
@@ -144,19 +146,22 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
             rec = r.recorded
             recorded_running = (rec is not None and rec.generation == r.generation
                                 and rec.state in ("Running", "Succeeded"))
+            incarnation = failures.Incarnation(r.id, r.generation, r.current, recorded_running,
+                                               verdicts.get((r.id, r.generation)))
             r.failure, recheck = failures.detect(
-                r.id, r.generation, spec.nodes_per_replica, r.current, recorded_running,
-                node_map, history, ft.node_not_ready_grace_seconds, now,
+                incarnation, nodes_per_replica=spec.nodes_per_replica, nodes=node_map, history=history,
+                grace_seconds=ft.node_not_ready_grace_seconds, completed=completed, now=now,
             )
             if recheck is not None:
                 out._requeue(recheck)
-    training_done = any(_pods_state(r, spec.nodes_per_replica) == "Succeeded" for r in replicas)
+    training_done = completed
 
     failed_now: tuple[str, str] | None = None
     if not suspended and not final and not training_done:
         for r in replicas:
             if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in history):
-                history.append(failures.RestartRecord(r.id, r.generation, now_s, r.failure.node))
+                history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s,
+                                                 node=r.failure.node))
         if len(history) > ft.max_replica_restarts:
             failing = ", ".join(str(r.id) for r in replicas if r.failure)
             failed_now = (reasons.TOO_MANY_RESTARTS,
@@ -237,6 +242,8 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         # replica Running would make their absence (a crash before the relabel) a new failure.
         if r.failure or (state == "Pending" and last_failure is not None):
             state = "Replacing"
+        if training_done and state == "Replacing":  # too late: it is not replaced any more
+            state = "Failed"
         statuses.append(api.ReplicaStatus(
             id=r.id, generation=generation, state=state, restarts=restarts, last_failure=last_failure,
             nodes=[current[k].node_name for k in sorted(current) if current[k].node_name],
@@ -248,6 +255,10 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
             out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
                               if not p.deleting and p.phase != "Succeeded")
+    elif training_done:  # nothing new starts; what has not started yet never will be needed
+        out.create.clear()
+        out.delete.extend(p.name for r in replicas for p in r.current.values()
+                          if not p.deleting and p.phase == "Pending" and p.name not in out.delete)
     # Spares serve only a job that is still training; otherwise they would hold GPUs for nothing.
     active = not (suspended or final or failed_now or training_done)
     spare_plan = spares.plan(job, spare_list, spare_extra, active, node_map, excluded, now)
@@ -259,7 +270,9 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     # --- status ---------------------------------------------------------------------
     healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
     replacing = [s.id for s in statuses if s.state == "Replacing"]
-    all_done = training_done and all(s.state in ("Succeeded", "Failed") for s in statuses)
+    # Complete, and no worker still runs: the others got "job completed" and exited 0.
+    all_done = training_done and not any(p.phase == "Running" and not p.deleting
+                                         for r in replicas for p in r.current.values())
     ran_before = prev.state in ("Running", "Recovering", "Degraded") or any(s.restarts for s in statuses)
     if suspended:
         state = "Suspended"
@@ -333,11 +346,8 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         ready_spare_replicas=(sum(1 for s in spare_plan.statuses if s.state == "Ready")
                               if spec.spare_replicas or prev.spares else None),
         spares=spare_plan.statuses,
+        restart_history=sorted(history, key=lambda h: (h.time, h.replica, h.generation)),
         excluded_nodes=list(excluded.values()),
         training=prev.training,
     )
-    history.sort(key=lambda h: (h.time, h.replica, h.generation))
-    new_raw = failures.format_history(history) if history else None
-    if new_raw != (raw_history or None):
-        out.restart_history = new_raw if new_raw is not None else ""
     return out

@@ -1,0 +1,135 @@
+"""The coordinator under hostile input: any body on any endpoint, any sequence of calls.
+
+Over real HTTP (one coordinator on loopback for the module): every body hypothesis makes,
+whole or shaped like the real message with wrong values, gets a 2xx or a 4xx with a reason,
+never a 5xx, and the server keeps serving. On the membership logic (no I/O): any sequence
+of registrations, heartbeats, quorum requests, leaves and checkpoint reports from holders of
+the job's token raises only the protocol's own errors, and nothing it records exceeds what
+the rounds it decided allow.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import JSON
+from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
+from transom.coordinator.models import (
+    CheckpointReport,
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    LeaveRequest,
+    QuorumRequest,
+    RegisterRequest,
+)
+from transom.coordinator.server import CoordinatorThread
+
+TOKEN = "fuzz-token"
+ENDPOINTS = ["/v1/register", "/v1/heartbeat", "/v1/quorum", "/v1/failure", "/v1/leave", "/v1/checkpoint",
+             "/v1/rendezvous"]
+IDENTITY = st.fixed_dictionaries({"replica_id": st.integers(-2, 3) | JSON, "generation": st.integers(0, 3),
+                                  "attempt": st.integers(0, 3)})
+SHAPED = st.fixed_dictionaries({"identity": IDENTITY}, optional={
+    "step": st.integers(-5, 2**64) | JSON, "commit_quorum_id": st.integers(-3, 10), "last_round": st.integers(-3, 10),
+    "failed": st.booleans(), "last_loss": st.floats(allow_nan=True), "timeout_s": st.floats(0.01, 0.2),
+    "store_addr": st.text(max_size=300), "state_endpoints": st.lists(st.text(max_size=20), max_size=3),
+    "reason": st.text(max_size=2000), "completed": st.booleans() | JSON, "uri": st.text(max_size=50),
+    "master_addr": st.text(max_size=10), "master_port": st.integers(-1, 70000), "exit_code": st.integers(-300, 300),
+})
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[http.client.HTTPConnection]:
+    # One replica: a valid quorum request is decided at once, so no request blocks on a long-poll.
+    ct = CoordinatorThread(Settings(job="fuzz", num_replicas=1, heartbeat_timeout_s=3600.0), TOKEN)
+    ct.start()
+    conn = http.client.HTTPConnection("127.0.0.1", int(ct.url.rsplit(":", 1)[1]), timeout=10)
+    yield conn
+    conn.close()
+    ct.stop()
+
+
+def send(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, bytes]:
+    method = "PUT" if path == "/v1/rendezvous" else "POST"
+    for attempt in range(2):
+        try:
+            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {TOKEN}"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except (http.client.RemoteDisconnected, ConnectionError):
+            conn.close()  # a kept-alive connection the server closed: reconnect once
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+@given(path=st.sampled_from(ENDPOINTS), body=JSON | SHAPED, cut=st.none() | st.integers(0, 400))
+def test_no_body_makes_a_server_error(coordinator, path, body, cut):
+    data = json.dumps(body).encode()  # NaN and Infinity as JSON's extensions, as a careless client sends
+    if cut is not None:
+        data = data[:cut]
+    status, payload = send(coordinator, path, data)
+    assert status < 500, (path, data[:200], payload[:200])
+    if status >= 400:
+        assert json.loads(payload)["error"]
+    health, _ = send(coordinator, "/v1/status", b"")
+    assert health in (200, 405)
+
+
+def ident(rid: int, gen: int) -> Identity:
+    return Identity(replica_id=rid, generation=gen, attempt=0)
+
+
+CALL = st.tuples(st.sampled_from(["register", "heartbeat", "quorum", "failure", "leave", "checkpoint", "tick"]),
+                 st.integers(0, 2), st.integers(0, 1), st.integers(0, 8), st.integers(-1, 6), st.booleans())
+
+
+@given(started=st.booleans(), calls=st.lists(CALL, max_size=60))
+def test_no_sequence_of_calls_records_impossible_progress(started, calls):
+    m = Membership(Settings(job="fuzz", num_replicas=3, heartbeat_timeout_s=5.0, startup_wait_s=1.0))
+    now, baseline = 0.0, None
+    if started:  # most sequences begin inside a running job: every replica in round 0 at step 0
+        for rid in range(3):
+            m.register(RegisterRequest(identity=ident(rid, 0), store_addr="127.0.0.1:1", state_endpoints=["x"]), now)
+            m.request_quorum(QuorumRequest(identity=ident(rid, 0), step=0, commit_quorum_id=-1, last_round=-1), now)
+        assert m.current is not None
+    for kind, rid, gen, step, other, flag in calls:
+        now += 0.3
+        who = ident(rid, gen)
+        try:
+            if kind == "register":
+                m.register(RegisterRequest(identity=who, store_addr="127.0.0.1:1", state_endpoints=["http://x"]), now)
+            elif kind == "heartbeat":
+                m.heartbeat(HeartbeatRequest(identity=who, step=step), now)
+            elif kind == "quorum":
+                m.request_quorum(QuorumRequest(identity=who, step=step, commit_quorum_id=other, last_round=other,
+                                               failed=flag), now)
+            elif kind == "failure":
+                m.report_failure(FailureReport(identity=who, reason="x"), now)
+            elif kind == "leave":
+                m.leave(LeaveRequest(identity=who, step=step, completed=flag), now)
+            elif kind == "checkpoint":
+                m.record_checkpoint(CheckpointReport(identity=who, step=step, uri="s3://b/x"), now, now)
+            else:
+                m.try_decide(now)
+        except (Conflict, NotRegistered, JobCompleted, ValueError):
+            pass  # the protocol's own refusals (409, 404, 410, 400)
+        if m.current is None:
+            continue
+        if baseline is None:  # what was reported before the first round is not checked (a restart)
+            baseline = max(m.max_step(), m.completed_step or 0, m.last_checkpoint[0] if m.last_checkpoint else 0)
+        # Nothing recorded since may exceed what the decided rounds allow...
+        bound = max(m.step_limit, baseline)
+        assert m.max_step() <= bound
+        assert m.completed_step is None or m.completed_step <= bound
+        assert m.last_checkpoint is None or m.last_checkpoint[0] <= bound
+        # ...and every decision counts its participants among its members.
+        for d in m.answers.values():
+            assert 1 <= d.participants <= len(d.members)

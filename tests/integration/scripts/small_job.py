@@ -1,0 +1,53 @@
+"""A small training loop for tests of a job's life cycle (not of what it learns).
+
+    transom run --replicas 2 -- python small_job.py --steps 40 [--end-at 10] [--child-pid-dir D]
+
+`--end-at N`: every replica commits step N in the same round and then ends the job on
+purpose with `trainer.close(end_job=True)`, the documented way to stop early. `--child-pid-dir
+D`: each worker starts a long-running child process of its own (as a DataLoader worker or a
+helper tool would) and writes its own and the child's pid under D, so a test can check that
+nothing outlives a stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from transom import ft
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--end-at", type=int, default=None)
+    p.add_argument("--child-pid-dir", type=Path, default=None)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
+    args = p.parse_args()
+    ctx = ft.init()
+    if args.child_pid_dir is not None:
+        child = subprocess.Popen(["sleep", "600"])
+        (args.child_pid_dir / f"{os.getpid()}-{child.pid}").touch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    trainer = ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
+    try:
+        for step in trainer.steps(args.steps):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))
+            model(x).pow(2).mean().backward()
+            time.sleep(args.step_seconds)
+            trainer.finish_step()
+            if trainer.step == args.end_at:
+                trainer.close(end_job=True)  # e.g. the validation loss is good enough
+                break
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()
