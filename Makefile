@@ -1,7 +1,11 @@
 # Transom developer entry points. Everything a fresh machine needs is installed from here.
 #
 #   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, checkpoints
-#   make test      unit, integration and e2e tests (installs and builds the test control plane first)
+#   make test      unit, integration and e2e tests (installs and builds the test control plane
+#                  first), then `make test-compat`
+#   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
+#   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
+#   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
 #   make generate  regenerate derived files (CRDs) from their sources
 #
 # The virtual environment lives outside the checkout (torch is several GB), keyed by the
@@ -13,7 +17,15 @@ VENV ?= $(HOME)/.cache/transom/venv-$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install testenv demo test test-unit test-integration test-e2e generate clean-venv
+# The oldest torch and the other Python that Transom supports (docs/compatibility.md).
+COMPAT_TORCH ?= 2.6.0
+COMPAT_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HASH)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+WHEELHOUSE ?= .cache/wheelhouse
+
+.PHONY: install testenv demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +54,47 @@ demo: install
 
 test: install testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(MAKE) test-compat
+
+$(COMPAT_VENV)/.deps-installed: pyproject.toml
+	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat needs Python 3.12: pyenv install 3.12 (or apt-get install python3.12 where Debian has it), or set COMPAT_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip setuptools
+	$(COMPAT_PY) -m pip install --quiet "torch==$(COMPAT_TORCH)" -e ".[train,operator,s3]" pytest pytest-timeout hypothesis requests
+	touch $@
+
+# A smoke subset (import, a two-replica run with a SIGKILL, checkpoint save and restore, peer
+# state transfer, DCP interop) on the oldest supported torch, under Python 3.12.
+test-compat: $(COMPAT_VENV)/.deps-installed
+	$(COMPAT_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(COMPAT_PY) -c 'import sys, torch; print("test-compat: Python", sys.version.split()[0], "torch", torch.__version__)'
+	$(COMPAT_PY) -m pytest -m compat tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
+
+# Wheels of the small dependencies (not torch) for the GPU machine's Python (3.12 by
+# default), which reaches no package registry: carry $(WHEELHOUSE) there with the tree.
+GPU_PYTHON_VERSION ?= 3.12
+wheelhouse: install
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(PY) -m pip download --quiet --dest $(WHEELHOUSE) --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		"aiohttp>=3.9" "pydantic>=2.6" "prometheus-client>=0.19" "fsspec>=2024.2" pytest pytest-timeout \
+		hypothesis requests
+	@du -sh $(WHEELHOUSE)
+
+# On the GPU machine: a venv over its own torch (system site packages) with the wheelhouse,
+# then the CUDA tests (-m cuda) and the GPU benchmarks. Fails without a CUDA device.
+GPU_PYTHON ?= python3
+GPU_VENV ?= .cache/venv-gpu
+test-gpu:
+	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE): run 'make wheelhouse' on a machine with PyPI first" >&2; exit 1; }
+	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --no-index --find-links $(WHEELHOUSE) "aiohttp>=3.9" "pydantic>=2.6" \
+		"prometheus-client>=0.19" "fsspec>=2024.2" pytest pytest-timeout hypothesis requests
+	$(GPU_VENV)/bin/python -c 'import torch, sys; assert torch.cuda.is_available(), "make test-gpu needs a CUDA GPU"; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+	PATH=$(CURDIR)/$(GPU_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR)/launcher:$(CURDIR)/operator \
+		$(GPU_VENV)/bin/python -m pytest -m "cuda or compat" tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 1024
+	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 8192 --repeats 1
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

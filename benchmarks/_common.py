@@ -10,6 +10,7 @@ reused by an unrelated process after ours exited is never signalled.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -100,3 +101,26 @@ def run_bounded(cmd: list[str], timeout_s: float, log_path: Path, env: dict[str,
     time.sleep(0.2)
     leftovers = kill_known(seen)
     return Result(code, seconds, Path(log_path).read_text(errors="replace"), leftovers)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of this machine (what can be allocated without swapping)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def require_room(*, disk_path: str | None, disk_bytes: int, memory_bytes: int, what: str) -> None:
+    """Exit with a message, before anything is written, if the run would not fit: a benchmark
+    that fills the disk or the memory measures nothing and can take the machine down."""
+    gib = 2**30
+    if disk_path is not None:
+        free = shutil.disk_usage(disk_path).free
+        if free < disk_bytes:
+            raise SystemExit(f"{what} needs {disk_bytes / gib:.1f} GiB free under {disk_path}, and there are "
+                             f"{free / gib:.1f} GiB: use a smaller --size-mb or another --dir")
+    have = available_memory_bytes()
+    if have < memory_bytes:
+        raise SystemExit(f"{what} needs {memory_bytes / gib:.1f} GiB of available memory, and there are "
+                         f"{have / gib:.1f} GiB: use a smaller --size-mb")

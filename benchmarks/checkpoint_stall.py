@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "launcher"))
 
 import fsspec  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from _common import require_room  # noqa: E402
+from transom import compat  # noqa: E402
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
 from transom.checkpoint.restore import load_latest  # noqa: E402
 
@@ -67,11 +68,11 @@ def sync_save(state, url: str) -> float:
 
 
 def dcp_async(state, url: str) -> tuple[float, float]:
-    writer = dcp.FsspecWriter(url, sync_files=True)
+    writer = compat.fsspec_writer(url, sync_files=True)
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        future = compat.dcp_async_save(state, storage_writer=writer)
         stall = time.monotonic() - t0
         (future.upload_completion if hasattr(future, "upload_completion") else future).result()
     return stall, time.monotonic() - t0
@@ -100,6 +101,15 @@ def main() -> int:
     p.add_argument("--dir", help="directory for --target file (default: a temp dir on local disk)")
     args = p.parse_args()
 
+    # At most three copies of the state on storage at once (Transom keeps two checkpoints,
+    # plus the file of the method being measured; each is deleted once measured), and in
+    # host memory the state (on the CPU), Transom's snapshot, DCP's staging copy and a restore.
+    size = args.size_mb * 2**20
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    require_room(disk_path=None if args.target == "s3" else (args.dir or tempfile.gettempdir()), disk_bytes=int(3.2 * size),
+                 memory_bytes=(4 if args.device == "cpu" else 3) * size + 2**30,
+                 what=f"checkpoint_stall --size-mb {args.size_mb}")
     if args.target == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("TRANSOM_S3_ENDPOINT")
         if not endpoint or not os.environ.get("AWS_ACCESS_KEY_ID"):
@@ -121,13 +131,22 @@ def main() -> int:
     gib = nbytes / 2**30
     sync, dcp_stall, dcp_total, tr_stall, tr_overlap, tr_persist, raw, restore = ([] for _ in range(8))
     engine = CheckpointEngine(CheckpointConfig(uri=f"{base}/transom", keep=2))
+
+    def remove(url: str) -> None:
+        fs, path = fsspec.core.url_to_fs(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
     try:
         for r in range(args.repeats):
             sync.append(sync_save(state, f"{base}/sync-{r}.pt"))
+            remove(f"{base}/sync-{r}.pt")
             s, total = dcp_async(state, f"{base}/dcp-{r}")
+            remove(f"{base}/dcp-{r}")
             dcp_stall.append(s)
             dcp_total.append(total)
             raw.append(raw_copy(nbytes, f"{base}/raw-{r}.bin"))
+            remove(f"{base}/raw-{r}.bin")
 
             t0 = time.monotonic()
             assert engine.save(2 * r + 1, state)
@@ -150,11 +169,15 @@ def main() -> int:
             restore.append(time.monotonic() - t0)
             assert restored.step == 2 * r + 2
             del restored
-    finally:
+    finally:  # every path, also an exception or Ctrl-C: nothing of the run stays behind
         engine.close()
         if local_dir is not None and not args.dir:
             shutil.rmtree(local_dir, ignore_errors=True)
-        elif args.target == "s3":
+        elif local_dir is not None:
+            for name in os.listdir(local_dir):
+                if name in ("transom",) or name.startswith(("sync-", "dcp-", "raw-")):
+                    remove(f"{base}/{name}")
+        else:
             fs.rm(bucket, recursive=True)
 
     med = statistics.median

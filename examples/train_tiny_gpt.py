@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", choices=["cpu", "ctx"], default="cpu",
+                   help="where the model trains: the CPU, or ctx.device (this process's GPU where there is one)")
     p.add_argument("--inner", choices=["none", "ddp", "fsdp"], default="none", help="data parallelism inside a replica")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="steps between checkpoints when a checkpoint URI is set (TRANSOM_CHECKPOINT_URI)")
@@ -102,11 +104,12 @@ def main() -> None:
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
 
     torch.manual_seed(0)  # every replica starts from the same weights
-    model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context)
+    device = ctx.device if args.device == "ctx" else torch.device("cpu")
+    model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context).to(device)
     if args.inner != "none" and ctx.world_size < 2:
         raise SystemExit(f"--inner {args.inner} needs --nproc-per-replica >= 2")
     if args.inner == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     elif args.inner == "fsdp":  # FSDP2: each rank holds a shard; FTAR runs per shard index
         from torch.distributed.fsdp import fully_shard
 
@@ -124,7 +127,7 @@ def main() -> None:
     try:
         for step in trainer.steps(args.steps):
             x, y = batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
-            loss = model(x, y)
+            loss = model(x.to(device), y.to(device))
             loss.backward()
             trainer.finish_step(loss)
     finally:

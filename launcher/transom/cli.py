@@ -201,6 +201,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             else (args.checkpoint_uri or ""),
             checkpoint_interval=args.checkpoint_interval,
             checkpoint_keep=args.checkpoint_keep,
+            backend=args.backend,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -256,6 +257,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-interval", type=non_negative,
                    help="committed steps between checkpoints (the script may override)")
     r.add_argument("--checkpoint-keep", type=count, help="committed checkpoints to keep")
+    r.add_argument("--backend", choices=contract.BACKENDS, default=contract.DEFAULT_BACKEND,
+                   help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
+                        "GPU of its own and the tensors are on it, Gloo otherwise")
     return p
 
 

@@ -45,6 +45,10 @@ ENV_ATTEMPT = "TRANSOM_ATTEMPT"
 # The cross-replica collective timeout (spec.faultTolerance.collectiveTimeoutSeconds); read by
 # transom.ft.FTConfig.from_environ.
 ENV_COLLECTIVE_TIMEOUT = "TRANSOM_COLLECTIVE_TIMEOUT_S"
+# torch.distributed backend: auto, gloo or nccl (spec.faultTolerance.backend, transom run --backend)
+ENV_BACKEND = "TRANSOM_BACKEND"
+BACKENDS = ("auto", "gloo", "nccl")  # what each means: transom/ft/backend.py
+DEFAULT_BACKEND = "auto"
 # Optional fault injection for tests and demos (see transom.inject).
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from transom.contract import RESERVED_DOMAIN, is_reserved_key
+from transom.contract import BACKENDS, DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
 
 GROUP = "transom.io"
 VERSION = "v1alpha1"
@@ -66,6 +66,7 @@ SpareState = Literal["Pending", "Ready"]
 ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"]
 CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
 NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]
+Backend = Literal[BACKENDS]  # the values transom.ft.backend understands
 DetectionAction = Literal["Replace", "Report"]
 
 
@@ -285,6 +286,14 @@ class FaultTolerance(ApiModel):
     collective_timeout_seconds: int = Field(
         60, ge=1, le=3600,
         description="Longest a cross-replica collective may block before its replica is dropped from the step.",
+    )
+    backend: Backend = Field(
+        DEFAULT_BACKEND,
+        description=(
+            "torch.distributed backend of the workers (TRANSOM_BACKEND). auto: NCCL where each process has a GPU of "
+            "its own and the tensors are on it, Gloo otherwise. gloo or nccl force one; a forced nccl that cannot "
+            "work is refused when the worker starts, with what to change."
+        ),
     )
     heartbeat_timeout_seconds: int = Field(
         30, ge=1, le=3600,

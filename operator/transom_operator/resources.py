@@ -110,6 +110,7 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         contract.ENV_COORDINATOR_URL: coordinator_url,
         contract.ENV_CHECKPOINT_URI: spec.checkpoint.uri if spec.checkpoint else "",
         contract.ENV_COLLECTIVE_TIMEOUT: str(spec.fault_tolerance.collective_timeout_seconds),
+        contract.ENV_BACKEND: spec.fault_tolerance.backend,
     }
     if spec.checkpoint:
         plain[contract.ENV_CHECKPOINT_INTERVAL] = str(spec.checkpoint.interval_steps)

@@ -80,6 +80,8 @@ INVALID_SPECS: list[InvalidSpec] = [
                 "nodesPerReplica x procsPerNode (processes per replica) must be at most 32768"),
     InvalidSpec("too-many-pods", with_changes(spec__replicas=1000, spec__minReplicas=1, spec__nodesPerReplica=32),
                 "(replicas + spareReplicas) x nodesPerReplica (worker pods) must be at most 16384"),
+    InvalidSpec("backend-unknown", with_changes(spec__faultTolerance={"backend": "mpi"}),
+                'supported values: "auto", "gloo", "nccl"'),
     InvalidSpec("template-missing", with_changes(spec__template=_DELETE),
                 "spec.template: Required value"),
     InvalidSpec("template-without-containers", with_changes(spec__template__spec__containers=[]),

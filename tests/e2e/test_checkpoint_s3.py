@@ -13,8 +13,8 @@ import time
 import boto3
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
+from transom import compat
 from transom.checkpoint import layout
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import load_latest
@@ -66,7 +66,7 @@ def test_s3_round_trip_two_parts_retention_and_dcp(bucket):
     assert torch.equal(restored.state["optimizer"]["state"][0]["momentum_buffer"], momentum)
     # torch.distributed.checkpoint reads the step straight from S3.
     target = {"model/weight": torch.zeros(256, 256)}
-    dcp.load(target, checkpoint_id=f"{uri}/{layout.step_dir(30)}", no_dist=True)
+    compat.dcp_load(target, f"{uri}/{layout.step_dir(30)}")
     assert torch.equal(target["model/weight"], model.weight.detach())
 
 

@@ -32,6 +32,7 @@ def assert_consistent_finish(result, steps: int, replicas: int) -> None:
     assert s["replicas_bit_identical"] is True
 
 
+@pytest.mark.compat
 def test_sigkill_during_allreduce_survivors_go_on_and_replica_rejoins(transom_run):
     result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"], ["--steps", "70"])
     assert_consistent_finish(result, 70, 3)

@@ -22,19 +22,20 @@ from transom.ft.process_group import CrossReplicaGroup
 pytestmark = pytest.mark.timeout(120)
 
 
-def _params(value: float) -> list[torch.nn.Parameter]:
-    ps = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(2, 3))]
+def _params(value: float, device: str = "cpu") -> list[torch.nn.Parameter]:
+    ps = [torch.nn.Parameter(torch.zeros(5, device=device)), torch.nn.Parameter(torch.zeros(2, 3, device=device))]
     for p in ps:
         p.grad = torch.full_like(p, value)
     return ps
 
 
-def _average_worker(rank: int, port: int, out: mp.Queue) -> None:
-    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/avg", rank, 3, timeout_s=10)
-    params = _params(rank + 1.0)
+def _average_worker(rank: int, port: int, out: mp.Queue, choice: str = "gloo", device: str = "cpu") -> None:
+    group = CrossReplicaGroup(choice, f"127.0.0.1:{port}", f"t/avg-{choice}-{device}", rank, 3, timeout_s=10,
+                              device=torch.device(device))
+    params = _params(rank + 1.0, device)
     step = StepAllReduce(group, participants=2, contribute=rank != 2)  # rank 2 is joining
     step.allreduce_gradients(params)
-    out.put((rank, step.failed, [p.grad.clone() for p in params]))
+    out.put((rank, step.failed, [p.grad.cpu().clone() for p in params], group.backend))
 
 
 def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
@@ -63,11 +64,11 @@ def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, params[0].grad[0].item()))
 
 
-def _run(target, n: int) -> list:
+def _run(target, n: int, *extra) -> list:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, store.port, out)) for r in range(n)]
+    procs = [ctx.Process(target=target, args=(r, store.port, out, *extra)) for r in range(n)]
     for p in procs:
         p.start()
     results = []
@@ -82,9 +83,12 @@ def _run(target, n: int) -> list:
     return sorted(results)
 
 
-def test_average_over_participants_with_a_zero_contributing_joiner():
-    results = _run(_average_worker, 3)
+@pytest.mark.compat
+@pytest.mark.parametrize("choice", ["gloo", "auto"])
+def test_average_over_participants_with_a_zero_contributing_joiner(choice):
+    results = _run(_average_worker, 3, choice)
     assert [r[1] for r in results] == [False, False, False]
+    assert [r[3] for r in results] == ["gloo"] * 3  # auto: CPU gradients go through Gloo, also where CUDA is
     grads = [r[2] for r in results]
     for g in grads:
         assert torch.equal(g[0], torch.full((5,), 1.5))  # (1 + 2) / 2; the joiner's 3 is not sent

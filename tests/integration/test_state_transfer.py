@@ -49,6 +49,7 @@ def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+@pytest.mark.compat
 def test_round_trip_of_model_and_optimizer_state():
     model, opt = trained(0)
     state = {"step": 7, "model": model.state_dict(), "optimizer": opt.state_dict(),

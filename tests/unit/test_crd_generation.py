@@ -283,6 +283,7 @@ MODEL_ERRORS = {
     "unknown-exclusion-policy": "Input should be 'Exclude', 'Taint', 'Cordon' or 'None'",
     "slowdown-factor-as-float": "valid integer",
     "slowdown-factor-not-a-slowdown": "greater than or equal to 101",
+    "backend-unknown": "Input should be 'auto', 'gloo' or 'nccl'",
     "name-too-long": "metadata.name must be at most 40 characters",
     "name-starts-with-digit": "metadata.name must start with a lowercase letter",
 }

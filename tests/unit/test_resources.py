@@ -64,7 +64,7 @@ def test_worker_pod_environment():
         contract.ENV_COORDINATOR_URL: "http://demo-coordinator.ml.svc:8080",
         contract.ENV_CHECKPOINT_URI: "s3://bucket/run",
         contract.ENV_CHECKPOINT_INTERVAL: "500", contract.ENV_CHECKPOINT_KEEP: "3",  # the CRD's defaults
-        contract.ENV_COLLECTIVE_TIMEOUT: "60",
+        contract.ENV_COLLECTIVE_TIMEOUT: "60", contract.ENV_BACKEND: "auto",
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
     token = env[contract.ENV_COORDINATOR_TOKEN]

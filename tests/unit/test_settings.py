@@ -32,6 +32,7 @@ SCRIPT = ["--", "python", __file__]
     (["coordinator", "--replicas", "2", "--heartbeat-timeout", "0"], "positive, finite number of seconds"),
     (["coordinator", "--replicas", "2", "--round-timeout", "nan"], "finite number of seconds"),
     (["coordinator", "--replicas", "0"], "must be at least 1"),
+    (RUN + ["--backend", "mpi"] + SCRIPT, "invalid choice: 'mpi'"),
     (["launch", "--nproc-per-node", "0", "--", "python", __file__], "must be at least 1"),
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
@@ -49,8 +50,10 @@ def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     (RUN + ["--", "python", "-u", "/no/such/train.py"], "no such script: /no/such/train.py"),
     (RUN + ["--", "no-such-program-7f3a"], "command not found"),
     (RUN, "a command to run is required"),
+    (RUN + ["--backend", "nccl"] + SCRIPT, "--backend nccl needs a GPU per worker"),
 ])
-def test_runs_that_could_only_fail_later_are_refused_now(argv, message, capsys):
+def test_runs_that_could_only_fail_later_are_refused_now(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, also on a GPU machine
     t0 = time.monotonic()
     assert cli.main(argv) == contract.EXIT_USAGE
     assert message in capsys.readouterr().err

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from transom.checkpoint.engine import CheckpointConfig
+from transom import contract
 from transom.contract import ENV_COLLECTIVE_TIMEOUT, ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
@@ -59,6 +60,7 @@ from transom.coordinator.models import (
 )
 from transom import inject
 from transom.checkpoint import sharding
+from transom.ft import backend as placement
 from transom.ft import wire
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
@@ -95,8 +97,12 @@ class FTConfig:
     lr_scaling: str = "sqrt"
     """How the learning rate follows the global batch when replicas are missing."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    backend: str | None = None
+    """Backend of the cross-replica groups: auto, gloo or nccl (backend.py); None: ft.init()'s."""
 
     def __post_init__(self) -> None:
+        if self.backend is not None:
+            placement.requested(self.backend)  # raises BackendError with the choices
         if self.lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
         for name in ("collective_timeout_s", "quorum_timeout_s", "recovery_timeout_s"):
@@ -112,6 +118,7 @@ class FTConfig:
             "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
             "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
             "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
+            "backend": os.environ.get(contract.ENV_BACKEND),
         }
         values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -121,6 +128,13 @@ class FTConfig:
 def lr_factor(scaling: str, participants: int, num_replicas: int) -> float:
     ratio = participants / num_replicas
     return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters (and so its gradients) are: the first one's device."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def state_digest(model: torch.nn.Module) -> str:
@@ -148,6 +162,12 @@ class FaultTolerant:
         self.ctx = ctx or init()
         self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
         self.config = config or FTConfig.from_environ()
+        # The gradients live where the model's parameters are; that, not what the machine
+        # has, decides the cross-replica backend. A forced nccl that cannot work is refused
+        # here, before anything starts (BackendError says what to change).
+        self.device = model_device(model)
+        self._backend = self.config.backend or self.ctx.backend
+        placement.cross_replica(self._backend, tensor_device=self.device.type, member_gpus=[])
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token)
@@ -431,14 +451,16 @@ class FaultTolerant:
         self._group_prefix = q.store_prefix
         try:
             self._group = CrossReplicaGroup(
-                self.ctx.backend,
+                self._backend,
                 q.store_addr,
                 f"{q.store_prefix}/shard{self.ctx.rank}",
                 q.rank,
                 len(q.members),
                 self.config.collective_timeout_s,
-                self.ctx.device,
+                self.device,
             )
+        except placement.BackendError:
+            raise  # a configuration that cannot work: no retry makes it work
         except Exception as e:
             return f"building the group of quorum {q.quorum_id}: {e}"
         return None
@@ -465,7 +487,7 @@ class FaultTolerant:
         t0 = time.monotonic()
         blob = fetch_state(src.endpoints[self.ctx.rank], q.round, self.ctx.env.coordinator_token, self.config.recovery_timeout_s)
         # The peer's bytes are data: decoded without unpickling, checked before use.
-        state = wire.decode(blob, self.ctx.device, sharding.rebuilder(sharding.mesh_of(self.model)))
+        state = wire.decode(blob, self.device, sharding.rebuilder(sharding.mesh_of(self.model)))
         if not isinstance(state, dict) or state.get("step") != q.max_step:
             step = state.get("step") if isinstance(state, dict) else None
             raise RuntimeError(f"peer sent step {step!r}, expected {q.max_step}")

@@ -6,6 +6,10 @@ backend's ProcessGroup class ourselves instead of going through init_process_gro
 replica's own torch.distributed world (DDP/FSDP inside the replica) stays untouched, and a
 failed group can be dropped without tearing anything else down.
 
+The backend follows from where the gradients are and whether the members share GPUs
+(backend.py): before the backend's group is made, every member puts its device into the
+group's store and reads everyone's, so all of them decide alike.
+
 Gloo cannot abort an op in flight; its per-op timeout bounds every wait. NCCL ops are
 asynchronous on the GPU, so a wait past the deadline aborts the communicator, which is the
 only way to free the stream of a collective whose peer died.
@@ -18,6 +22,9 @@ import logging
 
 import torch
 import torch.distributed as dist
+
+from transom import compat
+from transom.ft import backend as placement
 
 log = logging.getLogger("transom.ft")
 
@@ -34,7 +41,7 @@ class CrossReplicaGroup:
 
     def __init__(
         self,
-        backend: str,
+        choice: str,
         store_addr: str,
         prefix: str,
         rank: int,
@@ -42,7 +49,6 @@ class CrossReplicaGroup:
         timeout_s: float,
         device: torch.device | None = None,
     ):
-        self.backend = backend
         self.rank = rank
         self.size = size
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -52,6 +58,7 @@ class CrossReplicaGroup:
         # connect itself is bounded by the same timeout.
         self._store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, use_libuv=True)
         store = dist.PrefixStore(prefix + "/", self._store)
+        self.backend = backend = self._decide(store, choice)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
         elif backend == "nccl":
@@ -60,6 +67,19 @@ class CrossReplicaGroup:
             self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+    def _decide(self, store: dist.Store, choice: str) -> str:
+        """The backend every member picks for `choice`, given every member's device."""
+        if choice == "gloo":
+            return "gloo"
+        mine = self.device if self.device is not None else torch.device("cpu")
+        gpu = compat.gpu_id(mine.index if mine.index is not None else torch.cuda.current_device()) \
+            if mine.type == "cuda" else ""
+        store.set(f"device/{self.rank}", f"{mine.type}|{gpu}")
+        seen = [store.get(f"device/{r}").decode().split("|", 1) for r in range(self.size)]
+        kinds = {kind for kind, _ in seen}
+        tensor_device = "cuda" if kinds == {"cuda"} else "cpu" if kinds == {"cpu"} else "mixed (" + ", ".join(sorted(kinds)) + ")"
+        return placement.cross_replica(choice, tensor_device=tensor_device, member_gpus=[g or None for _, g in seen])
 
     def allreduce_sum(self, tensors: list[torch.Tensor]) -> list[dist.Work]:
         works = []

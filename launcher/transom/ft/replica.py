@@ -3,9 +3,10 @@
 `init()` is the first call of a training script. With several processes per replica it
 joins the replica's own torch.distributed world (MASTER_ADDR/PORT given by the launcher),
 so the script can wrap its model in DDP or FSDP2 *inside* the replica; FTAR then runs
-across replicas on groups of its own. It also creates a small Gloo group for the replica's
-control traffic (quorum broadcast, commit vote), so that traffic never queues behind NCCL
-kernels.
+across replicas on groups of its own. Which backend serves the replica's world follows from
+where its processes and tensors are (backend.py). It also creates a small Gloo group for the
+replica's control traffic (quorum broadcast, commit vote), so that traffic never queues
+behind NCCL kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from transom.contract import ReplicaEnv
+from transom.ft import backend as placement
 
 
 @dataclass
@@ -27,7 +29,7 @@ class ReplicaContext:
     rank: int  # rank inside the replica = shard index across replicas
     local_rank: int
     world_size: int  # processes in this replica
-    backend: str  # for cross-replica groups: "gloo" or "nccl"
+    backend: str  # requested for the cross-replica groups: "auto", "gloo" or "nccl" (backend.py)
     device: torch.device
     ctrl_group: dist.ProcessGroup | None  # Gloo group of the replica, None with one process
 
@@ -71,37 +73,43 @@ class ReplicaContext:
 
 
 def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext:
-    """Read the pod environment and join the replica's own world if it has several processes."""
+    """Read the pod environment and join the replica's own world if it has several processes.
+
+    `backend`: "auto" (default, or TRANSOM_BACKEND), "gloo" or "nccl"; it decides the replica's
+    own world here and is the default of the cross-replica groups (backend.py says how).
+    `ctx.device` is this process's GPU where there is one (shared round-robin when the
+    processes outnumber the GPUs), else the CPU; the script moves its model there.
+    """
     env = ReplicaEnv.from_environ()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    choice = placement.requested(backend)
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world_backend = placement.replica_world(choice, cuda_devices=cuda_devices, local_world_size=local_world_size)
+    index = placement.local_device_index(local_rank, cuda_devices)
+    if index is not None:
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     ctrl: dist.ProcessGroup | None = None
     if world_size > 1:
         if not dist.is_initialized():
             dist.init_process_group(
-                backend=backend,
+                backend=world_backend,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
-                device_id=device if backend == "nccl" else None,
             )
-        ctrl = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        ctrl = dist.group.WORLD if world_backend == "gloo" else dist.new_group(backend="gloo")
     return ReplicaContext(
         env=env,
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
-        backend=backend,
+        backend=choice,
         device=device,
         ctrl_group=ctrl,
     )

@@ -28,6 +28,7 @@ from pathlib import Path
 from transom import contract
 from transom.coordinator.membership import Settings, default_heartbeat_interval
 from transom.inject import Fault
+from transom.launch import gpus
 from transom.launch.supervisor import check_command
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.summary import summarize
@@ -51,6 +52,8 @@ class RunConfig:
     checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
     checkpoint_interval: int | None = None
     checkpoint_keep: int | None = None
+    backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
+    devices: list[str | None] = field(init=False, default_factory=list)  # per replica: CUDA_VISIBLE_DEVICES
 
     def __post_init__(self) -> None:
         """Everything a run could only find out by failing later is refused here, at once."""
@@ -71,6 +74,9 @@ class RunConfig:
             raise ValueError("--checkpoint-interval must not be negative")
         if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
             raise ValueError("--checkpoint-keep must be at least 1")
+        if self.backend not in contract.BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
+        self.devices = gpus.assign(gpus.visible(), self.replicas, self.nproc_per_replica, self.backend)
         for replica, spec in self.injects:
             if replica >= self.replicas:
                 raise ValueError(f"--inject names replica {replica}, but there are only {self.replicas}")
@@ -130,10 +136,13 @@ class LocalRun:
                 contract.ENV_COORDINATOR_TOKEN: self.token,
                 contract.ENV_STATS_DIR: str(self.stats_dir),
                 contract.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
+                contract.ENV_BACKEND: self.config.backend,
                 # One thread per worker: replicas share this machine's cores.
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             }
         )
+        if self.config.devices[replica] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.devices[replica]
         if self.config.checkpoint_uri:
             env[contract.ENV_CHECKPOINT_URI] = self.config.checkpoint_uri
         for var, value in ((contract.ENV_CHECKPOINT_INTERVAL, self.config.checkpoint_interval),
