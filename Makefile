@@ -95,6 +95,8 @@ test-gpu:
 		$(GPU_VENV)/bin/python -m pytest -m "cuda or compat" tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 1024
 	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 8192 --repeats 1
+	PATH=$(CURDIR)/$(GPU_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR)/launcher:$(CURDIR)/operator \
+		$(GPU_VENV)/bin/python benchmarks/kill_recovery.py --kinds kill --model-args "--device ctx --dim 512 --layers 8"
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

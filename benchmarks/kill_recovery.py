@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,9 @@ def one_run(args: argparse.Namespace, kind: str, index: int, workdir: Path) -> d
         "--collective-timeout", str(args.collective_timeout),
         "--inject", f"{KINDS[kind]}:replica={args.fault_replica},step={args.fault_step}",
         "--timeout", str(args.run_timeout), "--summary-json", str(summary_path),
+        "--stats-dir", str(workdir / f"{kind}-{index}-stats"),
         "--", sys.executable, str(REPO / "examples" / "train_tiny_gpt.py"), "--steps", str(args.steps),
+        *shlex.split(args.model_args),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = run_bounded(cmd, args.run_timeout + 30, log_path, env)
@@ -79,6 +82,7 @@ def one_run(args: argparse.Namespace, kind: str, index: int, workdir: Path) -> d
         "replicas_finished": summary.get("replicas_finished"),
         "replicas_bit_identical": summary.get("replicas_bit_identical"),
         "leftover_processes_killed": res.leftovers_killed,
+        "step_s": healthy_step_seconds(workdir / f"{kind}-{index}-stats", args.fault_replica),
     }
     run["rejoined"] = summary.get("replicas_finished") == args.replicas
     run["completed"] = (
@@ -93,13 +97,27 @@ def one_run(args: argparse.Namespace, kind: str, index: int, workdir: Path) -> d
     return run
 
 
+def healthy_step_seconds(stats_dir: Path, faulty: int) -> float | None:
+    """Median seconds of a committed, undisturbed step (same quorum as the step before) of
+    the replicas that never failed: the failure-free step time of this workload."""
+    seconds = []
+    for path in stats_dir.glob("steps-r*-g0-a0.jsonl"):
+        if path.name.startswith(f"steps-r{faulty}-"):
+            continue
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("committed") and not r.get("quorum_changed") and not r.get("recovering"):
+                seconds.append(r["seconds"])
+    return round(statistics.median(seconds[5:] if len(seconds) > 10 else seconds), 4) if seconds else None
+
+
 def describe(run: dict) -> str:
     stall = f"{run['stall_s']:.3f} s" if run["stall_s"] is not None else "-"
     state = "completed" if run["completed"] else ("TIMED OUT" if run["timed_out"] else f"FAILED (exit {run['exit_code']})")
     return (
         f"{run['kind']:4s} run {run['index']}: stall {stall:>9s}  {state}  restarts {run['replica_restarts']}  "
         f"rejoined {run['rejoined']}  bit-identical {run['replicas_bit_identical']}  "
-        f"committed {run['steps_committed']}  wall {run['seconds']:.1f} s"
+        f"committed {run['steps_committed']}  step {run['step_s']} s  wall {run['seconds']:.1f} s"
     )
 
 
@@ -113,6 +131,9 @@ def main() -> None:
     p.add_argument("--kinds", default="kill,hang", help="comma-separated subset of kill,hang")
     p.add_argument("--collective-timeout", type=float, default=3.0, help="transom run --collective-timeout (both kinds)")
     p.add_argument("--run-timeout", type=float, default=180.0, help="transom run --timeout; hard kill 30 s later")
+    p.add_argument("--model-args", default="",
+                   help='extra arguments of examples/train_tiny_gpt.py, e.g. "--device ctx --dim 512 --layers 8" '
+                        "(a ~100 MB model on this process's GPU)")
     p.add_argument("--tail-chars", type=int, default=2000, help="output kept from a failed run")
     args = p.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -166,6 +187,8 @@ def main() -> None:
             )
     result.update(
         {
+            "step_s": statistics.median(steps) if (steps := [r["step_s"] for r in runs if r["step_s"]]) else None,
+            "model_args": args.model_args,
             "collective_timeout_s": args.collective_timeout,
             "targets": {"kill_stall_s": targets["kill"], "hang_stall_s": targets["hang"]},
             "replicas": args.replicas,
