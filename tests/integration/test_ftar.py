@@ -38,6 +38,17 @@ def _average_worker(rank: int, port: int, out: mp.Queue, choice: str = "gloo", d
     out.put((rank, step.failed, [p.grad.cpu().clone() for p in params], group.backend))
 
 
+def _forced_nccl_worker(rank: int, port: int, out: mp.Queue) -> None:
+    from transom.ft.backend import BackendError
+
+    try:
+        CrossReplicaGroup("nccl", f"127.0.0.1:{port}", "t/forced-nccl", rank, 2, timeout_s=10)
+    except BackendError as e:
+        out.put((rank, str(e)))
+    else:
+        out.put((rank, "built"))
+
+
 def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
     group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/kill", rank, 3, timeout_s=10)
     params = _params(1.0)
@@ -104,3 +115,11 @@ def test_sigkilled_peer_fails_the_step_fast_and_a_new_group_works():
         assert untouched, "collectives after a failure must be no-ops"
         assert not retry_failed and rebuild_s < 2.0
         assert value == pytest.approx(1.0)  # (0 + 2) / 2 over the survivors
+
+
+def test_a_forced_nccl_group_that_cannot_work_is_refused_by_every_member_alike():
+    # The members swap their devices through the store and all refuse the same way,
+    # instead of a failed NCCL init that surfaces as one failed step after another.
+    results = _run(_forced_nccl_worker, 2)
+    assert [r[0] for r in results] == [0, 1]
+    assert all("backend nccl needs the gradients on a CUDA device" in r[1] for r in results), results
