@@ -7,134 +7,72 @@ camelCase through the alias generator, so `TrainingJob.model_validate(obj)` take
 API server returns and `model_dump(by_alias=True, exclude_none=True, mode="json")` gives
 back what it accepts.
 
-Rules of the house, from the Kubernetes API conventions: every field has a description
-(it is the `kubectl explain` text), every number, string and list is bounded, no floats
-(ratios are integer percents or decimal strings), durations are integer `...Seconds`,
-choices are CamelCase enums. A rule that spans fields is a `Rule`: one CEL expression for
-the API server (`x-kubernetes-validations`) and the same check in Python, with one message
-for both, so that a manifest the models accept is one the API server accepts.
+The building blocks (names, bounds, enums, `Rule`, base models) are in api_base.py and the
+status in api_status.py; everything is re-exported here, so `api.X` is the one way in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import re
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, WithJsonSchema, field_validator
 
-from transom.contract import BACKENDS, DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
-
-GROUP = "transom.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "TrainingJob"
-PLURAL = "trainingjobs"
-SINGULAR = "trainingjob"
-SHORT_NAMES = ("tj",)
-CRD_NAME = f"{PLURAL}.{GROUP}"
-
-# Bounds. The largest published FT-HSDP run is 12 replicas x 1,024 nodes x 8 GPUs; these
-# leave room above it while keeping CEL cost estimates and status objects small.
-MAX_REPLICAS = 1024  # the coordinator takes up to 4,096
-MAX_NODES_PER_REPLICA = 4096
-MAX_PROCS_PER_NODE = 128
-MAX_RANKS_PER_REPLICA = 32768  # nodesPerReplica x procsPerNode
-MAX_PODS = 16384  # (replicas + spareReplicas) x nodesPerReplica
-# The job's name prefixes its pods' and Services' names (DNS labels of at most 63
-# characters); the rest is left for suffixes such as "-r1023-g12345-n4095".
-MAX_JOB_NAME = 40
-MAX_CONTAINERS = 32
-MAX_STEP = 2**62  # as the coordinator's
-MAX_RESTARTS = 10_000  # bound of faultTolerance.maxReplicaRestarts
-MAX_GENERATION = 2**31
-MAX_COUNT = 2**31 - 1
-# The API server keeps `maximum` as a float64: 2**63 - 1 would round up and overflow to a
-# negative bound, 2**62 is exact.
-MAX_INT = 2**62
-
-DNS_LABEL_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-CAMEL_CASE = r"^[A-Z][A-Za-z0-9]*$"
-
-JobState = Literal["Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"]
-ReplicaState = Literal["Pending", "Running", "Replacing", "Succeeded", "Failed"]
-SpareState = Literal["Pending", "Ready"]
-ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"]
-CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
-NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]
-Backend = Literal[BACKENDS]  # the values transom.ft.backend understands
-DetectionAction = Literal["Replace", "Report"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A validation rule: CEL for the API server and the same check in Python, one message."""
-
-    cel: str
-    message: str
-    check: Callable[[Any], bool]  # takes the validated model (or the raw value it is attached to)
-    field_path: str = ""  # where the API server reports it, relative to the node (".minReplicas")
-
-    def schema(self) -> dict[str, str]:
-        out = {"rule": self.cel, "message": self.message}
-        if self.field_path:
-            out["fieldPath"] = self.field_path
-        return out
-
-
-def immutable(field: str, why: str) -> dict[str, Any]:
-    """Schema extra of a field that may be set at creation and never changed (a transition rule)."""
-    return {"x-kubernetes-validations": [
-        {"rule": "self == oldSelf", "message": f"{field} is immutable: {why}"},
-    ]}
-
-
-def _attach_rules(schema: dict[str, Any], cls: type) -> None:
-    rules = getattr(cls, "cel_rules", ())
-    if rules:
-        schema["x-kubernetes-validations"] = [rule.schema() for rule in rules]
-
-
-class ApiModel(BaseModel):
-    """Base of every object in the CRD: camelCase on the wire, unknown fields rejected."""
-
-    # As the API server: unknown fields are an error (kubectl's strict field validation)
-    # and no coercion ("3" or 3.0 is not an integer).
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True,
-        json_schema_extra=_attach_rules,
-    )
-    cel_rules: ClassVar[tuple[Rule, ...]] = ()
-
-    @model_validator(mode="after")
-    def _check_rules(self):
-        for rule in self.cel_rules:
-            if not rule.check(self):
-                raise ValueError(rule.message)
-        return self
-
-
-class StatusModel(ApiModel):
-    """Base of status objects: written by the operator and coordinator, read by possibly older ones."""
-
-    model_config = ConfigDict(extra="ignore", strict=False)  # timestamps arrive as strings
-
-
-def _str(max_length: int, pattern: str | None = None) -> Any:
-    return Field(max_length=max_length, pattern=pattern)
-
-
-# A point in time, RFC 3339 on the wire ("2025-01-31T12:00:00Z").
-Timestamp = Annotated[datetime, Field(json_schema_extra={"maxLength": 64})]
-Reason = Annotated[str, _str(128, CAMEL_CASE)]
-NodeName = Annotated[str, _str(253, DNS_SUBDOMAIN)]
-# A list item has no Field of its own to carry the description.
-NodeNameItem = Annotated[NodeName, Field(json_schema_extra={"description": "Name of a node."})]
-
+from transom.contract import DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
+from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
+    GROUP,
+    VERSION,
+    API_VERSION,
+    KIND,
+    PLURAL,
+    SINGULAR,
+    SHORT_NAMES,
+    CRD_NAME,
+    MAX_REPLICAS,
+    MAX_NODES_PER_REPLICA,
+    MAX_PROCS_PER_NODE,
+    MAX_RANKS_PER_REPLICA,
+    MAX_PODS,
+    MAX_JOB_NAME,
+    MAX_CONTAINERS,
+    MAX_STEP,
+    MAX_RESTARTS,
+    MAX_GENERATION,
+    MAX_COUNT,
+    MAX_INT,
+    DNS_LABEL_1035,
+    DNS_SUBDOMAIN,
+    CAMEL_CASE,
+    JobState,
+    ReplicaState,
+    SpareState,
+    ConditionType,
+    CONDITION_TYPES,
+    NodeExclusionPolicy,
+    Backend,
+    DetectionAction,
+    Rule,
+    immutable,
+    ApiModel,
+    StatusModel,
+    Timestamp,
+    Reason,
+    NodeName,
+    NodeNameItem,
+)
+from transom_operator.api_status import (  # noqa: F401  (api.X is the public name of each)
+    Condition,
+    Failure,
+    ReplicaStatus,
+    SpareStatus,
+    ExcludedNode,
+    Blame,
+    Verdict,
+    TrainingProgress,
+    RestartRecord,
+    MAX_RESTART_HISTORY,
+    TrainingJobStatus,
+)
 
 # --- spec -----------------------------------------------------------------------------
 
@@ -444,203 +382,6 @@ class TrainingJobSpec(ApiModel):
         if _reserved_keys(template):
             raise ValueError(f"{TEMPLATE_NO_RESERVED_KEYS_MESSAGE} (found {', '.join(_reserved_keys(template))})")
         return template
-
-
-# --- status ---------------------------------------------------------------------------
-
-class Condition(StatusModel):
-    """An observation of one aspect of the job (Kubernetes condition conventions)."""
-
-    type: str = Field(
-        max_length=64, pattern=CAMEL_CASE,
-        description="Kind of condition: Ready, Degraded, Recovering, Succeeded or Failed.",
-    )
-    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
-    reason: Reason | None = Field(None, description="Why, as one CamelCase word (for example NodeNotReady).")
-    message: str | None = Field(None, max_length=4096, description="Why, for humans.")
-    last_transition_time: Timestamp | None = Field(None, description="When status last changed.")
-    observed_generation: int | None = Field(
-        None, ge=0, le=MAX_INT, description="metadata.generation of the spec this condition was computed from.",
-    )
-
-
-class Failure(StatusModel):
-    """A failure of a replica."""
-
-    reason: Reason = Field(description="Kind of failure as one CamelCase word (for example PodFailed, NodeNotReady).")
-    message: str | None = Field(None, max_length=4096, description="What happened, for humans.")
-    time: Timestamp | None = Field(None, description="When the failure was detected.")
-
-
-class ReplicaStatus(StatusModel):
-    """Observed state of one data-parallel replica."""
-
-    id: int = Field(ge=0, le=MAX_REPLICAS - 1, description="Replica index, 0 to replicas - 1.")
-    generation: int = Field(
-        0, ge=0, le=MAX_GENERATION, description="Incarnation of the replica; each replacement increments it.",
-    )
-    state: ReplicaState = Field("Pending", description="Pending, Running, Replacing, Succeeded or Failed.")
-    nodes: list[NodeNameItem] = Field(
-        default_factory=list, max_length=MAX_NODES_PER_REPLICA,
-        description="Nodes of the replica's pods, by node rank.",
-    )
-    restarts: int = Field(0, ge=0, le=MAX_COUNT, description="Times this replica was replaced.")
-    last_failure: Failure | None = Field(None, description="The replica's most recent failure.")
-
-
-class SpareStatus(StatusModel):
-    """Observed state of one hot spare replica (pods kept running to take over a failed replica)."""
-
-    id: int = Field(ge=0, le=MAX_REPLICAS - 1, description="Spare index, 0 to spareReplicas - 1.")
-    generation: int = Field(
-        0, ge=0, le=MAX_GENERATION,
-        description="Incarnation of the spare; it increments when the spare is promoted or its pods are replaced.",
-    )
-    state: SpareState = Field("Pending", description="Ready (every pod running, can take over) or Pending.")
-    nodes: list[NodeNameItem] = Field(
-        default_factory=list, max_length=MAX_NODES_PER_REPLICA,
-        description="Nodes of the spare's pods, by node rank.",
-    )
-    last_failure: Failure | None = Field(None, description="Why the spare's pods were last replaced, if they were.")
-
-
-class ExcludedNode(StatusModel):
-    """A node that this job's pods avoid after a hardware-class failure on it."""
-
-    name: NodeName = Field(description="Name of the node.")
-    reason: Reason = Field(description="The failure that excluded it, as one CamelCase word.")
-    time: Timestamp | None = Field(None, description="When the node was excluded.")
-
-
-Blame = Literal["Replica", "Node"]
-
-
-class Verdict(StatusModel):
-    """The coordinator's request that one incarnation of a replica be replaced."""
-
-    cel_rules = (
-        Rule(
-            "self.blame != 'Node' || has(self.nodeRank)",
-            "nodeRank must be set when blame is Node: it names the node to exclude",
-            lambda v: v.blame != "Node" or v.node_rank is not None,
-            ".nodeRank",
-        ),
-    )
-
-    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica to replace.")
-    generation: int = Field(
-        ge=0, le=MAX_GENERATION,
-        description="The incarnation the verdict is about; a newer one (already replaced) is left alone.",
-    )
-    reason: Reason = Field(description="What was found, as one CamelCase word (for example Hang, FailSlow).")
-    message: str | None = Field(None, max_length=1024, description="What was found, for humans.")
-    blame: Blame = Field(
-        "Replica",
-        description=(
-            "Replica: replace the replica. Node: also treat the node of pod nodeRank as faulty "
-            "(spec.faultTolerance.nodeExclusionPolicy)."
-        ),
-    )
-    node_rank: int | None = Field(
-        None, ge=0, le=MAX_NODES_PER_REPLICA - 1, description="The pod (node rank) whose node is blamed.",
-    )
-    time: Timestamp | None = Field(None, description="When the verdict was reached.")
-
-
-class TrainingProgress(StatusModel):
-    """Training progress, written by the job's coordinator (a job's user cannot write status)."""
-
-    step: int | None = Field(None, ge=0, le=MAX_STEP, description="Last optimizer step committed by the replicas.")
-    completed_step: int | None = Field(
-        None, ge=0, le=MAX_STEP,
-        description=(
-            "Set once a replica committed the job's last step (or its script ended the job): "
-            "training is complete. Worker pods that exit before it are failures."
-        ),
-    )
-    verdicts: list[Verdict] = Field(
-        default_factory=list, max_length=MAX_REPLICAS,
-        description="Replica incarnations the coordinator wants replaced; the operator acts on them.",
-        json_schema_extra={"x-kubernetes-list-type": "atomic"},
-    )
-    last_checkpoint: int | None = Field(
-        None, ge=0, le=MAX_STEP,
-        description="Step of the last committed checkpoint (the directory step-<N>/ under spec.checkpoint.uri).",
-    )
-    last_checkpoint_time: Timestamp | None = Field(None, description="When the last checkpoint was committed.")
-    goodput: str | None = Field(
-        None, max_length=5, pattern=r"^(0(\.[0-9]{1,3})?|1(\.0{1,3})?)$",
-        description=(
-            "Fraction of the job's time spent on steps that were kept, as a decimal string "
-            "from \"0\" to \"1.000\" with at most three decimals (for example \"0.930\")."
-        ),
-    )
-    update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
-
-
-class RestartRecord(StatusModel):
-    """One replacement of a replica within spec.faultTolerance.restartWindowSeconds."""
-
-    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica that was replaced.")
-    generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation that failed.")
-    time: int = Field(ge=0, le=MAX_INT, description="When its failure was seen, in unix seconds.")
-    node: NodeName | None = Field(None, description="The node of its pod that failed first, if any.")
-
-
-MAX_RESTART_HISTORY = MAX_RESTARTS + MAX_REPLICAS  # the limit, plus the failures of the pass that exceeds it
-
-
-class TrainingJobStatus(StatusModel):
-    """Observed state of a TrainingJob, written by the operator (training: by the coordinator)."""
-
-    observed_generation: int | None = Field(
-        None, ge=0, le=MAX_INT, description="metadata.generation of the last spec the operator acted on.",
-    )
-    state: JobState | None = Field(
-        None,
-        description=(
-            "Summary: Pending, Running, Degraded, Recovering, Succeeded, Failed or Suspended. "
-            "Conditions carry the details."
-        ),
-    )
-    healthy: str | None = Field(
-        None, max_length=11, pattern=r"^[0-9]{1,5}/[0-9]{1,5}$",
-        description="Healthy replicas out of spec.replicas, as \"3/4\" (for kubectl get).",
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list, max_length=16,
-        description="Ready, Degraded, Recovering, Succeeded and Failed, at most one of each type.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    healthy_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS, description="Replicas with every pod running.")
-    ready_spare_replicas: int | None = Field(
-        None, ge=0, le=MAX_REPLICAS, description="Spare replicas ready to take over.",
-    )
-    total_restarts: int | None = Field(
-        None, ge=0, le=MAX_COUNT, description="Replica replacements since the job started.",
-    )
-    replicas: list[ReplicaStatus] = Field(
-        default_factory=list, max_length=MAX_REPLICAS, description="Per-replica state, by replica id.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
-    )
-    spares: list[SpareStatus] = Field(
-        default_factory=list, max_length=MAX_REPLICAS, description="Per-spare state, by spare id.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
-    )
-    restart_history: list[RestartRecord] = Field(
-        default_factory=list, max_length=MAX_RESTART_HISTORY,
-        description=(
-            "Replacements within restartWindowSeconds, oldest first: what maxReplicaRestarts, the "
-            "backoff and the repeated-failures rule count. Kept in status so only the operator writes it."
-        ),
-        json_schema_extra={"x-kubernetes-list-type": "atomic"},
-    )
-    excluded_nodes: list[ExcludedNode] = Field(
-        default_factory=list, max_length=1024,
-        description="Nodes that this job's new pods avoid (see spec.faultTolerance.nodeExclusionPolicy).",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
-    )
-    training: TrainingProgress | None = Field(None, description="Training progress, written by the coordinator.")
 
 
 # --- the resource ---------------------------------------------------------------------

@@ -10,94 +10,17 @@ it with explicit timestamps, never sleeps, and asserts on the decisions it hands
 * recovery: members behind the newest committed state (lower step, or same step under an
   older quorum) recover from a canonical member and do not count as participants;
 * `min_replicas` pausing and resuming, incarnation conflicts, unknown replicas,
-  idempotent retries, job completion, unique store prefixes, per-replica responses and
-  `Settings` validation.
+  unique store prefixes, per-replica responses and `Settings` validation (retries,
+  completion and bounded progress claims: test_membership_progress.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from transom.coordinator.membership import (
-    Conflict,
-    Decision,
-    JobCompleted,
-    Membership,
-    NotRegistered,
-    Settings,
-)
-from transom.coordinator.models import (
-    CheckpointReport,
-    FailureReport,
-    HeartbeatRequest,
-    Identity,
-    LeaveRequest,
-    QuorumRequest,
-    RegisterRequest,
-)
-
-
-# --- helpers ---------------------------------------------------------------------------------
-def ident(rid: int, gen: int = 0, att: int = 0) -> Identity:
-    return Identity(replica_id=rid, generation=gen, attempt=att)
-
-
-def make(num: int = 3, min_replicas: int = 1, **kw) -> Membership:
-    return Membership(Settings(job="t", num_replicas=num, min_replicas=min_replicas, **kw))
-
-
-def register(m: Membership, rid: int, now: float = 0.0, gen: int = 0, att: int = 0):
-    return m.register(
-        RegisterRequest(
-            identity=ident(rid, gen, att),
-            store_addr=f"10.0.0.{rid}:29500",
-            state_endpoints=[f"http://10.0.0.{rid}:{8000 + gen}/r{rid}g{gen}a{att}"],
-        ),
-        now,
-    )
-
-
-def qreq(
-    rid: int, step: int = 0, commit: int = -1, last_round: int = -1, failed: bool = False, gen: int = 0, att: int = 0
-) -> QuorumRequest:
-    return QuorumRequest(
-        identity=ident(rid, gen, att), step=step, commit_quorum_id=commit, last_round=last_round, failed=failed
-    )
-
-
-def heartbeat_all(m: Membership, ids, now: float) -> None:
-    for rid in ids:
-        rep = m.replicas[rid]
-        m.heartbeat(HeartbeatRequest(identity=rep.identity, step=rep.step), now)
-
-
-def round_all(m: Membership, reqs: list[QuorumRequest], now: float) -> Decision:
-    """Every request asks at `now`; the last one must complete the round; all get one answer."""
-    answers = [m.request_quorum(r, now) for r in reqs]
-    decision = answers[-1]
-    assert decision is not None, f"round not decided; pending={sorted(m.pending)}"
-    for r in reqs:
-        assert m.answer_for(r) is decision
-    return decision
-
-
-def started(num: int = 3, **kw) -> tuple[Membership, Decision]:
-    """All replicas registered at t=0 and the first quorum formed at step 0."""
-    m = make(num, **kw)
-    for rid in range(num):
-        register(m, rid)
-    d = round_all(m, [qreq(rid) for rid in range(num)], 0.0)
-    return m, d
-
-
-def next_round(m: Membership, prev: Decision, ids, now: float, step: int, failed=()) -> Decision:
-    """Members of `prev` committed `step` under it and ask for the next round."""
-    reqs = [
-        qreq(rid, step=step, commit=prev.quorum_id, last_round=prev.round, failed=rid in failed,
-             gen=m.replicas[rid].identity.generation, att=m.replicas[rid].identity.attempt)
-        for rid in ids
-    ]
-    return round_all(m, reqs, now)
+from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
+from transom.coordinator.membership import Conflict, NotRegistered, Settings
+from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest
 
 
 # --- Settings ----------------------------------------------------------------------------------
@@ -496,85 +419,6 @@ def test_register_beyond_num_replicas_is_rejected(rid):
     with pytest.raises(ValueError, match="num_replicas"):
         register(m, rid)
     assert not m.replicas
-
-
-# --- retries, completion ---------------------------------------------------------------------------------------
-def test_answer_for_is_idempotent_for_retries():
-    m, d0 = started(3)
-    for rid in range(3):
-        retry = qreq(rid)  # the response was lost; the replica asks again with last_round -1
-        assert m.answer_for(retry) is d0
-        assert m.request_quorum(retry, 1.0) is d0
-        assert m.request_quorum(retry, 2.0) is d0
-    assert not m.pending and m.next_round == 1
-    assert m.request_quorum(qreq(0, 1, 0, last_round=d0.round), 3.0) is None  # a new round
-    assert m.answer_for(qreq(0, 1, 0, last_round=d0.round)) is None and list(m.pending) == [0]
-
-
-@pytest.mark.parametrize("completed", [True, False])
-def test_leave_completed_ends_the_job_for_others(completed):
-    m, d0 = started(2)
-    m.leave(LeaveRequest(identity=ident(0), step=1, completed=completed, reason="done"), 1.0)
-    assert m.replicas[0].state == "left" and m.healthy_count() == 1
-    assert m.answer_for(qreq(1)) is d0  # a retry of an answered round still gets its answer
-    nxt = qreq(1, 1, 0, d0.round)
-    assert m.replica_state(ident(1)).job_completed is completed
-    assert m.replica_state(ident(0, att=5)).job_completed is completed  # for any incarnation
-    if completed:
-        assert m.completed_step == 1 and m.training(2.0)["completedStep"] == 1
-        with pytest.raises(JobCompleted, match="1"):
-            m.request_quorum(nxt, 2.0)
-        assert not m.pending
-    else:
-        assert m.completed_step is None and "completedStep" not in m.training(2.0)
-        d1 = m.request_quorum(nxt, 2.0)
-        assert d1 is not None and d1.member_ids() == [1]
-    with pytest.raises(Conflict):
-        m.heartbeat(HeartbeatRequest(identity=ident(0), step=1), 2.0)
-
-
-def test_a_reason_is_not_a_completion():
-    # Only the `completed` flag ends the job: a replica that leaves "completed" in words does not.
-    m, _ = started(2)
-    m.leave(LeaveRequest(identity=ident(0), step=1, reason="completed"), 1.0)
-    assert m.completed_step is None and not m.replica_state(ident(1)).job_completed
-
-
-# --- impossible progress -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("call", [
-    lambda m, d: m.heartbeat(HeartbeatRequest(identity=ident(1), step=10**6), 1.0),
-    lambda m, d: m.request_quorum(qreq(1, 10**6, d.quorum_id, d.round), 1.0),
-    lambda m, d: m.leave(LeaveRequest(identity=ident(1), step=3, completed=True), 1.0),
-    lambda m, d: m.record_checkpoint(CheckpointReport(identity=ident(1), step=2, uri="s3://b/x"), 0.0, 1.0),
-], ids=["heartbeat", "quorum", "leave", "checkpoint"])
-def test_steps_that_cannot_have_been_committed_are_refused(call):
-    m, d0 = started(3)  # round 0 at step 0: nobody can hold more than one committed step
-    with pytest.raises(ValueError, match="can hold at most 1 committed steps"):
-        call(m, d0)
-    assert m.max_step() == 0 and m.completed_step is None and m.last_checkpoint is None
-    assert m.replicas[1].state == "healthy"  # refused, not punished
-
-
-def test_progress_is_bounded_by_the_rounds_a_replica_was_in():
-    m, d0 = started(2)
-    d1 = next_round(m, d0, [0, 1], 1.0, 1)
-    m.heartbeat(HeartbeatRequest(identity=ident(0), step=2), 1.5)  # committed under d1: fine
-    assert m.max_step() == 2
-    # A newer incarnation was in no round: it holds at most what some replica committed (2).
-    register(m, 1, 2.0, att=1)
-    with pytest.raises(ValueError):
-        m.request_quorum(qreq(1, 3, att=1), 2.0)
-    assert m.request_quorum(qreq(1, 2, att=1), 2.0) is None  # e.g. restored from a checkpoint
-    d2 = m.request_quorum(qreq(0, 2, d1.quorum_id, d1.round), 2.0)
-    assert d2 is not None and d2.max_step == 2
-
-
-def test_before_the_first_round_any_step_is_taken():
-    # A restarted coordinator knows nothing yet: the first round gathers replicas where they are.
-    m = make(2)
-    register(m, 0)
-    m.heartbeat(HeartbeatRequest(identity=ident(0), step=500), 0.5)
-    assert m.request_quorum(qreq(0, 500, 17), 1.0) is None
 
 
 # --- responses ------------------------------------------------------------------------------------------------

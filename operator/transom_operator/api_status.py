@@ -1,0 +1,227 @@
+"""The status of a TrainingJob: what the operator and the job's coordinator observed.
+
+The operator writes everything but `training`, which the coordinator writes with its own
+ServiceAccount (progress, completion, verdicts). Status objects accept fields they do not
+know, so that an older reader survives a newer writer (`StatusModel`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from transom_operator.api_base import (
+    MAX_REPLICAS,
+    MAX_NODES_PER_REPLICA,
+    MAX_STEP,
+    MAX_RESTARTS,
+    MAX_GENERATION,
+    MAX_COUNT,
+    MAX_INT,
+    CAMEL_CASE,
+    JobState,
+    ReplicaState,
+    SpareState,
+    Rule,
+    StatusModel,
+    Timestamp,
+    Reason,
+    NodeName,
+    NodeNameItem,
+)
+
+
+class Condition(StatusModel):
+    """An observation of one aspect of the job (Kubernetes condition conventions)."""
+
+    type: str = Field(
+        max_length=64, pattern=CAMEL_CASE,
+        description="Kind of condition: Ready, Degraded, Recovering, Succeeded or Failed.",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
+    reason: Reason | None = Field(None, description="Why, as one CamelCase word (for example NodeNotReady).")
+    message: str | None = Field(None, max_length=4096, description="Why, for humans.")
+    last_transition_time: Timestamp | None = Field(None, description="When status last changed.")
+    observed_generation: int | None = Field(
+        None, ge=0, le=MAX_INT, description="metadata.generation of the spec this condition was computed from.",
+    )
+
+
+class Failure(StatusModel):
+    """A failure of a replica."""
+
+    reason: Reason = Field(description="Kind of failure as one CamelCase word (for example PodFailed, NodeNotReady).")
+    message: str | None = Field(None, max_length=4096, description="What happened, for humans.")
+    time: Timestamp | None = Field(None, description="When the failure was detected.")
+
+
+class ReplicaStatus(StatusModel):
+    """Observed state of one data-parallel replica."""
+
+    id: int = Field(ge=0, le=MAX_REPLICAS - 1, description="Replica index, 0 to replicas - 1.")
+    generation: int = Field(
+        0, ge=0, le=MAX_GENERATION, description="Incarnation of the replica; each replacement increments it.",
+    )
+    state: ReplicaState = Field("Pending", description="Pending, Running, Replacing, Succeeded or Failed.")
+    nodes: list[NodeNameItem] = Field(
+        default_factory=list, max_length=MAX_NODES_PER_REPLICA,
+        description="Nodes of the replica's pods, by node rank.",
+    )
+    restarts: int = Field(0, ge=0, le=MAX_COUNT, description="Times this replica was replaced.")
+    last_failure: Failure | None = Field(None, description="The replica's most recent failure.")
+
+
+class SpareStatus(StatusModel):
+    """Observed state of one hot spare replica (pods kept running to take over a failed replica)."""
+
+    id: int = Field(ge=0, le=MAX_REPLICAS - 1, description="Spare index, 0 to spareReplicas - 1.")
+    generation: int = Field(
+        0, ge=0, le=MAX_GENERATION,
+        description="Incarnation of the spare; it increments when the spare is promoted or its pods are replaced.",
+    )
+    state: SpareState = Field("Pending", description="Ready (every pod running, can take over) or Pending.")
+    nodes: list[NodeNameItem] = Field(
+        default_factory=list, max_length=MAX_NODES_PER_REPLICA,
+        description="Nodes of the spare's pods, by node rank.",
+    )
+    last_failure: Failure | None = Field(None, description="Why the spare's pods were last replaced, if they were.")
+
+
+class ExcludedNode(StatusModel):
+    """A node that this job's pods avoid after a hardware-class failure on it."""
+
+    name: NodeName = Field(description="Name of the node.")
+    reason: Reason = Field(description="The failure that excluded it, as one CamelCase word.")
+    time: Timestamp | None = Field(None, description="When the node was excluded.")
+
+
+Blame = Literal["Replica", "Node"]
+
+
+class Verdict(StatusModel):
+    """The coordinator's request that one incarnation of a replica be replaced."""
+
+    cel_rules = (
+        Rule(
+            "self.blame != 'Node' || has(self.nodeRank)",
+            "nodeRank must be set when blame is Node: it names the node to exclude",
+            lambda v: v.blame != "Node" or v.node_rank is not None,
+            ".nodeRank",
+        ),
+    )
+
+    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica to replace.")
+    generation: int = Field(
+        ge=0, le=MAX_GENERATION,
+        description="The incarnation the verdict is about; a newer one (already replaced) is left alone.",
+    )
+    reason: Reason = Field(description="What was found, as one CamelCase word (for example Hang, FailSlow).")
+    message: str | None = Field(None, max_length=1024, description="What was found, for humans.")
+    blame: Blame = Field(
+        "Replica",
+        description=(
+            "Replica: replace the replica. Node: also treat the node of pod nodeRank as faulty "
+            "(spec.faultTolerance.nodeExclusionPolicy)."
+        ),
+    )
+    node_rank: int | None = Field(
+        None, ge=0, le=MAX_NODES_PER_REPLICA - 1, description="The pod (node rank) whose node is blamed.",
+    )
+    time: Timestamp | None = Field(None, description="When the verdict was reached.")
+
+
+class TrainingProgress(StatusModel):
+    """Training progress, written by the job's coordinator (a job's user cannot write status)."""
+
+    step: int | None = Field(None, ge=0, le=MAX_STEP, description="Last optimizer step committed by the replicas.")
+    completed_step: int | None = Field(
+        None, ge=0, le=MAX_STEP,
+        description=(
+            "Set once a replica committed the job's last step (or its script ended the job): "
+            "training is complete. Worker pods that exit before it are failures."
+        ),
+    )
+    verdicts: list[Verdict] = Field(
+        default_factory=list, max_length=MAX_REPLICAS,
+        description="Replica incarnations the coordinator wants replaced; the operator acts on them.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    last_checkpoint: int | None = Field(
+        None, ge=0, le=MAX_STEP,
+        description="Step of the last committed checkpoint (the directory step-<N>/ under spec.checkpoint.uri).",
+    )
+    last_checkpoint_time: Timestamp | None = Field(None, description="When the last checkpoint was committed.")
+    goodput: str | None = Field(
+        None, max_length=5, pattern=r"^(0(\.[0-9]{1,3})?|1(\.0{1,3})?)$",
+        description=(
+            "Fraction of the job's time spent on steps that were kept, as a decimal string "
+            "from \"0\" to \"1.000\" with at most three decimals (for example \"0.930\")."
+        ),
+    )
+    update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
+
+
+class RestartRecord(StatusModel):
+    """One replacement of a replica within spec.faultTolerance.restartWindowSeconds."""
+
+    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica that was replaced.")
+    generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation that failed.")
+    time: int = Field(ge=0, le=MAX_INT, description="When its failure was seen, in unix seconds.")
+    node: NodeName | None = Field(None, description="The node of its pod that failed first, if any.")
+
+
+MAX_RESTART_HISTORY = MAX_RESTARTS + MAX_REPLICAS  # the limit, plus the failures of the pass that exceeds it
+
+
+class TrainingJobStatus(StatusModel):
+    """Observed state of a TrainingJob, written by the operator (training: by the coordinator)."""
+
+    observed_generation: int | None = Field(
+        None, ge=0, le=MAX_INT, description="metadata.generation of the last spec the operator acted on.",
+    )
+    state: JobState | None = Field(
+        None,
+        description=(
+            "Summary: Pending, Running, Degraded, Recovering, Succeeded, Failed or Suspended. "
+            "Conditions carry the details."
+        ),
+    )
+    healthy: str | None = Field(
+        None, max_length=11, pattern=r"^[0-9]{1,5}/[0-9]{1,5}$",
+        description="Healthy replicas out of spec.replicas, as \"3/4\" (for kubectl get).",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16,
+        description="Ready, Degraded, Recovering, Succeeded and Failed, at most one of each type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    healthy_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS, description="Replicas with every pod running.")
+    ready_spare_replicas: int | None = Field(
+        None, ge=0, le=MAX_REPLICAS, description="Spare replicas ready to take over.",
+    )
+    total_restarts: int | None = Field(
+        None, ge=0, le=MAX_COUNT, description="Replica replacements since the job started.",
+    )
+    replicas: list[ReplicaStatus] = Field(
+        default_factory=list, max_length=MAX_REPLICAS, description="Per-replica state, by replica id.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
+    spares: list[SpareStatus] = Field(
+        default_factory=list, max_length=MAX_REPLICAS, description="Per-spare state, by spare id.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
+    restart_history: list[RestartRecord] = Field(
+        default_factory=list, max_length=MAX_RESTART_HISTORY,
+        description=(
+            "Replacements within restartWindowSeconds, oldest first: what maxReplicaRestarts, the "
+            "backoff and the repeated-failures rule count. Kept in status so only the operator writes it."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    excluded_nodes: list[ExcludedNode] = Field(
+        default_factory=list, max_length=1024,
+        description="Nodes that this job's new pods avoid (see spec.faultTolerance.nodeExclusionPolicy).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    training: TrainingProgress | None = Field(None, description="Training progress, written by the coordinator.")
