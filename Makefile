@@ -6,7 +6,7 @@
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
-#   make generate  regenerate derived files (CRDs) from their sources
+#   make generate  regenerate derived files (CRDs, the Grafana dashboard) from their sources
 #
 # The virtual environment lives outside the checkout (torch is several GB), keyed by the
 # hash of pyproject.toml so a dependency change builds a fresh one; `.venv` links to it.
@@ -109,6 +109,7 @@ test-e2e: install testenv
 
 generate: install
 	$(PY) -m transom_operator.crdgen
+	$(PY) -m transom_operator.dashboard
 
 clean-venv:
 	rm -rf $(VENV) .venv

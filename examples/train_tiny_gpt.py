@@ -90,9 +90,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--device", choices=["cpu", "ctx"], default="cpu",
-                   help="where the model trains: the CPU, or ctx.device (this process's GPU where there is one)")
+    p.add_argument("--device", choices=["cpu", "ctx"], default="ctx",
+                   help="where the model trains: ctx.device (this process's GPU where there is one, else the CPU), "
+                        "or the CPU even where there is a GPU")
     p.add_argument("--inner", choices=["none", "ddp", "fsdp"], default="none", help="data parallelism inside a replica")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every this many steps")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="steps between checkpoints when a checkpoint URI is set (TRANSOM_CHECKPOINT_URI)")
     args = p.parse_args()
@@ -106,8 +108,8 @@ def main() -> None:
     torch.manual_seed(0)  # every replica starts from the same weights
     device = ctx.device if args.device == "ctx" else torch.device("cpu")
     model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context).to(device)
-    if args.inner != "none" and ctx.world_size < 2:
-        raise SystemExit(f"--inner {args.inner} needs --nproc-per-replica >= 2")
+    if args.inner == "fsdp" and ctx.world_size < 2:
+        raise SystemExit("--inner fsdp needs --nproc-per-replica >= 2")
     if args.inner == "ddp":
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     elif args.inner == "fsdp":  # FSDP2: each rank holds a shard; FTAR runs per shard index
@@ -130,6 +132,8 @@ def main() -> None:
             loss = model(x.to(device), y.to(device))
             loss.backward()
             trainer.finish_step(loss)
+            if ctx.rank == 0 and args.log_every and step % args.log_every == 0:
+                print(f"replica {trainer.replica_id}: step {step} loss {loss.item():.4f}", flush=True)
     finally:
         trainer.close()  # completes the job after the last step; before it, reports a failure
     if ctx.rank == 0 and loss is not None:

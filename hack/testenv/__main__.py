@@ -1,4 +1,4 @@
-"""`python hack/testenv build|up|down|env` — see hack/testenv.sh for usage."""
+"""`python hack/testenv build|build-images|up|down|env` — see hack/testenv.sh for usage."""
 
 from __future__ import annotations
 
@@ -9,26 +9,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testenv import build, cluster  # noqa: E402
+from testenv import build, cluster, images  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="hack/testenv.sh", description="local Kubernetes control plane for tests")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("build", help="build the binaries into the cache (slow once)")
+    sub.add_parser("build-images", help="write the pause, CoreDNS, operator and test trainer images as OCI archives")
     u = sub.add_parser("up", help="start everything (idempotent); prints export lines for eval")
     u.add_argument("--nodes", type=int, default=4, help="kwok nodes (default 4)")
+    u.add_argument("--real-nodes", type=int, default=0,
+                   help="real nodes (kubelet + containerd, each in its own network namespace; default 0)")
     sub.add_parser("down", help="stop everything `up` started and remove its state")
     sub.add_parser("env", help="print the export lines of the running environment")
     args = p.parse_args()
     try:
         if args.cmd == "build":
             build.build()
+        elif args.cmd == "build-images":
+            for ref, archive in images.build_images().items():
+                print(f"{ref}\t{archive}")
         elif args.cmd == "up":
             t0 = time.monotonic()
-            env = cluster.up(args.nodes)
+            env = cluster.up(args.nodes, args.real_nodes)
             print(env.exports())
-            print(f"# control plane {env.version} up in {time.monotonic() - t0:.1f}s; nodes {', '.join(env.nodes)}")
+            print(f"# control plane {env.version} up in {time.monotonic() - t0:.1f}s; "
+                  f"nodes {', '.join(env.real_nodes + env.nodes)}")
         elif args.cmd == "down":
             cluster.down()
         else:

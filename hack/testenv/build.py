@@ -27,7 +27,17 @@ K8S_VERSION = "v1.35.4"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 GO_MIN = (1, 25)
-K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+COREDNS_VERSION = "v1.14.7"
+K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
+# What a real node needs from Debian (containerd 1.6 and runc from bookworm; the CNI
+# plugins; iptables and conntrack for kube-proxy; gcc and libc6-dev build the pause binary).
+NODE_PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "conntrack", "gcc", "libc6-dev")
+NODE_TOOLS = {"containerd": "/usr/bin/containerd", "containerd-shim-runc-v2": "/usr/bin/containerd-shim-runc-v2",
+              "ctr": "/usr/bin/ctr", "runc": "/usr/sbin/runc", "iptables": "/usr/sbin/iptables",
+              "conntrack": "/usr/sbin/conntrack", "gcc": "/usr/bin/gcc", "cni-bridge": "/usr/lib/cni/bridge"}
+# CoreDNS with only the plugins a test cluster's DNS needs (not the cloud providers' SDKs):
+# the order is the order in which they handle a query (CoreDNS's plugin.cfg order).
+COREDNS_PLUGINS = ("ready", "health", "errors", "log", "loadbalance", "cache", "kubernetes")
 
 
 class MissingTool(RuntimeError):
@@ -112,6 +122,61 @@ def build_kubernetes(go: str) -> None:
         print(f"built {cmd} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
 
 
+def build_coredns(go: str) -> None:
+    """CoreDNS from its Go module, as its README's "external plugins" build: our own main
+    package that sets the directive list and imports just those plugins."""
+    target = bin_dir() / "coredns"
+    if target.exists():
+        return
+    work = cache_root() / "src" / "coredns"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "go.mod").write_text(
+        f"module transom.local/corednsbuild\n\ngo 1.25.0\n\nrequire github.com/coredns/coredns {COREDNS_VERSION}\n")
+    imports = "\n".join(f'\t_ "github.com/coredns/coredns/plugin/{p}"' for p in COREDNS_PLUGINS)
+    directives = ", ".join(f'"{p}"' for p in COREDNS_PLUGINS)
+    (work / "main.go").write_text(f"""package main
+
+import (
+\t"github.com/coredns/coredns/core/dnsserver"
+\t"github.com/coredns/coredns/coremain"
+{imports}
+)
+
+func init() {{ dnsserver.Directives = []string{{{directives}}} }}
+
+func main() {{ coremain.Run() }}
+""")
+    t0 = time.monotonic()
+    env = _go_env(go)
+    _run([go, "build", "-trimpath", "-ldflags", "-s -w", "-o", str(target), "."], cwd=work, env=env)
+    print(f"built coredns in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
+def node_packages() -> None:
+    """Install the Debian packages a real node needs (root only), without starting services."""
+    missing = [name for name, path in NODE_TOOLS.items() if not Path(path).exists()]
+    if not missing:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise MissingTool(f"missing {', '.join(missing)}: `sudo apt-get install -y {' '.join(NODE_PACKAGES)}`")
+    # A policy-rc.d that refuses keeps the package from starting its own containerd service.
+    policy = Path("/usr/sbin/policy-rc.d")
+    made_policy = not policy.exists()
+    if made_policy:
+        policy.write_text("#!/bin/sh\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        _run(["apt-get", "update", "-q"])
+        _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *NODE_PACKAGES],
+             env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    finally:
+        if made_policy:
+            policy.unlink()
+    still = [name for name, path in NODE_TOOLS.items() if not Path(path).exists()]
+    if still:
+        raise MissingTool(f"apt-get did not provide {', '.join(still)}")
+
+
 def go_install(go: str, package: str, name: str) -> None:
     if (bin_dir() / name).exists():
         return
@@ -161,10 +226,14 @@ def weed_binary() -> Path:
     return found
 
 
-def binaries() -> dict[str, Path]:
+def binaries(real_nodes: bool = False) -> dict[str, Path]:
     """Paths of every tool `up` needs; MissingTool if one was not built yet."""
-    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm")}
+    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns")}
     missing = [n for n, p in paths.items() if not p.exists()]
+    if real_nodes:
+        paths.update({name: Path(path) for name, path in NODE_TOOLS.items()})
+        missing += [f"{n} (`apt-get install -y {' '.join(NODE_PACKAGES)}`)" for n, p in NODE_TOOLS.items()
+                    if not Path(p).exists()]
     if not kwok_stages_file().exists():
         missing.append("kwok stages")
     if missing:
@@ -179,10 +248,12 @@ def build() -> dict[str, Path]:
     bin_dir().mkdir(parents=True, exist_ok=True)
     go = go_binary()
     build_kubernetes(go)
+    build_coredns(go)
+    node_packages()
     go_install(go, f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "kwok")
     go_install(go, f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", "helm")
     write_kwok_stages(go)
-    paths = binaries()
+    paths = binaries(real_nodes=True)
     size = sum(p.stat().st_size for p in bin_dir().iterdir())
     print(f"testenv binaries ready in {bin_dir()} ({size / 1e6:.0f} MB, {time.monotonic() - t0:.0f}s)", file=sys.stderr)
     return paths

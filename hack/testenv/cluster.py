@@ -1,5 +1,7 @@
 """Start and stop the local control plane: etcd, API server, controller manager, scheduler,
-kwok with fake GPU nodes, and a SeaweedFS S3 server, all on 127.0.0.1 with free ports.
+kwok with fake GPU nodes, and a SeaweedFS S3 server, all on 127.0.0.1 with free ports;
+with `real_nodes`, also real nodes (kubelet, kube-proxy, containerd) that run containers,
+each in a network namespace of its own (realnodes.py).
 
 `up()` is idempotent: when everything recorded in the state file still runs and the API
 server answers, it returns that environment; a half-dead one is stopped and started
@@ -22,20 +24,24 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from testenv import build, certs
+from testenv import build, certs, realnodes
 
 STATE_FILE = "state.json"
 START_TIMEOUT_S = 90.0
 NODE_LABELS = {
     "type": "kwok",
+    "transom.io/testenv-node": "kwok",
     "nvidia.com/gpu.present": "true",
     "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
     "nvidia.com/gpu.count": "8",
     "node.kubernetes.io/instance-type": "gpu-8x-h100",
 }
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
 @dataclass
@@ -48,6 +54,8 @@ class Env:
     state_dir: Path
     nodes: list[str]
     bin_dir: Path
+    real_nodes: list[str] = dataclasses.field(default_factory=list)
+    s3_url_in_cluster: str = ""  # the S3 server as pods on real nodes reach it
 
     def exports(self) -> str:
         return "\n".join(
@@ -73,11 +81,13 @@ def free_port() -> int:
 
 
 # --- processes ----------------------------------------------------------------------------
-def _start(name: str, argv: list[str], d: Path, procs: dict, env: dict | None = None) -> None:
+def _start(name: str, argv: list[str], d: Path, procs: dict, env: dict | None = None, exe: str | None = None) -> None:
+    """Start `argv` in its own session, logging to logs/<name>.log; `exe` is the binary the
+    process ends up running when argv[0] execs another (nsenter)."""
     log = open(d / "logs" / f"{name}.log", "ab")
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True, cwd=d, env={**os.environ, **(env or {})})
-    procs[name] = {"pid": p.pid, "exe": str(Path(argv[0]).resolve()), "argv": argv}
+    procs[name] = {"pid": p.pid, "exe": str(Path(exe or argv[0]).resolve()), "argv": argv}
     _save(d, {"procs": procs})  # record at once: a failed up must still be stoppable
 
 
@@ -161,7 +171,9 @@ def _node_manifest(name: str) -> dict:
             "labels": {**NODE_LABELS, "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                        "kubernetes.io/arch": "amd64"},
         },
-        "spec": {},
+        # As GPU node pools are tainted in real clusters: only pods that tolerate it (the GPU
+        # example does) land here, never a CPU pod meant for a real node.
+        "spec": {"taints": [GPU_TAINT]},
         "status": {
             "allocatable": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
             "capacity": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
@@ -188,18 +200,18 @@ def current() -> Env | None:
     return env
 
 
-def up(num_nodes: int = 4) -> Env:
+def up(num_nodes: int = 4, real_nodes: int = 0) -> Env:
     running = current()
-    if running is not None and len(running.nodes) == num_nodes:
+    if running is not None and len(running.nodes) == num_nodes and len(running.real_nodes) == real_nodes:
         return running
     down()
-    tools = build.binaries()
+    tools = build.binaries(real_nodes=real_nodes > 0)
     d = state_dir()
     (d / "logs").mkdir(parents=True)
     (d / "pki").mkdir()
     procs: dict = {}
     try:
-        return _up(d, tools, num_nodes, procs)
+        return _up(d, tools, num_nodes, real_nodes, procs)
     except BaseException as e:
         kept = Path(tempfile.mkdtemp(prefix="transom-testenv-logs-"))
         shutil.copytree(d / "logs", kept, dirs_exist_ok=True)
@@ -207,14 +219,14 @@ def up(num_nodes: int = 4) -> Env:
         raise RuntimeError(f"testenv up failed ({e}); the component logs are kept in {kept}") from e
 
 
-def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
+def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs: dict) -> Env:
     pki = d / "pki"
     ca = certs.CA(pki)
     serving = ca.issue(
         "apiserver", "kube-apiserver", server=True,
         dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
              "kubernetes.default.svc.cluster.local"),
-        ips=("127.0.0.1", "10.0.0.1"),
+        ips=("127.0.0.1", "10.0.0.1", realnodes.SERVICES_IP),
     )
     admin = ca.issue("admin", "transom-admin", organizations=("system:masters",))
     kcm = ca.issue("controller-manager", "system:kube-controller-manager")
@@ -245,7 +257,8 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
         f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         "--service-cluster-ip-range=10.0.0.0/24",
-        "--authorization-mode=RBAC", "--anonymous-auth=false", "--allow-privileged=true",
+        *realnodes.apiserver_flags(d, ca, real_nodes),
+        "--anonymous-auth=false", "--allow-privileged=true",
         "--enable-priority-and-fairness=false", "--profiling=false",
         "--endpoint-reconciler-type=none",
         # Streaming lists (WatchList) need etcd progress notifications, which Debian's etcd
@@ -324,8 +337,13 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, procs: dict) -> Env:
     s3_endpoint = f"http://127.0.0.1:{s3_port}"
     _wait("S3 server", lambda: _http_ok(s3_endpoint), d)
 
+    real = realnodes.up(d, tools, ca, real_nodes, api_port, s3_port, kubectl,
+                        start=lambda name, argv, exe=None: _start(name, argv, d, procs, exe=exe),
+                        kubeconfig=_kubeconfig, save=lambda update: _save(d, update),
+                        wait=lambda what, check, timeout_s=START_TIMEOUT_S: _wait(what, check, d, timeout_s))
     env = Env(kubeconfig=admin_kc, s3_endpoint=s3_endpoint, s3_access_key=access, s3_secret_key=secret,
-              version=build.K8S_VERSION, state_dir=d, nodes=nodes, bin_dir=build.bin_dir())
+              version=build.K8S_VERSION, state_dir=d, nodes=nodes, bin_dir=build.bin_dir(),
+              real_nodes=real, s3_url_in_cluster=realnodes.S3_URL_IN_CLUSTER if real else "")
     _save(d, {"env": asdict(env), "readyz": readyz, "ca": str(ca.pair.cert),
               "admin_cert": str(admin.cert), "admin_key": str(admin.key)})
     return env
@@ -371,10 +389,14 @@ def start_s3() -> None:
 
 
 def down() -> None:
-    """Stop every process the state file records (newest first) and remove the state."""
+    """Stop every process the state file records (newest first), put back what the real
+    nodes changed on the host, and remove the state."""
     d = state_dir()
     path = d / STATE_FILE
-    if path.exists():
-        procs = json.loads(path.read_text()).get("procs", {})
-        _stop(list(reversed(list(procs.values()))))  # newest first
+    state = json.loads(path.read_text()) if path.exists() else {}
+    procs = state.get("procs", {})
+    if state.get("real_nodes"):
+        realnodes.drain(d, state, build.bin_dir())  # pods go while their kubelets still run
+    _stop(list(reversed(list(procs.values()))))  # newest first
+    realnodes.down(d, state)  # also after a crash: namespaces, mounts, cgroups, sysctls
     shutil.rmtree(d, ignore_errors=True)

@@ -24,7 +24,8 @@ from transom_operator.controller import Controller
 from transom_operator.kube import Kube
 from transom_operator.leader import LeaderElector
 
-DEFAULT_IMAGE = "ghcr.io/transom-io/transom-trainer:0.1.0"
+# The coordinator needs Python, transom and its light dependencies only: the operator's image.
+DEFAULT_IMAGE = "ghcr.io/transom-io/transom-operator:0.1.0"
 
 
 def _api_client() -> client.ApiClient:

@@ -18,6 +18,10 @@ EXITED_EARLY = "ExitedEarly"  # exited 0 before the coordinator recorded the job
 REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
 NODE_EXCLUDED = "NodeExcluded"  # (spares) its node was excluded by a failure of another pod
 
+# Every reason a replica can fail for (the operator's failure counter starts each at 0).
+FAILURE_REASONS = (POD_FAILED, POD_DELETED, POD_EVICTED, NODE_NOT_READY, NODE_LOST, FLAGGED_BY_COORDINATOR,
+                   EXITED_EARLY, REPEATED_FAILURES, NODE_EXCLUDED)
+
 # Failure reasons that say the node, not the software, is at fault.
 HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES})
 

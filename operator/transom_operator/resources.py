@@ -156,6 +156,20 @@ def exclude_nodes(affinity: dict[str, Any] | None, excluded: Iterable[str]) -> d
     return out
 
 
+def prefer_other_nodes(affinity: dict[str, Any] | None, avoid: Iterable[str]) -> dict[str, Any] | None:
+    """`affinity` with a preferred (soft) `kubernetes.io/hostname NotIn avoid` term: a
+    replacement goes elsewhere when there is room elsewhere, and to the same node when
+    that is the only one left (a hard rule would leave it Pending)."""
+    names = sorted(set(avoid))
+    if not names:
+        return affinity
+    out = copy.deepcopy(affinity) if affinity else {}
+    preferred = out.setdefault("nodeAffinity", {}).setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    preferred.append({"weight": 100, "preference": {"matchExpressions": [
+        {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}]}})
+    return out
+
+
 def harden(pod_spec: dict[str, Any]) -> None:
     """Restricted defaults (Kubernetes' "restricted" Pod Security Standard) for whatever the
     template leaves unset: no ServiceAccount token (the workers never call the API server),
@@ -178,7 +192,7 @@ def harden(pod_spec: dict[str, Any]) -> None:
 
 
 def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict[str, Any]],
-         excluded_nodes: Iterable[str]) -> dict[str, Any]:
+         excluded_nodes: Iterable[str], avoid_nodes: Iterable[str] = ()) -> dict[str, Any]:
     """A worker pod from spec.template with our name, labels and environment."""
     template = copy.deepcopy(job.spec.template)
     template_meta = template.get("metadata") or {}
@@ -200,21 +214,23 @@ def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict
     # place; anything further is the operator's replacement of the whole replica.
     pod_spec["restartPolicy"] = "Never"
     harden(pod_spec)
-    affinity = exclude_nodes(pod_spec.get("affinity"), excluded_nodes)
+    affinity = prefer_other_nodes(exclude_nodes(pod_spec.get("affinity"), excluded_nodes), avoid_nodes)
     if affinity is not None:
         pod_spec["affinity"] = affinity
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
 def worker_pod(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
-               excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None) -> dict[str, Any]:
-    """Pod `node_rank` of replica `replica`, incarnation `generation`, from spec.template."""
+               excluded_nodes: Iterable[str] = (), coordinator_url: str | None = None,
+               avoid_nodes: Iterable[str] = ()) -> dict[str, Any]:
+    """Pod `node_rank` of replica `replica`, incarnation `generation`, from spec.template;
+    it must not run on `excluded_nodes` and prefers not to on `avoid_nodes`."""
     name = job_name(job)
     if coordinator_url is None:
         coordinator_url = naming.coordinator_url(name, job_namespace(job))
     return _pod(job, naming.worker_pod(name, replica, node_rank, generation),
                 worker_labels(job, replica, node_rank, generation),
-                worker_env(job, replica, node_rank, generation, coordinator_url), excluded_nodes)
+                worker_env(job, replica, node_rank, generation, coordinator_url), excluded_nodes, avoid_nodes)
 
 
 PODINFO_VOLUME = "transom-podinfo"

@@ -8,9 +8,8 @@ skipping them.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "hack"))
 
 from testenv import build, cluster  # noqa: E402
+from testenv.tools import KubeTools, Tool, kube_tools  # noqa: E402
 
-from kube_helpers import namespace_name, read_or_none, run_tool, wait_for  # noqa: E402
+from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
 
-Tool = Callable[..., subprocess.CompletedProcess]
+# The session's test environment: kwok nodes for the operator's tests at scale, and two real
+# nodes (kubelet + containerd) for the tests that run containers (test_real_nodes.py).
+KWOK_NODES = 4
+REAL_NODES = 2
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +36,7 @@ def control_plane() -> Iterator[cluster.Env]:
         yield env  # someone else's: leave it running
         return
     try:
-        env = cluster.up()
+        env = cluster.up(KWOK_NODES, REAL_NODES)
     except build.MissingTool as e:
         missing = str(e)  # failed outside the handler: one message, no chained traceback
     else:
@@ -71,31 +74,18 @@ def namespace(request, core_v1) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def kubectl(control_plane) -> Tool:
-    """kubectl(*args, input=None, check=True, timeout_s=60) -> CompletedProcess (text)."""
-    env = {"KUBECONFIG": str(control_plane.kubeconfig)}
-
-    def run(*args: str, **kwargs):
-        return run_tool(control_plane.bin_dir / "kubectl", args, env, **kwargs)
-
-    return run
+def kube(control_plane, tmp_path_factory) -> KubeTools:
+    """kubectl and helm for the session's control plane; helm's files in a session directory."""
+    return kube_tools(control_plane, tmp_path_factory.mktemp("helm"))
 
 
 @pytest.fixture(scope="session")
-def helm(control_plane, tmp_path_factory) -> Tool:
-    """helm(*args, input=None, check=True, timeout_s=60) -> CompletedProcess (text).
+def kubectl(kube) -> Tool:
+    """kubectl(*args, input=None, check=True, timeout_s=60) -> CompletedProcess (text)."""
+    return kube.kubectl
 
-    Helm's cache, config and data live in a session directory, not in the user's home.
-    """
-    home = tmp_path_factory.mktemp("helm")
-    env = {
-        "KUBECONFIG": str(control_plane.kubeconfig),
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-    }
 
-    def run(*args: str, **kwargs):
-        return run_tool(control_plane.bin_dir / "helm", args, env, **kwargs)
-
-    return run
+@pytest.fixture(scope="session")
+def helm(kube) -> Tool:
+    """helm(*args, input=None, check=True, timeout_s=60) -> CompletedProcess (text)."""
+    return kube.helm

@@ -19,32 +19,12 @@ from typing import TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from testenv.tools import CommandFailed, run_tool  # noqa: F401  (re-exported for the tests)
 
 T = TypeVar("T")
 
 MERGE_PATCH = "application/merge-patch+json"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
-
-
-class CommandFailed(subprocess.CalledProcessError):
-    """CalledProcessError whose message carries the command's output, for test reports."""
-
-    def __str__(self) -> str:
-        return f"{super().__str__()}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
-
-
-def run_tool(
-    binary: Path, args: tuple[str, ...], env: dict[str, str], input: str | None = None,
-    check: bool = True, timeout_s: float = 60,
-) -> subprocess.CompletedProcess:
-    """Run one of the built tools (kubectl, helm) with the given environment added."""
-    proc = subprocess.run(
-        [str(binary), *args], input=input, capture_output=True, text=True,
-        env={**os.environ, **env}, timeout=timeout_s,
-    )
-    if check and proc.returncode != 0:
-        raise CommandFailed(proc.returncode, proc.args, proc.stdout, proc.stderr)
-    return proc
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:

@@ -30,7 +30,9 @@ def test_chart_lints_clean(helm):
 def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, namespace, control_plane, tmp_path,
                                                              scope):
     watch = ["--set", f"watchNamespaces={{{namespace}}}"] if scope == "namespace" else []
-    helm("install", "transom", str(CHART), "-n", namespace, *watch, timeout_s=120)
+    # The test runs the operator itself (from source, as the chart's ServiceAccount): the
+    # chart's own Deployment would start a second one on a real node.
+    helm("install", "transom", str(CHART), "-n", namespace, *watch, "--set", "replicaCount=0", timeout_s=120)
     sa = f"system:serviceaccount:{namespace}:transom-operator"
     can = lambda *a: kubectl("auth", "can-i", *a, f"--as={sa}", check=False).stdout.strip()  # noqa: E731
     try:
@@ -77,7 +79,7 @@ def test_operator_with_the_charts_service_account_runs_a_job(helm, kubectl, name
 def test_a_user_with_the_edit_role_manages_jobs_but_not_their_status(helm, kubectl, namespace):
     # Status holds the operator's records (restart history, excluded nodes) and the
     # coordinator's verdicts: a job's user must not be able to forge them.
-    helm("install", "transom", str(CHART), "-n", namespace, timeout_s=120)
+    helm("install", "transom", str(CHART), "-n", namespace, "--set", "replicaCount=0", timeout_s=120)
     try:
         kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace)
         can = lambda *a: kubectl("auth", "can-i", *a, "-n", namespace, "--as=alice", check=False).stdout.strip()  # noqa: E731

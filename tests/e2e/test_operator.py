@@ -29,6 +29,7 @@ CRD = ROOT / "crds" / "trainingjobs.transom.io.yaml"
 EXAMPLE = ROOT / "examples" / "trainingjob.yaml"
 
 pytestmark = pytest.mark.timeout(240)
+COORDINATOR_NEVER_RUNS = "transom.local/coordinator-never-runs:kwok"
 
 
 class Operator:
@@ -40,7 +41,10 @@ class Operator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transom_operator.main", "--metrics-port", str(self.metrics_port),
              "--metrics-address", "127.0.0.1",
-             "--lease-namespace", lease_namespace, "--resync-seconds", "5", *extra_args],
+             "--lease-namespace", lease_namespace, "--resync-seconds", "5",
+             # These tests' workers are kwok's (fake): their coordinator must not run for real on
+             # the test environment's real nodes, so it gets an image that no node has.
+             "--coordinator-image", COORDINATOR_NEVER_RUNS, *extra_args],
             env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=self.log, stderr=subprocess.STDOUT,
         )
 

@@ -58,7 +58,11 @@ def pod_manifest(name: str, **metadata) -> dict:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, **metadata},
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox"}]},
+        # kwok's fake GPU nodes are tainted as GPU nodes are: a pod must tolerate it to land there
+        # (and only there: the real nodes would try to run busybox).
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox"}],
+                 "nodeSelector": {"type": "kwok"},
+                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     }
 
 
@@ -71,7 +75,7 @@ def wait_running(core_v1: client.CoreV1Api, namespace: str, name: str, timeout_s
 
 
 def test_kwok_nodes_are_ready(control_plane, kubectl):
-    nodes = json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    nodes = json.loads(kubectl("get", "nodes", "-l", "type=kwok", "-o", "json").stdout)["items"]
     assert sorted(n["metadata"]["name"] for n in nodes) == sorted(control_plane.nodes)
     assert control_plane.nodes, "the control plane has no nodes"
     for node in nodes:
@@ -80,7 +84,7 @@ def test_kwok_nodes_are_ready(control_plane, kubectl):
         assert node["status"]["allocatable"].get("nvidia.com/gpu") == "8", node["status"]["allocatable"]
         assert node["metadata"]["annotations"].get("kwok.x-k8s.io/node") == "fake"
     # and as a person reads it
-    table = kubectl("get", "nodes", "--no-headers").stdout.splitlines()
+    table = kubectl("get", "nodes", "-l", "type=kwok", "--no-headers").stdout.splitlines()
     statuses = {line.split()[0]: line.split()[1] for line in table}
     assert statuses == {name: "Ready" for name in control_plane.nodes}, table
 

@@ -68,6 +68,7 @@ def test_failed_replica_is_replaced_alone(what, change, reason, exclusion):
     w = World(make_job()).running()
     others = {n: p.uid for n, p in w.pods.items() if p.replica != 1}
     bad = w.pod_of(1)
+    incarnation_nodes = sorted(p.node_name for p in w.pods.values() if p.replica == 1)
     if "verdict" in change:
         w.coordinator(step=10, verdicts=[{"replica": 1, "generation": 0, **change["verdict"]}])
     else:
@@ -89,6 +90,10 @@ def test_failed_replica_is_replaced_alone(what, change, reason, exclusion):
             assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [bad.node_name]
     else:
         assert p.excluded_nodes_added == [] and p.status.excluded_nodes == []
+    for m in p.create:  # whatever the reason, the replacement prefers other nodes than the failed one's
+        preferred = m["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert preferred == [{"weight": 100, "preference": {"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": incarnation_nodes}]}}]
     w.assert_quiet()
     w.settle()
     w.step()

@@ -169,6 +169,7 @@ class Membership:
     # For status.training: the newest committed checkpoint (step, wall-clock unix time) and
     # the goodput clock, advanced by every decided round.
     last_checkpoint: tuple[int, float] | None = None
+    last_checkpoint_stall_s: float | None = None  # the committing replica's snapshot stall
     goodput: GoodputClock = field(default_factory=GoodputClock)
 
     # --- helpers -----------------------------------------------------------------------
@@ -469,6 +470,7 @@ class Membership:
         if self.last_checkpoint is not None and req.step <= self.last_checkpoint[0]:
             return False
         self.last_checkpoint = (req.step, wall_time)
+        self.last_checkpoint_stall_s = req.stall_seconds
         self._event(now, "checkpoint", f"checkpoint of step {req.step} committed by replica {req.identity.replica_id}")
         return True
 

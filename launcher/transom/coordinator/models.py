@@ -70,6 +70,10 @@ class CheckpointReport(_Msg):
     identity: Identity
     step: int = Step
     uri: str = Field(min_length=1, max_length=2048, description="where the checkpoint lives")
+    stall_seconds: float | None = Field(
+        default=None, ge=0, le=86400, allow_inf_nan=False,
+        description="how long the training loop waited for this checkpoint's memory snapshot",
+    )
 
 
 class LeaveRequest(_Msg):

@@ -127,6 +127,29 @@ class _MembershipCollector:
         for reason in ("reported", "heartbeat", "hung", "superseded"):
             c.add_metric([reason], m.failures_total.get(reason, 0))
         yield c
+        yield from self._progress(m)
+
+    def _progress(self, m: Membership):
+        """Goodput and the newest checkpoint: families without a sample until they are known,
+        so a dashboard shows "no data" rather than a made-up 0 (an age since 1970)."""
+        g = GaugeMetricFamily("transom_coordinator_goodput", "Fraction of time spent on steps that were kept")
+        goodput = m.goodput.value(self.server.clock())
+        if goodput is not None:
+            g.add_metric([], goodput)
+        yield g
+        step = GaugeMetricFamily("transom_coordinator_last_checkpoint_step", "Step of the newest committed checkpoint")
+        wall = GaugeMetricFamily("transom_coordinator_last_checkpoint_timestamp_seconds",
+                                 "Unix time the newest committed checkpoint was reported")
+        if m.last_checkpoint is not None:
+            step.add_metric([], m.last_checkpoint[0])
+            wall.add_metric([], m.last_checkpoint[1])
+        yield step
+        yield wall
+        stall = GaugeMetricFamily("transom_coordinator_checkpoint_stall_seconds",
+                                  "How long the training loop waited for the newest checkpoint's memory snapshot")
+        if m.last_checkpoint_stall_s is not None:
+            stall.add_metric([], m.last_checkpoint_stall_s)
+        yield stall
 
 
 class CoordinatorServer:

@@ -410,7 +410,9 @@ class FaultTolerant:
 
     def _report_checkpoint(self, step: int, uri: str) -> None:
         """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
-        self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri))
+        # One checkpoint persists at a time, so the engine's last stall is this one's.
+        stall = self.checkpoints.engine.last_stall_s if self.checkpoints is not None else None
+        self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri, stall_seconds=stall))
 
     def _await_quorum(self) -> QuorumResponse | None:
         payload: Any = None  # only the leader asked; it tells the other ranks

@@ -14,7 +14,9 @@ Rules:
   generation's created (restarts + 1, lastFailure), after a backoff that doubles with each
   replacement of that replica within the restart window (the first one is immediate);
   `requeue_after` says when to look again. Hardware-class failures put the node on
-  `excludedNodes` unless nodeExclusionPolicy is None; new pods avoid excluded nodes.
+  `excludedNodes` unless nodeExclusionPolicy is None; new pods avoid excluded nodes, and
+  prefer (a soft preference, which the scheduler may overrule) a node other than the one
+  the failed incarnation failed on.
 - More than maxReplicaRestarts replacements within restartWindowSeconds fails the job:
   its worker pods are deleted (they would hold GPUs for nothing) and nothing more is
   created; the coordinator stays for inspection. Failed and Succeeded are final.
@@ -229,8 +231,12 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
             else:
                 wait = 0
             if wait <= 0:
+                # Where the last incarnation failed, even for a reason not blamed on the node.
+                failed_on = {h.node for h in history if h.replica == r.id and h.generation == generation - 1 and h.node}
+                failed_on |= {p.node_name for p in stale if p.node_name}
                 for rank in missing:
-                    out.create.append(resources.worker_pod(job, r.id, rank, generation, excluded_nodes=excluded))
+                    out.create.append(resources.worker_pod(job, r.id, rank, generation, excluded_nodes=excluded,
+                                                           avoid_nodes=failed_on))
                 if len(missing) == spec.nodes_per_replica and last_failure is not None and generation > 0:
                     out.events.append((reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED,
                                        f"Creating replica {r.id} generation {generation}"))

@@ -1,0 +1,324 @@
+"""`make e2e-demo`: a TrainingJob trains in containers on real kubelets and survives a
+killed worker process and a deleted pod.
+
+    .venv/bin/python hack/e2e_demo.py [--keep] [--metrics-out FILE]
+
+It brings up the test environment with two real nodes (hack/testenv.sh up --real-nodes 2),
+installs the operator with the chart as a user would (`helm install`), applies
+examples/trainingjob-cpu.yaml (with the test image: `use_test_image`), and while it trains:
+SIGKILLs one worker process inside replica 0's container (the launcher restarts it in
+place), deletes replica 1's pod (the operator replaces that replica, preferably on the
+other node), and lets the job finish. It prints `kubectl get tj` as it goes and ends with
+a summary whose last line is one JSON object. The e2e test (tests/e2e/test_real_nodes.py)
+runs the same `Scenario` and asserts on what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "hack"))
+
+from testenv import addons, cluster, images, realnodes  # noqa: E402
+from testenv.tools import Tool, kube_tools  # noqa: E402
+
+EXAMPLE = ROOT / "examples" / "trainingjob-cpu.yaml"
+CHART = ROOT / "charts" / "transom"
+OPERATOR_NAMESPACE = "transom-system"
+BUCKET = "checkpoints"
+STEP_BEFORE_KILL = 40
+STEP_BEFORE_DELETE = 90
+JOB_TIMEOUT_S = 420.0
+IMAGE_EXAMPLES = "/opt/transom/examples"  # where images/trainer.Dockerfile puts examples/
+
+
+def use_test_image(manifest: dict, checkout: Path = ROOT) -> dict:
+    """The example with the test image in place of the published one. The test image is
+    the host's venv (torch is several GB) mounted read-only: so besides the image, the pod
+    gets those hostPath mounts, and examples/ where the real image has it. Test-only."""
+    out = copy.deepcopy(manifest)
+    pod = out["spec"]["template"]["spec"]
+    mounts = [*images.trainer_test_mounts(checkout), (str(checkout / "examples"), IMAGE_EXAMPLES)]
+    pod["volumes"] = list(pod.get("volumes") or []) + [
+        {"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}} for i, (host, _) in enumerate(mounts)]
+    for c in pod["containers"]:
+        c["image"] = images.TRAINER_TEST_IMAGE
+        c["imagePullPolicy"] = "Never"
+        c["volumeMounts"] = list(c.get("volumeMounts") or []) + [
+            {"name": f"host-{i}", "mountPath": path, "readOnly": True} for i, (_, path) in enumerate(mounts)]
+    return out
+
+
+class MetricsRecorder:
+    """Scrapes the operator's and the coordinator's /metrics once a second through the API
+    server's service proxy, as JSON lines {"t", "source", "text"} (hack/render_dashboard.py)."""
+
+    def __init__(self, kubectl: Tool, out: Path, sources: dict[str, str]):
+        self.kubectl, self.out, self.sources = kubectl, out, sources
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-recorder", daemon=True)
+
+    def __enter__(self) -> MetricsRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        with open(self.out, "a") as f:
+            while not self._stop.wait(1.0):
+                for source, path in self.sources.items():
+                    r = self.kubectl("get", "--raw", path, check=False, timeout_s=5)
+                    if r.returncode == 0:
+                        f.write(json.dumps({"t": time.time(), "source": source, "text": r.stdout}) + "\n")
+                f.flush()
+
+
+@dataclass
+class Observed:
+    """What the scenario saw; the summary and the test's assertions read it."""
+
+    namespace: str
+    job: str
+    container_runtime: str = ""
+    killed_pid: int = 0
+    killed_pod: str = ""
+    killed_pod_uid: tuple[str, str] = ("", "")  # before, after
+    deleted_pod: str = ""
+    deleted_pod_node: str = ""
+    replacement_pod: str = ""
+    replacement_node: str = ""
+    replacement_seconds: float = 0.0
+    untouched_pod: str = ""
+    untouched_uids: tuple[str, str] = ("", "")
+    in_place_restarts: int = 0
+    losses: list[float] = field(default_factory=list)
+    status: dict = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+    checkpoint_keys: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        training = self.status.get("training") or {}
+        return {
+            "steps": training.get("completedStep") or training.get("step"),
+            "in_place_restarts": self.in_place_restarts,
+            "replica_replacements": self.status.get("totalRestarts", 0),
+            "succeeded": self.status.get("state") == "Succeeded",
+            "container_runtime": self.container_runtime,
+            "last_checkpoint_step": training.get("lastCheckpoint"),
+            "goodput": training.get("goodput"),
+            "replacement_seconds": round(self.replacement_seconds, 2),
+            "replacement_moved_node": bool(self.replacement_node) and self.replacement_node != self.deleted_pod_node,
+            "first_loss": self.losses[0] if self.losses else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def _worker_pids(pod_uid: str) -> list[int]:
+    """Host pids of the training processes (not the launcher) in the pod's container cgroups."""
+    pids = []
+    for procs in Path("/sys/fs/cgroup/pids").glob(f"transom-real-*/kubepods*/**/pod{pod_uid}/*/cgroup.procs"):
+        for pid in procs.read_text().split():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 1 and argv[1].endswith(b"train_tiny_gpt.py"):
+                pids.append(int(pid))
+    return sorted(pids)
+
+
+class Scenario:
+    def __init__(self, env: cluster.Env, namespace: str, log=print, kubectl: Tool | None = None,
+                 helm: Tool | None = None, metrics_out: Path | None = None):
+        self.env, self.ns, self.log = env, namespace, log
+        tools = kube_tools(env)
+        self.kubectl, self.helm = kubectl or tools.kubectl, helm or tools.helm
+        self.metrics_out = metrics_out
+        self.manifest = use_test_image(yaml.safe_load(EXAMPLE.read_text()))
+        self.job = self.manifest["metadata"]["name"]
+        self.seen = Observed(namespace=namespace, job=self.job)
+
+    # --- reading the cluster ------------------------------------------------------------
+    def get(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def job_status(self) -> dict:
+        return self.get("tj", self.job, "-n", self.ns).get("status") or {}
+
+    def worker_pods(self) -> dict[int, dict]:
+        """Live worker pods by replica id."""
+        items = self.get("pods", "-n", self.ns, "-l", f"transom.io/job={self.job},transom.io/replica")["items"]
+        return {int(p["metadata"]["labels"]["transom.io/replica"]): p for p in items
+                if not p["metadata"].get("deletionTimestamp")}
+
+    def wait(self, what: str, check, timeout_s: float, show_every_s: float = 10.0):
+        deadline, shown = time.monotonic() + timeout_s, 0.0
+        while True:
+            value = check()
+            if value:
+                return value
+            if time.monotonic() - shown > show_every_s:
+                shown = time.monotonic()
+                self.log(self.kubectl("get", "tj", "-n", self.ns, check=False).stdout.rstrip())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout_s:.0f}s; status {json.dumps(self.job_status())}")
+            time.sleep(0.5)
+
+    def step(self) -> int:
+        return (self.job_status().get("training") or {}).get("step") or 0
+
+    # --- the scenario -------------------------------------------------------------------
+    def install_operator(self) -> None:
+        self.helm("upgrade", "--install", "transom", str(CHART), "-n", OPERATOR_NAMESPACE, "--create-namespace",
+                  "--set", "grafanaDashboard.enabled=true", timeout_s=120)
+        self.kubectl("rollout", "status", "deployment/transom-operator", "-n", OPERATOR_NAMESPACE,
+                     "--timeout=120s", timeout_s=130)
+
+    def prepare_storage(self) -> None:
+        """The bucket, empty under the job's prefix, and the job's S3 credentials Secret."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=self.env.s3_access_key, secret=self.env.s3_secret_key,
+                               client_kwargs={"endpoint_url": self.env.s3_endpoint})
+        if not fs.exists(BUCKET):
+            fs.mkdir(BUCKET)
+        prefix = self.manifest["spec"]["checkpoint"]["uri"].removeprefix("s3://")
+        if fs.exists(prefix):
+            fs.rm(prefix, recursive=True)
+        secret = self.manifest["spec"]["checkpoint"]["credentialsSecret"]["name"]
+        self.kubectl("create", "secret", "generic", secret, "-n", self.ns,
+                     f"--from-literal=AWS_ACCESS_KEY_ID={self.env.s3_access_key}",
+                     f"--from-literal=AWS_SECRET_ACCESS_KEY={self.env.s3_secret_key}",
+                     f"--from-literal=AWS_ENDPOINT_URL={addons.S3_URL_IN_CLUSTER}",
+                     "--from-literal=AWS_DEFAULT_REGION=us-east-1")
+        self._fs, self._prefix = fs, prefix
+
+    def kill_a_worker(self) -> None:
+        pod = self.worker_pods()[0]
+        uid = pod["metadata"]["uid"]
+        pids = self.wait("replica 0's worker process", lambda: _worker_pids(uid), 30)
+        self.log(f"SIGKILL worker pid {pids[0]} in pod {pod['metadata']['name']} on {pod['spec']['nodeName']}")
+        os.kill(pids[0], signal.SIGKILL)
+        self.seen.killed_pid, self.seen.killed_pod = pids[0], pod["metadata"]["name"]
+        # Back to training in place: a new worker process in the same pod, and steps again.
+        self.wait("a new worker in the same pod", lambda: [p for p in _worker_pids(uid) if p != pids[0]], 60)
+
+    def delete_a_pod(self) -> None:
+        pods = self.worker_pods()
+        victim = pods[1]
+        self.seen.deleted_pod, self.seen.deleted_pod_node = victim["metadata"]["name"], victim["spec"]["nodeName"]
+        self.log(f"kubectl delete pod {self.seen.deleted_pod} (on {self.seen.deleted_pod_node})")
+        t0 = time.monotonic()
+        self.kubectl("delete", "pod", self.seen.deleted_pod, "-n", self.ns, "--wait=false")
+
+        def replaced():
+            p = self.worker_pods().get(1)
+            running = p and p["metadata"]["name"] != self.seen.deleted_pod and p["status"].get("phase") == "Running"
+            return p if running else None
+
+        new = self.wait("replica 1 replaced and Running", replaced, 120)
+        self.seen.replacement_seconds = time.monotonic() - t0
+        self.seen.replacement_pod, self.seen.replacement_node = new["metadata"]["name"], new["spec"]["nodeName"]
+        self.log(f"replica 1 replaced by {self.seen.replacement_pod} on {self.seen.replacement_node} "
+                 f"in {self.seen.replacement_seconds:.1f}s")
+
+    def run(self) -> Observed:
+        t0 = time.monotonic()
+        nodes = self.get("nodes", "-l", "transom.io/testenv-node=real")["items"]
+        if not nodes:
+            raise RuntimeError("no real nodes: start the test environment with `hack/testenv.sh up --real-nodes 2`")
+        self.seen.container_runtime = nodes[0]["status"]["nodeInfo"]["containerRuntimeVersion"]
+        realnodes.load_images(self.env.state_dir, len(self.env.real_nodes))  # today's operator, not the one of `up`
+        self.install_operator()
+        self.prepare_storage()
+        self.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(self.manifest))
+        self.log(f"applied {EXAMPLE.relative_to(ROOT)} in namespace {self.ns}")
+        sources = {"operator": f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/services/transom-operator-metrics:metrics/proxy/metrics",
+                   "coordinator": f"/api/v1/namespaces/{self.ns}/services/{self.job}-coordinator:http/proxy/metrics"}
+        recorder = MetricsRecorder(self.kubectl, self.metrics_out, sources) if self.metrics_out else None
+        if recorder:
+            recorder.__enter__()
+        try:
+            self.wait(f"step {STEP_BEFORE_KILL} with 3/3 replicas", lambda: self.step() >= STEP_BEFORE_KILL
+                      and self.job_status().get("healthyReplicas") == 3, 240)
+            pods = self.worker_pods()
+            self.seen.untouched_pod = pods[2]["metadata"]["name"]
+            uids = (pods[0]["metadata"]["uid"], pods[2]["metadata"]["uid"])
+            self.kill_a_worker()
+            self.wait(f"step {STEP_BEFORE_DELETE}", lambda: self.step() >= STEP_BEFORE_DELETE, 180)
+            self.delete_a_pod()
+            final = self.wait("the job Succeeded or Failed",
+                              lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s, JOB_TIMEOUT_S)
+        finally:
+            if recorder:
+                recorder.__exit__()
+        self.seen.status = final
+        self.log(self.kubectl("get", "tj", "-n", self.ns).stdout.rstrip())
+        self._after(uids)
+        self.seen.seconds = time.monotonic() - t0
+        return self.seen
+
+    def _after(self, uids: tuple[str, str]) -> None:
+        pods = {p["metadata"]["name"]: p for p in self.get("pods", "-n", self.ns, "-l", f"transom.io/job={self.job}")["items"]}
+        killed = pods.get(self.seen.killed_pod)
+        self.seen.killed_pod_uid = (uids[0], killed["metadata"]["uid"] if killed else "")
+        untouched = pods.get(self.seen.untouched_pod)
+        self.seen.untouched_uids = (uids[1], untouched["metadata"]["uid"] if untouched else "")
+        log = self.kubectl("logs", self.seen.killed_pod, "-n", self.ns, check=False).stdout
+        self.seen.in_place_restarts = len(re.findall(r"replica 0 attempt \d+ failed", log))
+        survivor = self.kubectl("logs", self.seen.untouched_pod, "-n", self.ns, check=False).stdout
+        self.seen.losses = [float(x) for x in re.findall(r"replica 2: step \d+ loss ([0-9.]+)", survivor)]
+        events = self.get("events", "-n", self.ns)["items"]
+        self.seen.events = [e.get("reason", "") for e in events]
+        self.seen.checkpoint_keys = sorted(self._fs.find(self._prefix))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--namespace", default="e2e-demo")
+    p.add_argument("--metrics-out", type=Path, default=ROOT / "e2e-demo.metrics.jsonl")
+    p.add_argument("--keep", action="store_true", help="leave the job and the test environment running")
+    args = p.parse_args()
+    env = cluster.current()
+    if env is None or len(env.real_nodes) < 2:
+        t0 = time.monotonic()
+        env = cluster.up(num_nodes=0, real_nodes=2)
+        print(f"test environment up with real nodes {', '.join(env.real_nodes)} in {time.monotonic() - t0:.1f}s")
+    tools = kube_tools(env)
+    tools.kubectl("delete", "namespace", args.namespace, "--ignore-not-found", "--timeout=90s", timeout_s=100)
+    tools.kubectl("create", "namespace", args.namespace)
+    args.metrics_out.unlink(missing_ok=True)
+    seen = Scenario(env, args.namespace, metrics_out=args.metrics_out).run()
+    if not args.keep:  # the job first, while the operator still runs to remove its finalizer
+        tools.kubectl("delete", "namespace", args.namespace, "--timeout=120s", check=False, timeout_s=130)
+        tools.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,
+                   timeout_s=100)
+    s = seen.summary()
+    print(f"steps {s['steps']}, in-place restarts {s['in_place_restarts']}, replica replacements "
+          f"{s['replica_replacements']} (replica 1 from {seen.deleted_pod_node} to {seen.replacement_node} "
+          f"in {s['replacement_seconds']}s), loss {s['first_loss']} -> {s['last_loss']}, last checkpoint "
+          f"step {s['last_checkpoint_step']}, {len(seen.checkpoint_keys)} checkpoint objects, on {s['container_runtime']}")
+    print(json.dumps(s))
+    return 0 if s["succeeded"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
