@@ -1,6 +1,8 @@
 # Transom developer entry points. Everything a fresh machine needs is installed from here.
 #
 #   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, checkpoints
+#   make e2e-demo  the same on Kubernetes with real pods: two real nodes (kubelet + containerd),
+#                  helm install, examples/trainingjob-cpu.yaml, a worker killed, a pod deleted
 #   make test      unit, integration and e2e tests (installs and builds the test control plane
 #                  first), then `make test-compat`
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
@@ -25,7 +27,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install testenv demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv
+.PHONY: install testenv demo e2e-demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +53,10 @@ demo: install
 		--inject kill:replica=1,step=20 --summary-json demo.summary.json \
 		--checkpoint-uri $(DEMO_CHECKPOINTS) --checkpoint-interval 25 \
 		-- $(PY) examples/train_tiny_gpt.py --steps 60
+
+# Leaves the test environment running (`kubectl get tj -A`, then `hack/testenv.sh down`).
+e2e-demo: install testenv
+	$(PY) hack/e2e_demo.py --metrics-out e2e-demo.metrics.jsonl
 
 test: install testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -155,6 +155,18 @@ class Scenario:
         self.manifest = use_test_image(yaml.safe_load(EXAMPLE.read_text()))
         self.job = self.manifest["metadata"]["name"]
         self.seen = Observed(namespace=namespace, job=self.job)
+        # /metrics of the operator and of the job's coordinator, through the API server's
+        # service proxy (as a Prometheus scraping the Services would see them).
+        self.metrics_paths = {
+            "operator": f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/services/transom-operator-metrics:metrics/proxy/metrics",
+            "coordinator": f"/api/v1/namespaces/{namespace}/services/{self.job}-coordinator:http/proxy/metrics",
+        }
+
+    def scrape(self, source: str) -> dict[str, float]:
+        """`name{labels}` -> value, from one scrape of `source` now."""
+        text = self.kubectl("get", "--raw", self.metrics_paths[source], timeout_s=10).stdout
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+                if k and not k.startswith("#")}
 
     # --- reading the cluster ------------------------------------------------------------
     def get(self, *args: str) -> dict:
@@ -251,9 +263,7 @@ class Scenario:
         self.prepare_storage()
         self.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(self.manifest))
         self.log(f"applied {EXAMPLE.relative_to(ROOT)} in namespace {self.ns}")
-        sources = {"operator": f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/services/transom-operator-metrics:metrics/proxy/metrics",
-                   "coordinator": f"/api/v1/namespaces/{self.ns}/services/{self.job}-coordinator:http/proxy/metrics"}
-        recorder = MetricsRecorder(self.kubectl, self.metrics_out, sources) if self.metrics_out else None
+        recorder = MetricsRecorder(self.kubectl, self.metrics_out, self.metrics_paths) if self.metrics_out else None
         if recorder:
             recorder.__enter__()
         try:
@@ -316,6 +326,7 @@ def main() -> int:
           f"{s['replica_replacements']} (replica 1 from {seen.deleted_pod_node} to {seen.replacement_node} "
           f"in {s['replacement_seconds']}s), loss {s['first_loss']} -> {s['last_loss']}, last checkpoint "
           f"step {s['last_checkpoint_step']}, {len(seen.checkpoint_keys)} checkpoint objects, on {s['container_runtime']}")
+    print("# the test environment keeps running: `eval \"$(hack/testenv.sh env)\"`; stop it with `hack/testenv.sh down`")
     print(json.dumps(s))
     return 0 if s["succeeded"] else 1
 

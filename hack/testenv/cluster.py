@@ -215,8 +215,23 @@ def up(num_nodes: int = 4, real_nodes: int = 0) -> Env:
     except BaseException as e:
         kept = Path(tempfile.mkdtemp(prefix="transom-testenv-logs-"))
         shutil.copytree(d / "logs", kept, dirs_exist_ok=True)
+        (kept / "error.txt").write_text(f"{type(e).__name__}: {e}\n{_cluster_state(d, tools)}")
         down()
         raise RuntimeError(f"testenv up failed ({e}); the component logs are kept in {kept}") from e
+
+
+def _cluster_state(d: Path, tools: dict[str, Path]) -> str:
+    """What the API server says of the nodes, pods and service accounts (for a failed up)."""
+    kubeconfig = d / "admin.kubeconfig"
+    if not kubeconfig.exists():
+        return ""
+    try:
+        out = subprocess.run([str(tools["kubectl"]), f"--kubeconfig={kubeconfig}", "--request-timeout=10s", "get",
+                              "nodes,pods,serviceaccounts,deployments", "-A", "-o", "wide"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout + out.stderr
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(kubectl failed: {e})"
 
 
 def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs: dict) -> Env:
@@ -320,8 +335,8 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs:
     nodes = [f"kwok-node-{i}" for i in range(num_nodes)]
     manifest = {"apiVersion": "v1", "kind": "List", "items": [_node_manifest(n) for n in nodes]}
     applied = subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(manifest), text=True,
-                             capture_output=True, timeout=60)
-    if applied.returncode != 0:
+                             capture_output=True, timeout=60) if nodes else None
+    if applied is not None and applied.returncode != 0:
         raise RuntimeError(f"creating the kwok nodes failed: {applied.stderr}")
 
     def nodes_ready() -> bool:

@@ -158,3 +158,49 @@ def kill_netns(path: str) -> int:
         except OSError:
             pass
     return killed
+
+
+NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "kubelet", "kube-proxy", "runc", "coredns", "pause")
+
+
+def snapshot() -> dict:
+    """What `down` must leave as `up` found it, in a form two calls can compare."""
+    hierarchies = [h for h in sorted(CGROUP_ROOT.iterdir()) if h.is_dir() and not h.is_symlink()] \
+        if CGROUP_ROOT.exists() else []
+    return {
+        "sysctls": {k: Path("/proc/sys", k).read_text().strip() for k in KUBELET_SYSCTLS},
+        "paths": [p for p in FIXED_PATHS if os.path.lexists(p)],
+        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
+        "mounts": sorted({line.split()[4] for line in open("/proc/self/mountinfo")}),
+        "cgroups": sorted(f"{h.name}/{d.name}" for h in hierarchies for d in h.iterdir() if d.is_dir()),
+        "node_processes": sorted(node_processes()),
+    }
+
+
+def node_processes() -> list[str]:
+    """`pid exe` of every running process of a node binary (none should outlive `down`)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                exe = os.readlink(f"/proc/{entry}/exe").removesuffix(" (deleted)")
+            except OSError:
+                continue
+            if os.path.basename(exe) in NODE_BINARIES:
+                out.append(f"{entry} {exe}")
+    return out
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    """Human-readable differences between two snapshots (empty: the host is as it was)."""
+    out = []
+    for key in before.keys() | after.keys():
+        a, b = before.get(key), after.get(key)
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            added, removed = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+            out.append(f"{key}: added {added[:10]}, removed {removed[:10]}")
+        else:
+            out.append(f"{key}: {a} -> {b}")
+    return sorted(out)

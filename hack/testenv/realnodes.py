@@ -142,6 +142,8 @@ def drain(d: Path, state: dict, bin_dir: Path) -> None:
     kubectl = [str(bin_dir / "kubectl"), f"--kubeconfig={kubeconfig}", "--request-timeout=10s"]
     tools = {"ctr": build.NODE_TOOLS["ctr"]}
     nets = [network.NodeNet(i) for i in range(len(state.get("real_nodes", [])))]
+    for n in nets:  # cordoned first, or a Deployment's new pod (CoreDNS's) would take the old one's place
+        subprocess.run([*kubectl, "cordon", n.name], capture_output=True, timeout=30)
     for n in nets:
         subprocess.run([*kubectl, "delete", "pods", "-A", "--field-selector", f"spec.nodeName={n.name}",
                         "--grace-period=1", "--wait=false"], capture_output=True, timeout=30)

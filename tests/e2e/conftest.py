@@ -9,6 +9,7 @@ skipping them.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "hack"))
 
-from testenv import build, cluster  # noqa: E402
+from testenv import build, cluster, hostguard  # noqa: E402
 from testenv.tools import KubeTools, Tool, kube_tools  # noqa: E402
 
 from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
@@ -29,14 +30,28 @@ KWOK_NODES = 4
 REAL_NODES = 2
 
 
+def _up_once_more_if_it_fails() -> cluster.Env:
+    """`up`, and one more try after a failure that is not a missing tool: on a loaded 2-core
+    machine a component has been seen to miss a 90 s start deadline once in many runs. The
+    first failure's logs (error.txt and every component's log) stay where the warning says."""
+    try:
+        return cluster.up(KWOK_NODES, REAL_NODES)
+    except build.MissingTool:
+        raise
+    except RuntimeError as e:
+        warnings.warn(f"the test environment failed to start; trying once more: {e}", stacklevel=1)
+        return cluster.up(KWOK_NODES, REAL_NODES)
+
+
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[cluster.Env]:
     env = cluster.current()
     if env is not None:
         yield env  # someone else's: leave it running
         return
+    host_before = hostguard.snapshot()
     try:
-        env = cluster.up(KWOK_NODES, REAL_NODES)
+        env = _up_once_more_if_it_fails()
     except build.MissingTool as e:
         missing = str(e)  # failed outside the handler: one message, no chained traceback
     else:
@@ -47,6 +62,10 @@ def control_plane() -> Iterator[cluster.Env]:
         yield env
     finally:
         cluster.down()
+    # The real nodes changed sysctls, made mounts, cgroups, namespaces and host directories:
+    # `down` must have put the host back as it found it, with no node process left.
+    left = hostguard.differences(host_before, hostguard.snapshot())
+    assert not left, f"hack/testenv.sh down left the host changed: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -7,19 +7,15 @@ the status subresource, the way a kubelet (or its absence) would show it to the 
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from testenv.tools import CommandFailed, run_tool  # noqa: F401  (re-exported for the tests)
 
 T = TypeVar("T")
 

@@ -24,12 +24,8 @@ from transom_operator import reasons
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def _last_scrape(recording: Path, source: str) -> dict[str, float]:
-    """name{labels} -> value of the newest scrape of `source`."""
-    lines = [json.loads(line) for line in recording.read_text().splitlines() if line.strip()]
-    text = [r for r in lines if r["source"] == source][-1]["text"]
-    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
-            if k and not k.startswith("#")}
+def _sources(recording: Path) -> set[str]:
+    return {json.loads(line)["source"] for line in recording.read_text().splitlines() if line.strip()}
 
 
 def _transom_processes() -> list[str]:
@@ -100,12 +96,15 @@ def test_job_on_real_nodes_survives_a_killed_worker_and_a_deleted_pod(control_pl
         manifest = f"{layout.step_dir(last)}/{layout.MANIFEST}"
         assert any(k.endswith(manifest) for k in seen.checkpoint_keys), seen.checkpoint_keys[:20]
 
-        # Metrics as Prometheus would scrape them, through the Services.
-        operator = _last_scrape(recording, "operator")
+        # Metrics as Prometheus would scrape them, through the Services (the operator counts
+        # the job Succeeded once its pass after the status write ends: a moment later).
+        operator = wait_for(lambda: (m := scenario.scrape("operator"))['transom_operator_jobs{state="Succeeded"}'] == 1
+                            and m, 30, "the operator's jobs gauge showing the job Succeeded")
         assert operator['transom_operator_replica_failures_total{reason="PodDeleted"}'] == 1
         assert operator["transom_operator_replacements_total"] == 1
-        assert operator['transom_operator_jobs{state="Succeeded"}'] == 1
-        coordinator = _last_scrape(recording, "coordinator")
+        assert operator["transom_operator_replacement_seconds_count"] == 1
+        assert _sources(recording) == {"operator", "coordinator"}  # what the dashboard's picture is drawn from
+        coordinator = scenario.scrape("coordinator")
         assert coordinator["transom_coordinator_step"] == steps
         assert coordinator['transom_coordinator_replica_failures_total{reason="reported"}'] >= 1  # the kill
         assert coordinator["transom_coordinator_last_checkpoint_step"] == last

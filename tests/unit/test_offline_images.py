@@ -31,7 +31,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "hack"))
 
-from testenv import images  # noqa: E402
+from testenv import images, oci  # noqa: E402
 
 DOCKERFILE = ROOT / "images" / "operator.Dockerfile"
 
@@ -68,11 +68,11 @@ def layer_members(layer: bytes) -> list[tarfile.TarInfo]:
 # ------------------------------------------------------------------ the writer
 
 
-def small_rootfs(tmp_path: Path) -> images.Rootfs:
+def small_rootfs(tmp_path: Path) -> oci.Rootfs:
     tool = tmp_path / "tool"
     tool.write_bytes(b"#!/bin/sh\necho hi\n")
     tool.chmod(0o750)
-    fs = images.Rootfs()
+    fs = oci.Rootfs()
     fs.file("usr/bin/tool", source=tool)
     fs.file("etc/motd", data=b"hello\n")
     fs.symlink("bin", "usr/bin")
@@ -83,9 +83,9 @@ def small_rootfs(tmp_path: Path) -> images.Rootfs:
 
 def test_oci_archive_is_deterministic_and_consistent(tmp_path):
     config = {"User": "65532", "Entrypoint": ["/usr/bin/tool"], "Env": ["A=b"], "Cmd": None}
-    first = images.oci_archive(tmp_path / "a.tar", "transom.local/x:1.2", small_rootfs(tmp_path), config)
+    first = oci.oci_archive(tmp_path / "a.tar", "transom.local/x:1.2", small_rootfs(tmp_path), config)
     time.sleep(0.01)  # a different "now" must not show
-    second = images.oci_archive(tmp_path / "b.tar", "transom.local/x:1.2", small_rootfs(tmp_path), config)
+    second = oci.oci_archive(tmp_path / "b.tar", "transom.local/x:1.2", small_rootfs(tmp_path), config)
     assert first.read_bytes() == second.read_bytes()
 
     image = read_archive(first)
@@ -109,7 +109,7 @@ def test_oci_archive_is_deterministic_and_consistent(tmp_path):
 
 
 def test_a_path_under_a_symlink_is_refused():
-    fs = images.Rootfs()
+    fs = oci.Rootfs()
     fs.symlink("lib", "usr/lib")
     with pytest.raises(AssertionError, match="lib is a symlink"):
         fs.file("lib/libc.so.6", data=b"")
@@ -223,3 +223,16 @@ def test_pause_exits_cleanly_on_sigterm(tmp_path, monkeypatch):
     assert proc.poll() is None, "pause must wait for a signal"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=5) == 0
+
+
+def test_trainer_test_image_lays_out_examples_as_the_trainer_dockerfile_does():
+    """The e2e test runs the example's command (`python examples/...`) in the test image:
+    it must find the script where the published trainer image has it."""
+    import e2e_demo
+
+    text = (ROOT / "images" / "trainer.Dockerfile").read_text()
+    workdir = re.findall(r"^WORKDIR\s+(\S+)", text, re.M)[-1]
+    examples_dest = re.search(r"^COPY\s+examples/\s+(\S+)", text, re.M).group(1).rstrip("/")
+    _, config = images.trainer_rootfs()
+    assert config["WorkingDir"] == workdir
+    assert e2e_demo.IMAGE_EXAMPLES == examples_dest
