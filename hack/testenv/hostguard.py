@@ -117,12 +117,13 @@ def unmount(prefixes: list[str]) -> None:
             os.system(f"umount -l '{point}' 2>/dev/null")
 
 
-def restore(before: dict, netns_dir_entries_ours: tuple[str, ...] = ()) -> None:
-    """Put back the sysctls and remove the host paths and netns handles that we created."""
+def restore(before: dict) -> None:
+    """Put back the sysctls and remove the host paths and the pods' netns handles that we
+    created (the nodes' own namespaces are network.delete()'s)."""
     handles_before = set(before.get("netns_handles", []))
     if os.path.isdir("/run/netns"):
         for entry in os.listdir("/run/netns"):
-            if entry not in handles_before and (entry.startswith("cni-") or entry in netns_dir_entries_ours):
+            if entry not in handles_before and entry.startswith("cni-"):
                 path = f"/run/netns/{entry}"
                 os.system(f"umount '{path}' 2>/dev/null")
                 try:

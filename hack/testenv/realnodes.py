@@ -161,4 +161,4 @@ def down(d: Path, state: dict) -> None:
         nodes.sweep(d, n)
     network.delete()
     if "host" in state:
-        hostguard.restore(state["host"], tuple(network.namespaces()))
+        hostguard.restore(state["host"])
