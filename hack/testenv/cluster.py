@@ -412,6 +412,12 @@ def down() -> None:
     procs = state.get("procs", {})
     if state.get("real_nodes"):
         realnodes.drain(d, state, build.bin_dir())  # pods go while their kubelets still run
-    _stop(list(reversed(list(procs.values()))))  # newest first
+    # Clients first, then the API server (with its clients gone it has no watch to drain and
+    # stops at once, where it took 10+ s stopped beside them), then etcd under it.
+    last = ("kube-apiserver", "etcd")
+    _stop([p for name, p in reversed(list(procs.items())) if name not in last])
+    for name in last:
+        if name in procs:
+            _stop([procs[name]])
     realnodes.down(d, state)  # also after a crash: namespaces, mounts, cgroups, sysctls
     shutil.rmtree(d, ignore_errors=True)
