@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import JSON
-from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
+from transom.coordinator.membership import Membership, Settings
+from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -119,7 +120,7 @@ def test_no_sequence_of_calls_records_impossible_progress(started, calls):
                 m.record_checkpoint(CheckpointReport(identity=who, step=step, uri="s3://b/x"), now, now)
             else:
                 m.try_decide(now)
-        except (Conflict, NotRegistered, JobCompleted, ValueError):
+        except (Evicted, NotRegistered, JobCompleted, ValueError):
             pass  # the protocol's own refusals (409, 404, 410, 400)
         if m.current is None:
             continue

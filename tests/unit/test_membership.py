@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 
 from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
-from transom.coordinator.membership import Conflict, NotRegistered, Settings
+from transom.coordinator.membership import Settings
+from transom.errors import Evicted, NotRegistered
 from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest
 
 
@@ -173,7 +174,7 @@ def test_reported_failed_member_is_not_waited_for():
     assert d1.quorum_id == d0.quorum_id + 1
     assert m.failures_total["reported"] == 1
     assert m.replicas[2].state == "failed" and "exit code -11" in m.replicas[2].last_failure
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.request_quorum(qreq(2, 1, 0, 0), 1.0)
 
 
@@ -236,7 +237,7 @@ def test_member_left_behind_is_restarted_and_rejoins_and_recovers():
     d1 = m.try_decide(1.5)
     assert d1 is not None and d1.member_ids() == [0, 1]
     # The straggler was declared hung: the old incarnation is refused ...
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.request_quorum(qreq(2, 0, d0.quorum_id, d0.round), 2.0)
     # ... its launcher restarts it as a new attempt, which joins the next round at step 0
     # while 0 and 1 committed step 1 under quorum 1.
@@ -264,9 +265,9 @@ def test_heartbeat_expiry_marks_replica_failed(age, expired):
     assert m.replica_state(ident(0)).state == ("failed" if expired else "healthy")
     if expired:
         assert "no heartbeat" in m.replica_state(ident(0)).reason
-        with pytest.raises(Conflict):
+        with pytest.raises(Evicted):
             m.heartbeat(HeartbeatRequest(identity=ident(0), step=8), 10.0 + age)
-        with pytest.raises(Conflict):
+        with pytest.raises(Evicted):
             m.request_quorum(qreq(0), 10.0 + age)
 
 
@@ -352,13 +353,13 @@ def test_stale_incarnation_gets_conflict(gen, att):
     m = make(2)
     register(m, 0, gen=2, att=3)
     stale = ident(0, gen, att)
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         register(m, 0, 1.0, gen=gen, att=att)
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.heartbeat(HeartbeatRequest(identity=stale, step=1), 1.0)
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.request_quorum(qreq(0, gen=gen, att=att), 1.0)
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.leave(LeaveRequest(identity=stale, step=1), 1.0)
     assert m.report_failure(FailureReport(identity=stale, reason="old news"), 1.0) is False
     assert m.replica_state(stale).state == "superseded"
@@ -376,7 +377,7 @@ def test_newer_attempt_supersedes_old_and_drops_its_pending_request():
     assert m.failures_total["superseded"] == 1
     assert m.replica_state(ident(1, 0, 0)).state == "superseded"
     assert m.replica_state(ident(1, 0, 1)).state == "healthy"
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.request_quorum(qreq(1, 1, 0, 0), 1.6)
     assert m.request_quorum(qreq(1, 0, -1, -1, att=1), 2.0) is None
     m.request_quorum(qreq(0, 1, 0, 0), 2.0)
@@ -391,7 +392,7 @@ def test_register_again_with_same_incarnation_is_idempotent():
     assert m.replicas[0].failures == 0 and m.replicas[0].last_heartbeat == 5.0
     assert m.answer_for(qreq(0)) is d0
     m.report_failure(FailureReport(identity=ident(0), reason="x"), 6.0)
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         register(m, 0, 7.0)  # a dead incarnation cannot come back
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from membership_world import ident, make, next_round, qreq, register, started
-from transom.coordinator.membership import Conflict, JobCompleted
+from transom.errors import Evicted, JobCompleted
 from transom.coordinator.models import CheckpointReport, HeartbeatRequest, LeaveRequest
 
 
@@ -43,7 +43,7 @@ def test_leave_completed_ends_the_job_for_others(completed):
         assert m.completed_step is None and "completedStep" not in m.training(2.0)
         d1 = m.request_quorum(nxt, 2.0)
         assert d1 is not None and d1.member_ids() == [1]
-    with pytest.raises(Conflict):
+    with pytest.raises(Evicted):
         m.heartbeat(HeartbeatRequest(identity=ident(0), step=1), 2.0)
 
 

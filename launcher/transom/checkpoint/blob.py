@@ -25,6 +25,7 @@ import numpy
 import torch
 
 from transom.checkpoint import layout
+from transom.errors import BlobError  # noqa: F401  (raised here; the family lives in errors.py)
 
 # The dtypes a checkpoint or a peer transfer may carry, by the name the manifest records
 # (layout.DTYPE_SIZES is the one list; an older torch may lack some of them).
@@ -32,10 +33,6 @@ DTYPES: Mapping[str, torch.dtype] = {name: getattr(torch, name) for name in layo
 MAX_DIMS = 64
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = 0x04034B50
-
-
-class BlobError(ValueError):
-    """The bytes are not the tensor the record says they are."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -51,6 +51,7 @@ from transom.checkpoint.persist import commit, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
 from transom.checkpoint.snapshot import Snapshot
 from transom.checkpoint.storage import Storage, retry
+from transom.errors import UsageError
 
 log = logging.getLogger("transom.checkpoint")
 
@@ -145,7 +146,7 @@ class CheckpointEngine:
         t0 = time.monotonic()
         with self._cond:
             if self._closing:
-                raise RuntimeError("the checkpoint engine is closed")
+                raise UsageError("the checkpoint engine is closed")
             if self._job is not None:
                 self.skipped += 1
                 self._skips.append((step, attempt, slot.part))

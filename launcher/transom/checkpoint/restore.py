@@ -23,20 +23,9 @@ import torch
 
 from transom.checkpoint import blob, layout, structure
 from transom.checkpoint.storage import Storage
+from transom.errors import CorruptCheckpoint, IncompatibleCheckpoint, NoCheckpoint  # noqa: F401  (the family lives in errors.py)
 
 log = logging.getLogger("transom.checkpoint")
-
-
-class NoCheckpoint(LookupError):
-    """No complete, valid checkpoint exists under the URI."""
-
-
-class CorruptCheckpoint(ValueError):
-    pass
-
-
-class IncompatibleCheckpoint(ValueError):
-    """The checkpoint is sound but sharded for a different number of ranks."""
 
 
 @dataclass

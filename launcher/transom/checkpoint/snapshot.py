@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from transom.errors import CheckpointError, UsageError
+
 
 class Snapshot:
     def __init__(self) -> None:
@@ -38,7 +40,7 @@ class Snapshot:
     def start(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Begin copying `tensors` (detached values) into the host buffers."""
         if self._thread is not None or self._event is not None:
-            raise RuntimeError("a snapshot copy is still in progress; wait() for it first")
+            raise UsageError("a snapshot copy is still in progress; wait() for it first")
         for key in [k for k in self._buffers if k not in tensors]:
             del self._buffers[key]
         pairs = [(self._buffer(k, t), t.detach()) for k, t in tensors.items()]
@@ -78,7 +80,7 @@ class Snapshot:
                 self._event = None
             if self._error is not None:
                 error, self._error = self._error, None
-                raise RuntimeError("snapshot copy failed") from error
+                raise CheckpointError("snapshot copy failed") from error
             return dict(self._buffers)
 
     @property

@@ -30,28 +30,9 @@ from transom.coordinator.models import (
     RendezvousInfo,
     ReplicaState,
 )
+from transom.errors import CoordinatorError, Evicted, JobCompleted, NotRegistered  # noqa: F401  (the family lives in errors.py)
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class CoordinatorError(Exception):
-    """The coordinator refused a request (4xx) or stayed unreachable past the deadline."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class Evicted(CoordinatorError):
-    """409: this incarnation was declared dead or superseded; the process should exit."""
-
-
-class NotRegistered(CoordinatorError):
-    """404: the coordinator does not know this replica (it restarted): register again."""
-
-
-class JobCompleted(CoordinatorError):
-    """410: other replicas already finished the job; this one should stop."""
 
 
 class CoordinatorClient:

@@ -56,18 +56,7 @@ from transom.coordinator.models import (
     ReplicaState,
     ReplicaStatus,
 )
-
-
-class Conflict(Exception):
-    """The caller is a superseded or dead incarnation (HTTP 409)."""
-
-
-class NotRegistered(Exception):
-    """The caller never registered (HTTP 404)."""
-
-
-class JobCompleted(Exception):
-    """A replica already finished the job; there is nothing left to join (HTTP 410)."""
+from transom.errors import Evicted, JobCompleted, NotRegistered
 
 
 def default_heartbeat_interval(timeout_s: float) -> float:
@@ -178,16 +167,16 @@ class Membership:
         self.events_total += 1
 
     def _live(self, identity: Identity) -> Replica:
-        """The record of a live incarnation, or Conflict/NotRegistered."""
+        """The record of a live incarnation, or Evicted/NotRegistered."""
         rep = self.replicas.get(identity.replica_id)
         if rep is None:
             raise NotRegistered(f"replica {identity.replica_id} is not registered")
         if rep.identity.key() != identity.key():
-            raise Conflict(
+            raise Evicted(
                 f"replica {identity.replica_id} incarnation {identity.key()} is superseded by {rep.identity.key()}"
             )
         if rep.state != "healthy":
-            raise Conflict(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
+            raise Evicted(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
         return rep
 
     def _check_step(self, replica_id: int, step: int, what: str) -> None:
@@ -218,10 +207,10 @@ class Membership:
             raise ValueError(f"replica_id must be below num_replicas ({self.settings.num_replicas})")
         old = self.replicas.get(rid)
         if old is not None and old.identity.key() > req.identity.key():
-            raise Conflict(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
+            raise Evicted(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
         if old is not None and old.identity.key() == req.identity.key():
             if old.state != "healthy":
-                raise Conflict(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
+                raise Evicted(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
             old.store_addr, old.state_endpoints, old.last_heartbeat = req.store_addr, list(req.state_endpoints), now
         else:
             failures, last_failure = 0, None

@@ -38,7 +38,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
 from transom.coordinator.kube_status import StatusWriter
-from transom.coordinator.membership import Conflict, JobCompleted, Membership, NotRegistered, Settings
+from transom.coordinator.membership import Membership, Settings
+from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
     ErrorBody,
@@ -210,7 +211,7 @@ class CoordinatorServer:
             return _error(400, str(e))
         except ValueError as e:
             return _error(400, str(e))
-        except Conflict as e:
+        except Evicted as e:
             return _error(409, str(e))
         except NotRegistered as e:
             return _error(404, str(e))
@@ -287,7 +288,7 @@ class CoordinatorServer:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
-                m._live(req.identity)  # raises Conflict if declared dead meanwhile
+                m._live(req.identity)  # raises Evicted if declared dead meanwhile
                 decision = m.answer_for(req)
                 if decision is None and m.completed_step is not None:
                     raise JobCompleted(f"the job completed at step {m.completed_step}")

@@ -1,11 +1,14 @@
 """Fault tolerance across data-parallel replicas (needs torch): quorum client, FTAR, vote.
 
 The public API is `init()`, `FaultTolerant`, `FTConfig` and `CheckpointConfig`; see manager.py for a complete
-example loop and docs/training-api.md for the guide.
+example loop and docs/training-api.md for the guide. The exceptions a script may catch are
+transom.errors' (the ones a loop meets most are re-exported here).
 """
 
 from transom.checkpoint.engine import CheckpointConfig
-from transom.ft.manager import FaultTolerant, FTConfig, TooManyFailedSteps, lr_factor, state_digest
+from transom.errors import Evicted, JobCompleted, NoQuorum, TooManyFailedSteps, TransomError
+from transom.ft.manager import FaultTolerant, FTConfig, lr_factor, state_digest
 from transom.ft.replica import ReplicaContext, init
 
-__all__ = ["CheckpointConfig", "FaultTolerant", "FTConfig", "ReplicaContext", "TooManyFailedSteps", "init", "lr_factor", "state_digest"]
+__all__ = ["CheckpointConfig", "Evicted", "FaultTolerant", "FTConfig", "JobCompleted", "NoQuorum", "ReplicaContext",
+           "TooManyFailedSteps", "TransomError", "init", "lr_factor", "state_digest"]

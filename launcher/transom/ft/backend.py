@@ -25,10 +25,7 @@ from collections.abc import Sequence
 
 from transom import contract
 from transom.contract import BACKENDS, DEFAULT_BACKEND
-
-
-class BackendError(ValueError):
-    """The requested backend cannot serve this placement of processes and tensors."""
+from transom.errors import BackendError  # noqa: F401  (raised here; the family lives in errors.py)
 
 
 def requested(value: str | None = None) -> str:

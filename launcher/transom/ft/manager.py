@@ -65,9 +65,11 @@ from transom.ft import wire
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
+from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.state_server import StateServer, fetch_state
 from transom.ft.stats import StatsWriter
+
 
 log = logging.getLogger("transom.ft")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -76,10 +78,6 @@ LR_SCALING = ("none", "linear", "sqrt")
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-class TooManyFailedSteps(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -250,7 +248,7 @@ class FaultTolerant:
             self.begin_step()
             yield self.step
             if self._in_step:
-                raise RuntimeError("call finish_step() once in every iteration of steps()")
+                raise UsageError("call finish_step() once in every iteration of steps()")
 
     def begin_step(self) -> None:
         if self._evicted:
@@ -280,7 +278,7 @@ class FaultTolerant:
         of a committed step (gradient clipping, an AMP scaler's unscale_).
         """
         if not self._in_step:
-            raise RuntimeError("finish_step() without begin_step(); iterate over steps()")
+            raise UsageError("finish_step() without begin_step(); iterate over steps()")
         q = self._await_quorum()
         if q is None:  # the job completed without us: nothing to commit
             self._in_step = False
@@ -314,7 +312,7 @@ class FaultTolerant:
         if self.checkpoints is not None and self.checkpoints.skipped_restore_of is not None:
             newest = self.checkpoints.skipped_restore_of
             if q.max_step < newest:  # the peer we counted on is gone: start over and restore
-                raise RuntimeError(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
+                raise MustRestart(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
                                    f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
             self.checkpoints.skipped_restore_of = None
         if committed:
@@ -352,6 +350,16 @@ class FaultTolerant:
         if self._failed_in_a_row >= self.config.max_failed_steps:
             raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
         return committed
+
+    def __enter__(self) -> "FaultTolerant":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """`with ft.FaultTolerant(...) as trainer:` closes on the way out: a normal exit ends
+        the job where it is (completed: the loop ran to its target, or the script left it
+        on purpose, e.g. early stopping); an exception is this replica's failure, reported
+        at once, and the exception goes on."""
+        self.close(end_job=exc_type is None)
 
     def close(self, end_job: bool = False) -> None:
         """Leave the job and stop every thread this object started. Call it once training ends,
@@ -435,7 +443,7 @@ class FaultTolerant:
                 log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, answer["completed"])
                 self.completed_elsewhere = True
                 return None
-            raise RuntimeError(f"replica {self.replica_id}: no quorum: {answer['error']}")
+            raise NoQuorum(f"replica {self.replica_id}: no quorum: {answer['error']}")
         return QuorumResponse.model_validate_json(answer)
 
     def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
@@ -492,7 +500,7 @@ class FaultTolerant:
         state = wire.decode(blob, self.device, sharding.rebuilder(sharding.mesh_of(self.model)))
         if not isinstance(state, dict) or state.get("step") != q.max_step:
             step = state.get("step") if isinstance(state, dict) else None
-            raise RuntimeError(f"peer sent step {step!r}, expected {q.max_step}")
+            raise WireError(f"peer sent step {step!r}, expected {q.max_step}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.extra_state is not None and state["extra"] is not None:

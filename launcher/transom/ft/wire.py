@@ -25,14 +25,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from transom.checkpoint import blob, structure
+from transom.errors import WireError  # noqa: F401  (raised here; the family lives in errors.py)
 
 MAGIC = b"transom-state/1\n"
 MAX_INDEX_BYTES = 256 << 20
 _LENGTH = struct.Struct("<Q")
-
-
-class WireError(ValueError):
-    """The bytes are not a state this receiver can take."""
 
 
 class _Entry(BaseModel):

@@ -3,7 +3,8 @@
     transom run --replicas 2 -- python small_job.py --steps 40 [--end-at 10] [--child-pid-dir D]
 
 `--end-at N`: every replica commits step N in the same round and then ends the job on
-purpose with `trainer.close(end_job=True)`, the documented way to stop early. `--child-pid-dir
+purpose with `trainer.close(end_job=True)`, the documented way to stop early (with
+`--with-form`, the loop runs in `with ft.FaultTolerant(...) as trainer:` and just breaks). `--child-pid-dir
 D`: each worker starts a long-running child process of its own (as a DataLoader worker or a
 helper tool would) and writes its own and the child's pid under D, so a test can check that
 nothing outlives a stop.
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--end-at", type=int, default=None)
     p.add_argument("--child-pid-dir", type=Path, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
+    p.add_argument("--with-form", action="store_true", help="use `with FaultTolerant(...)` instead of close()")
+    p.add_argument("--raise-at", type=int, default=None, help="(with --with-form) raise after committing this step")
     args = p.parse_args()
     ctx = ft.init()
     if args.child_pid_dir is not None:
@@ -36,6 +39,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
+    if args.with_form:
+        with trainer:
+            for step in trainer.steps(args.steps):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))
+                model(x).pow(2).mean().backward()
+                trainer.finish_step()
+                if trainer.step == args.end_at:
+                    break  # leaving the block normally ends the job here
+                if trainer.step == args.raise_at:
+                    raise RuntimeError(f"a bug at step {trainer.step}")  # leaving by an exception is a failure
+        return
     try:
         for step in trainer.steps(args.steps):
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))

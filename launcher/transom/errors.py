@@ -1,0 +1,112 @@
+"""Every exception Transom raises that a training script or a tool may want to catch: one
+family, so `except transom.errors.TransomError` catches them all and nothing else.
+
+    TransomError
+    ├── CoordinatorError          the coordinator refused a request, or stayed unreachable
+    │   ├── Evicted               409: this incarnation was declared dead or superseded: exit
+    │   ├── NotRegistered         404: the coordinator does not know this replica: register again
+    │   └── JobCompleted          410: the job is complete: there is nothing left to join
+    ├── NoQuorum                  no quorum formed within `quorum_timeout_s`
+    ├── TooManyFailedSteps        the replica failed `max_failed_steps` steps in a row
+    ├── MustRestart               this replica cannot go on where it is; its launcher restarts it
+    ├── UsageError                the API used out of order (a bug in the calling script)
+    ├── BackendError              a collective backend that cannot work where the tensors are
+    ├── CheckpointError
+    │   ├── NoCheckpoint          no committed checkpoint to restore
+    │   ├── CorruptCheckpoint     a checkpoint whose bytes do not match its manifest
+    │   └── IncompatibleCheckpoint  a sound checkpoint that does not fit this job
+    └── InvalidBytes              bytes from a peer or from storage that are not what they claim
+        ├── WireError             a peer's replica state
+        └── BlobError             a tensor blob in a checkpoint
+
+The coordinator raises the same three CoordinatorError classes that its client raises (it
+maps each to its HTTP status), so one name means one thing on both ends. Each class also
+derives from the builtin its callers caught before it existed (RuntimeError, ValueError,
+LookupError), so older `except ValueError:` code still works. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+
+class TransomError(Exception):
+    """The root of every exception Transom raises on purpose."""
+
+
+class CoordinatorError(TransomError):
+    """The coordinator refused a request (`status`: its HTTP status) or stayed unreachable
+    past the deadline (`status` None)."""
+
+    default_status: int | None = None
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status if status is not None else self.default_status
+
+
+class Evicted(CoordinatorError):
+    """409: this incarnation was declared dead or superseded; the process should exit."""
+
+    default_status = 409
+
+
+class NotRegistered(CoordinatorError):
+    """404: the coordinator does not know this replica (it restarted): register again."""
+
+    default_status = 404
+
+
+class JobCompleted(CoordinatorError):
+    """410: the job is complete (a replica committed its last step); this one should stop."""
+
+    default_status = 410
+
+
+class NoQuorum(TransomError, RuntimeError):
+    """The coordinator formed no quorum with this replica within `FTConfig.quorum_timeout_s`."""
+
+
+class MustRestart(TransomError, RuntimeError):
+    """This replica cannot go on from where it is (e.g. it skipped restoring a checkpoint
+    for a peer that is gone); let it propagate: its launcher restarts it."""
+
+
+class UsageError(TransomError, RuntimeError):
+    """The training API was used out of order: a bug in the calling script; the message
+    says which call was expected."""
+
+
+class TooManyFailedSteps(TransomError, RuntimeError):
+    """`FTConfig.max_failed_steps` steps in a row were not committed."""
+
+
+class BackendError(TransomError, ValueError):
+    """A collective backend that cannot work for these processes and tensors (e.g. NCCL
+    with CPU gradients); the message says what to change."""
+
+
+class CheckpointError(TransomError):
+    """A checkpoint could not be restored."""
+
+
+class NoCheckpoint(CheckpointError, LookupError):
+    """There is no committed checkpoint (of that step) under the URI."""
+
+
+class CorruptCheckpoint(CheckpointError, ValueError):
+    """A checkpoint's files do not match its manifest (size, checksum, layout)."""
+
+
+class IncompatibleCheckpoint(CheckpointError, ValueError):
+    """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks)."""
+
+
+class InvalidBytes(TransomError, ValueError):
+    """Bytes from a peer or from storage that are not what they claim to be; never executed."""
+
+
+class WireError(InvalidBytes):
+    """A peer's replica state that does not parse or does not match its index."""
+
+
+class BlobError(InvalidBytes):
+    """A tensor blob whose header, size or checksum is wrong."""
