@@ -7,8 +7,9 @@ transom.errors' (the ones a loop meets most are re-exported here).
 
 from transom.checkpoint.engine import CheckpointConfig
 from transom.errors import Evicted, JobCompleted, NoQuorum, TooManyFailedSteps, TransomError
+from transom.ft.data import ReplicaSampler
 from transom.ft.manager import FaultTolerant, FTConfig, lr_factor, state_digest
 from transom.ft.replica import ReplicaContext, init
 
-__all__ = ["CheckpointConfig", "Evicted", "FaultTolerant", "FTConfig", "JobCompleted", "NoQuorum", "ReplicaContext",
+__all__ = ["CheckpointConfig", "Evicted", "FaultTolerant", "FTConfig", "JobCompleted", "NoQuorum", "ReplicaContext", "ReplicaSampler",
            "TooManyFailedSteps", "TransomError", "init", "lr_factor", "state_digest"]

@@ -61,7 +61,7 @@ from transom.coordinator.models import (
 from transom import inject
 from transom.checkpoint import sharding
 from transom.ft import backend as placement
-from transom.ft import wire
+from transom.ft import data, wire
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
@@ -177,6 +177,7 @@ class FaultTolerant:
         self._last_round = -1
         self._last_failed = False
         self._last_loss: float | None = None
+        self.last_step_committed = False  # see finish_step
         self._last_seconds: float | None = None
         self._failed_in_a_row = 0
         self._group_prefix = ""
@@ -249,6 +250,11 @@ class FaultTolerant:
             yield self.step
             if self._in_step:
                 raise UsageError("call finish_step() once in every iteration of steps()")
+
+    def batches(self, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
+        """`(step, batch)` from a DataLoader over an `ft.ReplicaSampler` until `num_steps` steps
+        are committed; a retried step sees the same batch again (ft/data.py)."""
+        return data.batches(self, loader, num_steps)
 
     def begin_step(self) -> None:
         if self._evicted:
@@ -340,6 +346,9 @@ class FaultTolerant:
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         self._last_failed = not committed
         self._last_loss = loss_value if committed and not recovering else None
+        # Whether this replica's batch went into a committed step: not while it recovers
+        # (it contributes zeros) nor when the step failed (the batch comes again).
+        self.last_step_committed = committed and not recovering
         self._last_seconds = time.monotonic() - self._step_started
         self._in_step = False
         self.stats.step(

@@ -1,0 +1,118 @@
+"""Data for an ordinary `DataLoader` loop: each replica's and each rank's own part of every
+global batch, positioned by the committed step.
+
+`ReplicaSampler` is a `torch.utils.data.Sampler` in the manner of `DistributedSampler`: an
+epoch is a permutation of the dataset fixed by `seed` and the epoch number, and the
+`num_replicas x world_size` ranks take every such rank's turn of it (global rank `g =
+replica_id * world_size + rank` takes positions `g, g + W, g + 2W, ...`). The loader cuts
+a rank's stream into batches of `batch_size`, so the global batch of step `s` is every
+rank's `s`-th batch: disjoint, and the same whichever process computes it.
+
+The position is not state of its own: a rank that has committed `s` steps has consumed
+`s * batch_size` samples of its stream, so `set_step(s, batch_size)` puts the sampler where
+the committed steps left off, for a replica that rejoins (its state came from a peer at
+step `s`), a job restarted from a checkpoint, or a retried step (`FaultTolerant.batches`
+calls it). What a failure skips: while a replica is missing, or its step is not committed,
+its share of those global batches is trained by nobody; a rejoining replica goes on at the
+step the others reached, so no sample is trained twice in committed steps. The epoch of
+step `s` is `s // steps_per_epoch`: an epoch is `per_rank_samples // batch_size` whole
+batches on every rank (a partial last batch is dropped, so that every step's global batch
+is whole); `drop_last=False` wraps the permutation around to even out the ranks instead
+of dropping the dataset's tail, as DistributedSampler does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ReplicaSampler(Sampler[int]):
+    def __init__(self, dataset: Sized, ctx, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        self.size = len(dataset)
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.ranks = ctx.num_replicas * ctx.world_size
+        self.global_rank = ctx.replica_id * ctx.world_size + ctx.rank
+        if self.size < self.ranks:
+            raise ValueError(f"a dataset of {self.size} samples cannot feed {self.ranks} ranks")
+        # Every rank the same count, as DistributedSampler: drop the tail, or wrap around.
+        self.per_rank = self.size // self.ranks if drop_last else math.ceil(self.size / self.ranks)
+        self.epoch = 0
+        self.offset = 0  # samples of this epoch this rank has already consumed
+        self.limit = self.per_rank  # samples of an epoch that are used (whole batches only)
+
+    def __len__(self) -> int:
+        return self.limit - self.offset
+
+    def set_epoch(self, epoch: int) -> None:
+        """As DistributedSampler's: the epoch's permutation (the position goes to its start)."""
+        self.epoch, self.offset = epoch, 0
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Whole batches of a rank per epoch (a partial last batch is dropped on every rank)."""
+        if batch_size < 1 or batch_size > self.per_rank:
+            raise ValueError(f"batch_size {batch_size} does not fit {self.per_rank} samples per rank and epoch")
+        return self.per_rank // batch_size
+
+    def set_step(self, step: int, batch_size: int) -> None:
+        """Where a rank stands after `step` committed steps of `batch_size` samples each."""
+        per_epoch = self.steps_per_epoch(batch_size)
+        self.epoch, within = divmod(step, per_epoch)
+        self.offset, self.limit = within * batch_size, per_epoch * batch_size
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's samples of `epoch`, in order."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.per_rank * self.ranks
+        if total > len(order):  # not drop_last: wrap around to even the ranks out
+            order += order[: total - len(order)]
+        return order[self.global_rank:total:self.ranks]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices(self.epoch)[self.offset:self.limit])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "limit": self.limit, "seed": self.seed, "ranks": self.ranks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed") != self.seed or state.get("ranks") != self.ranks:
+            raise ValueError(f"sampler state of seed {state.get('seed')} over {state.get('ranks')} ranks does not fit "
+                             f"this sampler (seed {self.seed}, {self.ranks} ranks)")
+        self.epoch, self.offset, self.limit = int(state["epoch"]), int(state["offset"]), int(state["limit"])
+
+
+def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
+    """`(step, batch)` until `num_steps` steps are committed (FaultTolerant.batches).
+
+    A new step takes the loader's next batch; a retried step (not committed) gets the same
+    batch again; a step the replica jumped to (recovered from a peer, restored from a
+    checkpoint) repositions the sampler at that step first. At the end of an epoch the
+    loader starts the next one.
+    """
+    sampler = loader.sampler if isinstance(loader.sampler, ReplicaSampler) else None
+    if sampler is None:
+        raise TypeError("trainer.batches needs a DataLoader whose sampler is an ft.ReplicaSampler")
+    if loader.batch_size is None:
+        raise TypeError("trainer.batches needs a DataLoader with a batch_size")
+    it, expected, current, batch = None, None, None, None
+    for step in trainer.steps(num_steps):
+        if step != current:
+            if it is None or step != expected:
+                sampler.set_step(step, loader.batch_size)
+                it = iter(loader)
+            try:
+                batch = next(it)
+            except StopIteration:  # the epoch is over: the next one from its start
+                sampler.set_step(step, loader.batch_size)
+                it = iter(loader)
+                batch = next(it)
+            current, expected = step, step + 1
+        yield step, batch

@@ -1,0 +1,62 @@
+"""A loop over an ordinary DataLoader (worker processes) through ft.ReplicaSampler and
+trainer.batches, logging which samples each committed step trained on.
+
+    transom run --replicas 3 -- python dataloader_job.py --steps 30 --log-dir D [--workers 2]
+
+Every rank appends one JSON line per step to D/<replica>-<rank>-<pid>.jsonl:
+{"replica", "rank", "step", "committed", "indices"}; the test checks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from transom import ft
+
+SAMPLES = 120
+BATCH = 4
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    return TensorDataset(torch.arange(SAMPLES), x, y)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--log-dir", type=Path, required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="sleep this long in every step (so that a killed replica restarts while the others train)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    ctx = ft.init()
+    data = dataset()
+    loader = DataLoader(data, batch_size=BATCH, sampler=ft.ReplicaSampler(data, ctx, seed=5), num_workers=args.workers)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    log = open(args.log_dir / f"{ctx.replica_id}-{ctx.rank}-{os.getpid()}.jsonl", "a")
+    with ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.05), ctx) as trainer:
+        for step, (index, x, y) in trainer.batches(loader, args.steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            time.sleep(args.step_seconds)
+            trainer.finish_step(loss)
+            committed = trainer.last_step_committed  # this replica's batch went into a committed step
+            log.write(json.dumps({"replica": ctx.replica_id, "rank": ctx.rank, "step": step,
+                                  "committed": committed, "indices": index.tolist()}) + "\n")
+            log.flush()
+
+
+if __name__ == "__main__":
+    main()
