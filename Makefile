@@ -116,6 +116,7 @@ test-e2e: install testenv
 generate: install
 	$(PY) -m transom_operator.crdgen
 	$(PY) -m transom_operator.dashboard
+	$(PY) -m transom.defaults --write docs/defaults.md
 
 clean-venv:
 	rm -rf $(VENV) .venv

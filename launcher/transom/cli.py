@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from transom import contract
+from transom.defaults import LOCAL
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Settings
@@ -113,11 +114,12 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def coordinator_settings(args: argparse.Namespace) -> "Settings":
     """The coordinator's Settings from its flags; ValueError names a contradiction."""
-    from transom.coordinator.membership import Settings, default_heartbeat_interval
+    from transom.coordinator.membership import Settings
+    from transom.defaults import heartbeat_interval_s
 
     interval = args.heartbeat_interval
     if interval is None:  # follows the timeout, so any timeout the CRD allows works
-        interval = default_heartbeat_interval(args.heartbeat_timeout)
+        interval = heartbeat_interval_s(args.heartbeat_timeout)
     return Settings(
         job=args.job,
         num_replicas=args.replicas,
@@ -221,15 +223,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--min-replicas", type=count, default=1, help="training pauses below this many")
     c.add_argument("--heartbeat-interval", type=seconds, default=None,
                    help="seconds between a replica's heartbeats (default: min(1, timeout/3))")
-    c.add_argument("--heartbeat-timeout", type=seconds, default=3.0)
-    c.add_argument("--failed-grace", type=seconds_or_zero, default=1.0)
-    c.add_argument("--round-timeout", type=seconds, default=120.0)
-    c.add_argument("--startup-wait", type=seconds_or_zero, default=60.0)
+    c.add_argument("--heartbeat-timeout", type=seconds, default=LOCAL.heartbeat_timeout_s)
+    c.add_argument("--failed-grace", type=seconds_or_zero, default=LOCAL.failed_grace_s)
+    c.add_argument("--round-timeout", type=seconds, default=LOCAL.round_timeout_s)
+    c.add_argument("--startup-wait", type=seconds_or_zero, default=LOCAL.startup_wait_s)
     c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
     c.add_argument("--kube-status", action="store_true",
                    help="write status.training of the TrainingJob (in-cluster ServiceAccount)")
     c.add_argument("--namespace", default=None, help=f"the job's namespace (default: ${contract.ENV_NAMESPACE})")
-    c.add_argument("--status-interval", type=seconds, default=5.0, help="seconds between status writes")
+    c.add_argument("--status-interval", type=seconds, default=LOCAL.status_interval_s, help="seconds between status writes")
     c.add_argument("--kube-api", help="API server URL, to write status from outside a cluster (tests)")
     c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
     c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")
@@ -248,8 +250,8 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--summary-json", help="write the end summary here")
     r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
-    r.add_argument("--collective-timeout", type=seconds, default=10.0)
-    r.add_argument("--heartbeat-timeout", type=seconds, default=3.0)
+    r.add_argument("--collective-timeout", type=seconds, default=LOCAL.collective_timeout_s)
+    r.add_argument("--heartbeat-timeout", type=seconds, default=LOCAL.heartbeat_timeout_s)
     r.add_argument("--max-restarts", type=non_negative, default=3, help="in-place restarts per launcher")
     r.add_argument("--timeout", type=seconds, default=3600.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")

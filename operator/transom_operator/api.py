@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, WithJsonSchema, field_validator
 
 from transom.contract import DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
+from transom.defaults import CLUSTER
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
     GROUP,
     VERSION,
@@ -222,7 +223,7 @@ class FaultTolerance(ApiModel):
         300, ge=0, le=86400, description="Upper bound of the replacement delay.",
     )
     collective_timeout_seconds: int = Field(
-        60, ge=1, le=3600,
+        int(CLUSTER.collective_timeout_s), ge=1, le=3600,
         description="Longest a cross-replica collective may block before its replica is dropped from the step.",
     )
     backend: Backend = Field(
@@ -234,7 +235,7 @@ class FaultTolerance(ApiModel):
         ),
     )
     heartbeat_timeout_seconds: int = Field(
-        30, ge=1, le=3600,
+        int(CLUSTER.heartbeat_timeout_s), ge=1, le=3600,
         description=(
             "A replica whose leader has not sent a heartbeat to the job's coordinator for this long is "
             "declared failed: it leaves the quorum and its launcher restarts it in place."

@@ -57,11 +57,10 @@ from transom.coordinator.models import (
     ReplicaStatus,
 )
 from transom.errors import Evicted, JobCompleted, NotRegistered
+from transom.defaults import LOCAL
+from transom.defaults import heartbeat_interval_s as interval_for
 
 
-def default_heartbeat_interval(timeout_s: float) -> float:
-    """One beat a second, or three per timeout when the timeout is shorter than 3 s."""
-    return min(1.0, timeout_s / 3)
 
 
 @dataclass(frozen=True)
@@ -69,19 +68,19 @@ class Settings:
     job: str = "local"
     num_replicas: int = 1
     min_replicas: int = 1
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_interval_s: float = interval_for(LOCAL.heartbeat_timeout_s)
+    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
     # How long a round with a reported failure waits for members that did not ask again
     # before deciding without them. Short: a live member asks within milliseconds of its
     # failed collective; a dead one never does.
-    failed_grace_s: float = 1.0
+    failed_grace_s: float = LOCAL.failed_grace_s
     # A member of the current quorum that does not ask for its next quorum this long after
     # another member did is declared hung (a stuck training thread keeps heartbeating).
-    round_timeout_s: float = 120.0
+    round_timeout_s: float = LOCAL.round_timeout_s
     # The first quorum waits for all replicas this long, then starts with minReplicas:
     # otherwise the first replica to start would train alone and the others would only
     # copy its state.
-    startup_wait_s: float = 60.0
+    startup_wait_s: float = LOCAL.startup_wait_s
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s", "round_timeout_s",

@@ -48,6 +48,7 @@ from transom.checkpoint.engine import CheckpointConfig
 from transom import contract
 from transom.contract import ENV_COLLECTIVE_TIMEOUT, ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
+from transom.defaults import LOCAL
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -84,11 +85,11 @@ class Stateful(Protocol):
 class FTConfig:
     """Knobs of the fault-tolerant step. Explicit arguments win over TRANSOM_* variables."""
 
-    collective_timeout_s: float = 10.0
+    collective_timeout_s: float = LOCAL.collective_timeout_s
     """A cross-replica collective that takes longer fails the step (a hung peer costs this)."""
-    quorum_timeout_s: float = 900.0
+    quorum_timeout_s: float = LOCAL.quorum_timeout_s
     """How long a step waits for its quorum (training paused below minReplicas) before raising."""
-    recovery_timeout_s: float = 120.0
+    recovery_timeout_s: float = LOCAL.recovery_timeout_s
     """How long a joining replica waits for its peer's state."""
     max_failed_steps: int = 10
     """Raise after this many failed attempts in a row."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
-from transom.coordinator.membership import Settings, default_heartbeat_interval
+from transom.coordinator.membership import Settings
+from transom.defaults import LOCAL, heartbeat_interval_s
 from transom.inject import Fault
 from transom.launch import gpus
 from transom.launch.supervisor import check_command
@@ -43,8 +44,8 @@ class RunConfig:
     injects: list[tuple[int, str]] = field(default_factory=list)  # (replica, worker fault spec)
     summary_json: str | None = None
     stats_dir: str | None = None
-    collective_timeout_s: float = 10.0
-    heartbeat_timeout_s: float = 3.0
+    collective_timeout_s: float = LOCAL.collective_timeout_s
+    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
     max_restarts: int = 3
     max_generations: int = 3
     timeout_s: float = 3600.0
@@ -99,7 +100,7 @@ class LocalRun:
             job="local",
             num_replicas=config.replicas,
             min_replicas=config.min_replicas,
-            heartbeat_interval_s=default_heartbeat_interval(config.heartbeat_timeout_s),
+            heartbeat_interval_s=heartbeat_interval_s(config.heartbeat_timeout_s),
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
         self.coordinator = CoordinatorThread(settings, self.token)

@@ -1,0 +1,81 @@
+"""Every timeout and interval default of Transom, in one place.
+
+A job runs in one of two settings, and their defaults differ on purpose:
+
+- `LOCAL`: `transom run` on one machine, and a script or coordinator started by hand.
+  Everything shares a loopback; a stall means a fault, and a test or a demo should see it
+  in seconds.
+- `CLUSTER`: a TrainingJob on Kubernetes (the CRD's defaults, which the operator passes to
+  the pods and the coordinator). Networks hiccup, garbage collectors pause, a step of a
+  large model or its first NCCL call can take long: a healthy replica must not be dropped
+  for that, so the timeouts are longer.
+
+The CLI, `FTConfig`, the coordinator's `Settings`, `transom run` and the CRD read their
+defaults from here; `table()` is docs/defaults.md (`make generate`, checked by a test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds; what each one bounds is in DESCRIPTIONS."""
+
+    collective_timeout_s: float
+    heartbeat_timeout_s: float
+    quorum_timeout_s: float
+    recovery_timeout_s: float
+    failed_grace_s: float
+    round_timeout_s: float
+    startup_wait_s: float
+    status_interval_s: float
+
+
+DESCRIPTIONS = {
+    "collective_timeout_s": "A cross-replica collective that takes longer fails the step (a hung peer costs this).",
+    "heartbeat_timeout_s": "A replica without a heartbeat for this long is declared failed by the coordinator.",
+    "quorum_timeout_s": "How long a step waits for its quorum (training paused below minReplicas) before raising.",
+    "recovery_timeout_s": "How long a joining replica waits for a peer's state.",
+    "failed_grace_s": "How long a round with a reported failure waits for members that did not ask again.",
+    "round_timeout_s": "A quorum member that does not ask for its next quorum this long after another did is hung.",
+    "startup_wait_s": "How long the coordinator waits for the first replicas before forming a smaller quorum.",
+    "status_interval_s": "Seconds between the coordinator's writes of status.training.",
+}
+
+
+LOCAL = Timeouts(collective_timeout_s=10.0, heartbeat_timeout_s=3.0, quorum_timeout_s=900.0,
+                 recovery_timeout_s=120.0, failed_grace_s=1.0, round_timeout_s=120.0, startup_wait_s=60.0,
+                 status_interval_s=5.0)
+CLUSTER = Timeouts(collective_timeout_s=60.0, heartbeat_timeout_s=30.0, quorum_timeout_s=900.0,
+                   recovery_timeout_s=120.0, failed_grace_s=1.0, round_timeout_s=120.0, startup_wait_s=60.0,
+                   status_interval_s=5.0)
+
+
+def heartbeat_interval_s(timeout_s: float) -> float:
+    """One beat a second, or three per timeout when the timeout is shorter than 3 s."""
+    return min(1.0, timeout_s / 3)
+
+
+def table() -> str:
+    """docs/defaults.md: the two settings side by side."""
+    rows = ["# Timeout and interval defaults", "",
+            "Generated from `launcher/transom/defaults.py` by `make generate`; do not edit.", "",
+            "| setting | local (`transom run`, by hand) | cluster (TrainingJob) | what it bounds |",
+            "|---|---|---|---|"]
+    for f in fields(Timeouts):
+        rows.append(f"| `{f.name}` | {getattr(LOCAL, f.name):g} | {getattr(CLUSTER, f.name):g} | {DESCRIPTIONS[f.name]} |")
+    rows += ["", "The heartbeat interval follows the timeout: `min(1, timeout / 3)` seconds.", ""]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    out = table()
+    if sys.argv[1:2] == ["--write"]:
+        with open(sys.argv[2], "w") as f:
+            f.write(out)
+    else:
+        print(out, end="")
