@@ -21,7 +21,7 @@ def test_this_torch_is_supported():
 
 def test_every_module_of_transom_imports():
     names = [m.name for m in pkgutil.walk_packages(transom.__path__, "transom.")]
-    assert "transom.checkpoint.persist" in names and "transom.ft.manager" in names
+    assert "transom.checkpoint.persist" in names and "transom.ft.trainer" in names
     for name in names:
         if name == "transom.__main__":
             continue  # runs the CLI

@@ -15,7 +15,7 @@ import torch
 
 from transom import contract, inject
 from transom.ft.ftar import plan_buckets
-from transom.ft.manager import FTConfig, lr_factor
+from transom.ft.config import FTConfig, lr_factor
 from transom.launch.summary import stall_seconds, summarize
 
 

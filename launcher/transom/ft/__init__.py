@@ -1,6 +1,6 @@
 """Fault tolerance across data-parallel replicas (needs torch): quorum client, FTAR, vote.
 
-The public API is `init()`, `FaultTolerant`, `FTConfig` and `CheckpointConfig`; see manager.py for a complete
+The public API is `init()`, `FaultTolerant`, `FTConfig` and `CheckpointConfig`; see trainer.py for a complete
 example loop and docs/training-api.md for the guide. The exceptions a script may catch are
 transom.errors' (the ones a loop meets most are re-exported here).
 """
@@ -8,7 +8,8 @@ transom.errors' (the ones a loop meets most are re-exported here).
 from transom.checkpoint.engine import CheckpointConfig
 from transom.errors import Evicted, JobCompleted, NoQuorum, TooManyFailedSteps, TransomError
 from transom.ft.data import ReplicaSampler
-from transom.ft.manager import FaultTolerant, FTConfig, lr_factor, state_digest
+from transom.ft.config import FTConfig, lr_factor, state_digest
+from transom.ft.trainer import FaultTolerant
 from transom.ft.replica import ReplicaContext, init
 
 __all__ = ["CheckpointConfig", "Evicted", "FaultTolerant", "FTConfig", "JobCompleted", "NoQuorum", "ReplicaContext", "ReplicaSampler",

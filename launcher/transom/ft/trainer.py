@@ -1,4 +1,4 @@
-"""The training-script API: a few lines around an existing loop make it fault tolerant.
+"""`FaultTolerant`, the training-script API: a few lines around an existing loop make it fault tolerant.
 
     ctx = ft.init()                                  # the replica's own world, if any
     model = build_model()                            # identical init on every replica (seed)
@@ -30,25 +30,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
 import logging
-import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from transom.checkpoint.engine import CheckpointConfig
-from transom import contract
-from transom.contract import ENV_COLLECTIVE_TIMEOUT, ENV_STATS_DIR
+from transom.contract import ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
-from transom.defaults import LOCAL
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -64,86 +59,15 @@ from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.checkpointing import Checkpoints, Writers
-from transom.ft.ftar import DEFAULT_BUCKET_BYTES, StepAllReduce
+from transom.ft.ftar import StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.state_server import StateServer, fetch_state
 from transom.ft.stats import StatsWriter
-
+from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
 
 log = logging.getLogger("transom.ft")
-LR_SCALING = ("none", "linear", "sqrt")
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass(frozen=True)
-class FTConfig:
-    """Knobs of the fault-tolerant step. Explicit arguments win over TRANSOM_* variables."""
-
-    collective_timeout_s: float = LOCAL.collective_timeout_s
-    """A cross-replica collective that takes longer fails the step (a hung peer costs this)."""
-    quorum_timeout_s: float = LOCAL.quorum_timeout_s
-    """How long a step waits for its quorum (training paused below minReplicas) before raising."""
-    recovery_timeout_s: float = LOCAL.recovery_timeout_s
-    """How long a joining replica waits for its peer's state."""
-    max_failed_steps: int = 10
-    """Raise after this many failed attempts in a row."""
-    lr_scaling: str = "sqrt"
-    """How the learning rate follows the global batch when replicas are missing."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    backend: str | None = None
-    """Backend of the cross-replica groups: auto, gloo or nccl (backend.py); None: ft.init()'s."""
-
-    def __post_init__(self) -> None:
-        if self.backend is not None:
-            placement.requested(self.backend)  # raises BackendError with the choices
-        if self.lr_scaling not in LR_SCALING:
-            raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
-        for name in ("collective_timeout_s", "quorum_timeout_s", "recovery_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):  # nan would compare false and never time out
-                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
-        if self.max_failed_steps < 1:
-            raise ValueError("max_failed_steps must be at least 1")
-
-    @classmethod
-    def from_environ(cls, **overrides: Any) -> "FTConfig":
-        env = {
-            "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
-            "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
-            "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
-            "backend": os.environ.get(contract.ENV_BACKEND),
-        }
-        values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-
-def lr_factor(scaling: str, participants: int, num_replicas: int) -> float:
-    ratio = participants / num_replicas
-    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Where the model's parameters (and so its gradients) are: the first one's device."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def state_digest(model: torch.nn.Module) -> str:
-    """sha256 over the bytes of every tensor in the model's state, in key order."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        h.update(name.encode())
-        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class FaultTolerant:
@@ -292,12 +216,27 @@ class FaultTolerant:
             self.optimizer.zero_grad(set_to_none=True)
             return False
         self._last_round = q.round
+        recovering = self.replica_id in q.recovering
+        changed, ftar = self._exchange(q, recovering)
+        committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
+        self._check_skipped_restore(q)
+        if committed:
+            self._commit(q, before_optimizer)
+        else:
+            self._failed_in_a_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._record(q, loss, committed, recovering, changed, ftar.error)
+        if self._failed_in_a_row >= self.config.max_failed_steps:
+            raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
+        return committed
+
+    # --- the stages of a step -------------------------------------------------------------------
+    def _exchange(self, q: QuorumResponse, recovering: bool) -> tuple[bool, StepAllReduce]:
+        """The cross-replica part: rebuild the group for a changed quorum, serve or take a
+        recovery, average the gradients. Returns (quorum changed, the step's all-reduce)."""
         # The prefix names a quorum uniquely, across coordinator restarts too.
         changed = q.store_prefix != self._group_prefix
-        error: str | None = None
-        if changed:
-            error = self._rebuild_group(q)
-        recovering = self.replica_id in q.recovering
+        error = self._rebuild_group(q) if changed else None
         if q.serve_recovery:
             self._state_server.publish(q.round, self._snapshot())
         if self.fault:
@@ -315,35 +254,44 @@ class FaultTolerant:
                 self._recover(q)
             except Exception as e:
                 ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
-        committed = self.ctx.all_ok(not ftar.failed)
-        if self.checkpoints is not None and self.checkpoints.skipped_restore_of is not None:
-            newest = self.checkpoints.skipped_restore_of
-            if q.max_step < newest:  # the peer we counted on is gone: start over and restore
-                raise MustRestart(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
-                                   f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
-            self.checkpoints.skipped_restore_of = None
-        if committed:
-            if self.checkpoints is not None:
-                self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
-            factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
-            saved = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] * factor
-            if before_optimizer is not None:
-                before_optimizer()
-            self.optimizer.step()
-            for g, lr in zip(self.optimizer.param_groups, saved):
-                g["lr"] = lr
-            self.step += 1
-            self._commit_quorum_id = q.quorum_id
-            self._failed_in_a_row = 0
-            # Every member that committed this step in this round writes its checkpoint together.
-            self._writers = Writers(q.rank, len(q.members), f"{q.store_prefix}/round{q.round}")
-            if self.checkpoints is not None and self.checkpoints.due(self.step):
-                self.checkpoints.save(self.step, self._writers)
-        else:
-            self._failed_in_a_row += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        return changed, ftar
+
+    def _check_skipped_restore(self, q: QuorumResponse) -> None:
+        """A replica that skipped its checkpoint restore for a peer that held newer state must
+        not go on if that peer is gone and the quorum is behind the checkpoint."""
+        if self.checkpoints is None or self.checkpoints.skipped_restore_of is None:
+            return
+        newest = self.checkpoints.skipped_restore_of
+        if q.max_step < newest:  # the peer we counted on is gone: start over and restore
+            raise MustRestart(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
+                              f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
+        self.checkpoints.skipped_restore_of = None
+
+    def _commit(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None) -> None:
+        """Step the optimizer (its learning rate scaled for missing replicas), count the step,
+        and start the checkpoint that is due."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
+        factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * factor
+        if before_optimizer is not None:
+            before_optimizer()
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, saved):
+            g["lr"] = lr
+        self.step += 1
+        self._commit_quorum_id = q.quorum_id
+        self._failed_in_a_row = 0
+        # Every member that committed this step in this round writes its checkpoint together.
+        self._writers = Writers(q.rank, len(q.members), f"{q.store_prefix}/round{q.round}")
+        if self.checkpoints is not None and self.checkpoints.due(self.step):
+            self.checkpoints.save(self.step, self._writers)
+
+    def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
+                error: str | None) -> None:
+        """What the next quorum request reports, and the step's statistics."""
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         self._last_failed = not committed
         self._last_loss = loss_value if committed and not recovering else None
@@ -354,12 +302,9 @@ class FaultTolerant:
         self._in_step = False
         self.stats.step(
             step=self.step, committed=committed, seconds=round(self._last_seconds, 6), quorum_id=q.quorum_id,
-            quorum_changed=changed, recovering=recovering, participants=q.participants, members=len(q.members), loss=self._last_loss,
-            error=ftar.error, t=time.time(),
+            quorum_changed=changed, recovering=recovering, participants=q.participants, members=len(q.members),
+            loss=self._last_loss, error=error, t=time.time(),
         )
-        if self._failed_in_a_row >= self.config.max_failed_steps:
-            raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
-        return committed
 
     def __enter__(self) -> "FaultTolerant":
         return self

@@ -1,0 +1,92 @@
+"""What a FaultTolerant trainer is configured with, and the small pure helpers it shares:
+`FTConfig` (the knobs of the fault-tolerant step; defaults from transom/defaults.py, TRANSOM_*
+variables, explicit arguments), the learning-rate scaling for missing replicas, where a
+model lives, and the digest that tells whether two replicas are bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from transom import contract
+from transom.contract import ENV_COLLECTIVE_TIMEOUT
+from transom.defaults import LOCAL
+from transom.ft import backend as placement
+from transom.ft.ftar import DEFAULT_BUCKET_BYTES
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class FTConfig:
+    """Knobs of the fault-tolerant step. Explicit arguments win over TRANSOM_* variables."""
+
+    collective_timeout_s: float = LOCAL.collective_timeout_s
+    """A cross-replica collective that takes longer fails the step (a hung peer costs this)."""
+    quorum_timeout_s: float = LOCAL.quorum_timeout_s
+    """How long a step waits for its quorum (training paused below minReplicas) before raising."""
+    recovery_timeout_s: float = LOCAL.recovery_timeout_s
+    """How long a joining replica waits for its peer's state."""
+    max_failed_steps: int = 10
+    """Raise after this many failed attempts in a row."""
+    lr_scaling: str = "sqrt"
+    """How the learning rate follows the global batch when replicas are missing."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    backend: str | None = None
+    """Backend of the cross-replica groups: auto, gloo or nccl (backend.py); None: ft.init()'s."""
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            placement.requested(self.backend)  # raises BackendError with the choices
+        if self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
+        for name in ("collective_timeout_s", "quorum_timeout_s", "recovery_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # nan would compare false and never time out
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        if self.max_failed_steps < 1:
+            raise ValueError("max_failed_steps must be at least 1")
+
+    @classmethod
+    def from_environ(cls, **overrides: Any) -> "FTConfig":
+        env = {
+            "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
+            "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
+            "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
+            "backend": os.environ.get(contract.ENV_BACKEND),
+        }
+        values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def lr_factor(scaling: str, participants: int, num_replicas: int) -> float:
+    ratio = participants / num_replicas
+    return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[scaling]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters (and so its gradients) are: the first one's device."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 over the bytes of every tensor in the model's state, in key order."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        h.update(name.encode())
+        h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
