@@ -56,3 +56,18 @@ def test_dataloader_loop_survives_a_sigkill_without_training_a_sample_twice(tran
     missed = {step for step in range(STEPS) if (1, step) not in steps_of}
     assert missed, "replica 1 was killed: some steps went on without it"
     assert all(step >= 12 for step in missed)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dataloader.py"
+
+
+def test_the_dataloader_example_survives_a_sigkill(transom_run):
+    """examples/train_dataloader.py (sampler, worker processes, AdamW with a cosine schedule
+    as extra state, clipping on the averaged gradients) through a real SIGKILL."""
+    # 1,500 steps (~25 s): long enough that the killed replica (~5 s to restart) rejoins.
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=30"],
+                         ["--steps", "1500", "--workers", "2"], script=EXAMPLE)
+    assert result.returncode == 0, result.output[-4000:]
+    s = result.summary
+    assert s["completed_step"] == 1500 and s["replicas_bit_identical"] is True and s["replica_restarts"] >= 1
+    assert s["final_loss"] < 0.5, s
