@@ -16,6 +16,7 @@ runs the same `Scenario` and asserts on what it saw.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -263,12 +264,12 @@ class Scenario:
         self.prepare_storage()
         self.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(self.manifest))
         self.log(f"applied {EXAMPLE.relative_to(ROOT)} in namespace {self.ns}")
-        recorder = MetricsRecorder(self.kubectl, self.metrics_out, self.metrics_paths) if self.metrics_out else None
-        if recorder:
-            recorder.__enter__()
-        try:
-            self.wait(f"step {STEP_BEFORE_KILL} with 3/3 replicas", lambda: self.step() >= STEP_BEFORE_KILL
-                      and self.job_status().get("healthyReplicas") == 3, 240)
+        recorder = MetricsRecorder(self.kubectl, self.metrics_out, self.metrics_paths) if self.metrics_out \
+            else contextlib.nullcontext()
+        with recorder:
+            self.wait(f"step {STEP_BEFORE_KILL} with 3/3 replicas",
+                      lambda: (s := self.job_status()).get("healthyReplicas") == 3
+                      and ((s.get("training") or {}).get("step") or 0) >= STEP_BEFORE_KILL, 240)
             pods = self.worker_pods()
             self.seen.untouched_pod = pods[2]["metadata"]["name"]
             uids = (pods[0]["metadata"]["uid"], pods[2]["metadata"]["uid"])
@@ -277,9 +278,6 @@ class Scenario:
             self.delete_a_pod()
             final = self.wait("the job Succeeded or Failed",
                               lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s, JOB_TIMEOUT_S)
-        finally:
-            if recorder:
-                recorder.__exit__()
         self.seen.status = final
         self.log(self.kubectl("get", "tj", "-n", self.ns).stdout.rstrip())
         self._after(uids)

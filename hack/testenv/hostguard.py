@@ -26,11 +26,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def record() -> dict:
-    return {
-        "sysctls": {k: Path("/proc/sys", k).read_text().strip() for k in KUBELET_SYSCTLS},
-        "paths": [p for p in FIXED_PATHS if os.path.lexists(p)],
-        "netns_handles": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
-    }
+    """What `restore` needs to put back: a snapshot taken before the first node starts."""
+    return snapshot()
 
 
 def cgroup_dirs(name: str) -> list[Path]:
@@ -120,7 +117,7 @@ def unmount(prefixes: list[str]) -> None:
 def restore(before: dict) -> None:
     """Put back the sysctls and remove the host paths and the pods' netns handles that we
     created (the nodes' own namespaces are network.delete()'s)."""
-    handles_before = set(before.get("netns_handles", []))
+    handles_before = set(before.get("netns", []))
     if os.path.isdir("/run/netns"):
         for entry in os.listdir("/run/netns"):
             if entry not in handles_before and entry.startswith("cni-"):
