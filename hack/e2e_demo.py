@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -52,7 +53,10 @@ def use_test_image(manifest: dict, checkout: Path = ROOT) -> dict:
     gets those hostPath mounts, and examples/ where the real image has it. Test-only."""
     out = copy.deepcopy(manifest)
     pod = out["spec"]["template"]["spec"]
-    mounts = [*images.trainer_test_mounts(checkout), (str(checkout / "examples"), IMAGE_EXAMPLES)]
+    staged = _stage_checkout(checkout)
+    mounts = [(str(staged) if host == str(checkout.resolve()) else host, path)
+              for host, path in images.trainer_test_mounts(checkout)]
+    mounts.append((str(staged / "examples"), IMAGE_EXAMPLES))
     pod["volumes"] = list(pod.get("volumes") or []) + [
         {"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}} for i, (host, _) in enumerate(mounts)]
     for c in pod["containers"]:
@@ -61,6 +65,19 @@ def use_test_image(manifest: dict, checkout: Path = ROOT) -> dict:
         c["volumeMounts"] = list(c.get("volumeMounts") or []) + [
             {"name": f"host-{i}", "mountPath": path, "readOnly": True} for i, (_, path) in enumerate(mounts)]
     return out
+
+
+def _stage_checkout(checkout: Path) -> Path:
+    """A world-readable copy of what the pods read from the checkout (the packages of the
+    editable install, and examples/), mounted at the checkout's path: the pods run as uid
+    65532, and a checkout may live in a directory only root may enter (`mktemp -d`)."""
+    staged = cluster.state_dir() / "trainer-checkout"
+    shutil.rmtree(staged, ignore_errors=True)
+    for part in ("launcher", "operator", "examples"):
+        shutil.copytree(checkout / part, staged / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for d in [staged, *(p for p in staged.rglob("*") if p.is_dir())]:
+        d.chmod(0o755)
+    return staged
 
 
 class MetricsRecorder:
