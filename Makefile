@@ -48,9 +48,9 @@ testenv: install
 DEMO_CHECKPOINTS ?= /tmp/transom-demo-checkpoints
 
 demo: install
-	rm -rf $(DEMO_CHECKPOINTS)
+	rm -rf $(DEMO_CHECKPOINTS) demo-logs
 	$(VENV)/bin/transom run --replicas 3 --nproc-per-replica 1 \
-		--inject kill:replica=1,step=20 --summary-json demo.summary.json \
+		--inject kill:replica=1,step=20 --summary-json demo.summary.json --log-dir demo-logs \
 		--checkpoint-uri $(DEMO_CHECKPOINTS) --checkpoint-interval 25 \
 		-- $(PY) examples/train_tiny_gpt.py --steps 60
 

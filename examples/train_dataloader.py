@@ -4,10 +4,11 @@
 
 The loop is a plain PyTorch one: a `DataLoader` with worker processes (its sampler an
 `ft.ReplicaSampler`, so each replica and rank reads its own share of every global batch),
-AdamW with a cosine learning-rate schedule, gradient clipping on the averaged gradients,
-and AMP's `GradScaler` where a GPU is present (on the CPU it is a no-op). Transom's part:
-`ft.init()`, the sampler, `with ft.FaultTolerant(...)`, `trainer.batches(...)` and
-`trainer.finish_step(...)`.
+`loss.backward(); optimizer.step(); optimizer.zero_grad()` with AdamW, a cosine
+learning-rate schedule, gradient clipping (on the gradients averaged across replicas) and
+AMP's `GradScaler` where a GPU is present (disabled on the CPU). Transom's part:
+`ft.init()`, the sampler, `with ft.FaultTolerant(...)`, `trainer.optimizer` and
+`trainer.batches(...)`.
 """
 
 from __future__ import annotations
@@ -62,17 +63,21 @@ def main() -> None:
     use_amp = ctx.device.type == "cuda"
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
 
-    def clip() -> None:  # on the gradients averaged across replicas, before optimizer.step()
-        scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-
-    # The schedule's position is replica state: it travels with peer recovery and checkpoints.
-    with ft.FaultTolerant(model, optimizer, ctx, extra_state=scheduler) as trainer:
+    # The scaler's scale and the schedule's position are replica state: they travel with
+    # peer recovery and checkpoints, like the model and the optimizer.
+    with ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state=scheduler) as trainer:
+        optimizer = trainer.optimizer  # steps only committed steps
         for step, (x, y) in trainer.batches(loader, args.steps):
             with torch.autocast(ctx.device.type, enabled=use_amp):
                 loss = nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
-            scaler.scale(loss).backward()
-            if trainer.finish_step(loss, before_optimizer=clip if not use_amp else None):
+            scaler.scale(loss).backward()  # the gradients come back averaged across replicas
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            trainer.report(loss)  # optional: the loss in the job's status and metrics
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if trainer.last_step_committed:
                 scheduler.step()  # the schedule follows committed steps only
             if ctx.rank == 0 and trainer.step % 20 == 0 and trainer.last_step_committed:
                 print(f"replica {trainer.replica_id}: step {trainer.step} loss {loss.item():.4f} "

@@ -204,6 +204,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             checkpoint_interval=args.checkpoint_interval,
             checkpoint_keep=args.checkpoint_keep,
             backend=args.backend,
+            log_dir=args.log_dir,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -255,6 +256,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--max-restarts", type=non_negative, default=3, help="in-place restarts per launcher")
     r.add_argument("--timeout", type=seconds, default=3600.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")
+    r.add_argument("--log-dir", help="write each replica's launcher and worker output to DIR/replica-<i>.log and the "
+                                     "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
     r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
     r.add_argument("--checkpoint-interval", type=non_negative,
                    help="committed steps between checkpoints (the script may override)")

@@ -15,6 +15,7 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     │   ├── NoCheckpoint          no committed checkpoint to restore
     │   ├── CorruptCheckpoint     a checkpoint whose bytes do not match its manifest
     │   └── IncompatibleCheckpoint  a sound checkpoint that does not fit this job
+    ├── IncompatibleState         a replica state (a peer's, a checkpoint's) that the live objects do not take
     └── InvalidBytes              bytes from a peer or from storage that are not what they claim
         ├── WireError             a peer's replica state
         └── BlobError             a tensor blob in a checkpoint
@@ -98,6 +99,11 @@ class CorruptCheckpoint(CheckpointError, ValueError):
 
 class IncompatibleCheckpoint(CheckpointError, ValueError):
     """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks)."""
+
+
+class IncompatibleState(TransomError, ValueError):
+    """A replica state, from a peer or a checkpoint, that this script's model, optimizer or
+    scaler does not take (another architecture, a disabled GradScaler, a step that is no number)."""
 
 
 class InvalidBytes(TransomError, ValueError):

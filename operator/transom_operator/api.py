@@ -51,7 +51,6 @@ from transom_operator.api_base import (  # noqa: F401  (api.X is the public name
     CONDITION_TYPES,
     NodeExclusionPolicy,
     Backend,
-    DetectionAction,
     Rule,
     immutable,
     ApiModel,
@@ -255,37 +254,6 @@ class FaultTolerance(ApiModel):
     )
 
 
-class Detection(ApiModel):
-    """Thresholds of the anomaly detectors that flag slow (fail-slow) or corrupt replicas."""
-
-    enabled: bool = Field(True, description="Run the detectors.")
-    warmup_steps: int = Field(
-        50, ge=0, le=1_000_000,
-        description="Steps to observe before any verdict (the step-time model is fitted on them).",
-    )
-    step_time_slowdown_factor_percent: int = Field(
-        150, ge=101, le=10_000,
-        description=(
-            "A replica's step is slow when it takes longer than this percent of the time "
-            "predicted for its workload (150 means 1.5 times), so long sequences are not taken for bad hardware."
-        ),
-    )
-    consecutive_slow_steps: int = Field(
-        5, ge=1, le=10_000, description="Slow steps in a row after which the replica is flagged.",
-    )
-    loss_spike_factor_percent: int = Field(
-        300, ge=101, le=100_000,
-        description="A replica's loss above this percent of the running mean (300 means 3 times) flags it.",
-    )
-    action: DetectionAction = Field(
-        "Replace",
-        description=(
-            "What a verdict does. Replace: the replica is replaced and its nodes handled as "
-            "after a hardware failure. Report: an Event and a metric only."
-        ),
-    )
-
-
 def _defaulted(model: type[ApiModel]) -> Any:
     # The whole default object, not `{}`: the API server checks a default against the
     # CEL rules as written, before nested defaults would fill it in.
@@ -367,7 +335,6 @@ class TrainingJobSpec(ApiModel):
         None, description="Checkpointing; without it a job that loses every replica starts over.",
     )
     fault_tolerance: FaultTolerance = _defaulted(FaultTolerance)
-    detection: Detection = _defaulted(Detection)
 
     @field_validator("template")
     @classmethod

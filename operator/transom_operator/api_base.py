@@ -59,7 +59,6 @@ ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"
 CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
 NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]
 Backend = Literal[BACKENDS]  # the values transom.ft.backend understands
-DetectionAction = Literal["Replace", "Report"]
 
 
 @dataclass(frozen=True)

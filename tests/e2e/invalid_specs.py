@@ -39,7 +39,6 @@ VALID_MANIFEST: dict[str, Any] = {
             "credentialsSecret": {"name": "s3-credentials"},
         },
         "faultTolerance": {"maxReplicaRestarts": 5, "backoffSeconds": 5, "nodeExclusionPolicy": "Taint"},
-        "detection": {"stepTimeSlowdownFactorPercent": 200},
     },
 }
 
@@ -113,10 +112,10 @@ INVALID_SPECS: list[InvalidSpec] = [
                 "maxBackoffSeconds must be greater than or equal to backoffSeconds"),
     InvalidSpec("unknown-exclusion-policy", with_changes(spec__faultTolerance__nodeExclusionPolicy="Drain"),
                 'Unsupported value: "Drain"'),
-    InvalidSpec("slowdown-factor-as-float", with_changes(spec__detection__stepTimeSlowdownFactorPercent=1.5),
+    InvalidSpec("restarts-as-float", with_changes(spec__faultTolerance__maxReplicaRestarts=1.5),
                 "must be of type integer"),
-    InvalidSpec("slowdown-factor-not-a-slowdown", with_changes(spec__detection__stepTimeSlowdownFactorPercent=100),
-                "should be greater than or equal to 101"),
+    InvalidSpec("detection-is-not-a-field", with_changes(spec__detection={"enabled": True}),
+                'unknown field "spec.detection"'),
     InvalidSpec("name-too-long", with_changes(metadata__name="a" * 41),
                 "metadata.name must be at most 40 characters"),
     InvalidSpec("name-starts-with-digit", with_changes(metadata__name="7b-pretrain"),

@@ -333,6 +333,7 @@ def test_a_committed_step_whose_manifest_is_gone_is_reported(tmp_path, caplog):
     from transom import contract
     from transom.ft.checkpointing import Checkpoints
     from transom.ft.replica import ReplicaContext
+    from transom.ft.state import ReplicaState
 
     env = contract.ReplicaEnv.from_environ({contract.ENV_COORDINATOR_URL: "http://127.0.0.1:1",
                                             contract.ENV_REPLICA_ID: "0", contract.ENV_NUM_REPLICAS: "1"})
@@ -344,7 +345,7 @@ def test_a_committed_step_whose_manifest_is_gone_is_reported(tmp_path, caplog):
         save(engine, step, {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()})
     engine.close()
     (tmp_path / layout.step_dir(20) / layout.MANIFEST).unlink()
-    checkpoints = Checkpoints(CheckpointConfig(uri=str(tmp_path)), ctx, model, opt, None)
+    checkpoints = Checkpoints(CheckpointConfig(uri=str(tmp_path)), ctx, ReplicaState(model, opt, ctx.device))
     try:
         with caplog.at_level("ERROR", logger="transom.ft"):
             # The coordinator recorded step 20 committed; storage no longer has its manifest.

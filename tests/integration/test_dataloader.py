@@ -1,7 +1,9 @@
-"""An ordinary DataLoader loop (ft.ReplicaSampler, trainer.batches, worker processes) through
-a real SIGKILL of one replica: the replicas end bit-identical, every committed step trained
-on exactly the batch the sampler gives that replica at that step, and no sample was trained
-on twice in an epoch's committed steps."""
+"""An ordinary DataLoader loop (ft.ReplicaSampler, trainer.batches, worker processes, the
+wrapped optimizer, GradScaler) through a real SIGKILL of one replica, and through a whole-job
+restart from a checkpoint: the replicas end bit-identical, every committed step trained on
+exactly the batch the sampler gives that replica at that step, no sample was trained on
+twice in an epoch's committed steps, and an overflow on one replica skipped the update on
+all of them."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from transom.ft.data import ReplicaSampler  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 JOB = Path(__file__).parent / "scripts" / "dataloader_job.py"
-REPLICAS, STEPS = 3, 60
+REPLICAS, STEPS = 3, 100
 
 
 class _Ctx:
@@ -27,35 +29,78 @@ class _Ctx:
         self.replica_id, self.num_replicas, self.rank, self.world_size = replica, REPLICAS, 0, 1
 
 
+def _committed(logs: Path) -> list[dict]:
+    records = [json.loads(line) for f in logs.glob("*.jsonl") for line in f.read_text().splitlines()]
+    return [r for r in records if r["committed"]]
+
+
+def _check_samples(committed: list[dict], steps: int) -> Counter:
+    """Each committed step trained on that replica's batch of that step, however it got there,
+    and no sample twice within an epoch's committed steps. Returns the (replica, step) counts."""
+    per_epoch = (SAMPLES // REPLICAS) // BATCH
+    for r in committed:
+        sampler = ReplicaSampler(range(SAMPLES), _Ctx(r["replica"]), seed=5)
+        sampler.set_step(r["step"], BATCH)
+        assert r["indices"] == list(sampler)[:BATCH], r
+    steps_of = Counter((r["replica"], r["step"]) for r in committed)
+    assert max(steps_of.values()) == 1  # a replica commits a step once
+    for epoch in range(steps // per_epoch):
+        used = [i for r in committed if r["step"] // per_epoch == epoch for i in r["indices"]]
+        assert len(used) == len(set(used)), f"epoch {epoch}: a sample trained twice"
+    return steps_of
+
+
+def _check_overflow(committed: list[dict], inf_step: int) -> None:
+    """GradScaler: the overflow on one replica skipped the update on every replica at that
+    step and halved the scale everywhere, a rejoined replica included (the scale is replica state)."""
+    at = [r for r in committed if r["step"] == inf_step]
+    assert at and not any(r["updated"] for r in at), at
+    assert all(r["updated"] for r in committed if r["step"] != inf_step)
+    assert {r["scale"] for r in committed if r["step"] < inf_step} <= {1024.0}
+    assert {r["scale"] for r in committed if r["step"] >= inf_step} == {512.0}
+
+
 def test_dataloader_loop_survives_a_sigkill_without_training_a_sample_twice(transom_run, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
     result = transom_run(["--replicas", str(REPLICAS), "--inject", "kill:replica=1,step=12"],
                          ["--steps", str(STEPS), "--log-dir", str(logs), "--workers", "2",
-                          "--step-seconds", "0.15"], script=JOB)
+                          "--step-seconds", "0.15", "--inf-at", "0:30"], script=JOB)
     assert result.returncode == 0, result.output[-4000:]
     s = result.summary
     assert s["completed_step"] == STEPS and s["replicas_bit_identical"] is True
     assert s["replica_restarts"] >= 1, "the kill must have happened"
-
-    records = [json.loads(line) for f in logs.glob("*.jsonl") for line in f.read_text().splitlines()]
-    committed = [r for r in records if r["committed"]]
-    per_epoch = (SAMPLES // REPLICAS) // BATCH
-    # Each committed step trained on that replica's batch of that step, however it got there.
-    for r in committed:
-        sampler = ReplicaSampler(range(SAMPLES), _Ctx(r["replica"]), seed=5)
-        sampler.set_step(r["step"], BATCH)
-        assert r["indices"] == list(sampler)[:BATCH], r
-    # No sample twice within an epoch's committed steps (a replica commits a step once).
-    steps_of = Counter((r["replica"], r["step"]) for r in committed)
-    assert max(steps_of.values()) == 1
-    for epoch in range(STEPS // per_epoch):
-        used = [i for r in committed if r["step"] // per_epoch == epoch for i in r["indices"]]
-        assert len(used) == len(set(used)), f"epoch {epoch}: a sample trained twice"
+    committed = _committed(logs)
+    steps_of = _check_samples(committed, STEPS)
+    _check_overflow(committed, 30)
     # The killed replica's share of the steps it missed was skipped, not trained later.
     missed = {step for step in range(STEPS) if (1, step) not in steps_of}
     assert missed, "replica 1 was killed: some steps went on without it"
     assert all(step >= 12 for step in missed)
+    assert any(r["replica"] == 1 and r["step"] > max(missed) for r in committed), "replica 1 never rejoined"
+
+
+def test_dataloader_loop_goes_on_from_a_checkpoint_where_it_left_off(transom_run, tmp_path):
+    """A whole job stopped at step 30 and started again from its checkpoint: the second run
+    starts at step 30 with the sampler there and the GradScaler's scale restored, and the two
+    runs together train no sample twice; a SIGKILL in the second run too."""
+    logs, uri = tmp_path / "logs", tmp_path / "checkpoints"
+    logs.mkdir()
+    common = ["--replicas", str(REPLICAS), "--checkpoint-uri", str(uri), "--checkpoint-interval", "10"]
+    first = transom_run(common, ["--steps", "30", "--log-dir", str(logs), "--workers", "2", "--inf-at", "2:20"],
+                        script=JOB)
+    assert first.returncode == 0 and first.summary["completed_step"] == 30, first.output[-4000:]
+    second = transom_run([*common, "--inject", "kill:replica=2,step=40"],
+                         ["--steps", str(STEPS), "--log-dir", str(logs), "--workers", "2", "--step-seconds", "0.1"],
+                         script=JOB)
+    assert second.returncode == 0, second.output[-4000:]
+    s = second.summary
+    assert s["completed_step"] == STEPS and s["replicas_bit_identical"] is True and s["replica_restarts"] >= 1
+    committed = _committed(logs)
+    steps_of = _check_samples(committed, STEPS)
+    assert all(steps_of[(r, step)] == 1 for r in range(REPLICAS) for step in range(30)), "the first run is whole"
+    _check_overflow(committed, 20)  # the second run's steps at 512: the scale came from the checkpoint
+    assert any(r["step"] >= 30 for r in committed)
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dataloader.py"

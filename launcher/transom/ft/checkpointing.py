@@ -2,10 +2,8 @@
 
 FaultTolerant owns one `Checkpoints` when a checkpoint URI is configured (the pod's
 TRANSOM_CHECKPOINT_URI, or `CheckpointConfig(uri=...)` from the script). The saved state
-is the step, `model.state_dict()`, `optimizer.state_dict()`, the `extra_state`'s state
-dict (LR scheduler, data position) and the RNG states (torch CPU, the device's CUDA
-generator, Python's `random`). With the data a function of the step (training-api.md,
-rule 2), the step is the data position.
+is the replica's `ReplicaState` (ft/state.py: step, model, optimizer, GradScaler, sampler,
+extra state, RNG), the same dict a peer serves a recovering replica.
 
 Who writes: replica k of a quorum of R takes part of every checkpoint (layout.Slot): with
 FSDP2 (DTensor state) rank r of each replica writes a share of shard r; otherwise every
@@ -25,35 +23,19 @@ Should those peers be gone by then, the trainer raises and the next incarnation 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from transom.checkpoint import layout, sharding
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
 from transom.ft.replica import ReplicaContext
+from transom.ft.state import ReplicaState
 
 log = logging.getLogger("transom.ft")
-
-
-def rng_state(device: torch.device) -> dict:
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    random.setstate(state["python"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 @dataclass(frozen=True)
@@ -67,24 +49,14 @@ class Writers:
 
 
 class Checkpoints:
-    def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, extra_state: Any,
+    def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, state: ReplicaState,
                  on_commit: Callable[[int, str], None] | None = None):
-        self.config, self.ctx = config, ctx
-        self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
-        self.sharded = sharding.is_sharded(model.state_dict())
+        self.config, self.ctx, self.replica_state = config, ctx, state
+        self.model = state.model
+        self.sharded = sharding.is_sharded(state.model.state_dict())
         self.engine = CheckpointEngine(config, on_commit=on_commit)
         self.last_saved: int | None = None
         self.skipped_restore_of: int | None = None  # newest checkpoint not restored: a peer was ahead
-
-    def state(self, step: int) -> dict:
-        return {
-            "step": step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-            "rng": rng_state(self.ctx.device),
-        }
 
     def due(self, step: int) -> bool:
         return self.engine.due(step) and step != self.last_saved
@@ -93,7 +65,7 @@ class Checkpoints:
         """Start checkpoint `step` (returns at once; False if skipped because one is persisting)."""
         slot = layout.Slot.of(writers.replica_rank, writers.num_members, self.ctx.rank, self.ctx.world_size,
                               self.sharded)
-        started = self.engine.save(step, self.state(step), slot, writers.attempt)
+        started = self.engine.save(step, self.replica_state.capture(step), slot, writers.attempt)
         if started:  # a skipped step may still be saved by close()
             self.last_saved = step
         return started
@@ -140,14 +112,9 @@ class Checkpoints:
 
     def _apply(self, state: Any) -> None:
         """Load a checkpoint's state into the live objects (raises if they do not take it)."""
-        if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
-            raise ValueError("the checkpoint holds no model and optimizer state")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.extra_state is not None and state.get("extra") is not None:
-            self.extra_state.load_state_dict(state["extra"])
-        if state.get("rng") is not None:  # absent in a checkpoint saved by the engine directly
-            set_rng_state(state["rng"], self.ctx.device)
+        if isinstance(state, dict) and "step" not in state:  # saved by the engine directly
+            state = {**state, "step": 0}
+        self.replica_state.apply(state)
 
     def _list_committed(self) -> list[int]:
         """Committed steps, newest first. Storage that is away is waited for (restore_timeout_s):

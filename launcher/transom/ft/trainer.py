@@ -1,34 +1,41 @@
 """`FaultTolerant`, the training-script API: a few lines around an existing loop make it fault tolerant.
 
     ctx = ft.init()                                  # the replica's own world, if any
-    model = build_model()                            # identical init on every replica (seed)
+    loader = DataLoader(ds, batch_size=32, sampler=ft.ReplicaSampler(ds, ctx))
+    model = build_model().to(ctx.device)             # identical init on every replica (seed)
     if ctx.world_size > 1: model = DDP(model)        # or FSDP2, inside the replica
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    trainer = ft.FaultTolerant(model, opt, ctx)
-    for step in trainer.steps(num_steps):            # asks for the step's quorum
-        loss = model(*batch(step, trainer.replica_id)).loss
-        loss.backward()
-        trainer.finish_step(loss)                    # FTAR, vote, optimizer.step() if all ok
-    trainer.close()
+    with ft.FaultTolerant(model, opt, ctx) as trainer:
+        optimizer = trainer.optimizer                # the same optimizer, wrapped
+        for step, (x, y) in trainer.batches(loader, num_steps):   # asks for the step's quorum
+            loss = loss_fn(model(x), y)
+            loss.backward()                          # at its end: FTAR across replicas
+            optimizer.step()                         # the vote; steps only a committed step
+            optimizer.zero_grad()
 
 One step, as the replica's leader sees it: the quorum request leaves when the step begins
-(overlapping the forward pass) and is awaited in `finish_step`; a changed quorum rebuilds
-the cross-replica group; a recovery source snapshots its state for the joiner before any
-update; gradients are averaged over the participants (a joiner sends zeros and loads the
-source's state meanwhile); every rank of the replica votes, and the optimizer steps only if
-all succeeded. A failed step is discarded and the same step runs again under the next
-quorum; `max_failed_steps` failures in a row raise.
+(overlapping the forward pass) and is awaited at the end of the backward pass
+(ft/backward.py), where a changed quorum rebuilds the cross-replica group, a recovery
+source publishes its state for the joiner, and the gradients are averaged over the
+participants (a joiner sends zeros and loads the source's state meanwhile). Whatever the
+script does next (clipping, `GradScaler.unscale_`) sees the averaged gradients. Then
+`optimizer.step()` (ft/optimizer.py), or the lower-level `finish_step()`, ends the step:
+every rank of the replica votes, and the optimizer steps only if all succeeded. A failed
+step is discarded and the same step runs again under the next quorum; `max_failed_steps`
+failures in a row raise. Both ends share `_finish`.
 
-With a checkpoint URI (TRANSOM_CHECKPOINT_URI, or `checkpoint=CheckpointConfig(...)`), the
-trainer restores the newest checkpoint when it starts, snapshots the state after every
-`interval_steps`-th committed step (the host copy overlaps the next forward/backward and
-is awaited before the next optimizer step), and saves the final step in `close()`
-(ft/checkpointing.py).
+The replica's state (ft/state.py: model, optimizer, GradScaler, sampler, extra state, RNG)
+is one dict for peer recovery and checkpoints. With a checkpoint URI
+(TRANSOM_CHECKPOINT_URI, or `checkpoint=CheckpointConfig(...)`), the trainer restores the
+newest checkpoint when it starts, snapshots the state after every `interval_steps`-th
+committed step (the host copy overlaps the next forward/backward and is awaited before the
+next optimizer step), and saves the final step in `close()` (ft/checkpointing.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import logging
 import os
@@ -36,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +66,7 @@ from transom import inject
 from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
+from transom.ft.backward import GradientsReady
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
@@ -66,8 +75,20 @@ from transom.ft.replica import ReplicaContext, init
 from transom.ft.state_server import StateServer, fetch_state
 from transom.ft.stats import StatsWriter
 from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
+from transom.ft.optimizer import FTOptimizer
+from transom.ft.state import ReplicaState
 
 log = logging.getLogger("transom.ft")
+
+
+@dataclass
+class _Exchanged:
+    """The cross-replica half of a step, done at the end of backward() (or in _finish)."""
+
+    q: QuorumResponse | None  # None: the job completed without this replica
+    recovering: bool = False
+    changed: bool = False
+    ftar: StepAllReduce | None = None
 
 
 class FaultTolerant:
@@ -77,13 +98,21 @@ class FaultTolerant:
         optimizer: torch.optim.Optimizer,
         ctx: ReplicaContext | None = None,
         *,
+        scaler: Stateful | None = None,
+        sampler: Stateful | None = None,
         extra_state: Stateful | None = None,
         config: FTConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
     ):
-        """`checkpoint` None: from the pod environment (no checkpoints without a URI there)."""
+        """`scaler`: the AMP GradScaler, if the script uses one (its scale is replica state);
+        `sampler`: the ft.ReplicaSampler (`batches()` adds its loader's); `extra_state`:
+        anything else with state_dict()/load_state_dict() (an LR scheduler).
+        `checkpoint` None: from the pod environment (no checkpoints without a URI there)."""
         self.ctx = ctx or init()
-        self.model, self.optimizer, self.extra_state = model, optimizer, extra_state
+        self.model, self.extra_state = model, extra_state
+        self._optimizer = optimizer
+        self.optimizer = FTOptimizer(optimizer, self._finish)
+        """The script's optimizer, wrapped: its step() ends the fault-tolerant step (ft/optimizer.py)."""
         self.config = config or FTConfig.from_environ()
         # The gradients live where the model's parameters are; that, not what the machine
         # has, decides the cross-replica backend. A forced nccl that cannot work is refused
@@ -96,13 +125,18 @@ class FaultTolerant:
         self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token)
         self.fault = inject.from_environ(env.attempt)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
+        self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=extra_state)
 
         self.step = 0  # committed optimizer steps
         self._commit_quorum_id = -1
         self._last_round = -1
         self._last_failed = False
         self._last_loss: float | None = None
-        self.last_step_committed = False  # see finish_step
+        self.last_step_committed = False
+        """The last step was committed: the optimizer stepped (or the scaler skipped it on every
+        replica) and `step` advanced; an LR scheduler steps after such a step."""
+        self.last_batch_trained = False
+        """This replica's batch went into the last committed step (not while it recovered)."""
         self._last_seconds: float | None = None
         self._failed_in_a_row = 0
         self._group_prefix = ""
@@ -110,6 +144,9 @@ class FaultTolerant:
         self._future: concurrent.futures.Future | None = None
         self._step_started = 0.0
         self._in_step = False
+        self._exchanged: _Exchanged | None = None  # this step's, once done
+        self._loss: Any = None  # this step's, from report() or finish_step()
+        self._no_sync = False
         self._closed = False
         self.num_steps: int | None = None  # the job's target, from steps()
         self.completed_elsewhere = False  # the job finished without this replica
@@ -118,7 +155,7 @@ class FaultTolerant:
         self.checkpoints: Checkpoints | None = None
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
-            self.checkpoints = Checkpoints(checkpoint, self.ctx, model, optimizer, extra_state, self._report_checkpoint)
+            self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint)
             self.restored_step = self.checkpoints.restore(self._coordinator_view)
             self.step = self.restored_step or 0
 
@@ -147,6 +184,10 @@ class FaultTolerant:
                 target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,), name="transom-heartbeat", daemon=True
             )
             self._heartbeat_thread.start()
+        self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
+        # The optimizer steps only a committed step: a direct call would fork the replicas.
+        self._stepping = False
+        self._step_guard = optimizer.register_step_pre_hook(self._refuse_direct_step)
         # An uncaught exception ends this worker, but interpreter teardown can take seconds
         # while peers sit in a collective with us: report and close our sockets first.
         self._previous_excepthook = sys.excepthook
@@ -174,17 +215,43 @@ class FaultTolerant:
             self.begin_step()
             yield self.step
             if self._in_step:
-                raise UsageError("call finish_step() once in every iteration of steps()")
+                raise UsageError("end every iteration of steps() with trainer.optimizer.step() "
+                                 "(or trainer.finish_step()), once")
 
     def batches(self, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
         """`(step, batch)` from a DataLoader over an `ft.ReplicaSampler` until `num_steps` steps
-        are committed; a retried step sees the same batch again (ft/data.py)."""
+        are committed; a retried step sees the same batch again (ft/data.py). The loader's
+        sampler becomes part of the replica state."""
+        if self.state.sampler is None and isinstance(getattr(loader, "sampler", None), data.ReplicaSampler):
+            self.state.sampler = loader.sampler
         return data.batches(self, loader, num_steps)
+
+    def report(self, loss: torch.Tensor | float | None = None) -> None:
+        """The step's loss, for the coordinator (status, metrics) and the step statistics;
+        call it before `optimizer.step()`. Optional; `float(loss)` is one host sync."""
+        if not self._in_step:
+            raise UsageError("report() belongs inside a step, before optimizer.step()")
+        self._loss = loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside accumulate locally, without the
+        cross-replica exchange (and without DDP's, if the model is a DDP module); the step's
+        last backward pass, outside, exchanges the sum."""
+        inner = self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
+        self._no_sync = True
+        try:
+            with inner:
+                yield
+        finally:
+            self._no_sync = False
 
     def begin_step(self) -> None:
         if self._evicted:
             raise Evicted(self._evicted, 409)
         self._in_step = True
+        self._exchanged, self._loss = None, None
+        self._backward.reset()
         self._step_started = time.monotonic()
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "forward")
@@ -203,34 +270,62 @@ class FaultTolerant:
     def finish_step(
         self, loss: torch.Tensor | float | None = None, before_optimizer: Callable[[], None] | None = None
     ) -> bool:
-        """Exchange gradients, vote, and step the optimizer if every rank succeeded.
+        """End the step (the lower-level form of `trainer.optimizer.step()`): exchange the
+        gradients if backward() has not, vote, and step the optimizer if every rank
+        succeeded. True if the step was committed.
 
         `before_optimizer` runs on the averaged gradients just before `optimizer.step()`
         of a committed step (gradient clipping, an AMP scaler's unscale_).
         """
+        if loss is not None:
+            self._loss = loss
+        return self._finish(before_optimizer, True)
+
+    def _finish(self, before_optimizer: Callable[[], None] | None, update: bool) -> bool:
+        """The end of every step; `update` False: count a committed step without stepping
+        the optimizer (the AMP scaler found inf/NaN in the averaged gradients)."""
         if not self._in_step:
-            raise UsageError("finish_step() without begin_step(); iterate over steps()")
-        q = self._await_quorum()
-        if q is None:  # the job completed without us: nothing to commit
+            raise UsageError("optimizer.step() outside a step: iterate over trainer.steps() or trainer.batches()")
+        done = self._exchange_now()
+        if done.q is None:  # the job completed without us: nothing to commit
             self._in_step = False
-            self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer.zero_grad(set_to_none=True)
             return False
-        self._last_round = q.round
-        recovering = self.replica_id in q.recovering
-        changed, ftar = self._exchange(q, recovering)
+        q, ftar = done.q, done.ftar
         committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
         self._check_skipped_restore(q)
         if committed:
-            self._commit(q, before_optimizer)
+            self._commit(q, before_optimizer, update)
         else:
             self._failed_in_a_row += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self._record(q, loss, committed, recovering, changed, ftar.error)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._record(q, self._loss, committed, done.recovering, done.changed, ftar.error)
         if self._failed_in_a_row >= self.config.max_failed_steps:
             raise TooManyFailedSteps(f"{self._failed_in_a_row} failed steps in a row, last: {ftar.error}")
         return committed
 
     # --- the stages of a step -------------------------------------------------------------------
+    def _exchange_now(self) -> _Exchanged:
+        """The step's quorum and gradient exchange, once per step: at the end of backward()
+        (GradientsReady) or, if no backward pass ran it, when the step ends."""
+        if self._exchanged is not None:
+            return self._exchanged
+        q = self._await_quorum()
+        if q is None:
+            self._exchanged = _Exchanged(q=None)
+            return self._exchanged
+        self._last_round = q.round
+        recovering = self.replica_id in q.recovering
+        changed, ftar = self._exchange(q, recovering)
+        self._exchanged = _Exchanged(q=q, recovering=recovering, changed=changed, ftar=ftar)
+        return self._exchanged
+
+    def _exchange_at_backward_end(self) -> None:
+        if self._exchanged is not None:  # the gradients of this step were averaged already
+            raise UsageError("a second backward pass in one step: wrap all but the step's last one in "
+                             "`with trainer.no_sync():` (gradient accumulation)")
+        self._exchange_now()
+
     def _exchange(self, q: QuorumResponse, recovering: bool) -> tuple[bool, StepAllReduce]:
         """The cross-replica part: rebuild the group for a changed quorum, serve or take a
         recovery, average the gradients. Returns (quorum changed, the step's all-reduce)."""
@@ -267,20 +362,28 @@ class FaultTolerant:
                               f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
         self.checkpoints.skipped_restore_of = None
 
-    def _commit(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None) -> None:
-        """Step the optimizer (its learning rate scaled for missing replicas), count the step,
-        and start the checkpoint that is due."""
+    def _commit(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None, update: bool) -> None:
+        """Step the optimizer (its learning rate scaled for missing replicas) unless `update`
+        is False, count the step, and start the checkpoint that is due."""
         if self.checkpoints is not None:
             self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
-        factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["lr"] * factor
-        if before_optimizer is not None:
-            before_optimizer()
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, saved):
-            g["lr"] = lr
+        if update:
+            factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
+            groups = self._optimizer.param_groups
+            saved = [g["lr"] for g in groups]
+            for g in groups:
+                g["lr"] = g["lr"] * factor
+            try:
+                if before_optimizer is not None:
+                    before_optimizer()
+                self._stepping = True
+                self._optimizer.step()
+            finally:
+                self._stepping = False
+                for g, lr in zip(groups, saved):
+                    g["lr"] = lr
+        else:
+            log.debug("replica %d: step %d committed without an update (inf/NaN gradients)", self.replica_id, self.step)
         self.step += 1
         self._commit_quorum_id = q.quorum_id
         self._failed_in_a_row = 0
@@ -297,7 +400,8 @@ class FaultTolerant:
         self._last_loss = loss_value if committed and not recovering else None
         # Whether this replica's batch went into a committed step: not while it recovers
         # (it contributes zeros) nor when the step failed (the batch comes again).
-        self.last_step_committed = committed and not recovering
+        self.last_step_committed = committed
+        self.last_batch_trained = committed and not recovering
         self._last_seconds = time.monotonic() - self._step_started
         self._in_step = False
         self.stats.step(
@@ -355,11 +459,18 @@ class FaultTolerant:
                                                    reason=reason))
                 except Exception as e:
                     log.warning("could not tell the coordinator that replica %d left: %s", self.replica_id, e)
+        self._backward.remove()
+        self._step_guard.remove()
         self._drop_group()
         self._state_server.close()
         self._store = None
 
     # --- internals ------------------------------------------------------------------------------
+    def _refuse_direct_step(self, _optimizer, _args, _kwargs) -> None:
+        if not self._stepping:
+            raise UsageError("the optimizer given to FaultTolerant was stepped directly; step trainer.optimizer "
+                             "(or call trainer.finish_step()), which steps it only for a committed step")
+
     def _coordinator_view(self) -> tuple[int | None, int | None]:
         """(the newest step a healthy peer reported, the newest checkpoint the coordinator
         recorded committed); None for what is unknown."""
@@ -439,12 +550,7 @@ class FaultTolerant:
 
     def _snapshot(self) -> bytes:
         """This rank's committed state for a recovering peer (wire.py: tensors and JSON, no pickle)."""
-        return wire.encode({
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
-        }, sharding.localize)
+        return wire.encode(self.state.capture(self.step), sharding.localize)
 
     def _recover(self, q: QuorumResponse) -> None:
         assert q.recover_from is not None
@@ -456,11 +562,7 @@ class FaultTolerant:
         if not isinstance(state, dict) or state.get("step") != q.max_step:
             step = state.get("step") if isinstance(state, dict) else None
             raise WireError(f"peer sent step {step!r}, expected {q.max_step}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.extra_state is not None and state["extra"] is not None:
-            self.extra_state.load_state_dict(state["extra"])
-        self.step = q.max_step
+        self.step = self.state.apply(state)
         log.info(
             "replica %d rank %d recovered step %d from replica %d (%.1f MB in %.2fs)",
             self.replica_id, self.ctx.rank, q.max_step, src.replica_id, len(blob) / 1e6, time.monotonic() - t0,

@@ -4,7 +4,10 @@ It starts a coordinator (in this process, on loopback) and one `transom launch` 
 replica, each supervising `--nproc-per-replica` workers: exactly what each pod runs in
 Kubernetes. The runner plays the operator's part where the launcher cannot: a launcher
 that gives up (restarts exhausted) is started again as the replica's next generation.
-It shows live progress (step, loss, healthy replicas, events) and ends with a summary.
+It shows live progress (step, loss, healthy replicas, events; launch/display.py) and ends
+with a table per replica and a summary. With `--log-dir` the launchers' and workers' own
+output (library logs, backend banners, tracebacks) goes to one file per replica there,
+and the coordinator's log to `coordinator.log`, so the terminal shows only the progress.
 
 Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
 (see transom.inject); the k-th fault aimed at a replica fires in its k-th incarnation.
@@ -13,6 +16,7 @@ Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -32,7 +36,8 @@ from transom.inject import Fault
 from transom.launch import gpus
 from transom.launch.supervisor import check_command
 from transom.coordinator.server import CoordinatorThread
-from transom.launch.summary import summarize
+from transom.launch.display import Display, closing_table, progress_line
+from transom.launch.summary import replica_rows, summarize
 
 
 @dataclass
@@ -54,6 +59,7 @@ class RunConfig:
     checkpoint_interval: int | None = None
     checkpoint_keep: int | None = None
     backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
+    log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
     devices: list[str | None] = field(init=False, default_factory=list)  # per replica: CUDA_VISIBLE_DEVICES
 
     def __post_init__(self) -> None:
@@ -113,12 +119,25 @@ class LocalRun:
         self._t0 = time.monotonic()
         self._events_shown = 0
         self._events: list[str] = []
-        self._last_line = ""
+        self.display = Display(quiet=config.quiet)
+        self.log_dir = Path(config.log_dir).absolute() if config.log_dir else None
+        self.logs: dict[int, str] = {}  # replica -> its log file
+        self._log_files: list = []
 
     # --- output ------------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        if not self.config.quiet:
-            print(f"[{time.monotonic() - self._t0:7.2f}s] {text}", flush=True)
+        self.display.say(text)
+
+    def _output_of(self, replica: int):
+        """Where a replica's launcher and workers write: its log file (appended to by every
+        incarnation), or None for this terminal."""
+        if self.log_dir is None:
+            return None
+        path = self.log_dir / f"replica-{replica}.log"
+        self.logs[replica] = str(path)
+        f = open(path, "ab")
+        self._log_files.append(f)
+        return f
 
     # --- replicas ----------------------------------------------------------------------------
     def _start(self, replica: int, generation: int) -> None:
@@ -159,7 +178,8 @@ class LocalRun:
             "--max-restarts", str(self.config.max_restarts),
             "--", *self.config.command,
         ]
-        self.launchers[replica] = subprocess.Popen(cmd, env=env)
+        out = self._output_of(replica)
+        self.launchers[replica] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
         self.generation[replica] = generation
 
     def _show_progress(self) -> None:
@@ -170,19 +190,14 @@ class LocalRun:
         first = total - len(events)  # events is a bounded deque: global index of its head
         for i, ev in enumerate(events):
             if first + i >= self._events_shown:
-                self.say(f"event  {ev.kind:10s} {ev.message}")
+                self.display.event(ev.kind, ev.message)
                 self._events.append(f"{ev.kind}: {ev.message}")
         self._events_shown = total
         losses = [r.last_loss for r in status.replicas if r.last_loss is not None and r.state == "healthy"]
-        loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
-        line = (
-            f"step {status.max_step:5d}  loss {loss}  healthy {status.healthy_replicas}/{status.num_replicas}"
-            f"  quorum {status.quorum_id} {status.members}" + ("  PAUSED" if status.paused else "")
-        )
-        if line != self._last_line:
-            self.say(line)
-            self._last_line = line
-
+        restarts = sum(1 for e in self._events if e.startswith("failed:"))
+        line = progress_line(status.max_step, sum(losses) / len(losses) if losses else None, status.healthy_replicas,
+                             status.num_replicas, status.quorum_id, list(status.members), status.paused, restarts)
+        self.display.progress(line, (tuple(status.members), status.quorum_id, status.paused))
 
     def _outcome(self) -> tuple[int | None, int | None]:
         """(the step at which a replica completed the job, the newest committed checkpoint)."""
@@ -241,6 +256,32 @@ class LocalRun:
                 proc.wait(timeout=5)
 
     def run(self) -> int:
+        handler = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            handler = self._log_to_file(self.log_dir / "coordinator.log")
+        try:
+            return self._run()
+        finally:
+            if handler is not None:
+                logger = logging.getLogger("transom")
+                logger.removeHandler(handler)
+                logger.propagate = True
+                handler.close()
+            for f in self._log_files:
+                f.close()
+
+    @staticmethod
+    def _log_to_file(path: Path) -> logging.Handler:
+        """The coordinator's log (it runs in this process) to `path` instead of the terminal."""
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger = logging.getLogger("transom")
+        logger.addHandler(handler)
+        logger.propagate = False
+        return handler
+
+    def _run(self) -> int:
         self.coordinator.start()
         self.say(
             f"coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
@@ -269,10 +310,16 @@ class LocalRun:
         summary["exit_code"] = exit_code
         summary["completed_step"] = completed_step
         summary["last_checkpoint"] = last_checkpoint
+        rows = replica_rows(self.stats_dir, self.config.replicas, self.logs)
         if self._own_stats_dir:
             shutil.rmtree(self.stats_dir, ignore_errors=True)
         summary["events"] = self._events
-        self.say("summary " + json.dumps({k: v for k, v in summary.items() if k != "events"}))
+        if self.logs:
+            summary["logs"] = {str(r): path for r, path in sorted(self.logs.items())}
+        self.display.end_live()
+        for line in closing_table(rows):
+            self.display.write(line)
+        self.say("summary " + json.dumps({k: v for k, v in summary.items() if k not in ("events", "logs")}))
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
         return exit_code

@@ -104,3 +104,30 @@ def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, 
         "wall_seconds": round(wall_seconds, 3),
         "replicas_finished": len(finished),
     }
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """A replica's line in the closing table of `transom run`."""
+
+    replica: int
+    incarnations: int  # processes started for it: in-place restarts and new generations
+    recoveries: int  # steps it took a peer's state in
+    committed: int  # committed steps its rank 0 recorded, over all incarnations
+    final_step: int | None  # where it completed, None if it did not
+    log: str | None = None
+
+
+def replica_rows(directory: Path, num_replicas: int, logs: dict[int, str] | None = None) -> list[ReplicaRow]:
+    by_replica, finals = load(directory)
+    final_step = {f["replica"]: f["step"] for f in finals if f.get("rank", 0) == 0}
+    rows = []
+    for r in range(num_replicas):
+        records = [rec for inc in by_replica.get(r, []) for rec in inc.records]
+        rows.append(ReplicaRow(
+            replica=r, incarnations=len(by_replica.get(r, [])),
+            recoveries=sum(1 for rec in records if rec.get("recovering")),
+            committed=sum(1 for rec in records if rec.get("committed")),
+            final_step=final_step.get(r), log=(logs or {}).get(r),
+        ))
+    return rows

@@ -2,7 +2,10 @@
 
 `plan(job, pods, nodes, now)` is level-based and idempotent: it compares the world with the
 spec on every pass, and given the same world twice (after its status was written) the
-second plan asks for nothing new. All memory lives in the job's status, which a job's user
+second plan asks for nothing new. One pass runs in stages: detect each replica's failure,
+count it against the restart budget, act per replica (suspend, freeze, or replace and
+create what is missing), settle what a final or complete job may still do, then the
+status (the job-level state and conditions are job_status.py's). All memory lives in the job's status, which a job's user
 cannot write: the replicas' generations, restarts and last failures in `status.replicas`,
 the excluded nodes in `status.excludedNodes`, and the restart history in
 `status.restartHistory`. So an operator restarted mid-recovery converges.
@@ -42,7 +45,7 @@ from datetime import datetime
 from typing import Any
 
 from transom_operator import api, reasons, resources
-from transom_operator.reconcile import failures, spares
+from transom_operator.reconcile import failures, job_status, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
@@ -108,252 +111,251 @@ def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
     return "Replacing" if r.last_failure is not None else "Pending"
 
 
-def _condition(type_: str, true: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
-               generation: int | None, now: datetime) -> api.Condition:
-    status = "True" if true else "False"
-    old = prev.get(type_)
-    since = old.last_transition_time if old is not None and old.status == status and old.last_transition_time else now
-    return api.Condition(type=type_, status=status, reason=reason, message=message,
-                         last_transition_time=since, observed_generation=generation)
+@dataclass
+class _Pass:
+    """What one reconcile pass knows, shared by its stages."""
+
+    job: api.TrainingJob
+    now: datetime
+    node_map: dict[str, ObservedNode]
+    history: list[api.RestartRecord]  # replacements within the restart window, this pass's included
+    excluded: dict[str, api.ExcludedNode]
+    completed: bool  # the coordinator recorded the last step committed
+    suspended: bool
+    final: bool  # Failed or Succeeded before this pass
+    out: Plan
+    new_restarts: int = 0  # replicas this pass starts a new generation of
+
+    @property
+    def spec(self) -> api.TrainingJobSpec:
+        return self.job.spec
+
+    @property
+    def ft(self) -> api.FaultTolerance:
+        return self.job.spec.fault_tolerance
 
 
 def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
          nodes: Mapping[str, ObservedNode] | Iterable[ObservedNode], now: datetime) -> Plan:
     """Actions and status for one reconcile pass of `job` (see the module docstring)."""
-    spec, ft = job.spec, job.spec.fault_tolerance
-    name = job.metadata["name"]
+    spec = job.spec
     prev = job.status or api.TrainingJobStatus()
-    node_map = dict(nodes) if isinstance(nodes, Mapping) else {n.name: n for n in nodes}
-    out = Plan()
     now_s = int(now.timestamp())
-
-    history = [h for h in prev.restart_history if now_s - h.time < ft.restart_window_seconds]
     training = prev.training or api.TrainingProgress()
-    completed = training.completed_step is not None  # the coordinator's record, not a pod's exit
-    verdicts = {(v.replica, v.generation): v for v in training.verdicts}
-    excluded = {e.name: e for e in prev.excluded_nodes}
+    final = prev.state in ("Failed", "Succeeded")
+    ps = _Pass(
+        job=job, now=now, out=Plan(),
+        node_map=dict(nodes) if isinstance(nodes, Mapping) else {n.name: n for n in nodes},
+        history=[h for h in prev.restart_history if now_s - h.time < spec.fault_tolerance.restart_window_seconds],
+        excluded={e.name: e for e in prev.excluded_nodes},
+        completed=training.completed_step is not None,  # the coordinator's record, not a pod's exit
+        suspended=spec.suspend and not final, final=final,
+    )
     pods = list(pods)
     replicas, extra = _group(pods, spec, {r.id: r for r in prev.replicas})
     spare_list, spare_extra = spares.group(pods, spec, {s.id: s for s in prev.spares})
-    was_failed = prev.state == "Failed"
-    was_succeeded = prev.state == "Succeeded"
-    final = was_failed or was_succeeded
-    suspended = spec.suspend and not final
+    ps.out.delete.extend(p.name for p in extra if not p.deleting)
 
-    out.delete.extend(p.name for p in extra if not p.deleting)
+    if not ps.suspended and not ps.final:
+        _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts})
+    failed_now = _over_budget(ps, replicas) if not ps.suspended and not ps.final and not ps.completed else None
 
-    # --- detect ---------------------------------------------------------------------
-    if not suspended and not final:
-        for r in replicas:
-            rec = r.recorded
-            recorded_running = (rec is not None and rec.generation == r.generation
-                                and rec.state in ("Running", "Succeeded"))
-            incarnation = failures.Incarnation(r.id, r.generation, r.current, recorded_running,
-                                               verdicts.get((r.id, r.generation)))
-            r.failure, recheck = failures.detect(
-                incarnation, nodes_per_replica=spec.nodes_per_replica, nodes=node_map, history=history,
-                grace_seconds=ft.node_not_ready_grace_seconds, completed=completed, now=now,
-            )
-            if recheck is not None:
-                out._requeue(recheck)
-    training_done = completed
-
-    failed_now: tuple[str, str] | None = None
-    if not suspended and not final and not training_done:
-        for r in replicas:
-            if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in history):
-                history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s,
-                                                 node=r.failure.node))
-        if len(history) > ft.max_replica_restarts:
-            failing = ", ".join(str(r.id) for r in replicas if r.failure)
-            failed_now = (reasons.TOO_MANY_RESTARTS,
-                          f"{len(history)} replica replacements within {ft.restart_window_seconds}s, more than "
-                          f"maxReplicaRestarts {ft.max_replica_restarts} (last failed: replica {failing})")
-
-    # --- act ------------------------------------------------------------------------
-    new_restarts = 0
     statuses: list[api.ReplicaStatus] = []
     for r in replicas:
-        restarts, last_failure, generation = r.restarts, r.last_failure, r.generation
-        if suspended:
-            if r.current or r.stale:
-                out.delete.extend(p.name for p in [*r.current.values(), *r.stale] if not p.deleting)
-            if r.current:
-                generation += 1  # resume as a new incarnation the coordinator has not seen
-            statuses.append(api.ReplicaStatus(id=r.id, generation=generation, state="Pending",
-                                              restarts=restarts, last_failure=last_failure))
-            continue
-        if final or failed_now or (training_done and r.failure):
-            state = _pods_state(r, spec.nodes_per_replica)
-            if r.failure or (final and r.recorded and r.recorded.state == "Failed"):
-                state = "Failed"
-                if r.failure:
-                    last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=now)
-            statuses.append(api.ReplicaStatus(
-                id=r.id, generation=generation, state=state, restarts=restarts, last_failure=last_failure,
-                nodes=[r.current[k].node_name for k in sorted(r.current) if r.current[k].node_name],
-            ))
-            continue
+        if ps.suspended:
+            statuses.append(_suspend(ps, r))
+        elif ps.final or failed_now or (ps.completed and r.failure):
+            statuses.append(_frozen(ps, r))
+        else:
+            statuses.append(_replace(ps, r, spare_list))
+    _settle(ps, replicas, failed_now, prev.state == "Failed")
 
-        stale = list(r.stale)
-        current = dict(r.current)
+    # Spares serve only a job that is still training; otherwise they would hold GPUs for nothing.
+    active = not (ps.suspended or ps.final or failed_now or ps.completed)
+    spare_plan = spares.plan(job, spare_list, spare_extra, active, ps.node_map, ps.excluded, now)
+    ps.out.create.extend(spare_plan.create)
+    ps.out.delete.extend(spare_plan.delete)
+    if spare_plan.requeue_after is not None:
+        ps.out._requeue(spare_plan.requeue_after)
+    ps.out.status = _status(ps, prev, replicas, statuses, failed_now, spare_plan)
+    return ps.out
+
+
+# --- detect ---------------------------------------------------------------------------------
+def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, int], Any]) -> None:
+    """Each replica's failure, if its current incarnation has one (failures.detect)."""
+    for r in replicas:
+        rec = r.recorded
+        recorded_running = rec is not None and rec.generation == r.generation and rec.state in ("Running", "Succeeded")
+        incarnation = failures.Incarnation(r.id, r.generation, r.current, recorded_running,
+                                           verdicts.get((r.id, r.generation)))
+        r.failure, recheck = failures.detect(
+            incarnation, nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
+            grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
+        )
+        if recheck is not None:
+            ps.out._requeue(recheck)
+
+
+def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
+    """Record this pass's failures in the history; (reason, message) if that is more
+    replacements within the window than maxReplicaRestarts allows."""
+    now_s = int(ps.now.timestamp())
+    for r in replicas:
+        if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in ps.history):
+            ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node))
+    if len(ps.history) <= ps.ft.max_replica_restarts:
+        return None
+    failing = ", ".join(str(r.id) for r in replicas if r.failure)
+    return (reasons.TOO_MANY_RESTARTS,
+            f"{len(ps.history)} replica replacements within {ps.ft.restart_window_seconds}s, more than "
+            f"maxReplicaRestarts {ps.ft.max_replica_restarts} (last failed: replica {failing})")
+
+
+# --- act, per replica -----------------------------------------------------------------------
+def _nodes(current: Mapping[int, ObservedPod]) -> list[str]:
+    return [current[k].node_name for k in sorted(current) if current[k].node_name]
+
+
+def _suspend(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
+    """spec.suspend: delete the replica's pods; it comes back as a new incarnation."""
+    ps.out.delete.extend(p.name for p in [*r.current.values(), *r.stale] if not p.deleting)
+    generation = r.generation + 1 if r.current else r.generation  # one the coordinator has not seen
+    return api.ReplicaStatus(id=r.id, generation=generation, state="Pending", restarts=r.restarts,
+                             last_failure=r.last_failure)
+
+
+def _frozen(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
+    """A job that is final, fails now, or completed with this replica failed: record, replace nothing."""
+    state, last_failure = _pods_state(r, ps.spec.nodes_per_replica), r.last_failure
+    if r.failure or (ps.final and r.recorded and r.recorded.state == "Failed"):
+        state = "Failed"
         if r.failure:
-            stale.extend(current.values())
-            current = {}
-            generation += 1
-            restarts += 1
-            new_restarts += 1
-            last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=now)
-            out.events.append((reasons.WARNING, reasons.EVENT_REPLICA_FAILED,
-                               f"Replica {r.id} generation {r.generation} failed: {r.failure.message}"))
-            if ft.node_exclusion_policy != "None":
-                for node, why in r.failure.exclude:
-                    if node not in excluded and len(excluded) < MAX_EXCLUDED_NODES:
-                        excluded[node] = api.ExcludedNode(name=node, reason=why, time=now)
-                        out.excluded_nodes_added.append((node, why))
-                        out.events.append((reasons.WARNING, reasons.EVENT_NODE_EXCLUDED,
-                                           f"Excluded node {node} from job {name}: {why}"))
-            spare = spares.take_ready(spare_list, spec.nodes_per_replica, node_map, excluded)
-            if spare is not None:
-                current, patches = spares.promote(spare, r.id, generation)
-                out.relabel.extend(patches)
-                out.events.append((reasons.NORMAL, reasons.EVENT_SPARE_PROMOTED,
-                                   f"Spare {spare.id} took over replica {r.id} as generation {generation}"))
-        out.delete.extend(p.name for p in stale if not p.deleting)
+            last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=ps.now)
+    return api.ReplicaStatus(id=r.id, generation=r.generation, state=state, restarts=r.restarts,
+                             last_failure=last_failure, nodes=_nodes(r.current))
 
-        missing = [rank for rank in range(spec.nodes_per_replica) if rank not in current]
-        if missing:
-            delay = 0
-            if last_failure is not None and last_failure.time is not None:
-                in_window = sum(1 for h in history if h.replica == r.id)
-                delay = failures.backoff_seconds(in_window, ft.backoff_seconds, ft.max_backoff_seconds)
-                wait = (last_failure.time - now).total_seconds() + delay
-            else:
-                wait = 0
-            if wait <= 0:
-                # Where the last incarnation failed, even for a reason not blamed on the node.
-                failed_on = {h.node for h in history if h.replica == r.id and h.generation == generation - 1 and h.node}
-                failed_on |= {p.node_name for p in stale if p.node_name}
-                for rank in missing:
-                    out.create.append(resources.worker_pod(job, r.id, rank, generation, excluded_nodes=excluded,
-                                                           avoid_nodes=failed_on))
-                if len(missing) == spec.nodes_per_replica and last_failure is not None and generation > 0:
-                    out.events.append((reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED,
-                                       f"Creating replica {r.id} generation {generation}"))
-            else:
-                out._requeue(wait)
-        view = _Replica(r.id, generation, current, [], r.recorded)
-        state = _pods_state(view, spec.nodes_per_replica)
-        # A promoted spare's pods too: until a later pass sees them relabelled, recording the
-        # replica Running would make their absence (a crash before the relabel) a new failure.
-        if r.failure or (state == "Pending" and last_failure is not None):
-            state = "Replacing"
-        if training_done and state == "Replacing":  # too late: it is not replaced any more
-            state = "Failed"
-        statuses.append(api.ReplicaStatus(
-            id=r.id, generation=generation, state=state, restarts=restarts, last_failure=last_failure,
-            nodes=[current[k].node_name for k in sorted(current) if current[k].node_name],
-        ))
 
-    if failed_now or final:
+def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
+    """A training job's replica: start its next generation if it failed (from a Ready spare
+    when there is one), and create the pods it is missing once its backoff has passed."""
+    stale, current = list(r.stale), dict(r.current)
+    generation, restarts, last_failure = r.generation, r.restarts, r.last_failure
+    if r.failure:
+        stale.extend(current.values())
+        current, generation, restarts = {}, generation + 1, restarts + 1
+        ps.new_restarts += 1
+        last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=ps.now)
+        ps.out.events.append((reasons.WARNING, reasons.EVENT_REPLICA_FAILED,
+                              f"Replica {r.id} generation {r.generation} failed: {r.failure.message}"))
+        _exclude_nodes(ps, r.failure)
+        spare = spares.take_ready(spare_list, ps.spec.nodes_per_replica, ps.node_map, ps.excluded)
+        if spare is not None:
+            current, patches = spares.promote(spare, r.id, generation)
+            ps.out.relabel.extend(patches)
+            ps.out.events.append((reasons.NORMAL, reasons.EVENT_SPARE_PROMOTED,
+                                  f"Spare {spare.id} took over replica {r.id} as generation {generation}"))
+    ps.out.delete.extend(p.name for p in stale if not p.deleting)
+    _create_missing(ps, r.id, generation, current, stale, last_failure)
+
+    state = _pods_state(_Replica(r.id, generation, current, [], r.recorded), ps.spec.nodes_per_replica)
+    # A promoted spare's pods too: until a later pass sees them relabelled, recording the
+    # replica Running would make their absence (a crash before the relabel) a new failure.
+    if r.failure or (state == "Pending" and last_failure is not None):
+        state = "Replacing"
+    if ps.completed and state == "Replacing":  # too late: it is not replaced any more
+        state = "Failed"
+    return api.ReplicaStatus(id=r.id, generation=generation, state=state, restarts=restarts,
+                             last_failure=last_failure, nodes=_nodes(current))
+
+
+def _exclude_nodes(ps: _Pass, failure: failures.ReplicaFailure) -> None:
+    if ps.ft.node_exclusion_policy == "None":
+        return
+    for node, why in failure.exclude:
+        if node not in ps.excluded and len(ps.excluded) < MAX_EXCLUDED_NODES:
+            ps.excluded[node] = api.ExcludedNode(name=node, reason=why, time=ps.now)
+            ps.out.excluded_nodes_added.append((node, why))
+            ps.out.events.append((reasons.WARNING, reasons.EVENT_NODE_EXCLUDED,
+                                  f"Excluded node {node} from job {ps.job.metadata['name']}: {why}"))
+
+
+def _create_missing(ps: _Pass, replica: int, generation: int, current: Mapping[int, ObservedPod],
+                    stale: list[ObservedPod], last_failure: api.Failure | None) -> None:
+    """Pods for the node ranks `current` lacks, once the replica's backoff has run out."""
+    missing = [rank for rank in range(ps.spec.nodes_per_replica) if rank not in current]
+    if not missing:
+        return
+    wait = 0.0
+    if last_failure is not None and last_failure.time is not None:
+        in_window = sum(1 for h in ps.history if h.replica == replica)
+        delay = failures.backoff_seconds(in_window, ps.ft.backoff_seconds, ps.ft.max_backoff_seconds)
+        wait = (last_failure.time - ps.now).total_seconds() + delay
+    if wait > 0:
+        ps.out._requeue(wait)
+        return
+    # Where the last incarnation failed, even for a reason not blamed on the node.
+    failed_on = {h.node for h in ps.history if h.replica == replica and h.generation == generation - 1 and h.node}
+    failed_on |= {p.node_name for p in stale if p.node_name}
+    for rank in missing:
+        ps.out.create.append(resources.worker_pod(ps.job, replica, rank, generation, excluded_nodes=ps.excluded,
+                                                  avoid_nodes=failed_on))
+    if len(missing) == ps.spec.nodes_per_replica and last_failure is not None and generation > 0:
+        ps.out.events.append((reasons.NORMAL, reasons.EVENT_REPLICA_REPLACED,
+                              f"Creating replica {replica} generation {generation}"))
+
+
+def _settle(ps: _Pass, replicas: list[_Replica], failed_now: tuple[str, str] | None, was_failed: bool) -> None:
+    """A job that is final or fails now creates nothing (a failed one deletes its workers);
+    a complete one starts nothing new and deletes pods that have not started."""
+    out = ps.out
+    if failed_now or ps.final:
         out.create.clear()
         out.delete.clear()
         if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
             out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
                               if not p.deleting and p.phase != "Succeeded")
-    elif training_done:  # nothing new starts; what has not started yet never will be needed
+    elif ps.completed:
         out.create.clear()
         out.delete.extend(p.name for r in replicas for p in r.current.values()
                           if not p.deleting and p.phase == "Pending" and p.name not in out.delete)
-    # Spares serve only a job that is still training; otherwise they would hold GPUs for nothing.
-    active = not (suspended or final or failed_now or training_done)
-    spare_plan = spares.plan(job, spare_list, spare_extra, active, node_map, excluded, now)
-    out.create.extend(spare_plan.create)
-    out.delete.extend(spare_plan.delete)
-    if spare_plan.requeue_after is not None:
-        out._requeue(spare_plan.requeue_after)
 
-    # --- status ---------------------------------------------------------------------
+
+# --- status ---------------------------------------------------------------------------------
+def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], statuses: list[api.ReplicaStatus],
+            failed_now: tuple[str, str] | None, spare_plan: Any) -> api.TrainingJobStatus:
+    spec = ps.spec
     healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
-    replacing = [s.id for s in statuses if s.state == "Replacing"]
     # Complete, and no worker still runs: the others got "job completed" and exited 0.
-    all_done = training_done and not any(p.phase == "Running" and not p.deleting
-                                         for r in replicas for p in r.current.values())
-    ran_before = prev.state in ("Running", "Recovering", "Degraded") or any(s.restarts for s in statuses)
-    if suspended:
-        state = "Suspended"
-    elif was_failed or failed_now:
-        state = "Failed"
-    elif was_succeeded or all_done:
-        state = "Succeeded"
-    elif healthy < spec.min_replicas:
-        state = "Degraded" if ran_before else "Pending"
-    elif replacing:
-        state = "Recovering"
-    else:
-        state = "Running"
-
-    gen = job.metadata.get("generation")
+    all_done = ps.completed and not any(p.phase == "Running" and not p.deleting
+                                        for r in replicas for p in r.current.values())
+    view = job_status.JobView(
+        replicas=spec.replicas, min_replicas=spec.min_replicas, healthy=healthy,
+        replacing=[s.id for s in statuses if s.state == "Replacing"], suspended=ps.suspended,
+        failed=prev.state == "Failed" or failed_now is not None, succeeded=prev.state == "Succeeded" or all_done,
+        ran_before=prev.state in ("Running", "Recovering", "Degraded") or any(s.restarts for s in statuses),
+    )
+    state = job_status.job_state(view)
     prev_conditions = {c.type: c for c in prev.conditions}
     old_failed = prev_conditions.get("Failed")
     failed_message = (failed_now[1] if failed_now
-                      else old_failed.message if was_failed and old_failed and old_failed.message else "")
-
-    if state == "Running" and healthy == spec.replicas:
-        ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
-    else:
-        ready_reason = {
-            "Suspended": reasons.SUSPENDED, "Failed": reasons.TOO_MANY_RESTARTS,
-            "Succeeded": reasons.TRAINING_COMPLETE, "Degraded": reasons.BELOW_MIN_REPLICAS,
-            "Recovering": reasons.REPLACING_REPLICAS,
-        }.get(state, reasons.REPLICAS_STARTING)
-        ready_message = f"{healthy} of {spec.replicas} replicas running"
-    replacing_message = ("replacing replica " + ", ".join(map(str, replacing))) if replacing else "no replica is being replaced"
-    degraded = state == "Degraded"
-    recovering = bool(replacing) and state in ("Recovering", "Degraded")
-    conditions = [
-        _condition("Ready", ready_reason == reasons.ALL_REPLICAS_HEALTHY, ready_reason, ready_message,
-                   prev_conditions, gen, now),
-        _condition("Degraded", degraded,
-                   reasons.BELOW_MIN_REPLICAS if degraded else reasons.ENOUGH_REPLICAS,
-                   f"{healthy} of {spec.replicas} replicas healthy, minReplicas is {spec.min_replicas}"
-                   + ("; training pauses" if degraded else ""), prev_conditions, gen, now),
-        _condition("Recovering", recovering,
-                   reasons.REPLACING_REPLICAS if recovering else reasons.NO_REPLACEMENT,
-                   replacing_message if recovering else "no replica is being replaced", prev_conditions, gen, now),
-        _condition("Succeeded", state == "Succeeded",
-                   reasons.TRAINING_COMPLETE if state == "Succeeded" else reasons.NOT_COMPLETE,
-                   "training finished" if state == "Succeeded" else "training has not finished",
-                   prev_conditions, gen, now),
-        _condition("Failed", state == "Failed",
-                   reasons.TOO_MANY_RESTARTS if state == "Failed" else reasons.NOT_FAILED,
-                   failed_message or "the job has not failed", prev_conditions, gen, now),
-    ]
-
-    if state != prev.state:
-        transition_events = {
-            "Degraded": (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
-                         f"{healthy} of {spec.replicas} replicas healthy, fewer than minReplicas {spec.min_replicas}"),
-            "Failed": (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
-            "Succeeded": (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
-            "Suspended": (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
-        }
-        if state in transition_events:
-            out.events.append(transition_events[state])
-
-    out.status = api.TrainingJobStatus(
+                      else old_failed.message if prev.state == "Failed" and old_failed and old_failed.message else "")
+    gen = ps.job.metadata.get("generation")
+    event = job_status.transition_event(state, prev.state, view, failed_message)
+    if event is not None:
+        ps.out.events.append(event)
+    return api.TrainingJobStatus(
         observed_generation=gen,
         state=state,
         healthy=f"{healthy}/{spec.replicas}",
-        conditions=conditions,
+        conditions=job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now),
         healthy_replicas=healthy,
-        total_restarts=(prev.total_restarts or 0) + (0 if failed_now else new_restarts),
+        total_restarts=(prev.total_restarts or 0) + (0 if failed_now else ps.new_restarts),
         replicas=statuses,
         ready_spare_replicas=(sum(1 for s in spare_plan.statuses if s.state == "Ready")
                               if spec.spare_replicas or prev.spares else None),
         spares=spare_plan.statuses,
-        restart_history=sorted(history, key=lambda h: (h.time, h.replica, h.generation)),
-        excluded_nodes=list(excluded.values()),
+        restart_history=sorted(ps.history, key=lambda h: (h.time, h.replica, h.generation)),
+        excluded_nodes=list(ps.excluded.values()),
         training=prev.training,
     )
-    return out

@@ -1,10 +1,13 @@
 """A loop over an ordinary DataLoader (worker processes) through ft.ReplicaSampler and
-trainer.batches, logging which samples each committed step trained on.
+trainer.batches, in the ordinary optimizer idiom with AMP's GradScaler (enabled on the CPU
+too, so its skip path runs), logging which samples each committed step trained on.
 
     transom run --replicas 3 -- python dataloader_job.py --steps 30 --log-dir D [--workers 2]
+        [--inf-at REPLICA:STEP]
 
 Every rank appends one JSON line per step to D/<replica>-<rank>-<pid>.jsonl:
-{"replica", "rank", "step", "committed", "indices"}; the test checks them.
+{"replica", "rank", "step", "committed", "updated", "scale", "indices"}; the test checks
+them. `--inf-at` makes that replica's loss infinite at that step (an AMP overflow).
 """
 
 from __future__ import annotations
@@ -38,23 +41,35 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="sleep this long in every step (so that a killed replica restarts while the others train)")
+    p.add_argument("--inf-at", default=None, help="REPLICA:STEP whose loss overflows")
     args = p.parse_args()
+    inf_at = tuple(int(v) for v in args.inf_at.split(":")) if args.inf_at else None
     torch.set_num_threads(1)
     ctx = ft.init()
     data = dataset()
     loader = DataLoader(data, batch_size=BATCH, sampler=ft.ReplicaSampler(data, ctx, seed=5), num_workers=args.workers)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     log = open(args.log_dir / f"{ctx.replica_id}-{ctx.rank}-{os.getpid()}.jsonl", "a")
-    with ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.05), ctx) as trainer:
+    with ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.05), ctx, scaler=scaler) as trainer:
+        optimizer = trainer.optimizer
         for step, (index, x, y) in trainer.batches(loader, args.steps):
             loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            if inf_at == (ctx.replica_id, step):
+                loss = loss * float("inf")
+            before = model.weight.detach().clone()
+            scaler.scale(loss).backward()
             time.sleep(args.step_seconds)
-            trainer.finish_step(loss)
-            committed = trainer.last_step_committed  # this replica's batch went into a committed step
-            log.write(json.dumps({"replica": ctx.replica_id, "rank": ctx.rank, "step": step,
-                                  "committed": committed, "indices": index.tolist()}) + "\n")
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            committed = trainer.last_batch_trained  # this replica's batch went into a committed step
+            log.write(json.dumps({"replica": ctx.replica_id, "rank": ctx.rank, "step": step, "committed": committed,
+                                  "updated": not torch.equal(before, model.weight), "scale": scaler.get_scale(),
+                                  "indices": index.tolist()}) + "\n")
             log.flush()
 
 

@@ -1,0 +1,104 @@
+"""The job-level part of a TrainingJob's status: its state, its five conditions and the
+Events of a state transition, from the replicas' states that `replicas.plan` worked out.
+
+Pure: `job_state` and `conditions` read only their arguments. A condition keeps its
+lastTransitionTime while its status stays the same, so writing the same status twice
+changes nothing.
+
+States: Suspended, Failed and Succeeded win in that order; below minReplicas healthy
+replicas a job that ran before is Degraded (training pauses), one that never ran Pending;
+a replica being replaced makes it Recovering; otherwise Running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from transom_operator import api, reasons
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the job-level status depends on, as one pass saw it."""
+
+    replicas: int  # spec.replicas
+    min_replicas: int
+    healthy: int
+    replacing: list[int]
+    suspended: bool
+    failed: bool  # failed now or before
+    succeeded: bool  # succeeded before, or complete with no worker running
+    ran_before: bool
+
+
+def job_state(v: JobView) -> str:
+    if v.suspended:
+        return "Suspended"
+    if v.failed:
+        return "Failed"
+    if v.succeeded:
+        return "Succeeded"
+    if v.healthy < v.min_replicas:
+        return "Degraded" if v.ran_before else "Pending"
+    return "Recovering" if v.replacing else "Running"
+
+
+def _condition(type_: str, true: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
+               generation: int | None, now: datetime) -> api.Condition:
+    status = "True" if true else "False"
+    old = prev.get(type_)
+    since = old.last_transition_time if old is not None and old.status == status and old.last_transition_time else now
+    return api.Condition(type=type_, status=status, reason=reason, message=message,
+                         last_transition_time=since, observed_generation=generation)
+
+
+def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, api.Condition],
+               generation: int | None, now: datetime) -> list[api.Condition]:
+    """Ready, Degraded, Recovering, Succeeded and Failed for `state`."""
+    healthy, total = v.healthy, v.replicas
+    if state == "Running" and healthy == total:
+        ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
+    else:
+        ready_reason = {
+            "Suspended": reasons.SUSPENDED, "Failed": reasons.TOO_MANY_RESTARTS,
+            "Succeeded": reasons.TRAINING_COMPLETE, "Degraded": reasons.BELOW_MIN_REPLICAS,
+            "Recovering": reasons.REPLACING_REPLICAS,
+        }.get(state, reasons.REPLICAS_STARTING)
+        ready_message = f"{healthy} of {total} replicas running"
+    degraded = state == "Degraded"
+    recovering = bool(v.replacing) and state in ("Recovering", "Degraded")
+    replacing_message = "replacing replica " + ", ".join(map(str, v.replacing))
+    return [
+        _condition("Ready", ready_reason == reasons.ALL_REPLICAS_HEALTHY, ready_reason, ready_message,
+                   prev, generation, now),
+        _condition("Degraded", degraded,
+                   reasons.BELOW_MIN_REPLICAS if degraded else reasons.ENOUGH_REPLICAS,
+                   f"{healthy} of {total} replicas healthy, minReplicas is {v.min_replicas}"
+                   + ("; training pauses" if degraded else ""), prev, generation, now),
+        _condition("Recovering", recovering,
+                   reasons.REPLACING_REPLICAS if recovering else reasons.NO_REPLACEMENT,
+                   replacing_message if recovering else "no replica is being replaced", prev, generation, now),
+        _condition("Succeeded", state == "Succeeded",
+                   reasons.TRAINING_COMPLETE if state == "Succeeded" else reasons.NOT_COMPLETE,
+                   "training finished" if state == "Succeeded" else "training has not finished",
+                   prev, generation, now),
+        _condition("Failed", state == "Failed",
+                   reasons.TOO_MANY_RESTARTS if state == "Failed" else reasons.NOT_FAILED,
+                   failed_message or "the job has not failed", prev, generation, now),
+    ]
+
+
+def transition_event(state: str, previous: str | None, v: JobView,
+                     failed_message: str) -> tuple[str, str, str] | None:
+    """The Event (type, reason, message) of entering `state`, if it has one."""
+    if state == previous:
+        return None
+    return {
+        "Degraded": (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
+                     f"{v.healthy} of {v.replicas} replicas healthy, fewer than minReplicas {v.min_replicas}"),
+        "Failed": (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
+        "Succeeded": (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
+        "Suspended": (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
+    }.get(state)
