@@ -42,7 +42,10 @@ class FTOptimizer(torch.optim.Optimizer):
         self.__dict__["_finish"] = finish
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_wrapped"], name)
+        wrapped = self.__dict__.get("_wrapped")
+        if wrapped is None:  # mid-construction or mid-copy: nothing to delegate to yet
+            raise AttributeError(name)
+        return getattr(wrapped, name)
 
     @property
     def wrapped(self) -> torch.optim.Optimizer:
