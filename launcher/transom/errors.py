@@ -114,5 +114,9 @@ class WireError(InvalidBytes):
     """A peer's replica state that does not parse or does not match its index."""
 
 
+class SnapshotChanged(WireError):
+    """The sources no longer serve the snapshot being fetched (a newer one replaced it)."""
+
+
 class BlobError(InvalidBytes):
     """A tensor blob whose header, size or checksum is wrong."""

@@ -8,9 +8,12 @@
     raise  raise RuntimeError (a software fault the launcher restarts in place)
 
 `phase` is `allreduce` (default: just before the cross-replica all-reduce, so the peers
-are already waiting in it) or `forward` (at the start of the step). The local runner sets
-the variable only for the first incarnation of the target replica, so a restarted replica
-does not fail again.
+are already waiting in it) or `forward` (at the start of the step), where `step` is the
+step number; or, where `step` counts events instead: `catchup` (a replica that catches up
+from its peers, at the end of its `step`-th step doing so: a joiner that dies while
+joining) and `serve` (a source, when it is asked for its `step`-th chunk of a snapshot, before
+it sends it: a peer that dies mid-transfer). The local runner gives a replica's k-th fault to its k-th incarnation,
+so a restarted replica does not fail again unless asked to.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import signal
 from dataclasses import dataclass
 
 ACTIONS = ("kill", "stop", "raise")
-PHASES = ("allreduce", "forward")
+PHASES = ("allreduce", "forward", "catchup", "serve")
 
 
 @dataclass(frozen=True)

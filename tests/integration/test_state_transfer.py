@@ -1,10 +1,13 @@
-"""What a recovering replica takes from a peer: tensors and JSON, never code.
+"""What a joining replica takes from a peer: tensors and JSON, never code.
 
-The state travels in `transom.ft.wire`'s format (tensor blobs read without unpickling, a
-JSON index checked against a schema). Round trips of real model and optimizer state, every
-hostile payload refused with a WireError, and a real `FaultTolerant` (its own coordinator
-on loopback) asked to recover from a state server that serves a pickle which would run
-code: nothing runs, the recovery fails, and the replica's own state is untouched.
+The small state travels in `transom.ft.wire`'s format (tensor blobs read without
+unpickling, a JSON index checked against a schema), the snapshot as raw tensor bytes in
+checksummed chunks under a JSON manifest (`transom.ft.transfer`). Round trips of real model
+and optimizer state; every hostile payload and manifest refused with a WireError; a real
+`FaultTolerant` (its own coordinator on loopback) joining from a state server that serves
+a pickle which would run code (nothing runs, the replica's state is untouched) and then
+catching up from a real one; chunks from several sources with a lying one and a dead one;
+the bandwidth cap; malformed requests answered with a 4xx.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import QuorumResponse, RecoverySource
 from transom.coordinator.server import CoordinatorThread
-from transom.ft import wire
+from transom.checkpoint import structure
+from transom.ft import transfer, wire
+from transom.ft.catchup import Joiner, record_of, small_part
+from transom.ft.ftar import StepAllReduce
 from transom.ft.state_server import StateServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,7 +105,23 @@ def test_hostile_payloads_are_refused_and_run_nothing(tmp_path, case):
     assert not RunsCode.marker.exists()
 
 
-def test_a_recovering_replica_never_unpickles_what_its_source_serves(tmp_path, monkeypatch):
+def _joiner_round(round_id: int, source_url: str) -> QuorumResponse:
+    return QuorumResponse(round=round_id, quorum_id=1, members=[0, 1], rank=1, store_addr="127.0.0.1:1",
+                          store_prefix="transom/t/e/q1", max_step=5, participants=1, recovering=[1],
+                          serve_recovery=False, snapshot_from=5,
+                          sources=[RecoverySource(replica_id=0, endpoints=[source_url])])
+
+
+def _published(step: int, state: dict) -> transfer.Published:
+    tensors, skeleton = structure.flatten(state, torch.is_tensor)
+    return transfer.publish(step, {k: v.detach().clone() for k, v in tensors.items()}, skeleton, chunk_bytes=512)
+
+
+def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_real_one(tmp_path, monkeypatch):
+    """The joiner's whole path in one process against a hand-driven source: a small state
+    that is a pickle with code is refused (nothing runs, nothing changes); a real small state
+    puts the joiner in step at once; the snapshot (raw bytes and JSON) and one recorded
+    update replayed on the shadow end with the source's parameters after that update."""
     from transom import ft
 
     RunsCode.marker = tmp_path / "code-ran"
@@ -117,26 +139,152 @@ def test_a_recovering_replica_never_unpickles_what_its_source_serves(tmp_path, m
     try:
         buf = io.BytesIO()
         torch.save({"step": 5, "model": RunsCode(), "optimizer": {}, "extra": None}, buf)
-        source.publish(3, buf.getvalue())
-        q = QuorumResponse(round=3, quorum_id=1, members=[0, 1], rank=1, store_addr="127.0.0.1:1",
-                           store_prefix="transom/t/e/q1", max_step=5, participants=1, recovering=[1],
-                           serve_recovery=False,
-                           recover_from=RecoverySource(replica_id=0, step=5, endpoints=[source.url]))
-        with pytest.raises(wire.WireError):
-            trainer._recover(q)
+        source.publish_small(3, buf.getvalue())
+        ftar = StepAllReduce(None, 1, contribute=False)
+        ftar.error = None
+        trainer._join(_joiner_round(3, source.url), ftar)
+        assert ftar.failed and "bad header" in ftar.error
         assert not RunsCode.marker.exists(), "the joiner ran code its source sent"
-        assert trainer.step == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert trainer.step == 0 and trainer._joiner is None
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
-        # The same path takes a real state: the source's tensors, bit for bit.
+        # A real source: its small state at step 5, then its snapshot of step 5.
         peer, peer_opt = trained(1)
-        source.publish(4, wire.encode({"step": 5, "model": peer.state_dict(), "optimizer": peer_opt.state_dict(),
-                                       "extra": None}))
-        trainer._recover(q.model_copy(update={"round": 4}))
-        assert trainer.step == 5 and all(torch.equal(a, b) for a, b in zip(peer.parameters(), model.parameters()))
+        peer_state = {"step": 5, "model": peer.state_dict(), "optimizer": peer_opt.state_dict(), "scaler": None,
+                      "sampler": None, "extra": None, "rng": None}
+        source.publish_small(4, wire.encode(small_part(peer_state)))
+        ftar = StepAllReduce(None, 1, contribute=False)
+        ftar.error = None
+        trainer._join(_joiner_round(4, source.url), ftar)
+        assert not ftar.failed and trainer.step == 5 and trainer._joiner is not None
+        source.publish_snapshot(_published(5, peer_state))
+        # One committed step while catching up: recorded, replayed on the shadow.
+        grads = [torch.full_like(p, 0.5) for p in peer.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        trainer._joiner.record(record_of(5, opt, update=True))
+        deadline = time.monotonic() + 20
+        while not trainer._joiner.ready_at(6):
+            assert trainer._joiner.error is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        trainer._joiner.take()
+        for p, g in zip(peer.parameters(), grads):
+            p.grad = g
+        peer_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(peer.parameters(), model.parameters()))
+        assert all(torch.equal(opt.state[a]["exp_avg"], peer_opt.state[b]["exp_avg"])
+                   for a, b in zip(model.parameters(), peer.parameters()))
     finally:
         trainer.close(end_job=True)
         source.close()
         coordinator.stop()
+
+
+def test_a_joiner_over_its_record_budget_asks_for_a_newer_snapshot_and_still_ends_equal():
+    """Recording costs memory; past `max_record_bytes` the joiner forgets its records, needs a
+    snapshot newer than the last one and catches up from that instead."""
+    source = StateServer("tok")
+    model, opt = trained(0)
+    peer, peer_opt = trained(1)
+    joiner = Joiner(model, opt, "tok", torch.device("cpu"), None, need_from=5, sources=[source.url],
+                    timeout_s=20.0, max_record_bytes=1)
+    try:
+        state = {"step": 5, "model": peer.state_dict(), "optimizer": peer_opt.state_dict()}
+        source.publish_snapshot(_published(5, state))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        joiner.record(record_of(5, opt, update=True))  # over the budget at once
+        assert joiner.need_from == 6 and not joiner.ready_at(6)
+        for p in peer.parameters():  # the sources go on and take a newer snapshot
+            p.grad = torch.ones_like(p)
+        peer_opt.step()
+        source.publish_snapshot(_published(6, {**state, "model": peer.state_dict(),
+                                               "optimizer": peer_opt.state_dict(), "step": 6}))
+        deadline = time.monotonic() + 20
+        while not joiner.ready_at(6):
+            assert joiner.error is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        joiner.take()
+        assert all(torch.equal(a, b) for a, b in zip(peer.parameters(), model.parameters()))
+        assert [f[0] for f in joiner.fetched][-1] == 6
+    finally:
+        joiner.close()
+        source.close()
+
+
+def _manifest(**changes) -> bytes:
+    body = {"step": 1, "chunk_bytes": 64, "total_bytes": 8, "skeleton": {"__tensor__": "w"}, "digests": ["0" * 64],
+            "entries": [{"key": "w", "dtype": "float32", "shape": [2], "offset": 0}]}
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+BAD_MANIFESTS = {
+    "not json": b"{{{",
+    "unknown field": _manifest(run="rm -rf"),
+    "skeleton names a missing tensor": _manifest(skeleton={"__tensor__": "x"}),
+    "tensors overlap": _manifest(entries=[{"key": "w", "dtype": "float32", "shape": [2], "offset": 0},
+                                          {"key": "v", "dtype": "float32", "shape": [2], "offset": 4}],
+                                 total_bytes=12),
+    "bytes beyond the tensors": _manifest(total_bytes=4000, digests=["0" * 64] * 63),
+    "a digest missing": _manifest(digests=[]),
+    "unknown dtype": _manifest(entries=[{"key": "w", "dtype": "object", "shape": [2], "offset": 0}]),
+    "negative shape": _manifest(entries=[{"key": "w", "dtype": "float32", "shape": [-2], "offset": 0}]),
+    "deep skeleton": _manifest(skeleton=json.loads("[" * 200 + "]" * 200)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MANIFESTS))
+def test_bad_manifests_are_refused_before_anything_is_allocated(case):
+    with pytest.raises(wire.WireError):
+        transfer.parse_manifest(BAD_MANIFESTS[case])
+
+
+def test_chunks_come_from_every_source_and_a_lying_or_dead_one_is_dropped():
+    model, opt = trained(0)
+    state = {"step": 2, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    good = _published(2, state)
+    lying = _published(2, state)
+    for view in lying.views:  # same manifest, flipped bytes: the digests must catch it
+        if len(view):
+            view[0] ^= 0xFF
+    servers = [StateServer("tok") for _ in range(3)]
+    try:
+        servers[0].publish_snapshot(good)
+        servers[1].publish_snapshot(lying)
+        servers[2].publish_snapshot(good)
+        urls = [s.url for s in servers]
+        manifest, serving = transfer.find_snapshot(lambda: urls, 2, "tok", 5.0)
+        assert manifest.step == 2 and serving == urls
+        data = transfer.fetch(manifest, serving, "tok", 5.0)
+        back = transfer.assemble(manifest, data)
+        assert all(torch.equal(back["model"][k], v) for k, v in model.state_dict().items())
+        with pytest.raises(wire.WireError, match="every source failed"):
+            transfer.fetch(manifest, [urls[1]], "tok", 5.0)
+        servers[0].close()  # dead: its chunks come from the live one
+        assert bytes(transfer.fetch(manifest, urls[:1] + urls[2:], "tok", 5.0)) == bytes(data)
+        servers[2].publish_snapshot(_published(3, {**state, "step": 3}))  # replaced mid-way
+        with pytest.raises(transfer.SnapshotChanged):
+            transfer.fetch(manifest, [urls[2]], "tok", 5.0)
+    finally:
+        for s in servers[1:]:
+            s.close()
+
+
+def test_a_bandwidth_cap_holds_the_transfer_to_it():
+    model, opt = trained(0)
+    published = _published(1, {"model": model.state_dict()})
+    capped = StateServer("tok", bytes_per_s=published.manifest.total_bytes / 0.5)  # half a second
+    free = StateServer("tok")
+    try:
+        for server, at_least, at_most in ((capped, 0.45, 5.0), (free, 0.0, 0.4)):
+            server.publish_snapshot(published)
+            t0 = time.monotonic()
+            transfer.fetch(published.manifest, [server.url], "tok", 5.0)
+            assert at_least <= time.monotonic() - t0 <= at_most
+    finally:
+        capped.close()
+        free.close()
 
 
 def _raw_get(url: str, request: bytes, timeout_s: float = 5.0) -> bytes:
@@ -147,10 +295,14 @@ def _raw_get(url: str, request: bytes, timeout_s: float = 5.0) -> bytes:
 
 
 @pytest.mark.parametrize("request_line, status", [
-    (b"GET /state/" + b"9" * 5000 + b" HTTP/1.1", b"400"),  # used to raise inside the handler
-    (b"GET /state/-1 HTTP/1.1", b"400"),
-    (b"GET /state/1/../../etc HTTP/1.1", b"400"),
-    (b"GET /state/7 HTTP/1.1", b"404"),
+    (b"GET /small/" + b"9" * 5000 + b" HTTP/1.1", b"400"),  # used to raise inside the handler
+    (b"GET /small/-1 HTTP/1.1", b"400"),
+    (b"GET /small/1/../../etc HTTP/1.1", b"400"),
+    (b"GET /small/7 HTTP/1.1", b"404"),
+    (b"GET /snapshot HTTP/1.1", b"404"),
+    (b"GET /snapshot/1/chunk/0 HTTP/1.1", b"404"),
+    (b"GET /snapshot/1/chunk/" + b"9" * 50 + b" HTTP/1.1", b"400"),
+    (b"GET /snapshot/x/chunk/0 HTTP/1.1", b"400"),
 ])
 def test_state_server_answers_malformed_requests_with_a_4xx(request_line, status):
     server = StateServer("tok")
@@ -166,7 +318,7 @@ def test_a_non_ascii_token_is_just_a_wrong_token(token):
     server = StateServer("tok")
     coordinator = CoordinatorThread(Settings(job="auth", num_replicas=1), "tok")
     try:
-        for url, path in ((server.url, b"/state/1"), (coordinator.start(), b"/v1/status")):
+        for url, path in ((server.url, b"/small/1"), (server.url, b"/snapshot"), (coordinator.start(), b"/v1/status")):
             got = _raw_get(url, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token + b"\r\n\r\n")
             assert got.split()[1] == b"401", (url, got)
     finally:
@@ -176,7 +328,7 @@ def test_a_non_ascii_token_is_just_a_wrong_token(token):
 
 def test_idle_connections_cannot_pile_up_threads_and_expire():
     server = StateServer("tok", max_connections=8, idle_timeout_s=1.0)
-    server.publish(1, b"state")
+    server.publish_small(1, b"state")
     before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) for _ in range(200)]
     try:
@@ -184,7 +336,7 @@ def test_idle_connections_cannot_pile_up_threads_and_expire():
         assert threading.active_count() - before <= 8  # one thread per admitted connection, no more
         time.sleep(1.5)  # the idle timeout ends the admitted ones
         assert threading.active_count() - before <= 1
-        got = _raw_get(server.url, b"GET /state/1 HTTP/1.1\r\nAuthorization: Bearer tok\r\n\r\n")
+        got = _raw_get(server.url, b"GET /small/1 HTTP/1.1\r\nAuthorization: Bearer tok\r\n\r\n")
         assert got.split()[1] == b"200"
     finally:
         for s in idle:

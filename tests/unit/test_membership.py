@@ -21,7 +21,7 @@ import pytest
 from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
 from transom.coordinator.membership import Settings
 from transom.errors import Evicted, NotRegistered
-from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest
+from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
 
 
 # --- Settings ----------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def test_first_quorum_waits_for_all_replicas():
     d = m.request_quorum(qreq(2), 2.0)
     assert d is not None
     assert (d.round, d.quorum_id, d.member_ids(), d.max_step) == (0, 0, [0, 1, 2], 0)
-    assert d.participants == 3 and d.recovering == {}
+    assert d.participants == 3 and d.recovering == () and d.snapshot_from is None
     # The earlier askers see the same decision when they look (long-poll wake-up).
     assert m.answer_for(qreq(0)) is d and m.answer_for(qreq(1)) is d
 
@@ -247,7 +247,7 @@ def test_member_left_behind_is_restarted_and_rejoins_and_recovers():
     d2 = m.request_quorum(qreq(1, 1, d1.quorum_id, d1.round), 2.0)
     assert d2 is not None and d2.member_ids() == [0, 1, 2]
     assert d2.quorum_id == d1.quorum_id + 1
-    assert d2.recovering == {2: 0} and d2.participants == 2 and d2.max_step == 1
+    assert d2.recovering == (2,) and d2.participants == 2 and d2.max_step == 1
 
 
 @pytest.mark.parametrize("age,expired", [(0.0, False), (2.9, False), (3.0, False), (3.01, True), (50.0, True)])
@@ -293,26 +293,55 @@ def test_joiner_recovers_from_canonical_member():
     assert j is not None
     assert j.member_ids() == [0, 1, 2] and j.members[2] == ident(2, gen=1)
     assert j.max_step == 20 and j.participants == 2
-    assert j.recovering == {2: 0}
+    assert j.recovering == (2,) and j.sources == (0, 1) and j.snapshot_from == 20
     r2 = m.response(j, 2)
-    assert r2.recover_from is not None
-    assert (r2.recover_from.replica_id, r2.recover_from.step) == (0, 20)
-    assert r2.recover_from.endpoints == m.replicas[0].state_endpoints
-    assert not r2.serve_recovery and r2.recovering == [2]
-    assert m.response(j, 0).serve_recovery and m.response(j, 0).recover_from is None
-    assert not m.response(j, 1).serve_recovery
+    assert [(s.replica_id, s.endpoints) for s in r2.sources] == [(i, m.replicas[i].state_endpoints) for i in (0, 1)]
+    assert not r2.serve_recovery and r2.recovering == [2] and r2.snapshot_from == 20
+    for source in (0, 1):  # every holder of the newest state serves; only the joiner is told where
+        assert m.response(j, source).serve_recovery and m.response(j, source).sources == []
+
+
+def test_a_replica_catching_up_contributes_nothing_until_it_says_it_caught_up():
+    """The joiner's step counter follows the others while it fetches in the background: the
+    coordinator must still count it out, keep the sources serving a snapshot it can use, and
+    count it in once it stops saying it catches up."""
+    m, d = started(3, heartbeat_timeout_s=1e6)
+    d = next_round(m, d, [0, 1, 2], 1.0, 1)
+
+    def round_of(step: int, catching_up: dict[int, int], now: float):
+        reqs = [qreq(rid, step, d.quorum_id, d.round).model_copy(update={"catching_up_from": catching_up.get(rid)})
+                for rid in (0, 1, 2)]
+        return round_all(m, reqs, now)
+
+    first = d.quorum_id
+    d = round_of(1, {2: 1}, 2.0)
+    assert (d.recovering, d.sources, d.participants, d.snapshot_from) == ((2,), (0, 1), 2, 1)
+    assert d.quorum_id == first  # same members: the groups stay
+    d = round_of(2, {2: 2, 1: 1}, 3.0)  # two catching up: the snapshot must serve the later need
+    assert (d.recovering, d.sources, d.participants, d.snapshot_from) == ((1, 2), (0,), 1, 2)
+    d = round_of(3, {}, 4.0)
+    assert (d.recovering, d.sources, d.participants, d.snapshot_from) == ((), (), 3, None)
+    assert [e.message for e in m.events if e.kind == "caught_up"] == ["replica 1 caught up at step 3",
+                                                                      "replica 2 caught up at step 3"]
+
+
+def test_catching_up_from_a_step_not_reached_is_refused():
+    body = qreq(0, 3).model_dump()
+    assert QuorumRequest.model_validate({**body, "catching_up_from": 3}).catching_up_from == 3
+    with pytest.raises(ValueError, match="past the step"):
+        QuorumRequest.model_validate({**body, "catching_up_from": 4})
 
 
 @pytest.mark.parametrize(
     "state,recovering,participants",
     [
-        ([(0, -1), (0, -1)], {}, 2),
-        ([(20, 4), (20, 4), (0, -1)], {2: 0}, 2),
-        ([(20, 3), (20, 4)], {0: 1}, 1),  # same step, older lineage recovers
-        ([(20, 4), (20, 3), (20, 4)], {1: 0}, 2),
-        ([(21, 3), (20, 4)], {1: 0}, 1),  # a higher step beats a newer lineage
-        ([(5, 1), (20, 2), (20, 2), (3, 0)], {0: 1, 3: 2}, 2),  # sources spread round-robin
-        ([(0, -1), (0, -1), (9, 0)], {0: 2, 1: 2}, 1),
+        ([(0, -1), (0, -1)], (), 2),
+        ([(20, 4), (20, 4), (0, -1)], (2,), 2),
+        ([(20, 3), (20, 4)], (0,), 1),  # same step, older lineage recovers
+        ([(20, 4), (20, 3), (20, 4)], (1,), 2),
+        ([(21, 3), (20, 4)], (1,), 1),  # a higher step beats a newer lineage
+        ([(5, 1), (20, 2), (20, 2), (3, 0)], (0, 3), 2),
+        ([(0, -1), (0, -1), (9, 0)], (0, 1), 1),
     ],
 )
 def test_canonical_state_and_recovery_sources(state, recovering, participants):
@@ -324,7 +353,7 @@ def test_canonical_state_and_recovery_sources(state, recovering, participants):
     assert d.participants == participants
     assert d.max_step == max(s for s, _ in state)
     canonical = [rid for rid in d.member_ids() if rid not in recovering]
-    assert all(src in canonical for src in recovering.values())
+    assert d.sources == (tuple(canonical) if recovering else ())
     assert len({state[rid] for rid in canonical}) == 1
 
 
@@ -343,7 +372,7 @@ def test_below_min_replicas_pauses_then_resumes_with_replacement():
     d1 = m.request_quorum(qreq(1, 0, -1, -1, gen=1), 501.0)
     assert d1 is not None and d1.member_ids() == [0, 1]
     assert not m.paused and m.events[-1].kind == "resumed"
-    assert d1.recovering == {1: 0} and d1.max_step == 1
+    assert d1.recovering == (1,) and d1.max_step == 1
     assert m.answer_for(qreq(0, 1, 0, 0)) is d1
 
 
@@ -383,7 +412,7 @@ def test_newer_attempt_supersedes_old_and_drops_its_pending_request():
     m.request_quorum(qreq(0, 1, 0, 0), 2.0)
     d1 = m.request_quorum(qreq(2, 1, 0, 0), 2.0)
     assert d1 is not None and d1.members == (ident(0), ident(1, 0, 1), ident(2))
-    assert d1.quorum_id == d0.quorum_id + 1 and d1.recovering == {1: 0}
+    assert d1.quorum_id == d0.quorum_id + 1 and d1.recovering == (1,)
 
 
 def test_register_again_with_same_incarnation_is_idempotent():
@@ -431,15 +460,15 @@ def test_response_rank_is_index_in_members_and_only_sources_serve():
         assert m.request_quorum(qreq(rid, step, commit), 0.0) is None
     d = m.try_decide(60.0)
     assert d is not None and d.member_ids() == [0, 1, 3]
-    assert d.recovering == {1: 0}
-    expect = {0: (0, True), 1: (1, False), 3: (2, False)}
+    assert d.recovering == (1,)
+    expect = {0: (0, True), 1: (1, False), 3: (2, True)}
     for rid, (rank, serves) in expect.items():
         r = m.response(d, rid)
         assert r.rank == rank and r.serve_recovery is serves
         assert (r.round, r.quorum_id, r.members, r.max_step, r.participants, r.recovering) == (
             d.round, d.quorum_id, [0, 1, 3], 8, 2, [1])
         assert r.store_prefix == d.store_prefix and r.store_addr == "10.0.0.0:29500"
-        assert (r.recover_from is not None) == (rid == 1)
+        assert [s.replica_id for s in r.sources] == ([0, 3] if rid == 1 else [])
     with pytest.raises(ValueError):
         m.response(d, 2)
 

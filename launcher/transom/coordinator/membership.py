@@ -16,8 +16,11 @@ The protocol, one *round* per training step:
   launcher restarts it even if its heartbeat thread still runs.
 * The decision is the same for every member: the quorum id changes exactly when the
   membership changes or a step failed (then groups are rebuilt under a fresh prefix);
-  members behind the newest committed state recover from one that has it and contribute
-  zero gradients this step; fewer than `min_replicas` ready means no decision (paused).
+  members behind the newest committed state, and those that say they are still catching
+  up, contribute zero gradients and catch up in the background from the *sources* (every
+  member that holds the newest state), which keep a snapshot of a step the joiners can use
+  (`snapshot_from`) until nobody catches up any more (ft/catchup.py); fewer than
+  `min_replicas` ready means no decision (paused).
 
 Because one process decides and every member of a round gets the same answer, two groups
 of replicas can never train apart (no split brain).
@@ -123,7 +126,9 @@ class Decision:
     store_prefix: str
     max_step: int
     participants: int
-    recovering: dict[int, int]  # replica id -> replica id it recovers from
+    recovering: tuple[int, ...]  # members catching up (they contribute zeros)
+    sources: tuple[int, ...] = ()  # members holding the newest state, serving it while anyone catches up
+    snapshot_from: int | None = None  # the sources keep a snapshot of this step or later
 
     def member_ids(self) -> list[int]:
         return [m.replica_id for m in self.members]
@@ -383,11 +388,16 @@ class Membership:
         max_step = max(ready[i].step for i in ids)
         at_max = [i for i in ids if ready[i].step == max_step]
         # Replicas at the same step that committed it under different quorums can differ (a
-        # collective that completed on some members only): the newest lineage wins.
-        newest = max(ready[i].commit_quorum_id for i in at_max)
-        canonical = [i for i in at_max if ready[i].commit_quorum_id == newest]
-        behind = [i for i in ids if i not in canonical]
-        recovering = {rid: canonical[k % len(canonical)] for k, rid in enumerate(behind)}
+        # collective that completed on some members only): the newest lineage wins. A
+        # member still catching up counts its steps but does not hold their state yet.
+        holding = [i for i in at_max if ready[i].catching_up_from is None]
+        newest = max((ready[i].commit_quorum_id for i in holding), default=-1)
+        canonical = [i for i in holding if ready[i].commit_quorum_id == newest]
+        recovering = tuple(i for i in ids if i not in canonical)
+        # What the joiners need: one that joins now records updates from this step on, one
+        # catching up says from which step.
+        needs = [ready[i].catching_up_from if ready[i].catching_up_from is not None else max_step
+                 for i in recovering]
         if not same:
             owner = self.replicas[canonical[0]]
             store_addr = owner.store_addr
@@ -399,6 +409,9 @@ class Membership:
                 f"quorum {quorum_id}: replicas {ids} at step {max_step}"
                 + (f", recovering {sorted(recovering)}" if recovering else ""),
             )
+        if prev is not None:
+            for rid in sorted(set(prev.recovering) & set(canonical)):
+                self._event(now, "caught_up", f"replica {rid} caught up at step {max_step}")
         if self.paused:
             self.paused = False
             self._event(now, "resumed", f"{len(ids)} replicas ready")
@@ -409,8 +422,10 @@ class Membership:
             store_addr=store_addr,
             store_prefix=prefix,
             max_step=max_step,
-            participants=len(canonical),
+            participants=max(1, len(canonical)),  # none: every member is told it cannot catch up
             recovering=recovering,
+            sources=tuple(canonical) if recovering else (),
+            snapshot_from=max(needs) if needs else None,
         )
         self.next_round += 1
         self.current = decision
@@ -429,14 +444,8 @@ class Membership:
 
     def response(self, decision: Decision, replica_id: int) -> QuorumResponse:
         ids = decision.member_ids()
-        source = decision.recovering.get(replica_id)
-        recover_from = None
-        if source is not None:
-            recover_from = RecoverySource(
-                replica_id=source,
-                step=decision.max_step,
-                endpoints=list(self.replicas[source].state_endpoints),
-            )
+        sources = [RecoverySource(replica_id=s, endpoints=list(self.replicas[s].state_endpoints))
+                   for s in decision.sources] if replica_id in decision.recovering else []
         return QuorumResponse(
             round=decision.round,
             quorum_id=decision.quorum_id,
@@ -447,8 +456,9 @@ class Membership:
             max_step=decision.max_step,
             participants=decision.participants,
             recovering=sorted(decision.recovering),
-            serve_recovery=replica_id in decision.recovering.values(),
-            recover_from=recover_from,
+            serve_recovery=replica_id in decision.sources,
+            sources=sources,
+            snapshot_from=decision.snapshot_from,
         )
 
     def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_REPLICAS = 4096
 MAX_STEP = 2**62
@@ -100,17 +100,29 @@ class QuorumRequest(_Msg):
     failed: bool = Field(default=False, description="the last step failed (its update was discarded)")
     last_loss: float | None = Field(default=None, allow_inf_nan=True)
     last_step_seconds: float | None = Field(default=None, ge=0, le=1e7)
+    catching_up_from: int | None = Field(
+        default=None, ge=0, le=MAX_STEP,
+        description="the replica trains in step but still fetches its tensors from peers: it contributes zeros "
+                    "and needs a snapshot of this step or later (ft/catchup.py)",
+    )
     timeout_s: float = Field(default=30.0, gt=0, le=120, description="long-poll limit")
+
+    @model_validator(mode="after")
+    def _catching_up_from_the_past(self) -> "QuorumRequest":
+        if self.catching_up_from is not None and self.catching_up_from > self.step:
+            raise ValueError(f"catching_up_from {self.catching_up_from} is past the step {self.step}")
+        return self
 
 
 class RecoverySource(_Msg):
+    """A member that holds the newest state and serves it to those catching up."""
+
     replica_id: int = ReplicaId
-    step: int = Step
-    endpoints: list[str]
+    endpoints: list[str] = Field(description="its ranks' state servers, in rank order")
 
 
 class QuorumResponse(_Msg):
-    """The decision of one round, identical for every member but `rank` and `recover_from`."""
+    """The decision of one round, identical for every member but `rank` and `serve_recovery`."""
 
     round: int
     quorum_id: int = Field(description="strictly increasing; changes exactly when the groups must be rebuilt")
@@ -120,9 +132,12 @@ class QuorumResponse(_Msg):
     store_prefix: str = Field(description="never reused: a group built under it is new")
     max_step: int
     participants: int = Field(description="members that contribute gradients this step")
-    recovering: list[int] = Field(description="members that load state from a peer this step")
-    serve_recovery: bool = Field(description="this replica must serve its state for this round")
-    recover_from: RecoverySource | None = None
+    recovering: list[int] = Field(description="members that catch up from the sources (they contribute zeros)")
+    serve_recovery: bool = Field(description="this replica is a source: it serves its state this round")
+    sources: list[RecoverySource] = Field(default_factory=list, description="the sources, when anyone catches up")
+    snapshot_from: int | None = Field(
+        default=None, description="sources keep a snapshot of this step or later; None: they keep none"
+    )
 
 
 class ReplicaStatus(_Msg):

@@ -42,6 +42,12 @@ class FTConfig:
     lr_scaling: str = "sqrt"
     """How the learning rate follows the global batch when replicas are missing."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    recovery_bytes_per_s: float = 0
+    """A cap on what each rank sends to catching-up replicas (0: none), so that a transfer
+    leaves the link to the training traffic; a slower transfer only delays the joiner."""
+    catchup_buffer_bytes: int = 2 << 30
+    """Memory a catching-up replica may hold in recorded updates (ft/catchup.py); past it, it
+    asks for a newer snapshot."""
     backend: str | None = None
     """Backend of the cross-replica groups: auto, gloo or nccl (backend.py); None: ft.init()'s."""
 
@@ -56,6 +62,10 @@ class FTConfig:
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
         if self.max_failed_steps < 1:
             raise ValueError("max_failed_steps must be at least 1")
+        if not (math.isfinite(self.recovery_bytes_per_s) and self.recovery_bytes_per_s >= 0):
+            raise ValueError(f"recovery_bytes_per_s must be >= 0, got {self.recovery_bytes_per_s}")
+        if self.catchup_buffer_bytes < 0:
+            raise ValueError(f"catchup_buffer_bytes must be >= 0, got {self.catchup_buffer_bytes}")
 
     @classmethod
     def from_environ(cls, **overrides: Any) -> "FTConfig":
@@ -64,6 +74,7 @@ class FTConfig:
             "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
             "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
             "backend": os.environ.get(contract.ENV_BACKEND),
+            "recovery_bytes_per_s": os.environ.get("TRANSOM_RECOVERY_BYTES_PER_S"),
         }
         values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})

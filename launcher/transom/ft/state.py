@@ -67,9 +67,7 @@ class ReplicaState:
         """Load `state` (as `capture` made it) into the live objects; its step."""
         if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
             raise IncompatibleState("the state holds no model and optimizer")
-        step = state.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise IncompatibleState(f"the state's step is {step!r}, not a step number")
+        step = _step_of(state)
         if self.scaler is not None and state.get("scaler") is not None and not _enabled(self.scaler):
             raise IncompatibleState("the state has a GradScaler's scale but this script's scaler is disabled")
         try:
@@ -77,12 +75,29 @@ class ReplicaState:
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             raise IncompatibleState(f"the state does not fit this model or optimizer: {e}") from e
+        self._apply_rest(state)
+        return step
+
+    def apply_small(self, state: Any) -> int:
+        """Load everything but the model and the optimizer (a catching-up replica's first
+        round, ft/catchup.py); its step."""
+        step = _step_of(state)
+        self._apply_rest(state)
+        return step
+
+    def _apply_rest(self, state: dict) -> None:
         for name, live in (("scaler", self.scaler), ("sampler", self.sampler), ("extra", self.extra)):
             if live is not None and state.get(name) is not None:
                 live.load_state_dict(state[name])
         if state.get("rng") is not None:  # absent in a state saved by the checkpoint engine directly
             set_rng_state(state["rng"], self.device)
-        return step
+
+
+def _step_of(state: Any) -> int:
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise IncompatibleState(f"the state's step is {step!r}, not a step number")
+    return step
 
 
 def _state_of(obj: Any) -> dict | None:

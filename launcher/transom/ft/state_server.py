@@ -1,11 +1,18 @@
-"""Peer-to-peer state transfer for a replica that (re)joins: serve and fetch.
+"""Every rank's HTTP server for replicas that (re)join: the small state and the snapshot.
 
-Every rank runs a small HTTP server (one daemon thread, owned and stopped by the Manager).
-When the coordinator names this replica as a recovery source for a round, the rank
-encodes its committed state into memory *before* its next optimizer step (wire.py: tensors
-and JSON, nothing a receiver would execute) and publishes it under that round; the
-recovering rank of the same shard index fetches it. Only the newest snapshot is kept, so
-memory is bounded by one copy of the rank's state.
+Every rank runs a small HTTP server (one daemon thread, owned and stopped by the trainer).
+While the coordinator names this replica a source, it serves
+
+    GET /small/<round>                 the state that is not tensors of the model or the
+                                       optimizer (step, scaler, sampler, scheduler, RNG, the
+                                       optimizer's hyperparameters), wire.py-encoded, for a
+                                       joiner to train in step at once (ft/catchup.py)
+    GET /snapshot                      the manifest of the kept snapshot (ft/transfer.py)
+    GET /snapshot/<step>/chunk/<i>     one chunk of it
+
+Only the newest of each is kept, so memory is bounded by one copy of the rank's state.
+`bytes_per_s` caps what the server sends in all (the recovery traffic must not starve the
+training traffic on a shared link); 0 means no cap.
 
 Requests carry the job's bearer token: the state is the model, and the model is the
 customer's property. The server holds at most `max_connections` connections at once (one
@@ -20,12 +27,14 @@ import logging
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from transom.ft.transfer import Published, http_get
+
 log = logging.getLogger("transom.ft")
-_STATE_PATH = re.compile(r"^/state/(\d{1,18})$")
+_SMALL_PATH = re.compile(r"^/small/(\d{1,18})$")
+_CHUNK_PATH = re.compile(r"^/snapshot/(\d{1,18})/chunk/(\d{1,9})$")
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -58,51 +67,104 @@ class _BoundedServer(ThreadingHTTPServer):
         log.debug("state server: connection from %s ended badly", client_address, exc_info=True)
 
 
+class _Throttle:
+    """A shared budget of bytes per second for everything the server sends (0: none)."""
+
+    def __init__(self, bytes_per_s: float):
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        with self._lock:  # n bytes go out once the budget has paid for them
+            now = time.monotonic()
+            self._next = max(now, self._next) + n / self.rate
+            wait = self._next - now
+        time.sleep(wait)
+
+
 class StateServer:
     def __init__(self, token: str, bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
-                 max_connections: int = 32, idle_timeout_s: float = 10.0):
+                 max_connections: int = 32, idle_timeout_s: float = 10.0, bytes_per_s: float = 0,
+                 on_chunk: Callable[[int], None] | None = None):
+        """`on_chunk(n)` runs when the n-th chunk is asked for, before it is sent (fault injection)."""
         self._token = token.encode()
+        self._on_chunk = on_chunk
+        self._chunks_asked = 0
         self._lock = threading.Lock()
-        self._round: int | None = None
-        self._payload: bytes = b""
+        self._small: tuple[int, bytes] | None = None
+        self._snapshot: Published | None = None
+        self._throttle = _Throttle(bytes_per_s)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             timeout = idle_timeout_s  # per socket read or write: a stalled peer is dropped
 
-            def log_message(self, fmt, *args):  # quiet: one line per transfer is logged below
+            def log_message(self, fmt, *args):  # quiet: the transfer is logged by its ends
                 pass
 
             def do_GET(self):
                 header = self.headers.get("Authorization", "")
                 presented = header.partition(" ")[2].encode("utf-8", "surrogateescape")
                 if not hmac.compare_digest(presented, server._token):
-                    return self._reply(401, b"missing or wrong bearer token")
-                match = _STATE_PATH.match(self.path)
-                if match is None:
-                    return self._reply(400, b"expected GET /state/<round>")
+                    return self._reply(401, [b"missing or wrong bearer token"])
                 with server._lock:
-                    ready = server._round == int(match.group(1))
-                    payload = server._payload
-                if not ready:
-                    return self._reply(404, b"no snapshot for this round (yet)")
-                self._reply(200, payload, "application/octet-stream")
+                    small, snapshot = server._small, server._snapshot
+                if (m := _SMALL_PATH.match(self.path)) is not None:
+                    if small is None or small[0] != int(m.group(1)):
+                        return self._reply(404, [b"no state for this round (yet)"])
+                    return self._reply(200, [memoryview(small[1])], "application/octet-stream")
+                if self.path == "/snapshot":
+                    if snapshot is None:
+                        return self._reply(404, [b"no snapshot kept"])
+                    return self._reply(200, [memoryview(snapshot.manifest_json)], "application/json")
+                if (m := _CHUNK_PATH.match(self.path)) is not None:
+                    step, i = int(m.group(1)), int(m.group(2))
+                    if snapshot is None or snapshot.manifest.step != step:
+                        return self._reply(404, [b"that snapshot is no longer kept"])
+                    if i >= len(snapshot.manifest.digests):
+                        return self._reply(400, [b"no such chunk"])
+                    server._chunk_asked()
+                    pieces = snapshot.chunk(i)
+                    server._throttle.take(sum(len(p) for p in pieces))
+                    return self._reply(200, pieces, "application/octet-stream")
+                self._reply(400, [b"expected GET /small/<round>, /snapshot or /snapshot/<step>/chunk/<i>"])
 
-            def _reply(self, code: int, body: bytes, ctype: str = "text/plain"):
+            def _reply(self, code: int, pieces: list, ctype: str = "text/plain"):
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
                 self.end_headers()
-                self.wfile.write(body)
+                for p in pieces:
+                    self.wfile.write(p)
 
         self._httpd = _BoundedServer((bind_host, 0), Handler, max_connections)
         self.url = f"http://{advertise_host}:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="transom-state-server", daemon=True)
         self._thread.start()
 
-    def publish(self, round_id: int, payload: bytes) -> None:
+    def _chunk_asked(self) -> None:
         with self._lock:
-            self._round, self._payload = round_id, payload
+            self._chunks_asked += 1
+            n = self._chunks_asked
+        if self._on_chunk is not None:
+            self._on_chunk(n)
+
+    def publish_small(self, round_id: int, payload: bytes) -> None:
+        with self._lock:
+            self._small = (round_id, payload)
+
+    def publish_snapshot(self, snapshot: Published | None) -> None:
+        """Serve `snapshot` from now on (None: serve none); the previous one is dropped."""
+        with self._lock:
+            self._snapshot = snapshot
+
+    @property
+    def snapshot_step(self) -> int | None:
+        with self._lock:
+            return None if self._snapshot is None else self._snapshot.manifest.step
 
     def close(self) -> None:
         self._httpd.shutdown()
@@ -110,29 +172,27 @@ class StateServer:
         self._thread.join(timeout=5)
 
 
-def fetch_state(endpoint: str, round_id: int, token: str, timeout_s: float, wait_s: float = 5.0) -> bytes:
-    """GET a peer's snapshot for `round_id`; the transfer may take up to timeout_s.
+def fetch_small(endpoint: str, round_id: int, token: str, timeout_s: float, wait_s: float = 5.0) -> bytes:
+    """GET a source's small state for `round_id`.
 
-    The source publishes before it enters the round's all-reduce, and the joiner fetches
-    only after that all-reduce succeeded, so the snapshot is normally there at once: a
-    missing snapshot or an unreachable source is retried only for `wait_s` (a source that
-    died must not keep the joiner, and so the next round, waiting for minutes).
+    The source publishes it before it enters the round's all-reduce, and the joiner asks
+    only after that all-reduce succeeded, so it is normally there at once: a missing state
+    or an unreachable source is retried only for `wait_s` (a source that died must not keep
+    the joiner, and so the next round, waiting).
     """
     deadline = time.monotonic() + min(wait_s, timeout_s)
     last_error = "no attempt"
     while True:
-        req = urllib.request.Request(f"{endpoint}/state/{round_id}")
-        req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            last_error = f"{e.code} {e.read()[:200].decode(errors='replace')}"
-            if e.code != 404:
+            status, body = http_get(endpoint, f"/small/{round_id}", token, timeout_s)
+            if status == 200:
+                return body
+            last_error = f"{status} {body[:200].decode(errors='replace')}"
+            if status != 404:
                 break
-        except (urllib.error.URLError, OSError) as e:
+        except OSError as e:
             last_error = str(e)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    raise TimeoutError(f"could not fetch state of round {round_id} from {endpoint}: {last_error}")
+    raise TimeoutError(f"could not fetch the state of round {round_id} from {endpoint}: {last_error}")

@@ -15,9 +15,10 @@
 
 One step, as the replica's leader sees it: the quorum request leaves when the step begins
 (overlapping the forward pass) and is awaited at the end of the backward pass
-(ft/backward.py), where a changed quorum rebuilds the cross-replica group, a recovery
-source publishes its state for the joiner, and the gradients are averaged over the
-participants (a joiner sends zeros and loads the source's state meanwhile). Whatever the
+(ft/backward.py), where a changed quorum rebuilds the cross-replica group and the
+gradients are averaged over the participants. A replica that joins sends zeros, takes a
+source's small state and catches up in the background while it trains in step; nobody
+waits for it (ft/catchup.py). Whatever the
 script does next (clipping, `GradScaler.unscale_`) sees the averaged gradients. Then
 `optimizer.step()` (ft/optimizer.py), or the lower-level `finish_step()`, ends the step:
 every rank of the replica votes, and the optimizer steps only if all succeeded. A failed
@@ -40,7 +41,6 @@ import datetime
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,28 +51,21 @@ import torch.distributed as dist
 
 from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_STATS_DIR
-from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
-from transom.coordinator.models import (
-    CheckpointReport,
-    FailureReport,
-    HeartbeatRequest,
-    Identity,
-    LeaveRequest,
-    QuorumRequest,
-    QuorumResponse,
-    RegisterRequest,
-)
+from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted
+from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject
 from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
+from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce
 from transom.ft.process_group import CrossReplicaGroup
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
+from transom.ft.leader import CoordinatorLink, coordinator_view, report_failure
 from transom.ft.replica import ReplicaContext, init
-from transom.ft.state_server import StateServer, fetch_state
+from transom.ft.state_server import StateServer, fetch_small
 from transom.ft.stats import StatsWriter
 from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
 from transom.ft.optimizer import FTOptimizer
@@ -156,16 +149,18 @@ class FaultTolerant:
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint)
-            self.restored_step = self.checkpoints.restore(self._coordinator_view)
+            self.restored_step = self.checkpoints.restore(lambda: coordinator_view(self.client, self.replica_id))
             self.step = self.restored_step or 0
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
-        self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr)
+        on_chunk = (lambda n: self.fault.maybe_fire(n, self.ctx.rank, "serve")) if self.fault else None
+        self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr,
+                                         bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
+        self._source = Source(self._state_server, sharding.localize)  # serves replicas that join
+        self._joiner: Joiner | None = None  # while this replica catches up
         endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._stop = threading.Event()
-        self._heartbeat_thread: threading.Thread | None = None
+        self._link: CoordinatorLink | None = None
         self._evicted: str | None = None
         if self.ctx.is_leader:
             # This replica's store: the coordinator points a quorum at one member's store.
@@ -173,17 +168,9 @@ class FaultTolerant:
                 bind, 0, is_master=True, wait_for_workers=False, use_libuv=True,
                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
             )
-            self._registration = RegisterRequest(
-                identity=self.identity,
-                store_addr=f"{env.advertise_addr}:{self._store.port}",
-                state_endpoints=endpoints,
-            )
-            reg = self.client.register(self._registration)
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transom-quorum")
-            self._heartbeat_thread = threading.Thread(
-                target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,), name="transom-heartbeat", daemon=True
-            )
-            self._heartbeat_thread.start()
+            registration = RegisterRequest(identity=self.identity, state_endpoints=endpoints,
+                                           store_addr=f"{env.advertise_addr}:{self._store.port}")
+            self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
         # The optimizer steps only a committed step: a direct call would fork the replicas.
         self._stepping = False
@@ -247,6 +234,7 @@ class FaultTolerant:
             self._no_sync = False
 
     def begin_step(self) -> None:
+        self._evicted = self._evicted or (self._link.evicted if self._link is not None else None)
         if self._evicted:
             raise Evicted(self._evicted, 409)
         self._in_step = True
@@ -255,7 +243,7 @@ class FaultTolerant:
         self._step_started = time.monotonic()
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "forward")
-        if self._pool is not None:
+        if self._link is not None:
             req = QuorumRequest(
                 identity=self.identity,
                 step=self.step,
@@ -264,8 +252,9 @@ class FaultTolerant:
                 failed=self._last_failed,
                 last_loss=self._last_loss,
                 last_step_seconds=self._last_seconds,
+                catching_up_from=self._joiner.need_from if self._joiner is not None else None,
             )
-            self._future = self._pool.submit(self._quorum_call, req)
+            self._future = self._link.ask(req)
 
     def finish_step(
         self, loss: torch.Tensor | float | None = None, before_optimizer: Callable[[], None] | None = None
@@ -295,6 +284,7 @@ class FaultTolerant:
         committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
         self._check_skipped_restore(q)
         if committed:
+            self._catch_up_if_ready()
             self._commit(q, before_optimizer, update)
         else:
             self._failed_in_a_row += 1
@@ -332,8 +322,9 @@ class FaultTolerant:
         # The prefix names a quorum uniquely, across coordinator restarts too.
         changed = q.store_prefix != self._group_prefix
         error = self._rebuild_group(q) if changed else None
-        if q.serve_recovery:
-            self._state_server.publish(q.round, self._snapshot())
+        if q.serve_recovery:  # kilobytes: what a joiner needs to train in step at once
+            self._state_server.publish_small(q.round, wire.encode(small_part(self.state.capture(self.step))))
+        self._source.on_round(q.serve_recovery, q.snapshot_from)
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "allreduce")
         ftar = StepAllReduce(self._group, q.participants, contribute=not recovering)
@@ -342,14 +333,55 @@ class FaultTolerant:
         ftar.allreduce_gradients(self.model.parameters(), self.config.bucket_bytes)
         if ftar.failed:
             self._drop_group()
-        elif recovering:
-            try:
-                if self.checkpoints is not None:
-                    self.checkpoints.wait_snapshot()  # the copy reads what _recover overwrites
-                self._recover(q)
-            except Exception as e:
-                ftar.fail(f"recovery from replica {q.recover_from.replica_id if q.recover_from else '?'}: {e}")
+        if recovering:
+            self._join(q, ftar)
+        elif self._joiner is not None:  # a coordinator that forgot us would say so: be safe
+            raise MustRestart(f"replica {self.replica_id} was catching up, but the quorum counts it caught up")
         return changed, ftar
+
+    def _join(self, q: QuorumResponse, ftar: StepAllReduce) -> None:
+        """A recovering replica's part of a round: in its first, load the small state from a
+        source and start catching up in the background (ft/catchup.py); in every round, tell
+        the catch-up which sources are alive."""
+        mine = [s.endpoints[self.ctx.rank] for s in q.sources if len(s.endpoints) > self.ctx.rank]
+        if not mine:
+            raise MustRestart(f"replica {self.replica_id} is behind and no replica holds the state to catch up from")
+        if self._joiner is None:
+            small, error = None, ftar.error
+            if not ftar.failed:
+                try:
+                    blob = fetch_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.coordinator_token,
+                                       self.config.recovery_timeout_s)
+                    small = wire.decode(blob)  # the peer's bytes are data: no unpickling
+                    if not isinstance(small, dict) or not isinstance(small.get("param_groups"), list):
+                        small = None
+                        raise WireError("the source's answer is not a small state")
+                except Exception as e:
+                    error = f"taking the state of round {q.round} from a source: {e}"
+            # Every rank of the replica starts catching up, or none does (the step again).
+            if not self.ctx.all_ok(small is not None):
+                ftar.fail(error or "another rank of this replica could not take its source's state")
+                return
+            self.step = apply_small(small, self._optimizer, self.state.apply_small)
+            rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
+            self._joiner = Joiner(self.model, self._optimizer, self.ctx.env.coordinator_token, self.device, rebuild,
+                                  q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes)
+            log.info("replica %d rank %d catching up from step %d", self.replica_id, self.ctx.rank, self.step)
+        self._joiner.set_sources(mine)
+
+    def _catch_up_if_ready(self) -> None:
+        """A catching-up replica whose shadow (every rank's) has reached this step swaps it in."""
+        if self._joiner is None:
+            return
+        if self._joiner.error is not None:
+            raise MustRestart(f"replica {self.replica_id} could not catch up: {self._joiner.error}")
+        if not self.ctx.all_ok(self._joiner.ready_at(self.step)):
+            return
+        if self.checkpoints is not None:
+            self.checkpoints.wait_snapshot()  # a copy in flight must not read what the swap replaces
+        self._joiner.take()
+        self._joiner = None
+        log.info("replica %d rank %d caught up at step %d", self.replica_id, self.ctx.rank, self.step)
 
     def _check_skipped_restore(self, q: QuorumResponse) -> None:
         """A replica that skipped its checkpoint restore for a peer that held newer state must
@@ -367,29 +399,39 @@ class FaultTolerant:
         is False, count the step, and start the checkpoint that is due."""
         if self.checkpoints is not None:
             self.checkpoints.wait_snapshot()  # the last checkpoint's copy must be complete
-        if update:
-            factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
-            groups = self._optimizer.param_groups
-            saved = [g["lr"] for g in groups]
-            for g in groups:
-                g["lr"] = g["lr"] * factor
-            try:
-                if before_optimizer is not None:
-                    before_optimizer()
+        self._source.before_update()  # and the copy a joiner will fetch
+        factor = lr_factor(self.config.lr_scaling, q.participants, self.num_replicas)
+        groups = self._optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * factor
+        try:
+            if update and before_optimizer is not None:
+                before_optimizer()
+            if self._joiner is not None:  # no state to step yet: the update is replayed later
+                self._joiner.record(record_of(self.step, self._optimizer, update))
+                if self.fault:
+                    self.fault.maybe_fire(len(self._joiner.recorded), self.ctx.rank, "catchup")
+            elif update:
                 self._stepping = True
                 self._optimizer.step()
-            finally:
-                self._stepping = False
-                for g, lr in zip(groups, saved):
-                    g["lr"] = lr
-        else:
+        finally:
+            self._stepping = False
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+        if not update:
             log.debug("replica %d: step %d committed without an update (inf/NaN gradients)", self.replica_id, self.step)
         self.step += 1
         self._commit_quorum_id = q.quorum_id
         self._failed_in_a_row = 0
-        # Every member that committed this step in this round writes its checkpoint together.
-        self._writers = Writers(q.rank, len(q.members), f"{q.store_prefix}/round{q.round}")
-        if self.checkpoints is not None and self.checkpoints.due(self.step):
+        self._source.after_commit(self.step, self.state.capture)
+        # The members that hold the state of this step (not those catching up) write its
+        # checkpoint together.
+        holders = [m for m in q.members if m not in q.recovering]
+        mine = self._joiner is None and self.replica_id in holders
+        self._writers = Writers(holders.index(self.replica_id), len(holders),
+                                f"{q.store_prefix}/round{q.round}") if mine else None
+        if self._writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
             self.checkpoints.save(self.step, self._writers)
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
@@ -440,25 +482,24 @@ class FaultTolerant:
         failed = not done and not self.completed_elsewhere and not self._evicted
         if failed:  # before anything slow: the other replicas stop waiting for this one now
             self._report_close_failure()
-        if completed:
+        if completed and self._joiner is not None:
+            log.warning("replica %d ends the job before it caught up: its state is not the job's", self.replica_id)
+        elif completed:
             self.stats.final(self.step, state_digest(self.model))
         self.stats.close()
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
             # A replica that fails saves nothing and does not wait for the checkpoint in flight.
             self.checkpoints.close(self.step if completed else None, self._writers, wait=not failed)
-        self._stop.set()
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._link is not None:
+            leave = None
             if completed or self.completed_elsewhere:
                 reason = "job completed elsewhere" if self.completed_elsewhere else \
                     "ended the job" if end_job and self.step < (self.num_steps or 0) else "completed"
-                try:
-                    self.client.leave(LeaveRequest(identity=self.identity, step=self.step, completed=completed,
-                                                   reason=reason))
-                except Exception as e:
-                    log.warning("could not tell the coordinator that replica %d left: %s", self.replica_id, e)
+                leave = LeaveRequest(identity=self.identity, step=self.step, completed=completed, reason=reason)
+            self._link.close(leave)
+        if self._joiner is not None:
+            self._joiner.close()
+        self._source.close()
         self._backward.remove()
         self._step_guard.remove()
         self._drop_group()
@@ -471,22 +512,12 @@ class FaultTolerant:
             raise UsageError("the optimizer given to FaultTolerant was stepped directly; step trainer.optimizer "
                              "(or call trainer.finish_step()), which steps it only for a committed step")
 
-    def _coordinator_view(self) -> tuple[int | None, int | None]:
-        """(the newest step a healthy peer reported, the newest checkpoint the coordinator
-        recorded committed); None for what is unknown."""
-        try:
-            status = self.client.status(timeout_s=5.0)
-        except Exception as e:  # no answer: restore, which is always correct
-            log.warning("replica %d: coordinator status unavailable (%s); restoring the checkpoint", self.replica_id, e)
-            return None, None
-        steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != self.replica_id]
-        return max(steps, default=None), status.last_checkpoint
-
     def _report_checkpoint(self, step: int, uri: str) -> None:
         """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
         # One checkpoint persists at a time, so the engine's last stall is this one's.
         stall = self.checkpoints.engine.last_stall_s if self.checkpoints is not None else None
-        self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri, stall_seconds=stall))
+        if self._link is not None:
+            self._link.report_checkpoint(step, uri, stall)
 
     def _await_quorum(self) -> QuorumResponse | None:
         payload: Any = None  # only the leader asked; it tells the other ranks
@@ -511,16 +542,6 @@ class FaultTolerant:
                 return None
             raise NoQuorum(f"replica {self.replica_id}: no quorum: {answer['error']}")
         return QuorumResponse.model_validate_json(answer)
-
-    def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
-        try:
-            return self.client.quorum(req, self.config.quorum_timeout_s)
-        except NotRegistered:
-            # The coordinator restarted and lost its memory: introduce ourselves again; the
-            # new coordinator's first round gathers everyone at the steps they hold.
-            log.warning("replica %d: coordinator does not know us (restarted?); registering again", self.replica_id)
-            self.client.register(self._registration)
-            return self.client.quorum(req.model_copy(update={"last_round": -1}), self.config.quorum_timeout_s)
 
     def _rebuild_group(self, q: QuorumResponse) -> str | None:
         self._drop_group()
@@ -548,26 +569,6 @@ class FaultTolerant:
         del group
         self._group_prefix = ""  # a dropped group is never reused, even for the same quorum
 
-    def _snapshot(self) -> bytes:
-        """This rank's committed state for a recovering peer (wire.py: tensors and JSON, no pickle)."""
-        return wire.encode(self.state.capture(self.step), sharding.localize)
-
-    def _recover(self, q: QuorumResponse) -> None:
-        assert q.recover_from is not None
-        src = q.recover_from
-        t0 = time.monotonic()
-        blob = fetch_state(src.endpoints[self.ctx.rank], q.round, self.ctx.env.coordinator_token, self.config.recovery_timeout_s)
-        # The peer's bytes are data: decoded without unpickling, checked before use.
-        state = wire.decode(blob, self.device, sharding.rebuilder(sharding.mesh_of(self.model)))
-        if not isinstance(state, dict) or state.get("step") != q.max_step:
-            step = state.get("step") if isinstance(state, dict) else None
-            raise WireError(f"peer sent step {step!r}, expected {q.max_step}")
-        self.step = self.state.apply(state)
-        log.info(
-            "replica %d rank %d recovered step %d from replica %d (%.1f MB in %.2fs)",
-            self.replica_id, self.ctx.rank, q.max_step, src.replica_id, len(blob) / 1e6, time.monotonic() - t0,
-        )
-
     def _report_close_failure(self) -> None:
         """close() before the target: report this replica failed (the leader talks for it)."""
         if not self.ctx.is_leader:
@@ -577,31 +578,13 @@ class FaultTolerant:
         cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         reason = f"closed at step {self.step}, before {target}{cause}"[:1000]
         log.error("replica %d %s", self.replica_id, reason)
-        try:
-            self.client.report_failure(FailureReport(identity=self.identity, reason=reason), timeout_s=2.0)
-        except Exception as e:  # the launcher reports the exit too
-            log.warning("could not report replica %d failed: %s", self.replica_id, e)
+        report_failure(self.client, self.identity, reason, timeout_s=2.0)
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:
             self._drop_group()
             if not self._evicted and not self._closed:
-                reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"[:1000]
-                self.client.report_failure(FailureReport(identity=self.identity, reason=reason), timeout_s=1.0)
-        except Exception as e:  # the launcher reports the exit anyway
-            log.debug("could not report the uncaught exception: %s", e)
+                reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"
+                report_failure(self.client, self.identity, reason, timeout_s=1.0)
         finally:
             self._previous_excepthook(exc_type, exc, tb)
-
-    def _heartbeat_loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            try:
-                self.client.heartbeat(HeartbeatRequest(identity=self.identity, step=self.step), timeout_s=interval_s)
-            except Evicted as e:
-                self._evicted = str(e)
-                log.error("replica %d evicted by the coordinator: %s", self.replica_id, e)
-                return
-            except NotRegistered:
-                pass  # the quorum request registers again; heartbeats resume after that
-            except Exception as e:  # coordinator briefly unreachable: keep trying
-                log.warning("heartbeat of replica %d failed: %s", self.replica_id, e)

@@ -19,7 +19,7 @@ PIPE_INTERVAL_S = 2.0
 
 # What each coordinator event kind reads as (membership.py writes the kinds).
 _MARKS = {"failed": "FAIL", "registered": "join", "quorum": "quorum", "completed": "done", "left": "left",
-          "paused": "PAUSE", "resumed": "resume", "checkpoint": "ckpt"}
+          "paused": "PAUSE", "resumed": "resume", "checkpoint": "ckpt", "caught_up": "synced"}
 
 
 def progress_line(step: int, loss: float | None, healthy: int, replicas: int, quorum_id: int | None,

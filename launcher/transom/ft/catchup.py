@@ -1,0 +1,351 @@
+"""Non-blocking catch-up: a replica (re)joins while the others train on, and nobody waits for it.
+
+The joiner enters the quorum at once. In its first round it takes the *small* state from a
+source (the step, the optimizer's hyperparameters, the GradScaler's scale, the sampler, the
+script's extra state such as an LR scheduler, the RNG: kilobytes), so from then on its
+script runs in step with the others: the same LR schedule, the same scale, the same skip
+decisions, the same clipping of the same averaged gradients. What it lacks is the *tensor*
+state (parameters and optimizer moments). Until it has them it contributes zero gradients
+(the others average over the contributors only), and instead of stepping its optimizer it
+records each committed step's update: the averaged gradients as the optimizer would have
+consumed them, the hyperparameters, whether the scaler skipped the step (`Record`).
+
+Meanwhile, in a background thread (`Joiner`), it fetches a snapshot of a committed step
+S from its sources' host memory (ft/transfer.py: chunks with checksums, from every source
+in parallel, resumed on the others when one dies), builds a *shadow* copy of the
+parameters and of the optimizer from it, and replays the recorded updates S, S+1, ... on
+the shadow. When the shadow has reached the step the replica is committing, the main
+thread swaps it in (parameter storage and optimizer state, no copy) and commits that step
+normally: the replica is bit-identical to the others and contributes from the next round.
+A transfer that outlasts many steps only means more records to replay, whose memory is
+bounded (`max_record_bytes`): past it the joiner drops its records and asks for a newer
+snapshot.
+
+A source (`Source`) takes its snapshot after a commit, when the coordinator asks for one
+newer than what it keeps: the host copy runs in the background during the next forward
+and backward (checkpoint/snapshot.py) and is awaited before the next optimizer step, the
+hashing after it; so a source never stops its own step for the joiner. It keeps one
+snapshot while anyone is catching up and drops it when nobody is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from transom.checkpoint import structure
+from transom.checkpoint.snapshot import Snapshot
+from transom.errors import IncompatibleState, WireError
+from transom.ft import transfer
+from transom.ft.state_server import StateServer
+
+log = logging.getLogger("transom.ft")
+TENSOR_PARTS = ("model", "optimizer")
+
+
+def small_part(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (ReplicaState.capture) without the model's and the optimizer's tensors."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["optimizer"]["param_groups"]]
+    return {**{k: v for k, v in state.items() if k not in TENSOR_PARTS}, "param_groups": groups}
+
+
+def apply_small(small: dict[str, Any], optimizer: torch.optim.Optimizer, load_rest: Callable[[dict], int]) -> int:
+    """Load the small state: the optimizer's hyperparameters here, the rest by `load_rest`
+    (ReplicaState.apply_small); returns its step."""
+    groups = small.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise IncompatibleState("the peer's optimizer has a different number of parameter groups")
+    step = load_rest(small)
+    for live, peer in zip(optimizer.param_groups, groups):
+        live.update({k: v for k, v in peer.items() if k != "params"})
+    return step
+
+
+@dataclass
+class Record:
+    """What committed step `step` did to the optimizer; replayed on the shadow."""
+
+    step: int
+    grads: list[torch.Tensor | None]  # in the order of the optimizer's param_groups
+    hyper: list[dict[str, Any]]  # each group's hyperparameters, LR scaling applied
+    update: bool  # False: the scaler found inf/NaN, the step counted without an update
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+
+
+def record_of(step: int, optimizer: torch.optim.Optimizer, update: bool) -> Record:
+    """The update the optimizer would make now (call it where it would step)."""
+    grads = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            grad = p.grad
+            # zero_grad(set_to_none=True) follows and releases the tensor to us; a view of a
+            # bucket that DDP reuses next step must be copied.
+            if grad is not None and grad._base is not None:
+                grad = grad.clone()
+            grads.append(None if grad is None else grad.detach())
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return Record(step, grads, hyper, update)
+
+
+class Shadow:
+    """Parameters and an optimizer of the same class built from a snapshot, to replay records on."""
+
+    def __init__(self, state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        sd = state["model"]
+        self.step: int = state["step"]
+        by_id = {}
+        for name, p in model.named_parameters():
+            if name not in sd:
+                raise IncompatibleState(f"the snapshot has no parameter {name}")
+            t = sd[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise IncompatibleState(f"{name}: the snapshot's {t.dtype}{list(t.shape)} does not fit "
+                                        f"{p.dtype}{list(p.shape)}")
+            by_id[id(p)] = t.detach().requires_grad_(p.requires_grad)
+        self.buffers = {name: sd[name] for name, _ in model.named_buffers() if name in sd}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        self.params = [p for g in groups for p in g["params"]]
+        try:
+            self.optimizer = type(optimizer)(groups)
+        except TypeError as e:
+            raise IncompatibleState(f"{type(optimizer).__name__} cannot be rebuilt from its param_groups "
+                                    f"for a catch-up: {e}") from e
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def replay(self, r: Record) -> None:
+        for g, h in zip(self.optimizer.param_groups, r.hyper):
+            g.update(h)
+        if r.update:
+            for p, grad in zip(self.params, r.grads):
+                p.grad = grad
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+        self.step = r.step + 1
+
+    def swap_into(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Make the live parameters and optimizer this shadow's (their storage, no copy)."""
+        live = [p for g in optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p, s in zip(live, self.params):
+                if hasattr(p, "to_local") or hasattr(s, "to_local"):
+                    p.copy_(s)  # a sharded parameter's storage belongs to FSDP: copy into it
+                else:
+                    p.data = s.detach()
+            for name, b in model.named_buffers():
+                if name in self.buffers:
+                    b.copy_(self.buffers[name])
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        for g, h in zip(optimizer.param_groups, hyper):  # the live schedule, not the last record's
+            g.update(h)
+
+
+class Joiner:
+    """The joiner's background half: fetch a snapshot, build the shadow, replay records."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, token: str,
+                 device: torch.device, rebuild: Callable | None, need_from: int, sources: list[str],
+                 timeout_s: float, max_record_bytes: int):
+        self.model, self.optimizer, self.token, self.device = model, optimizer, token, device
+        self.rebuild, self.timeout_s, self.max_record_bytes = rebuild, timeout_s, max_record_bytes
+        self.need_from = need_from  # the snapshot must be of this step or later
+        self.error: str | None = None
+        self.fetched: list[tuple[int, int, float]] = []  # (step, bytes, seconds) per completed transfer
+        self.recorded: list[int] = []  # the steps recorded, for statistics and fault injection
+        self._endpoints: list[str] = list(sources)
+        self._records: dict[int, Record] = {}
+        self._record_bytes = 0
+        self._shadow: Shadow | None = None
+        self._generation = 0  # bumped when the records are dropped: the shadow is then useless
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="transom-catchup", daemon=True)
+        self._thread.start()
+
+    # --- the main thread ---------------------------------------------------------------------
+    def set_sources(self, endpoints: list[str]) -> None:
+        with self._cond:
+            self._endpoints = list(endpoints)
+
+    def _sources(self) -> list[str]:
+        with self._cond:
+            return list(self._endpoints)
+
+    def ready_at(self, step: int) -> bool:
+        """The shadow holds the state after `step` committed steps: swap it in now."""
+        with self._cond:
+            return self._shadow is not None and self._shadow.step == step
+
+    def record(self, r: Record) -> None:
+        with self._cond:
+            self.recorded.append(r.step)
+            self._records[r.step] = r
+            self._record_bytes += r.nbytes
+            if self._record_bytes > self.max_record_bytes:
+                # Too far behind to replay within the memory allowed: start over from a
+                # snapshot newer than anything recorded (the sources take one).
+                log.warning("catch-up: %d MB of updates recorded, over the limit; asking for a newer snapshot",
+                            self._record_bytes >> 20)
+                self._records.clear()
+                self._record_bytes = 0
+                self._shadow = None
+                self._generation += 1
+                self.need_from = r.step + 1
+            self._cond.notify_all()
+
+    def take(self) -> None:
+        """Swap the shadow into the live model and optimizer (after ready_at) and stop."""
+        with self._cond:
+            shadow = self._shadow
+            self._stop.set()
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        assert shadow is not None
+        shadow.swap_into(self.model, self.optimizer)
+        self._records.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # --- the background thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        last_progress = time.monotonic()
+        while not self._stop.is_set():
+            with self._cond:
+                generation, need_from = self._generation, self.need_from
+            try:
+                shadow = self._build(need_from)
+            except transfer.SnapshotChanged as e:
+                log.info("catch-up: %s; fetching the newer one", e)
+                continue
+            except InterruptedError:
+                return
+            except Exception as e:
+                if time.monotonic() - last_progress > self.timeout_s:
+                    self.error = f"{type(e).__name__}: {e}"
+                    return
+                log.warning("catch-up: %s; trying again", e)
+                self._stop.wait(0.2)
+                continue
+            last_progress = time.monotonic()
+            self._replay(shadow, generation)
+
+    def _build(self, need_from: int) -> Shadow:
+        stopped = self._stop.is_set
+        manifest, sources = transfer.find_snapshot(self._sources, need_from, self.token, self.timeout_s, stopped)
+        t0 = time.monotonic()
+        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped)
+        self.fetched.append((manifest.step, manifest.total_bytes, time.monotonic() - t0))
+        log.info("catch-up: snapshot of step %d (%.1f MB) from %d source(s) in %.2fs", manifest.step,
+                 manifest.total_bytes / 1e6, len(sources), time.monotonic() - t0)
+        state = transfer.assemble(manifest, data, self.device, self.rebuild)
+        if not isinstance(state, dict) or not set(TENSOR_PARTS) <= state.keys() or state.get("step") != manifest.step:
+            raise WireError("the snapshot is not a replica state of its step")
+        return Shadow(state, self.model, self.optimizer)
+
+    def _replay(self, shadow: Shadow, generation: int) -> None:
+        """Apply the records from the shadow's step on, as they come, until taken or reset."""
+        with self._cond:
+            for step in [s for s in self._records if s < shadow.step]:
+                self._record_bytes -= self._records.pop(step).nbytes
+            if self._generation != generation:
+                return
+            self._shadow = shadow
+        while not self._stop.is_set():
+            with self._cond:
+                if self._generation != generation:
+                    return  # the records were dropped: this shadow can never catch up
+                r = self._records.pop(shadow.step, None)
+                if r is None:
+                    self._cond.wait(0.5)
+                    continue
+                self._record_bytes -= r.nbytes
+            # Outside the lock, so the training step never waits for a replay; shadow.step
+            # moves only once the update is applied, so ready_at never sees half of one.
+            shadow.replay(r)
+
+
+class Source:
+    """A source's half: keep one snapshot of a committed step while anyone catches up."""
+
+    def __init__(self, server: StateServer, localize: Callable | None):
+        self.server, self.localize = server, localize
+        self._want: int | None = None  # a snapshot of a step >= this is wanted
+        self._copy: Snapshot | None = None
+        self._skeleton: Any = None
+        self._copy_step = -1
+        self._publisher: threading.Thread | None = None
+
+    def on_round(self, serve: bool, snapshot_from: int | None) -> None:
+        """The round's instruction: keep a snapshot of a step >= `snapshot_from`, or none."""
+        if not serve or snapshot_from is None:
+            self._want = None
+            if self._copy is None and self._publisher is None:
+                self.server.publish_snapshot(None)
+            return
+        kept = self.server.snapshot_step
+        in_flight = self._copy_step if (self._copy is not None or self._publisher is not None) else None
+        best = max(s for s in (kept, in_flight, -1) if s is not None)
+        self._want = snapshot_from if best < snapshot_from else None
+
+    def after_commit(self, step: int, capture: Callable[[int], dict]) -> None:
+        """Start the snapshot of `step` if one is wanted (the copy runs in the background)."""
+        if self._want is None or step < self._want or self._copy is not None:
+            return
+        if self._publisher is not None and self._publisher.is_alive():
+            return  # the previous one is still being hashed: take this one at the next commit
+        self._publisher = None
+        tensors, self._skeleton = structure.flatten(capture(step), torch.is_tensor, self.localize)
+        self._copy, self._copy_step, self._want = Snapshot(), step, None
+        self._copy.start(tensors)
+        log.info("taking a snapshot of step %d for a replica that catches up", step)
+
+    def before_update(self, timeout_s: float = 300.0) -> None:
+        """Before the optimizer changes the parameters: the copy must be complete. Hashing and
+        publishing go on in the background."""
+        if self._copy is None:
+            return
+        copy, self._copy = self._copy, None
+        tensors = copy.wait(timeout_s)
+        step, skeleton = self._copy_step, self._skeleton
+
+        def publish() -> None:
+            try:
+                t0 = time.monotonic()
+                self.server.publish_snapshot(transfer.publish(step, tensors, skeleton))
+                log.info("serving the snapshot of step %d (hashed in %.2fs)", step, time.monotonic() - t0)
+            except Exception:  # the joiner times out and asks again; never the source's failure
+                log.exception("could not publish the snapshot of step %d", step)
+
+        self._publisher = threading.Thread(target=publish, name="transom-snapshot-publish", daemon=True)
+        self._publisher.start()
+
+    def wait_publisher(self, timeout_s: float) -> None:
+        if self._publisher is not None:
+            self._publisher.join(timeout_s)
+            if not self._publisher.is_alive():
+                self._publisher = None
+
+    def close(self) -> None:
+        if self._copy is not None:
+            try:
+                self._copy.wait(30.0)
+            except Exception as e:
+                log.debug("snapshot copy at close: %s", e)
+            self._copy = None
+        self.wait_publisher(30.0)
+        self.server.publish_snapshot(None)

@@ -1,0 +1,111 @@
+"""`CoordinatorLink`: what a replica's leader (its rank 0) says to the coordinator, and hears.
+
+The leader registers the replica, heartbeats in a thread of its own, asks for every step's
+quorum from a one-thread pool (the request leaves when the step begins and overlaps the
+forward pass), and reports checkpoints, failures and its leaving. The other ranks of the
+replica never talk to the coordinator: the trainer hands them the leader's answers over the
+replica's control group. Every thread here is stopped by `close()`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+
+from transom.coordinator.client import CoordinatorClient, Evicted, NotRegistered
+from transom.coordinator.models import (
+    CheckpointReport,
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    LeaveRequest,
+    QuorumRequest,
+    QuorumResponse,
+    RegisterRequest,
+)
+
+log = logging.getLogger("transom.ft")
+
+
+class CoordinatorLink:
+    def __init__(self, client: CoordinatorClient, registration: RegisterRequest, quorum_timeout_s: float,
+                 progress: Callable[[], int]):
+        """Register now and start heartbeating; `progress()` is the committed step a beat reports."""
+        self.client, self.registration = client, registration
+        self.identity: Identity = registration.identity
+        self.quorum_timeout_s = quorum_timeout_s
+        self.evicted: str | None = None  # set by the heartbeat thread when the coordinator evicts us
+        self._progress = progress
+        reg = client.register(registration)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transom-quorum")
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,),
+                                           name="transom-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def ask(self, req: QuorumRequest) -> concurrent.futures.Future:
+        """The quorum of the step `req` describes, answered in the background."""
+        return self._pool.submit(self._quorum_call, req)
+
+    def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
+        try:
+            return self.client.quorum(req, self.quorum_timeout_s)
+        except NotRegistered:
+            # The coordinator restarted and lost its memory: introduce ourselves again; the
+            # new coordinator's first round gathers everyone at the steps they hold.
+            log.warning("replica %d: coordinator does not know us (restarted?); registering again",
+                        self.identity.replica_id)
+            self.client.register(self.registration)
+            return self.client.quorum(req.model_copy(update={"last_round": -1}), self.quorum_timeout_s)
+
+    def report_checkpoint(self, step: int, uri: str, stall_s: float | None) -> None:
+        self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri,
+                                                       stall_seconds=stall_s))
+
+    def close(self, leave: LeaveRequest | None) -> None:
+        """Stop the heartbeat and the quorum pool; `leave`: say goodbye first (never raises)."""
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if leave is not None:
+            try:
+                self.client.leave(leave)
+            except Exception as e:
+                log.warning("could not tell the coordinator that replica %d left: %s", self.identity.replica_id, e)
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.client.heartbeat(HeartbeatRequest(identity=self.identity, step=self._progress()),
+                                      timeout_s=interval_s)
+            except Evicted as e:
+                self.evicted = str(e)
+                log.error("replica %d evicted by the coordinator: %s", self.identity.replica_id, e)
+                return
+            except NotRegistered:
+                pass  # the quorum request registers again; heartbeats resume after that
+            except Exception as e:  # coordinator briefly unreachable: keep trying
+                log.warning("heartbeat of replica %d failed: %s", self.identity.replica_id, e)
+
+
+def coordinator_view(client: CoordinatorClient, replica_id: int) -> tuple[int | None, int | None]:
+    """(the newest step a healthy peer reported, the newest checkpoint the coordinator
+    recorded committed); None for what is unknown."""
+    try:
+        status = client.status(timeout_s=5.0)
+    except Exception as e:  # no answer: restore, which is always correct
+        log.warning("replica %d: coordinator status unavailable (%s); restoring the checkpoint", replica_id, e)
+        return None, None
+    steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != replica_id]
+    return max(steps, default=None), status.last_checkpoint
+
+
+def report_failure(client: CoordinatorClient, identity: Identity, reason: str, timeout_s: float) -> None:
+    """Tell the coordinator this replica failed (any rank may); never raises: the launcher
+    reports the exit too."""
+    try:
+        client.report_failure(FailureReport(identity=identity, reason=reason[:1000]), timeout_s=timeout_s)
+    except Exception as e:
+        log.warning("could not report replica %d failed: %s", identity.replica_id, e)

@@ -1,0 +1,309 @@
+"""A committed snapshot as chunks with checksums: what a source serves and how a joiner fetches it.
+
+A source replica keeps one snapshot of its state (host copies of its tensors, made in the
+background, ft/catchup.py) while some replica is catching up. It serves it as
+
+    GET /snapshot                      the manifest (JSON): step, tensors, skeleton, chunk digests
+    GET /snapshot/<step>/chunk/<i>     bytes [i*chunk_bytes, (i+1)*chunk_bytes) of the tensors' raw
+                                       bytes laid back to back; 404 once that step is replaced
+
+Every tensor travels as its raw bytes (no container, nothing a receiver would execute); the
+manifest says where each one lies, its dtype and shape, and the sha256 of every chunk. The
+replicas are bit-identical, so every source of one step serves the same bytes under the
+same digests: the joiner fetches chunks from all of them in parallel, checks each against
+the manifest, and when a source dies or serves a bad chunk it takes the remaining chunks
+from the others (`fetch`). A snapshot replaced mid-transfer restarts the fetch on the new
+one (`SnapshotChanged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from transom.checkpoint import blob, structure
+from transom.errors import SnapshotChanged, WireError
+
+log = logging.getLogger("transom.ft")
+CHUNK_BYTES = 4 << 20
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_CHUNKS = 1 << 20
+ALIGN = 64  # every tensor starts at a multiple: a tensor made over the received bytes is aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    key: str = Field(min_length=1, max_length=4096)
+    dtype: str
+    shape: list[int] = Field(max_length=blob.MAX_DIMS)
+    offset: int = Field(ge=0)
+
+    @property
+    def nbytes(self) -> int:
+        return blob.nbytes_of(self.dtype, self.shape)
+
+
+class Manifest(BaseModel):
+    """What a joiner learns before it fetches a byte; checked before anything is allocated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    step: int = Field(ge=0)
+    chunk_bytes: int = Field(ge=1, le=1 << 30)
+    total_bytes: int = Field(ge=0, le=1 << 44)
+    entries: list[_Entry]
+    skeleton: Any
+    digests: list[str] = Field(max_length=MAX_CHUNKS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        end = 0
+        for e in self.entries:
+            if e.offset != _aligned(end):
+                raise ValueError(f"{e.key}: offset {e.offset}, expected {_aligned(end)} (tensors lie back to back)")
+            end = e.offset + e.nbytes
+        if end != self.total_bytes:
+            raise ValueError(f"the tensors hold {end} bytes, the manifest says {self.total_bytes}")
+        if len(self.digests) != -(-self.total_bytes // self.chunk_bytes):
+            raise ValueError(f"{len(self.digests)} digests for {self.total_bytes} bytes in chunks of {self.chunk_bytes}")
+        keys = [e.key for e in self.entries]
+        if len(set(keys)) != len(keys) or not set(structure.tensor_keys(self.skeleton)) <= set(keys):
+            raise ValueError("the entries and the skeleton disagree about the tensors")
+        return self
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        start = i * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.total_bytes)
+
+
+@dataclass
+class Published:
+    """A snapshot as a source serves it: the manifest and the tensors' bytes (views, no copy)."""
+
+    manifest: Manifest
+    manifest_json: bytes
+    views: list[memoryview] = field(repr=False)
+
+    def chunk(self, i: int) -> list[memoryview]:
+        """The pieces of chunk `i`, in order: slices of the tensors' own memory, and zeros for
+        the alignment padding between them."""
+        start, end = self.manifest.chunk_range(i)
+        pieces, at = [], start
+        for e, view in zip(self.manifest.entries, self.views):
+            lo, hi = max(start, e.offset), min(end, e.offset + len(view))
+            if lo < hi:
+                if lo > at:
+                    pieces.append(memoryview(bytes(lo - at)))
+                pieces.append(view[lo - e.offset:hi - e.offset])
+                at = hi
+        if at < end:  # the chunk ends inside the padding before the next tensor
+            pieces.append(memoryview(bytes(end - at)))
+        return pieces
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_bytes: int = CHUNK_BYTES) -> Published:
+    """Host tensors (that nobody changes until the snapshot is dropped) and the skeleton that
+    places them (checkpoint/structure.py), ready to serve.
+
+    Hashing is the only pass over the bytes (hashlib releases the GIL on large buffers)."""
+    entries, views, offset = [], [], 0
+    for key, t in tensors.items():
+        if t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{key}: a published tensor must be a contiguous host copy")
+        offset = _aligned(offset)
+        view = _raw(t)
+        entries.append({"key": key, "dtype": blob.dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+        views.append(view)
+        offset += len(view)
+    shape = Manifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset,
+                                     entries=[_Entry.model_construct(**e) for e in entries], skeleton=skeleton)
+    draft = Published(shape, b"", views)
+    digests = []
+    for i in range(-(-offset // chunk_bytes)):
+        h = hashlib.sha256()
+        for piece in draft.chunk(i):
+            h.update(piece)
+        digests.append(h.hexdigest())
+    body = {"step": step, "chunk_bytes": chunk_bytes, "total_bytes": offset, "entries": entries,
+            "skeleton": skeleton, "digests": digests}
+    manifest = Manifest.model_validate(body)
+    return Published(manifest, json.dumps(body, separators=(",", ":")).encode(), views)
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise WireError(f"a manifest of {len(data)} bytes is too large")
+    try:
+        return Manifest.model_validate(json.loads(data))
+    except ValidationError as e:
+        raise WireError(f"bad manifest: {e.errors()[0]['msg']}") from None
+    except (ValueError, RecursionError, blob.BlobError) as e:
+        raise WireError(f"bad manifest: {e}") from None
+
+
+def assemble(manifest: Manifest, data: bytearray | memoryview, device: torch.device | str = "cpu",
+             rebuild: Callable[[torch.Tensor, dict], Any] | None = None) -> Any:
+    """The state the manifest describes, its tensors made from `data` (checked bytes)."""
+    if len(data) != manifest.total_bytes:
+        raise WireError(f"{len(data)} bytes for a snapshot of {manifest.total_bytes}")
+    tensors: dict[str, torch.Tensor] = {}
+    for e in manifest.entries:
+        dtype = blob.DTYPES[e.dtype]
+        n = e.nbytes
+        if n == 0:
+            t = torch.empty(e.shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(data, dtype=dtype, count=n // dtype.itemsize, offset=e.offset).reshape(e.shape)
+        tensors[e.key] = t.to(device) if str(device) != "cpu" else t
+    return structure.unflatten(manifest.skeleton, tensors, rebuild)
+
+
+# --- the joiner's side -----------------------------------------------------------------------------
+def http_get(endpoint: str, path: str, token: str, timeout_s: float) -> tuple[int, bytes]:
+    url = urllib.parse.urlsplit(endpoint)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def manifest_of(endpoint: str, token: str, timeout_s: float) -> Manifest | None:
+    """The snapshot `endpoint` serves now, None if it serves none (yet)."""
+    status, body = http_get(endpoint, "/snapshot", token, timeout_s)
+    if status == 404:
+        return None
+    if status != 200:
+        raise WireError(f"{endpoint}/snapshot answered {status}: {body[:200]!r}")
+    return parse_manifest(body)
+
+
+def find_snapshot(endpoints: Callable[[], Sequence[str]], need_from: int, token: str, timeout_s: float,
+                  stopped: Callable[[], bool] = lambda: False) -> tuple[Manifest, list[str]]:
+    """Poll the sources (`endpoints()`, asked again each time: they change as peers come and
+    go) until they serve a snapshot of a step >= `need_from`: its manifest and the endpoints
+    that serve exactly it (the most of them, if sources disagree)."""
+    deadline = time.monotonic() + timeout_s
+    last = "no source known"
+    while not stopped():
+        found: dict[tuple, tuple[Manifest, list[str]]] = {}
+        for ep in endpoints():
+            try:
+                m = manifest_of(ep, token, min(10.0, timeout_s))
+            except (OSError, WireError, http.client.HTTPException) as e:
+                last = f"{ep}: {e}"
+                continue
+            if m is None or m.step < need_from:
+                last = f"{ep}: no snapshot of step >= {need_from} yet"
+                continue
+            found.setdefault((m.step, tuple(m.digests)), (m, []))[1].append(ep)
+        if found:
+            return max(found.values(), key=lambda f: (len(f[1]), f[0].step))
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no snapshot of step >= {need_from} within {timeout_s:g}s: {last}")
+        time.sleep(0.05)
+    raise InterruptedError("stopped")
+
+
+def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: float,
+          stopped: Callable[[], bool] = lambda: False, per_source: int = 2) -> bytearray:
+    """Every chunk of `manifest`, each from whichever source is free, checked against its digest.
+
+    A source that fails (connection, status, digest) is dropped and its chunk goes back to
+    the queue for the others. SnapshotChanged when the sources answer that the step is gone;
+    TimeoutError when no chunk arrived for `timeout_s`; WireError when every source failed.
+    """
+    out = bytearray(manifest.total_bytes)
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(manifest.digests)):
+        todo.put(i)
+    remaining = [len(manifest.digests)]
+    lock = threading.Lock()
+    progress = [time.monotonic()]
+    errors: list[str] = []
+    changed: list[str] = []
+    done = threading.Event()
+    if remaining[0] == 0:
+        return out
+
+    def worker(ep: str) -> None:
+        while not done.is_set() and not stopped():
+            try:
+                i = todo.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            start, end = manifest.chunk_range(i)
+            try:
+                status, body = http_get(ep, f"/snapshot/{manifest.step}/chunk/{i}", token, timeout_s)
+                if status == 404:
+                    raise SnapshotChanged(f"{ep} no longer serves step {manifest.step}")
+                if status != 200 or len(body) != end - start:
+                    raise WireError(f"chunk {i}: status {status}, {len(body)} bytes")
+                if hashlib.sha256(body).hexdigest() != manifest.digests[i]:
+                    raise WireError(f"chunk {i}: checksum mismatch")
+            except SnapshotChanged as e:
+                todo.put(i)
+                with lock:
+                    changed.append(str(e))
+                return
+            except (OSError, WireError, http.client.HTTPException) as e:
+                todo.put(i)
+                log.warning("state transfer: source %s dropped: %s", ep, e)
+                with lock:
+                    errors.append(f"{ep}: {e}")
+                return
+            out[start:end] = body
+            with lock:
+                progress[0] = time.monotonic()
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+    threads = [threading.Thread(target=worker, args=(ep,), name="transom-fetch", daemon=True)
+               for ep in endpoints for _ in range(per_source)]
+    for t in threads:
+        t.start()
+    try:
+        while not done.wait(0.05):
+            with lock:
+                stalled = time.monotonic() - progress[0]
+                alive = any(t.is_alive() for t in threads)
+                if changed and not alive:
+                    raise SnapshotChanged(changed[0])
+            if stopped():
+                raise InterruptedError("stopped")
+            if not alive:
+                raise WireError(f"every source failed: {'; '.join(errors[-3:])}")
+            if stalled > timeout_s:
+                raise TimeoutError(f"no chunk arrived for {timeout_s:g}s")
+    finally:
+        done.set()
+        for t in threads:  # each ends after its request in flight; stopping waits for none
+            t.join(timeout=1.0 if stopped() else timeout_s + 1)
+    return out

@@ -1,0 +1,68 @@
+"""Non-blocking catch-up in real multi-process runs: a replica rejoins and nobody waits for it.
+
+`transom run` with the tiny GPT example; faults are real SIGKILLs. The sources' bandwidth
+for the catch-up is capped (TRANSOM_RECOVERY_BYTES_PER_S), so the transfer of the ~5 MB
+snapshot outlasts several training steps: the joiner records the updates it sees while it
+fetches and replays them, and every replica ends bit-identical. The kills land where
+recovery is fragile: a source while it serves chunks, a joiner while it catches up, three
+failures in a row.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from test_fault_tolerance import assert_consistent_finish
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SNAPSHOT_BYTES_PER_S = "2000000"  # the tiny GPT's ~5 MB snapshot: about 2.5 s at this cap
+
+
+def catching_up(records: list[dict]) -> list[dict]:
+    """The committed steps a replica spent catching up (contributing zeros)."""
+    return [r for r in records if r["committed"] and r["recovering"]]
+
+
+def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(transom_run, monkeypatch):
+    monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=10,phase=forward"],
+                         ["--steps", "110"])
+    assert_consistent_finish(result, 110, 3)
+    joined = catching_up(result.records(1))
+    assert len(joined) >= 4, f"the transfer should outlast several steps, took {len(joined)}"
+    window = {r["step"] for r in joined}
+    for healthy in (0, 2):
+        records = [r for r in result.records(healthy) if r["committed"]]
+        during = [r["seconds"] for r in records if r["step"] in window]
+        # Failure-free reference: the steps after the joiner caught up (all three train, as before).
+        after = [r["seconds"] for r in records if r["step"] > max(window) + 2]
+        assert len(during) == len(window) and len(after) >= 10
+        # Within noise on a shared 2-core machine: the median step while the joiner catches
+        # up is not slower than the failure-free steps by more than half of one.
+        assert statistics.median(during) <= 1.5 * statistics.median(after) + 0.02, (during, after)
+    assert "replica 1 caught up at step" in result.output  # the coordinator's event
+
+
+def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_run, monkeypatch):
+    monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=2,step=10",
+                          "--inject", "kill:replica=0,step=1,phase=serve"], ["--steps", "150"])
+    assert_consistent_finish(result, 150, 3)
+    assert result.summary["failures_injected"] == 2
+    assert result.incarnations(0) == 2 and result.incarnations(2) == 2
+    assert "dropped" in result.output  # the joiner lost a source mid-transfer and went on
+    for replica in (0, 2):
+        assert catching_up(result.records(replica)), f"replica {replica} never caught up"
+
+
+def test_three_failures_in_a_row_two_of_them_while_joining(transom_run, monkeypatch):
+    monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
+    faults = ["kill:replica=1,step=10", "kill:replica=1,step=2,phase=catchup", "kill:replica=1,step=1,phase=catchup"]
+    result = transom_run(["--replicas", "3", *[a for f in faults for a in ("--inject", f)]], ["--steps", "170"])
+    assert_consistent_finish(result, 170, 3)
+    assert result.summary["failures_injected"] == 3
+    assert result.incarnations(1) == 4
+    for healthy in (0, 2):
+        assert result.incarnations(healthy) == 1
