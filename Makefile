@@ -9,6 +9,7 @@
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
 #   make generate  regenerate derived files (CRDs, the Grafana dashboard) from their sources
+#   make bench-deps   the benchmarks' optional dependencies (torchft 0.2.0, for benchmarks/recovery.py)
 #
 # The virtual environment lives outside the checkout (torch is several GB), keyed by the
 # hash of pyproject.toml so a dependency change builds a fresh one; `.venv` links to it.
@@ -27,7 +28,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install testenv demo e2e-demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv
+.PHONY: install testenv demo e2e-demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +113,10 @@ test-integration: install
 
 test-e2e: install testenv
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+# Optional: what only benchmarks compare against (not needed by the product or the tests).
+bench-deps: install
+	$(PY) -m pip install --quiet "torchft==0.2.0"
 
 generate: install
 	$(PY) -m transom_operator.crdgen

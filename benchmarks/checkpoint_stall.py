@@ -14,7 +14,9 @@ optimizer moments) is checkpointed `--repeats` times by each method, into the sa
 
 Also: Transom's persist throughput (bytes / time from save() to the manifest) against a
 raw copy of the same bytes to the same target (one buffer, written and fsynced, or one
-upload), and the restore time of the newest checkpoint (checksums verified).
+upload), and the restore time of the newest checkpoint (checksums verified; its files are
+read as ranges on several connections at once) against raw reads of the same files: one
+stream, and READ_STREAMS streams at once (the storage's aggregate throughput).
 
 `--target s3` needs the testenv S3 server: `eval "$(hack/testenv.sh up)"` first (it exports
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and TRANSOM_S3_ENDPOINT). Prints readable lines and
@@ -44,7 +46,9 @@ import torch  # noqa: E402
 from _common import require_room  # noqa: E402
 from transom import compat  # noqa: E402
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
+from transom.checkpoint import layout  # noqa: E402
 from transom.checkpoint.restore import load_latest  # noqa: E402
+from transom.checkpoint.storage import READ_STREAMS, Storage  # noqa: E402
 
 TENSOR_MB = 16
 
@@ -92,6 +96,20 @@ def raw_copy(nbytes: int, url: str) -> float:
     return time.monotonic() - t0
 
 
+def raw_reads(uri: str, step: int) -> tuple[float, float]:
+    """Seconds to read checkpoint `step`'s files without any check: one file after another on
+    one stream, and on READ_STREAMS streams at once (the storage's aggregate speed)."""
+    storage = Storage(uri)
+    sizes = {f"{layout.step_dir(step)}/{k}": v for k, v in storage.sizes(layout.step_dir(step)).items()}
+    t0 = time.monotonic()
+    for path in sizes:
+        storage.fs.cat_file(storage.path(path))
+    one = time.monotonic() - t0
+    t0 = time.monotonic()
+    storage.read_files(sizes, READ_STREAMS)
+    return one, time.monotonic() - t0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024)
@@ -130,6 +148,7 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     gib = nbytes / 2**30
     sync, dcp_stall, dcp_total, tr_stall, tr_overlap, tr_persist, raw, restore = ([] for _ in range(8))
+    read_one, read_many = [], []
     engine = CheckpointEngine(CheckpointConfig(uri=f"{base}/transom", keep=2))
 
     def remove(url: str) -> None:
@@ -169,6 +188,9 @@ def main() -> int:
             restore.append(time.monotonic() - t0)
             assert restored.step == 2 * r + 2
             del restored
+            one, many = raw_reads(f"{base}/transom", 2 * r + 2)
+            read_one.append(one)
+            read_many.append(many)
     finally:  # every path, also an exception or Ctrl-C: nothing of the run stays behind
         engine.close()
         if local_dir is not None and not args.dir:
@@ -189,7 +211,12 @@ def main() -> int:
         "transom_stall_overlapped_s": round(med(tr_overlap), 3),
         "transom_persist_gib_s": round(gib / med(tr_persist), 3), "raw_copy_gib_s": round(gib / med(raw), 3),
         "restore_s": round(med(restore), 3),
+        "restore_gib_s": round(gib / med(restore), 3),
+        "raw_read_one_stream_gib_s": round(gib / med(read_one), 3),
+        "raw_read_aggregate_gib_s": round(gib / med(read_many), 3),
     }
+    best = max(result["raw_read_one_stream_gib_s"], result["raw_read_aggregate_gib_s"])
+    result["restore_vs_best_raw_read"] = round(result["restore_gib_s"] / best, 3)
     result["ratio_vs_sync"] = round(result["transom_stall_s"] / result["sync_stall_s"], 3)
     result["ratio_vs_dcp"] = round(result["transom_stall_s"] / max(result["dcp_async_stall_s"], 1e-9), 3)
     result["persist_vs_raw"] = round(result["transom_persist_gib_s"] / result["raw_copy_gib_s"], 3)
@@ -202,7 +229,10 @@ def main() -> int:
     print(f"ratios: transom/sync {result['ratio_vs_sync']:.3f} (target <= 0.1), transom/dcp "
           f"{result['ratio_vs_dcp']:.3f} (target <= 1)")
     print(f"persist: transom {result['transom_persist_gib_s']:.3f} GiB/s, raw copy {result['raw_copy_gib_s']:.3f} "
-          f"GiB/s, ratio {result['persist_vs_raw']:.3f} (target >= 0.8); restore {result['restore_s']:.3f}s")
+          f"GiB/s, ratio {result['persist_vs_raw']:.3f} (target >= 0.8)")
+    print(f"restore: {result['restore_s']:.3f}s, {result['restore_gib_s']:.3f} GiB/s (checksums verified); the "
+          f"same files raw: one stream {result['raw_read_one_stream_gib_s']:.3f} GiB/s, {READ_STREAMS} streams "
+          f"{result['raw_read_aggregate_gib_s']:.3f} GiB/s; restore/best raw {result['restore_vs_best_raw_read']:.3f}")
     print(json.dumps(result))
     return 0
 

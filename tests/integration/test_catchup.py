@@ -47,6 +47,8 @@ def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(
 
 def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_run, monkeypatch):
     monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
+    # 20 chunks of 256 KiB: both sources are asked for some, whichever published first.
+    monkeypatch.setenv("TRANSOM_RECOVERY_CHUNK_BYTES", str(256 << 10))
     result = transom_run(["--replicas", "3", "--inject", "kill:replica=2,step=10",
                           "--inject", "kill:replica=0,step=1,phase=serve"], ["--steps", "150"])
     assert_consistent_finish(result, 150, 3)

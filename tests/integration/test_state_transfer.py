@@ -213,7 +213,7 @@ def test_a_joiner_over_its_record_budget_asks_for_a_newer_snapshot_and_still_end
 
 
 def _manifest(**changes) -> bytes:
-    body = {"step": 1, "chunk_bytes": 64, "total_bytes": 8, "skeleton": {"__tensor__": "w"}, "digests": ["0" * 64],
+    body = {"step": 1, "chunk_bytes": 64, "total_bytes": 8, "skeleton": {"__tensor__": "w"}, "digests": [0],
             "entries": [{"key": "w", "dtype": "float32", "shape": [2], "offset": 0}]}
     body.update(changes)
     return json.dumps(body).encode()
@@ -226,7 +226,7 @@ BAD_MANIFESTS = {
     "tensors overlap": _manifest(entries=[{"key": "w", "dtype": "float32", "shape": [2], "offset": 0},
                                           {"key": "v", "dtype": "float32", "shape": [2], "offset": 4}],
                                  total_bytes=12),
-    "bytes beyond the tensors": _manifest(total_bytes=4000, digests=["0" * 64] * 63),
+    "bytes beyond the tensors": _manifest(total_bytes=4000, digests=[0] * 63),
     "a digest missing": _manifest(digests=[]),
     "unknown dtype": _manifest(entries=[{"key": "w", "dtype": "object", "shape": [2], "offset": 0}]),
     "negative shape": _manifest(entries=[{"key": "w", "dtype": "float32", "shape": [-2], "offset": 0}]),

@@ -40,7 +40,8 @@ def _model() -> torch.nn.Module:
 
 
 def run_replicas(replicas: int, body: Callable[[int, FaultTolerant, torch.nn.Module], object],
-                 optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), **trainer_kwargs) -> list[object]:
+                 optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), bucket_bytes: int = 25 << 20,
+                 **trainer_kwargs) -> list[object]:
     """`body(replica, trainer, model)` on every replica at once; their results."""
     coordinator = CoordinatorThread(Settings(job="api", num_replicas=replicas, min_replicas=replicas), TOKEN)
     url = coordinator.start()
@@ -53,7 +54,8 @@ def run_replicas(replicas: int, body: Callable[[int, FaultTolerant, torch.nn.Mod
             model = models[r]
             kwargs = {k: v[r] if isinstance(v, list) else v for k, v in trainer_kwargs.items()}
             trainer = FaultTolerant(model, optimizer(model), _ctx(url, r, replicas), checkpoint=None,
-                                    config=FTConfig(collective_timeout_s=20, quorum_timeout_s=30), **kwargs)
+                                    config=FTConfig(collective_timeout_s=20, quorum_timeout_s=30,
+                                                    bucket_bytes=bucket_bytes), **kwargs)
             try:
                 results[r] = body(r, trainer, model)
             finally:
@@ -111,6 +113,36 @@ def test_backward_leaves_the_average_across_replicas_and_step_commits():
     assert seen0 == seen1 == [True, True, True]
     assert steps0 == steps1 == 3
     assert all(torch.equal(a, b) for a, b in zip(params0, params1)), "the replicas diverged"
+
+
+def test_buckets_leave_during_backward_and_the_result_is_the_exact_average():
+    """With buckets smaller than a layer, the exchange of the last layers' gradients starts
+    before backward reaches the first layer (it overlaps the rest of the pass), and what
+    comes back is still the replicas' average."""
+    def body(r, trainer, model):
+        first = next(iter(model.parameters()))  # the first layer's weight: its gradient comes last
+        in_flight: list[int] = []
+        # A gradient hook runs when the first layer's gradient is computed, before it is
+        # accumulated (and so before the trainer's own hook sees it).
+        first.register_hook(lambda _: in_flight.append(len(trainer._opened.ftar._pending) if trainer._opened else -1))
+        averaged = []
+        optimizer = trainer.optimizer
+        for step in trainer.steps(3):
+            local = [_local_grads(model, i, step) for i in range(2)]
+            x, y = _batch(r, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            averaged.append(all(torch.allclose(p.grad, (a + b) / 2, atol=1e-6)
+                                for p, a, b in zip(model.parameters(), *local)))
+            optimizer.step()
+            optimizer.zero_grad()
+        return in_flight, averaged, [p.detach().clone() for p in model.parameters()]
+
+    (flight0, avg0, p0), (flight1, avg1, p1) = run_replicas(2, body, bucket_bytes=64)
+    assert avg0 == avg1 == [True, True, True]
+    # Three buckets ([last layer], [first bias], [first weight]): the first two were on the
+    # wire before the first layer's weight gradient existed.
+    assert flight0 == flight1 == [2, 2, 2], (flight0, flight1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
 
 
 def test_an_inf_on_one_replica_skips_the_update_on_both_with_the_same_scale():

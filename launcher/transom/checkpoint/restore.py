@@ -69,8 +69,9 @@ def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", s
         if e.shard == mine:
             by_file.setdefault(e.file, []).append(e)
     tensors: dict[str, torch.Tensor] = {}
+    files = _verified_files(storage, step, {path: manifest.files[path] for path in by_file})
     for path, entries in sorted(by_file.items()):
-        data = _verified_file(storage, step, path, manifest.files[path])
+        data = files.pop(path)
         for e in entries:
             try:
                 t = blob.decode(memoryview(data)[e.offset:e.offset + e.length], e.dtype, e.shape)
@@ -85,21 +86,26 @@ def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", s
     return structure.unflatten(manifest.structures[mine], tensors, rebuild)
 
 
-def _verified_file(storage: Storage, step: int, path: str, info: layout.FileInfo) -> bytearray:
-    """A data file's bytes, once its size and CRC-32 match the manifest; CorruptCheckpoint if not."""
+def _verified_files(storage: Storage, step: int, infos: dict[str, layout.FileInfo]) -> dict[str, bytearray]:
+    """Data files' bytes, read in parallel, once each one's size and CRC-32 match the
+    manifest; CorruptCheckpoint if not."""
     name = layout.step_dir(step)
     try:
-        size = storage.size(name, path)  # before reading: a manifest cannot make us read more than exists
-        if size != info.size:
-            raise CorruptCheckpoint(f"{path}: {size} bytes on storage, manifest says {info.size}")
-        data = storage.read_bytes(name, path, size=size)
+        for path, info in infos.items():  # before reading: a manifest cannot make us read more than exists
+            size = storage.size(name, path)
+            if size != info.size:
+                raise CorruptCheckpoint(f"{path}: {size} bytes on storage, manifest says {info.size}")
+        data = storage.read_files({f"{name}/{path}": info.size for path, info in infos.items()})
     except (OSError, ValueError) as e:
         if isinstance(e, CorruptCheckpoint):
             raise
-        raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {e}") from None
-    if zlib.crc32(data) != info.crc32:
-        raise CorruptCheckpoint(f"{path}: CRC-32 differs from the manifest's")
-    return data
+        raise CorruptCheckpoint(f"{type(e).__name__}: {e}") from None
+    out = {}
+    for path, info in infos.items():
+        out[path] = data.pop(f"{name}/{path}")
+        if zlib.crc32(out[path]) != info.crc32:
+            raise CorruptCheckpoint(f"{path}: CRC-32 differs from the manifest's")
+    return out
 
 
 def load_newest(storage: Storage, steps: list[int], device: str | torch.device = "cpu", shard: int = 0,

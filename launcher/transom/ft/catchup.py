@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from transom.background import yield_cpu
 from transom.checkpoint import structure
 from transom.checkpoint.snapshot import Snapshot
 from transom.errors import IncompatibleState, WireError
@@ -247,15 +248,19 @@ class Joiner:
     def _build(self, need_from: int) -> Shadow:
         stopped = self._stop.is_set
         manifest, sources = transfer.find_snapshot(self._sources, need_from, self.token, self.timeout_s, stopped)
+        late = [ep for ep in self._sources() if ep not in sources]  # still copying or hashing theirs
         t0 = time.monotonic()
-        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped)
+        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped, late=late)
         self.fetched.append((manifest.step, manifest.total_bytes, time.monotonic() - t0))
         log.info("catch-up: snapshot of step %d (%.1f MB) from %d source(s) in %.2fs", manifest.step,
-                 manifest.total_bytes / 1e6, len(sources), time.monotonic() - t0)
+                 manifest.total_bytes / 1e6, len(sources) + len(late), time.monotonic() - t0)
+        t1 = time.monotonic()
         state = transfer.assemble(manifest, data, self.device, self.rebuild)
         if not isinstance(state, dict) or not set(TENSOR_PARTS) <= state.keys() or state.get("step") != manifest.step:
             raise WireError("the snapshot is not a replica state of its step")
-        return Shadow(state, self.model, self.optimizer)
+        shadow = Shadow(state, self.model, self.optimizer)
+        log.info("catch-up: shadow of step %d built in %.2fs", manifest.step, time.monotonic() - t1)
+        return shadow
 
     def _replay(self, shadow: Shadow, generation: int) -> None:
         """Apply the records from the shadow's step on, as they come, until taken or reset."""
@@ -276,14 +281,16 @@ class Joiner:
                 self._record_bytes -= r.nbytes
             # Outside the lock, so the training step never waits for a replay; shadow.step
             # moves only once the update is applied, so ready_at never sees half of one.
+            t0 = time.monotonic()
             shadow.replay(r)
+            log.debug("catch-up: replayed step %d in %.3fs", r.step, time.monotonic() - t0)
 
 
 class Source:
     """A source's half: keep one snapshot of a committed step while anyone catches up."""
 
-    def __init__(self, server: StateServer, localize: Callable | None):
-        self.server, self.localize = server, localize
+    def __init__(self, server: StateServer, localize: Callable | None, chunk_bytes: int = transfer.CHUNK_BYTES):
+        self.server, self.localize, self.chunk_bytes = server, localize, chunk_bytes
         self._want: int | None = None  # a snapshot of a step >= this is wanted
         self._copy: Snapshot | None = None
         self._skeleton: Any = None
@@ -320,13 +327,17 @@ class Source:
         if self._copy is None:
             return
         copy, self._copy = self._copy, None
+        t0 = time.monotonic()
         tensors = copy.wait(timeout_s)
-        step, skeleton = self._copy_step, self._skeleton
+        log.debug("snapshot copy of step %d awaited %.3fs before the optimizer step", self._copy_step,
+                 time.monotonic() - t0)
+        step, skeleton, chunk_bytes = self._copy_step, self._skeleton, self.chunk_bytes
 
         def publish() -> None:
+            yield_cpu()
             try:
                 t0 = time.monotonic()
-                self.server.publish_snapshot(transfer.publish(step, tensors, skeleton))
+                self.server.publish_snapshot(transfer.publish(step, tensors, skeleton, chunk_bytes))
                 log.info("serving the snapshot of step %d (hashed in %.2fs)", step, time.monotonic() - t0)
             except Exception:  # the joiner times out and asks again; never the source's failure
                 log.exception("could not publish the snapshot of step %d", step)

@@ -32,6 +32,7 @@ from transom.checkpoint import layout, sharding
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
+from transom.errors import MustRestart
 from transom.ft.replica import ReplicaContext
 from transom.ft.state import ReplicaState
 
@@ -109,6 +110,17 @@ class Checkpoints:
         self.last_saved = restored.step
         log.info("replica %d rank %d restored checkpoint step %d", self.ctx.replica_id, self.ctx.rank, restored.step)
         return restored.step
+
+    def check_skipped_restore(self, max_step: int) -> None:
+        """A replica that skipped its restore for a peer that held newer state must not go on
+        if that peer is gone and the quorum (at `max_step`) is behind the checkpoint."""
+        newest = self.skipped_restore_of
+        if newest is None:
+            return
+        if max_step < newest:  # the peer we counted on is gone: start over and restore
+            raise MustRestart(f"replica {self.ctx.replica_id} skipped restoring checkpoint step {newest} for a "
+                              f"peer that held it, but the quorum is at step {max_step}; restarting to restore")
+        self.skipped_restore_of = None
 
     def _apply(self, state: Any) -> None:
         """Load a checkpoint's state into the live objects (raises if they do not take it)."""

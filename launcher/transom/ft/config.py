@@ -45,6 +45,9 @@ class FTConfig:
     recovery_bytes_per_s: float = 0
     """A cap on what each rank sends to catching-up replicas (0: none), so that a transfer
     leaves the link to the training traffic; a slower transfer only delays the joiner."""
+    recovery_chunk_bytes: int = 4 << 20
+    """The unit a snapshot is served and checked in; smaller chunks spread a transfer more
+    evenly over several sources."""
     catchup_buffer_bytes: int = 2 << 30
     """Memory a catching-up replica may hold in recorded updates (ft/catchup.py); past it, it
     asks for a newer snapshot."""
@@ -64,6 +67,8 @@ class FTConfig:
             raise ValueError("max_failed_steps must be at least 1")
         if not (math.isfinite(self.recovery_bytes_per_s) and self.recovery_bytes_per_s >= 0):
             raise ValueError(f"recovery_bytes_per_s must be >= 0, got {self.recovery_bytes_per_s}")
+        if not 4096 <= self.recovery_chunk_bytes <= 1 << 30:
+            raise ValueError(f"recovery_chunk_bytes must be between 4 KiB and 1 GiB, got {self.recovery_chunk_bytes}")
         if self.catchup_buffer_bytes < 0:
             raise ValueError(f"catchup_buffer_bytes must be >= 0, got {self.catchup_buffer_bytes}")
 
@@ -75,8 +80,10 @@ class FTConfig:
             "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
             "backend": os.environ.get(contract.ENV_BACKEND),
             "recovery_bytes_per_s": os.environ.get("TRANSOM_RECOVERY_BYTES_PER_S"),
+            "recovery_chunk_bytes": os.environ.get("TRANSOM_RECOVERY_CHUNK_BYTES"),
         }
-        values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else v) for k, v in env.items() if v}
+        values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else int(v) if k.endswith("_bytes") else v)
+                                  for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

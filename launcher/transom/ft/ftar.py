@@ -2,7 +2,10 @@
 
 Gradients are packed into flat buckets (one per dtype and device, capped in size), summed
 across the quorum's members and divided by the number of *participants*: a recovering
-replica sends zeros and is not counted, so it changes nothing in the average.
+replica sends zeros and is not counted, so it changes nothing in the average. Each bucket
+is started as soon as its gradients are ready (`start`, asynchronous; the trainer calls it
+from the backward pass, ft/backward.py) and `finish` waits for them all, so the exchange
+overlaps the rest of the backward pass as DDP's does.
 
 The error model is one flag per step (as in torchft): the first error or timeout marks
 the step failed, drops the group (every reference, at once: that is what makes the other
@@ -20,7 +23,7 @@ import torch
 from transom.ft.process_group import CrossReplicaGroup
 
 log = logging.getLogger("transom.ft")
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 25 << 20  # as DDP: several buckets, so the first can leave early
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,7 @@ class StepAllReduce:
         self.participants = participants
         self.contribute = contribute
         self.error: str | None = None if group is not None else "no cross-replica group"
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, list]] = []  # buckets started
 
     @property
     def failed(self) -> bool:
@@ -68,34 +72,57 @@ class StepAllReduce:
             self.group.abort()
         self.group = None
 
-    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Average the gradients of `params` over the participants, in place."""
+    def start(self, params: list[torch.nn.Parameter]) -> None:
+        """Begin the all-reduce of one bucket of gradients (asynchronous); `finish` completes it.
+        Buckets must be started in the same order on every member (the collectives pair up
+        by order)."""
         if self.failed:
             return
-        plist = [p for p in params if p.requires_grad]
-        for p in plist:
+        for p in params:
             if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in plist]
-        buckets = plan_buckets(grads, bucket_bytes)
-        flats: list[torch.Tensor] = []
-        for idx in buckets:
-            if self.contribute:
-                flat = torch.cat([grads[i].reshape(-1) for i in idx])
-            else:
-                flat = torch.zeros(sum(grads[i].numel() for i in idx), dtype=grads[idx[0]].dtype, device=grads[idx[0]].device)
-            flats.append(flat)
+        grads = [_local(p.grad) for p in params]
+        if self.contribute:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+        else:
+            flat = torch.zeros(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
         try:
             # No local alias of the group: fail() must drop the only reference at once.
             assert self.group is not None
-            self.group.wait(self.group.allreduce_sum(flats))
+            self._pending.append((grads, flat, self.group.allreduce_sum([flat])))
+        except Exception as e:  # RuntimeError from Gloo/NCCL
+            self.fail(f"{type(e).__name__}: {e}")
+
+    def finish(self) -> None:
+        """Wait for every bucket started, then write the average back into the gradients."""
+        pending, self._pending = self._pending, []
+        if self.failed:
+            return
+        try:
+            assert self.group is not None
+            for _, _, works in pending:
+                self.group.wait(works)
         except Exception as e:  # RuntimeError from Gloo/NCCL, TimeoutError from our wait
             self.fail(f"{type(e).__name__}: {e}")
             return
-        for idx, flat in zip(buckets, flats):
+        for grads, flat, _ in pending:
             flat.div_(self.participants)
             offset = 0
-            for i in idx:
-                n = grads[i].numel()
-                grads[i].copy_(flat[offset : offset + n].view_as(grads[i]))
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
+
+    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """Average the gradients of `params` over the participants, in place, all at once."""
+        plist = [p for p in params if p.requires_grad]
+        for bucket in bucket_params(plist, bucket_bytes):
+            self.start(bucket)
+        self.finish()
+
+
+def bucket_params(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """`params` (those that take gradients) in buckets of one dtype/device and at most
+    `bucket_bytes`, sized by what each rank holds (a DTensor's local shard)."""
+    plist = [p for p in params if p.requires_grad]
+    return [[plist[i] for i in idx] for idx in plan_buckets([_local(p) for p in plist], bucket_bytes)]

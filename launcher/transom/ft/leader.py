@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from transom.coordinator.client import CoordinatorClient, Evicted, NotRegistered
+from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -109,3 +109,16 @@ def report_failure(client: CoordinatorClient, identity: Identity, reason: str, t
         client.report_failure(FailureReport(identity=identity, reason=reason[:1000]), timeout_s=timeout_s)
     except Exception as e:
         log.warning("could not report replica %d failed: %s", identity.replica_id, e)
+
+
+def outcome(future: concurrent.futures.Future, timeout_s: float) -> str | dict:
+    """A quorum request's outcome as the leader hands it to its replica's other ranks: the
+    answer's JSON, or {"evicted" | "completed" | "error": message}."""
+    try:
+        return future.result(timeout=timeout_s).model_dump_json()
+    except Evicted as e:
+        return {"evicted": str(e)}
+    except JobCompleted as e:
+        return {"completed": str(e)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}

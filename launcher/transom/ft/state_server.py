@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from transom.background import yield_cpu
 from transom.ft.transfer import Published, http_get
 
 log = logging.getLogger("transom.ft")
@@ -126,6 +127,7 @@ class StateServer:
                         return self._reply(404, [b"that snapshot is no longer kept"])
                     if i >= len(snapshot.manifest.digests):
                         return self._reply(400, [b"no such chunk"])
+                    yield_cpu()  # this connection's thread serves chunks: training first
                     server._chunk_asked()
                     pieces = snapshot.chunk(i)
                     server._throttle.take(sum(len(p) for p in pieces))

@@ -48,10 +48,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_STATS_DIR
-from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted
+from transom.coordinator.client import CoordinatorClient, Evicted
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject
 from transom.checkpoint import sharding
@@ -60,10 +61,10 @@ from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
 from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
-from transom.ft.ftar import StepAllReduce
+from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.process_group import CrossReplicaGroup
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
-from transom.ft.leader import CoordinatorLink, coordinator_view, report_failure
+from transom.ft.leader import CoordinatorLink, coordinator_view, outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.state_server import StateServer, fetch_small
 from transom.ft.stats import StatsWriter
@@ -137,7 +138,8 @@ class FaultTolerant:
         self._future: concurrent.futures.Future | None = None
         self._step_started = 0.0
         self._in_step = False
-        self._exchanged: _Exchanged | None = None  # this step's, once done
+        self._opened: _Exchanged | None = None  # this step's, once its quorum is in
+        self._exchanged: _Exchanged | None = None  # this step's, once the gradients are averaged
         self._loss: Any = None  # this step's, from report() or finish_step()
         self._no_sync = False
         self._closed = False
@@ -156,7 +158,7 @@ class FaultTolerant:
         on_chunk = (lambda n: self.fault.maybe_fire(n, self.ctx.rank, "serve")) if self.fault else None
         self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr,
                                          bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
-        self._source = Source(self._state_server, sharding.localize)  # serves replicas that join
+        self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
         self._joiner: Joiner | None = None  # while this replica catches up
         endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
@@ -172,6 +174,12 @@ class FaultTolerant:
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
             self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
+        # Buckets in the order backward produces gradients (roughly the reverse of the
+        # parameters'); each is exchanged as soon as it is ready, except under DDP, whose own
+        # reduction follows our hooks: there the exchange waits for the end of the pass.
+        self._buckets = bucket_params(list(reversed(list(model.parameters()))), self.config.bucket_bytes)
+        if self._backward.covered and not isinstance(model, DistributedDataParallel):
+            self._backward.track(self._buckets, self._bucket_ready)
         # The optimizer steps only a committed step: a direct call would fork the replicas.
         self._stepping = False
         self._step_guard = optimizer.register_step_pre_hook(self._refuse_direct_step)
@@ -238,7 +246,7 @@ class FaultTolerant:
         if self._evicted:
             raise Evicted(self._evicted, 409)
         self._in_step = True
-        self._exchanged, self._loss = None, None
+        self._opened, self._exchanged, self._loss = None, None, None
         self._backward.reset()
         self._step_started = time.monotonic()
         if self.fault:
@@ -282,7 +290,8 @@ class FaultTolerant:
             return False
         q, ftar = done.q, done.ftar
         committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
-        self._check_skipped_restore(q)
+        if self.checkpoints is not None:
+            self.checkpoints.check_skipped_restore(q.max_step)
         if committed:
             self._catch_up_if_ready()
             self._commit(q, before_optimizer, update)
@@ -296,19 +305,25 @@ class FaultTolerant:
 
     # --- the stages of a step -------------------------------------------------------------------
     def _exchange_now(self) -> _Exchanged:
-        """The step's quorum and gradient exchange, once per step: at the end of backward()
-        (GradientsReady) or, if no backward pass ran it, when the step ends."""
+        """The step's gradient exchange, once per step: at the end of backward() (GradientsReady)
+        or, if no backward pass ran it, when the step ends. Buckets the backward pass did not
+        start already (ft/backward.py) start now; then all are awaited."""
         if self._exchanged is not None:
             return self._exchanged
-        q = self._await_quorum()
-        if q is None:
-            self._exchanged = _Exchanged(q=None)
-            return self._exchanged
-        self._last_round = q.round
-        recovering = self.replica_id in q.recovering
-        changed, ftar = self._exchange(q, recovering)
-        self._exchanged = _Exchanged(q=q, recovering=recovering, changed=changed, ftar=ftar)
-        return self._exchanged
+        ex = self._open_exchange()
+        if ex.q is not None:
+            assert ex.ftar is not None
+            for bucket in self._buckets[self._backward.started:]:
+                ex.ftar.start(bucket)
+            ex.ftar.finish()
+            if ex.ftar.failed:
+                self._drop_group()
+            if ex.recovering:
+                self._join(ex.q, ex.ftar)
+            elif self._joiner is not None:  # a coordinator that forgot us would say so: be safe
+                raise MustRestart(f"replica {self.replica_id} was catching up, but the quorum counts it caught up")
+        self._exchanged = ex
+        return ex
 
     def _exchange_at_backward_end(self) -> None:
         if self._exchanged is not None:  # the gradients of this step were averaged already
@@ -316,9 +331,23 @@ class FaultTolerant:
                              "`with trainer.no_sync():` (gradient accumulation)")
         self._exchange_now()
 
-    def _exchange(self, q: QuorumResponse, recovering: bool) -> tuple[bool, StepAllReduce]:
-        """The cross-replica part: rebuild the group for a changed quorum, serve or take a
-        recovery, average the gradients. Returns (quorum changed, the step's all-reduce)."""
+    def _bucket_ready(self, index: int) -> None:
+        """A bucket's gradients are final (mid-backward): its exchange starts now."""
+        ex = self._open_exchange()
+        if ex.ftar is not None:
+            ex.ftar.start(self._buckets[index])
+
+    def _open_exchange(self) -> _Exchanged:
+        """The cross-replica part before any gradient moves, once per step: wait for the quorum,
+        rebuild the group for a changed one, serve the small state to joiners, and set up the
+        step's all-reduce."""
+        if self._opened is not None:
+            return self._opened
+        q = self._await_quorum()
+        if q is None:
+            self._opened = _Exchanged(q=None)
+            return self._opened
+        self._last_round = q.round
         # The prefix names a quorum uniquely, across coordinator restarts too.
         changed = q.store_prefix != self._group_prefix
         error = self._rebuild_group(q) if changed else None
@@ -327,17 +356,12 @@ class FaultTolerant:
         self._source.on_round(q.serve_recovery, q.snapshot_from)
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "allreduce")
+        recovering = self.replica_id in q.recovering
         ftar = StepAllReduce(self._group, q.participants, contribute=not recovering)
         if error:
             ftar.fail(error)
-        ftar.allreduce_gradients(self.model.parameters(), self.config.bucket_bytes)
-        if ftar.failed:
-            self._drop_group()
-        if recovering:
-            self._join(q, ftar)
-        elif self._joiner is not None:  # a coordinator that forgot us would say so: be safe
-            raise MustRestart(f"replica {self.replica_id} was catching up, but the quorum counts it caught up")
-        return changed, ftar
+        self._opened = _Exchanged(q=q, recovering=recovering, changed=changed, ftar=ftar)
+        return self._opened
 
     def _join(self, q: QuorumResponse, ftar: StepAllReduce) -> None:
         """A recovering replica's part of a round: in its first, load the small state from a
@@ -382,17 +406,6 @@ class FaultTolerant:
         self._joiner.take()
         self._joiner = None
         log.info("replica %d rank %d caught up at step %d", self.replica_id, self.ctx.rank, self.step)
-
-    def _check_skipped_restore(self, q: QuorumResponse) -> None:
-        """A replica that skipped its checkpoint restore for a peer that held newer state must
-        not go on if that peer is gone and the quorum is behind the checkpoint."""
-        if self.checkpoints is None or self.checkpoints.skipped_restore_of is None:
-            return
-        newest = self.checkpoints.skipped_restore_of
-        if q.max_step < newest:  # the peer we counted on is gone: start over and restore
-            raise MustRestart(f"replica {self.replica_id} skipped restoring checkpoint step {newest} for a "
-                              f"peer that held it, but the quorum is at step {q.max_step}; restarting to restore")
-        self.checkpoints.skipped_restore_of = None
 
     def _commit(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None, update: bool) -> None:
         """Step the optimizer (its learning rate scaled for missing replicas) unless `update`
@@ -520,21 +533,13 @@ class FaultTolerant:
             self._link.report_checkpoint(step, uri, stall)
 
     def _await_quorum(self) -> QuorumResponse | None:
-        payload: Any = None  # only the leader asked; it tells the other ranks
-        if self._future is not None:
-            try:
-                payload = self._future.result(timeout=self.config.quorum_timeout_s + 30).model_dump_json()
-            except Evicted as e:
-                self._evicted = str(e)
-                payload = {"evicted": str(e)}
-            except JobCompleted as e:
-                payload = {"completed": str(e)}
-            except Exception as e:
-                payload = {"error": f"{type(e).__name__}: {e}"}
-            self._future = None
+        # Only the leader asked; it tells the other ranks.
+        payload = outcome(self._future, self.config.quorum_timeout_s + 30) if self._future is not None else None
+        self._future = None
         answer = self.ctx.from_leader(payload)
         if isinstance(answer, dict):
             if "evicted" in answer:
+                self._evicted = answer["evicted"]
                 raise Evicted(answer["evicted"], 409)
             if "completed" in answer:
                 log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, answer["completed"])

@@ -8,7 +8,7 @@ background, ft/catchup.py) while some replica is catching up. It serves it as
                                        bytes laid back to back; 404 once that step is replaced
 
 Every tensor travels as its raw bytes (no container, nothing a receiver would execute); the
-manifest says where each one lies, its dtype and shape, and the sha256 of every chunk. The
+manifest says where each one lies, its dtype and shape, and the CRC-32 of every chunk. The
 replicas are bit-identical, so every source of one step serves the same bytes under the
 same digests: the joiner fetches chunks from all of them in parallel, checks each against
 the manifest, and when a source dies or serves a bad chunk it takes the remaining chunks
@@ -18,7 +18,6 @@ one (`SnapshotChanged`).
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import logging
@@ -26,6 +25,7 @@ import queue
 import threading
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +70,7 @@ class Manifest(BaseModel):
     total_bytes: int = Field(ge=0, le=1 << 44)
     entries: list[_Entry]
     skeleton: Any
-    digests: list[str] = Field(max_length=MAX_CHUNKS)
+    digests: list[int] = Field(max_length=MAX_CHUNKS)  # CRC-32 of each chunk
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -129,7 +129,7 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
     """Host tensors (that nobody changes until the snapshot is dropped) and the skeleton that
     places them (checkpoint/structure.py), ready to serve.
 
-    Hashing is the only pass over the bytes (hashlib releases the GIL on large buffers)."""
+    The CRC-32s are the only pass over the bytes (zlib releases the GIL on large buffers)."""
     entries, views, offset = [], [], 0
     for key, t in tensors.items():
         if t.is_cuda or not t.is_contiguous():
@@ -144,10 +144,10 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
     draft = Published(shape, b"", views)
     digests = []
     for i in range(-(-offset // chunk_bytes)):
-        h = hashlib.sha256()
+        crc = 0
         for piece in draft.chunk(i):
-            h.update(piece)
-        digests.append(h.hexdigest())
+            crc = zlib.crc32(piece, crc)
+        digests.append(crc)
     body = {"step": step, "chunk_bytes": chunk_bytes, "total_bytes": offset, "entries": entries,
             "skeleton": skeleton, "digests": digests}
     manifest = Manifest.model_validate(body)
@@ -231,11 +231,47 @@ def find_snapshot(endpoints: Callable[[], Sequence[str]], need_from: int, token:
     raise InterruptedError("stopped")
 
 
+def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: float, view: memoryview) -> None:
+    """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC-32."""
+    url = urllib.parse.urlsplit(ep)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    try:
+        conn.request("GET", f"/snapshot/{manifest.step}/chunk/{i}", headers={"Authorization": f"Bearer {token}"})
+        resp = conn.getresponse()
+        if resp.status == 404:
+            raise SnapshotChanged(f"{ep} no longer serves step {manifest.step}")
+        if resp.status != 200 or resp.length != len(view):
+            raise WireError(f"chunk {i}: status {resp.status}, {resp.length} bytes")
+        got = 0
+        while got < len(view):
+            n = resp.readinto(view[got:])
+            if not n:
+                raise WireError(f"chunk {i}: connection closed after {got} bytes")
+            got += n
+    finally:
+        conn.close()
+    if zlib.crc32(view) != manifest.digests[i]:
+        raise WireError(f"chunk {i}: checksum mismatch")
+
+
+def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
+    """Wait until a source that had no snapshot yet serves this one (sources of one step
+    publish within a moment of each other); False if it serves another or gives up."""
+    while not give_up():
+        m = manifest_of(ep, token, timeout_s)
+        if m is not None:
+            return m.step == manifest.step and m.digests == manifest.digests
+        time.sleep(0.05)
+    return False
+
+
 def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: float,
-          stopped: Callable[[], bool] = lambda: False, per_source: int = 2) -> bytearray:
+          stopped: Callable[[], bool] = lambda: False, per_source: int = 2,
+          late: Sequence[str] = ()) -> bytearray:
     """Every chunk of `manifest`, each from whichever source is free, checked against its digest.
 
-    A source that fails (connection, status, digest) is dropped and its chunk goes back to
+    `late` sources had no snapshot yet: they join the transfer once they serve this one. A
+    source that fails (connection, status, digest) is dropped and its chunk goes back to
     the queue for the others. SnapshotChanged when the sources answer that the step is gone;
     TimeoutError when no chunk arrived for `timeout_s`; WireError when every source failed.
     """
@@ -252,7 +288,13 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
     if remaining[0] == 0:
         return out
 
-    def worker(ep: str) -> None:
+    def worker(ep: str, is_late: bool) -> None:
+        try:
+            if is_late and not _serves(ep, manifest, token, timeout_s, lambda: done.is_set() or stopped()):
+                return
+        except (OSError, WireError, http.client.HTTPException) as e:
+            log.warning("state transfer: source %s dropped before it served: %s", ep, e)
+            return
         while not done.is_set() and not stopped():
             try:
                 i = todo.get(timeout=0.1)
@@ -260,13 +302,7 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
                 continue
             start, end = manifest.chunk_range(i)
             try:
-                status, body = http_get(ep, f"/snapshot/{manifest.step}/chunk/{i}", token, timeout_s)
-                if status == 404:
-                    raise SnapshotChanged(f"{ep} no longer serves step {manifest.step}")
-                if status != 200 or len(body) != end - start:
-                    raise WireError(f"chunk {i}: status {status}, {len(body)} bytes")
-                if hashlib.sha256(body).hexdigest() != manifest.digests[i]:
-                    raise WireError(f"chunk {i}: checksum mismatch")
+                _chunk_into(ep, manifest, i, token, timeout_s, memoryview(out)[start:end])
             except SnapshotChanged as e:
                 todo.put(i)
                 with lock:
@@ -278,15 +314,14 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
                 with lock:
                     errors.append(f"{ep}: {e}")
                 return
-            out[start:end] = body
             with lock:
                 progress[0] = time.monotonic()
                 remaining[0] -= 1
                 if remaining[0] == 0:
                     done.set()
 
-    threads = [threading.Thread(target=worker, args=(ep,), name="transom-fetch", daemon=True)
-               for ep in endpoints for _ in range(per_source)]
+    threads = [threading.Thread(target=worker, args=(ep, is_late), name="transom-fetch", daemon=True)
+               for eps, is_late in ((endpoints, False), (late, True)) for ep in eps for _ in range(per_source)]
     for t in threads:
         t.start()
     try:

@@ -1,0 +1,73 @@
+"""The recovery benchmark's torchft 0.2.0 worker: torchft's manual loop (Manager, a Gloo
+process group, `manager.allreduce` of every gradient, `should_commit` before the step).
+
+Environment (set by benchmarks/recovery.py): REPLICA_ID, TORCHFT_LIGHTHOUSE, BENCH_OUT,
+BENCH_KILL_STEP (the first incarnation SIGKILLs itself in the forward pass of that step),
+BENCH_ATTEMPT.
+"""
+
+import time
+
+STARTED = time.time()  # before the imports: the restart cost includes them
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchft import Manager, ProcessGroupGloo  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mlp_workload import StepLog, batch, build_model, setup  # noqa: E402
+
+
+def main() -> None:
+    args = setup()
+    replica = int(os.environ["REPLICA_ID"])
+    kill_step = int(os.environ.get("BENCH_KILL_STEP", "-1")) if os.environ.get("BENCH_ATTEMPT") == "0" else -1
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=load_state_dict,
+        state_dict=state_dict, min_replica_size=1, replica_id=f"replica_{replica}",
+        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], store_addr="127.0.0.1", store_port=store.port,
+        rank=0, world_size=1, init_sync=False, timeout=timedelta(seconds=30),
+    )
+    log = StepLog("torchft", replica, STARTED)
+    try:
+        while manager.current_step() < args.steps:
+            t0 = time.time()
+            manager.start_quorum()
+            opt.zero_grad(set_to_none=True)
+            if manager.current_step() == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # in the forward pass of that step
+            x, y = batch(replica, manager.current_step())
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            works = [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]
+            for w in works:
+                w.wait()
+            contributing = manager.is_participating()
+            committed = manager.should_commit()
+            if committed:
+                opt.step()
+            t1 = time.time()
+            log.step(manager.current_step(), t1, t1 - t0, committed, committed and contributing)
+    finally:
+        log.close()
+        manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
