@@ -141,12 +141,16 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
         print("transom launch: the `transom run` that started it is gone", file=sys.stderr)
         return 128 + signal.SIGTERM
 
-    if os.environ.get(contract.ENV_SPARE_ID):
-        code = _wait_as_spare()
-        if code is not None:
-            return code
     try:
         env = contract.ReplicaEnv.from_environ()
+        if env.is_spare and env.nnodes > 1:
+            # The nodes of a multi-node replica find each other through the coordinator under
+            # the replica's identity, which a spare does not have yet: its workers start once
+            # it is promoted.
+            code = _wait_as_spare()
+            if code is not None:
+                return code
+            env = contract.ReplicaEnv.from_environ()
         nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
         config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts)
     except ValueError as e:
@@ -156,7 +160,7 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _wait_as_spare() -> int | None:
-    """Block until the operator promotes this spare pod; None once it is a replica."""
+    """Block until the operator promotes this (multi-node) spare pod; None once it is a replica."""
     from transom.launch import spare
 
     received: list[int] = []
@@ -205,6 +209,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             checkpoint_keep=args.checkpoint_keep,
             backend=args.backend,
             log_dir=args.log_dir,
+            spares=args.spares,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -245,6 +250,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--replicas", type=count, required=True)
     r.add_argument("--nproc-per-replica", type=count, default=1)
     r.add_argument("--min-replicas", type=count, default=1)
+    r.add_argument("--spares", type=non_negative, default=0,
+                   help="hot spares: launchers whose workers load the model and wait; a failed replica is replaced "
+                        "by one at once (as spec.spareReplicas on Kubernetes)")
     r.add_argument(
         "--inject", action="append", default=[], metavar="ACTION:replica=I,step=S",
         help="inject a fault (kill, stop, raise); repeatable",

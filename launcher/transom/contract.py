@@ -9,7 +9,7 @@ only together with DESIGN.md, docs/ and the tests that pin it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # --- pod environment (set by the operator, or by `transom run` locally) -------------
 ENV_JOB = "TRANSOM_JOB"
@@ -30,9 +30,10 @@ ENV_CHECKPOINT_KEEP = "TRANSOM_CHECKPOINT_KEEP"  # spec.checkpoint.keep
 # The address other replicas use to reach this pod (downward API status.podIP);
 # 127.0.0.1 when unset, which is right for local mode.
 ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
-# Set instead of TRANSOM_REPLICA_ID / TRANSOM_REPLICA_GENERATION on a hot-spare pod: the
-# launcher waits until the operator relabels the pod with a replica identity (LABEL_REPLICA,
-# LABEL_GENERATION), which it reads from the downward-API labels file in PODINFO_DIR.
+# Set instead of TRANSOM_REPLICA_ID / TRANSOM_REPLICA_GENERATION on a hot-spare pod: its
+# workers start at once, load the model and wait inside FaultTolerant until the operator
+# relabels the pod with a replica identity (LABEL_REPLICA, LABEL_GENERATION), which the
+# launcher and the workers read from the downward-API labels file in PODINFO_DIR.
 ENV_SPARE_ID = "TRANSOM_SPARE_ID"
 ENV_PODINFO_DIR = "TRANSOM_PODINFO_DIR"  # overrides PODINFO_DIR (tests, local runs)
 PODINFO_DIR = "/etc/transom/podinfo"  # downward-API volume of spare pods; holds `labels`
@@ -80,6 +81,9 @@ EXIT_EVICTED = 3  # a newer incarnation of this replica registered (the operator
 # Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
 
 
+UNASSIGNED = -1  # the replica id of a hot spare that no replica has taken yet
+
+
 @dataclass(frozen=True)
 class ReplicaEnv:
     """The pod environment as the launcher and workers see it."""
@@ -96,6 +100,16 @@ class ReplicaEnv:
     coordinator_token: str
     checkpoint_uri: str
     advertise_addr: str
+    spare_id: int | None = None  # a hot spare's pod: replica_id is UNASSIGNED until promoted
+
+    @property
+    def is_spare(self) -> bool:
+        """A hot spare still waiting for a replica identity."""
+        return self.replica_id == UNASSIGNED
+
+    def promoted(self, replica_id: int, generation: int) -> "ReplicaEnv":
+        """This environment as the replica `replica_id`'s pod of `generation` would have it."""
+        return replace(self, replica_id=replica_id, generation=generation, spare_id=None)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "ReplicaEnv":
@@ -112,12 +126,13 @@ class ReplicaEnv:
             except ValueError:
                 raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
+        spare_id = num(ENV_SPARE_ID) if env.get(ENV_SPARE_ID) and not env.get(ENV_REPLICA_ID) else None
         url = env.get(ENV_COORDINATOR_URL, "")
         if not url:
             raise ValueError(f"environment variable {ENV_COORDINATOR_URL} must be set")
         return cls(
             job=env.get(ENV_JOB, "local"),
-            replica_id=num(ENV_REPLICA_ID),
+            replica_id=UNASSIGNED if spare_id is not None else num(ENV_REPLICA_ID),
             num_replicas=num(ENV_NUM_REPLICAS),
             generation=num(ENV_REPLICA_GENERATION, 0),
             attempt=num(ENV_ATTEMPT, 0),
@@ -128,4 +143,5 @@ class ReplicaEnv:
             coordinator_token=env.get(ENV_COORDINATOR_TOKEN, ""),
             checkpoint_uri=env.get(ENV_CHECKPOINT_URI, ""),
             advertise_addr=env.get(ENV_ADVERTISE_ADDR, "127.0.0.1"),
+            spare_id=spare_id,
         )

@@ -1,10 +1,13 @@
-"""A hot spare's launcher takes over a replica whose pod died, and the job finishes identical.
+"""A hot spare takes over a replica that died, and the job finishes identical.
 
 Real processes, as in a pod: two replicas run `transom launch`; a third launcher runs as a
-spare (TRANSOM_SPARE_ID, a labels file standing in for the downward-API volume) and starts
-nothing. Replica 1's whole "pod" (launcher and workers) is SIGKILLed mid-run; then the
-labels file is rewritten the way the operator's relabel reaches the kubelet. The spare
-starts as replica 1 generation 1, catches up from replica 0, and both finish bit-identical.
+spare (TRANSOM_SPARE_ID, a labels file standing in for the downward-API volume): its
+workers load the model and wait. Replica 1's whole "pod" (launcher and workers) is
+SIGKILLed mid-run; then the labels file is rewritten the way the operator's relabel reaches
+the kubelet. The spare's waiting workers go on as replica 1 generation 1, catch up from
+replica 0, and both finish bit-identical. The same through `transom run --spares`, where
+the runner plays the operator: two replicas fail one after the other, and each is taken
+over by a worker process that was already running when it failed.
 """
 
 from __future__ import annotations
@@ -22,22 +25,27 @@ from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
 from launching import start_launcher
+from test_fault_tolerance import assert_consistent_finish
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def _kill_pod(launcher: subprocess.Popen) -> None:
-    """SIGKILL a launcher and its workers (their own sessions), as a pod's death would."""
-    children = []
+def _children(pid: int) -> list[int]:
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == launcher.pid:  # ppid
-            children.append(int(stat.parent.name))
-    for pid in [launcher.pid, *children]:
+        if int(fields[1]) == pid:  # ppid
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_pod(launcher: subprocess.Popen) -> None:
+    """SIGKILL a launcher and its workers (their own sessions), as a pod's death would."""
+    for pid in [launcher.pid, *_children(launcher.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -62,7 +70,9 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
     try:
         m = coordinator.server.membership
         wait_until(lambda: coordinator.call(lambda: m.status(0).max_step) >= 10, 120, "step 10")
-        assert spare.poll() is None and not list(stats.glob("steps-r1-g1-*"))  # the spare only waits
+        # The spare's worker runs (it loaded the model) and waits: it has not trained.
+        assert spare.poll() is None and not list(stats.glob("steps-r1-g1-*"))
+        assert any(_children(spare.pid)), "the spare's worker should be running already"
         _kill_pod(launchers[1])
         tmp = podinfo / "labels.new"
         tmp.write_text(f'{contract.LABEL_JOB}="spare"\n{contract.LABEL_REPLICA}="1"\n'
@@ -82,3 +92,22 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
     assert sorted(finals) == ["final-r0-k0.json", "final-r1-k0.json"]  # written by r1-g1 (r1-g0 was killed)
     assert [f["step"] for f in finals.values()] == [60, 60]
     assert finals["final-r0-k0.json"]["digest"] == finals["final-r1-k0.json"]["digest"]
+
+
+def test_transom_run_spares_take_over_failed_replicas_with_processes_already_running(transom_run):
+    kills = ["kill:replica=1,step=12,phase=forward", "kill:replica=2,step=60,phase=forward"]
+    result = transom_run(["--replicas", "3", "--spares", "1", *[a for k in kills for a in ("--inject", k)]],
+                         ["--steps", "110"])
+    assert_consistent_finish(result, 110, 3)
+    for replica in (1, 2):
+        assert result.incarnations(replica) == 2, result.output[-3000:]
+        assert f"replica {replica} failed" in result.output and "spare 0 takes over" in result.output
+        steps = sorted(result.stats_dir.glob(f"steps-r{replica}-g*-a0.jsonl"))
+        first, second = ([json.loads(line) for line in p.read_text().splitlines() if line.endswith("}")]
+                         for p in steps)
+        died = first[-1]["t"]
+        # No process start on the recovery path: the process that took over was running
+        # before the replica died (the second one is the spare started again after the first).
+        assert second[0]["process_started"] < died, (second[0]["process_started"], died)
+        assert any(r["committed"] and r["recovering"] for r in second), "the spare catches up as a joiner"
+    assert result.incarnations(0) == 1

@@ -36,7 +36,7 @@ class ReplicaSampler(Sampler[int]):
         self.size = len(dataset)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.ranks = ctx.num_replicas * ctx.world_size
-        self.global_rank = ctx.replica_id * ctx.world_size + ctx.rank
+        self._ctx = ctx  # a hot spare learns its replica id later: the rank is read when used
         if self.size < self.ranks:
             raise ValueError(f"a dataset of {self.size} samples cannot feed {self.ranks} ranks")
         # Every rank the same count, as DistributedSampler: drop the tail, or wrap around.
@@ -44,6 +44,10 @@ class ReplicaSampler(Sampler[int]):
         self.epoch = 0
         self.offset = 0  # samples of this epoch this rank has already consumed
         self.limit = self.per_rank  # samples of an epoch that are used (whole batches only)
+
+    @property
+    def global_rank(self) -> int:
+        return self._ctx.replica_id * self._ctx.world_size + self._ctx.rank
 
     def __len__(self) -> int:
         return self.limit - self.offset

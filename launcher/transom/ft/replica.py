@@ -63,6 +63,20 @@ class ReplicaContext:
         dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
         return box[0]
 
+    def wait_for_promotion(self) -> None:
+        """A hot spare's workers wait here, with everything the script built before
+        FaultTolerant loaded, until the pod's labels name a replica (launch/spare.py); from
+        then on this context is that replica's. There is no deadline: a spare may wait for
+        days, and its launcher stops it. Every rank takes the leader's reading."""
+        if not self.env.is_spare:
+            return
+        from transom.launch import spare
+
+        found = spare.wait_for_assignment(spare.podinfo_dir(), lambda: False)
+        assert found is not None  # never stopped: the wait ends with a promotion
+        replica_id, generation = self.from_leader((found.replica_id, found.generation))
+        self.env = self.env.promoted(replica_id, generation)
+
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if `ok` was true on every rank."""
         if self.ctrl_group is None:

@@ -114,6 +114,10 @@ class FaultTolerant:
         self.device = model_device(model)
         self._backend = self.config.backend or self.ctx.backend
         placement.cross_replica(self._backend, tensor_device=self.device.type, member_gpus=[])
+        # A hot spare waits here, loaded, until it is given a replica to take over.
+        spare_id = self.ctx.env.spare_id
+        self.ctx.wait_for_promotion()
+        promoted_at = time.monotonic()
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token)
@@ -188,6 +192,9 @@ class FaultTolerant:
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
         log.info("replica %d rank %d joined (generation %d attempt %d)", env.replica_id, self.ctx.rank, env.generation, env.attempt)
+        if spare_id is not None:
+            log.info("spare %d took over replica %d: registered %.2fs after its promotion", spare_id, env.replica_id,
+                     time.monotonic() - promoted_at)
 
     # --- public ---------------------------------------------------------------------------
     @property

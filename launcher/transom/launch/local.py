@@ -11,6 +11,13 @@ and the coordinator's log to `coordinator.log`, so the terminal shows only the p
 
 Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
 (see transom.inject); the k-th fault aimed at a replica fires in its k-th incarnation.
+
+With `--spares N` the runner also keeps N hot spares, as the operator does with
+`spec.spareReplicas`: launchers whose workers load the script's model and wait
+(launch/spare.py). When the coordinator declares a replica failed, the runner stops that
+replica's launcher and promotes a spare in its place by writing the spare's labels file
+(the kubelet's downward-API file in a pod), as the replica's next generation; then it
+starts a new spare. No process starts on that recovery path.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ class RunConfig:
     checkpoint_keep: int | None = None
     backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
     log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
-    devices: list[str | None] = field(init=False, default_factory=list)  # per replica: CUDA_VISIBLE_DEVICES
+    spares: int = 0  # hot spares (launch/spare.py)
+    devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
 
     def __post_init__(self) -> None:
         """Everything a run could only find out by failing later is refused here, at once."""
@@ -83,7 +91,9 @@ class RunConfig:
             raise ValueError("--checkpoint-keep must be at least 1")
         if self.backend not in contract.BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
-        self.devices = gpus.assign(gpus.visible(), self.replicas, self.nproc_per_replica, self.backend)
+        if not 0 <= self.spares <= 8:
+            raise ValueError("--spares must be between 0 and 8 in local mode")
+        self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)
         for replica, spec in self.injects:
             if replica >= self.replicas:
                 raise ValueError(f"--inject names replica {replica}, but there are only {self.replicas}")
@@ -112,6 +122,9 @@ class LocalRun:
         self.coordinator = CoordinatorThread(settings, self.token)
         self.launchers: dict[int, subprocess.Popen] = {}
         self.generation: dict[int, int] = {}
+        self.spares: dict[int, tuple[subprocess.Popen, Path]] = {}  # spare id -> its launcher, its podinfo dir
+        self._spare_generation: dict[int, int] = {}
+        self._retired: list[subprocess.Popen] = []  # launchers of replaced replicas, being stopped
         self.done: set[int] = set()
         self.faults: dict[int, list[str]] = {}
         for replica, spec in config.injects:
@@ -128,27 +141,28 @@ class LocalRun:
     def say(self, text: str) -> None:
         self.display.say(text)
 
-    def _output_of(self, replica: int):
+    def _output_of(self, who: int | str):
         """Where a replica's launcher and workers write: its log file (appended to by every
-        incarnation), or None for this terminal."""
+        incarnation), or None for this terminal. A spare (`who` its name) has a file of its
+        own, which stays the log of the replica it takes over."""
         if self.log_dir is None:
             return None
-        path = self.log_dir / f"replica-{replica}.log"
-        self.logs[replica] = str(path)
+        path = self.log_dir / (f"replica-{who}.log" if isinstance(who, int) else f"{who}.log")
+        if isinstance(who, int):
+            self.logs[who] = str(path)
         f = open(path, "ab")
         self._log_files.append(f)
         return f
 
     # --- replicas ----------------------------------------------------------------------------
-    def _start(self, replica: int, generation: int) -> None:
+    def _pod_env(self, slot: int) -> dict[str, str]:
+        """What every launcher's pod environment holds; `slot` picks its GPUs (replica, then spare)."""
         env = dict(os.environ)
         env.update(
             {
                 contract.ENV_JOB: "local",
                 contract.ENV_NAMESPACE: "local",
-                contract.ENV_REPLICA_ID: str(replica),
                 contract.ENV_NUM_REPLICAS: str(self.config.replicas),
-                contract.ENV_REPLICA_GENERATION: str(generation),
                 contract.ENV_NODE_RANK: "0",
                 contract.ENV_NNODES: "1",
                 contract.ENV_NPROC_PER_NODE: str(self.config.nproc_per_replica),
@@ -159,28 +173,105 @@ class LocalRun:
                 contract.ENV_BACKEND: self.config.backend,
                 # One thread per worker: replicas share this machine's cores.
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                contract.ENV_OWNER_PID: str(os.getpid()),  # the launcher stops if this process dies
             }
         )
-        if self.config.devices[replica] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.config.devices[replica]
+        for var in (contract.ENV_REPLICA_ID, contract.ENV_REPLICA_GENERATION, contract.ENV_SPARE_ID,
+                    contract.ENV_PODINFO_DIR, contract.ENV_FAULT):
+            env.pop(var, None)
+        if self.config.devices[slot] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
         if self.config.checkpoint_uri:
             env[contract.ENV_CHECKPOINT_URI] = self.config.checkpoint_uri
         for var, value in ((contract.ENV_CHECKPOINT_INTERVAL, self.config.checkpoint_interval),
                            (contract.ENV_CHECKPOINT_KEEP, self.config.checkpoint_keep)):
             if value is not None:
                 env[var] = str(value)
-        faults = self.faults.get(replica, []) if generation == 0 else []
-        env[contract.ENV_FAULT] = ";".join(faults)
-        env[contract.ENV_OWNER_PID] = str(os.getpid())  # the launcher stops if this process dies
+        return env
+
+    def _launch(self, env: dict[str, str], output_of: int | str) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "transom", "launch",
             "--nproc-per-node", str(self.config.nproc_per_replica),
             "--max-restarts", str(self.config.max_restarts),
             "--", *self.config.command,
         ]
-        out = self._output_of(replica)
-        self.launchers[replica] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+        out = self._output_of(output_of)
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+
+    def _start(self, replica: int, generation: int) -> None:
+        env = self._pod_env(replica)
+        env[contract.ENV_REPLICA_ID] = str(replica)
+        env[contract.ENV_REPLICA_GENERATION] = str(generation)
+        faults = self.faults.get(replica, []) if generation == 0 else []
+        env[contract.ENV_FAULT] = ";".join(faults)
+        self.launchers[replica] = self._launch(env, replica)
         self.generation[replica] = generation
+
+    # --- hot spares --------------------------------------------------------------------------
+    def _start_spare(self, spare_id: int) -> None:
+        """A spare's launcher, waiting for the labels file that names its replica."""
+        generation = self._spare_generation.get(spare_id, -1) + 1
+        self._spare_generation[spare_id] = generation
+        podinfo = self.stats_dir / "podinfo" / f"spare-{spare_id}-g{generation}"
+        podinfo.mkdir(parents=True)
+        _write_labels(podinfo, {contract.LABEL_JOB: "local", contract.LABEL_SPARE: str(spare_id)})
+        env = self._pod_env(self.config.replicas + spare_id)
+        env[contract.ENV_SPARE_ID] = str(spare_id)
+        env[contract.ENV_PODINFO_DIR] = str(podinfo)
+        self.spares[spare_id] = (self._launch(env, f"spare-{spare_id}-g{generation}"), podinfo)
+
+    def _promote_for_failures(self) -> bool:
+        """Each replica the coordinator declared failed (its current generation) is replaced by
+        a spare at once, as the operator's relabel would do, not restarted in place. A spare
+        whose launcher ended is started again. False: a replica used up its generations."""
+        for spare_id, (proc, _) in list(self.spares.items()):
+            if proc.poll() is None:
+                continue
+            del self.spares[spare_id]
+            if self._spare_generation[spare_id] + 1 < self.config.max_generations:
+                self.say(f"spare {spare_id} launcher exited with {proc.returncode}; starting it again")
+                self._start_spare(spare_id)
+            else:
+                self.say(f"spare {spare_id} launcher exited with {proc.returncode}; no more spare {spare_id}")
+        if not self.spares:
+            return True
+        membership = self.coordinator.server.membership
+        failed = self.coordinator.call(lambda: [
+            (rid, rep.identity.generation, rep.last_failure) for rid, rep in membership.replicas.items()
+            if rep.state == "failed"])
+        for rid, generation, reason in failed:
+            if self.spares and rid not in self.done and generation == self.generation.get(rid):
+                if not self._replace(rid, f"failed ({reason})"):
+                    return False
+        return True
+
+    def _replace(self, replica: int, why: str) -> bool:
+        """Replace a failed replica by its next generation: a spare if one is waiting (its old
+        launcher is stopped, as a deleted pod's would be), else a new launcher. False once
+        the replica has used up its generations."""
+        gen = self.generation[replica] + 1
+        if gen >= self.config.max_generations:
+            self.say(f"replica {replica} failed {gen} generations; giving up")
+            return False
+        old = self.launchers[replica]
+        if old.poll() is None:
+            old.terminate()  # its launcher forwards SIGTERM to its workers, then SIGKILLs them
+        self._retired.append(old)
+        if not self.spares:
+            self.say(f"replica {replica} {why}; starting generation {gen}")
+            self._start(replica, gen)
+            return True
+        spare_id = min(self.spares)
+        proc, podinfo = self.spares.pop(spare_id)
+        _write_labels(podinfo, {contract.LABEL_JOB: "local", contract.LABEL_REPLICA: str(replica),
+                                contract.LABEL_GENERATION: str(gen)})
+        self.launchers[replica], self.generation[replica] = proc, gen
+        if self.log_dir is not None:
+            self.logs[replica] = str(self.log_dir / f"spare-{spare_id}-g{self._spare_generation[spare_id]}.log")
+        self.say(f"replica {replica} {why}; spare {spare_id} takes over as generation {gen}")
+        self._start_spare(spare_id)
+        return True
 
     def _show_progress(self) -> None:
         membership = self.coordinator.server.membership
@@ -214,6 +305,8 @@ class LocalRun:
         signal came (128 + its number)."""
         for r in range(self.config.replicas):
             self._start(r, 0)
+        for k in range(self.config.spares):
+            self._start_spare(k)
         deadline = self._t0 + self.config.timeout_s
         next_show = 0.0
         while len(self.done) < self.config.replicas:
@@ -223,6 +316,9 @@ class LocalRun:
             if time.monotonic() > deadline:
                 self.say(f"timed out after {self.config.timeout_s:.0f}s")
                 return 1
+            if not self._promote_for_failures():
+                return 1
+            self._retired = [p for p in self._retired if p.poll() is None]
             for r, proc in list(self.launchers.items()):
                 code = proc.poll()
                 if code is None or r in self.done:
@@ -230,12 +326,8 @@ class LocalRun:
                 if code == 0:
                     self.done.add(r)
                     continue
-                gen = self.generation[r] + 1
-                if gen >= self.config.max_generations:
-                    self.say(f"replica {r} failed {gen} generations; giving up")
+                if not self._replace(r, f"launcher exited with {code}"):
                     return 1
-                self.say(f"replica {r} launcher exited with {code}; starting generation {gen}")
-                self._start(r, gen)
             if time.monotonic() >= next_show:
                 self._show_progress()
                 next_show = time.monotonic() + 0.5
@@ -245,10 +337,11 @@ class LocalRun:
 
     def _stop_launchers(self) -> None:
         """SIGTERM the launchers still running (they stop their workers), SIGKILL after 15 s."""
-        for proc in self.launchers.values():
+        every = [*self.launchers.values(), *(proc for proc, _ in self.spares.values()), *self._retired]
+        for proc in every:
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.launchers.values():
+        for proc in every:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -323,3 +416,10 @@ class LocalRun:
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
         return exit_code
+
+
+def _write_labels(directory: Path, labels: dict[str, str]) -> None:
+    """A downward-API labels file, replaced at once (the kubelet swaps the volume's contents)."""
+    tmp = directory / "labels.tmp"
+    tmp.write_text("".join(f"{k}={json.dumps(v)}\n" for k, v in sorted(labels.items())))
+    tmp.rename(directory / "labels")

@@ -1,13 +1,15 @@
-"""A hot spare's launcher waits for a replica identity, then runs as that replica.
+"""A hot spare learns which replica it becomes from its pod's labels file.
 
-A spare pod is scheduled, pulled and started before any replica fails, so that taking
-over costs neither scheduling nor an image pull. Its environment has TRANSOM_SPARE_ID
-instead of TRANSOM_REPLICA_ID and TRANSOM_REPLICA_GENERATION, because a pod's environment
-cannot change after it starts. Its labels can: the operator promotes a spare by relabelling
-its pods (`transom.io/replica`, `transom.io/generation`, `transom.io/spare` removed), and the
-kubelet rewrites the downward-API file `<PODINFO_DIR>/labels` within its sync period. The
-launcher polls that file and, once it names a replica, continues exactly like a replica
-pod's launcher with that identity.
+A spare pod is scheduled, pulled and started before any replica fails, and its workers
+run the training script up to `FaultTolerant(...)`: Python, torch, the model and the
+optimizer are loaded, and they wait there (ft/replica.py `wait_for_promotion`), so that
+taking over starts no process. Its environment has TRANSOM_SPARE_ID instead of
+TRANSOM_REPLICA_ID and TRANSOM_REPLICA_GENERATION, because a pod's environment cannot
+change after it starts. Its labels can: the operator promotes a spare by relabelling its
+pods (`transom.io/replica`, `transom.io/generation`, `transom.io/spare` removed), and the
+kubelet rewrites the downward-API file `<PODINFO_DIR>/labels`. The launcher and the
+workers poll that file; once it names a replica, the launcher supervises as that replica
+and the workers register as it (`transom run --spares N` writes the same file locally).
 
 The file holds one `key="value"` line per label, values quoted and escaped as Go's
 strconv.Quote does (the kubelet's format).
@@ -26,7 +28,7 @@ from pathlib import Path
 from transom import contract
 
 log = logging.getLogger("transom.launch")
-POLL_S = 0.2
+POLL_S = 0.05  # a read of a small local file: polling it costs nothing worth saving
 
 
 @dataclass(frozen=True)
@@ -68,20 +70,24 @@ def podinfo_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(env.get(contract.ENV_PODINFO_DIR) or contract.PODINFO_DIR)
 
 
+def read_assignment(directory: Path) -> Assignment | None:
+    """The identity `directory/labels` names now; None while a spare (or unreadable)."""
+    return assignment(parse_labels((directory / "labels").read_text()))
+
+
 def wait_for_assignment(directory: Path, stopped: Callable[[], bool], poll_s: float = POLL_S) -> Assignment | None:
     """Poll `directory/labels` until it names a replica; None if `stopped()` first.
 
     A spare may wait for days, so there is no deadline: the wait ends with a promotion or
-    with the pod's termination (SIGTERM sets `stopped`).
+    with the pod's termination (SIGTERM sets `stopped`, or the launcher stops the workers).
     """
-    path = directory / "labels"
     logged_missing = False
     while not stopped():
         try:
-            found = assignment(parse_labels(path.read_text()))
+            found = read_assignment(directory)
         except OSError as e:
             if not logged_missing:
-                log.warning("spare: cannot read %s yet (%s); is the podinfo volume mounted?", path, e)
+                log.warning("spare: cannot read %s yet (%s); is the podinfo volume mounted?", directory / "labels", e)
                 logged_missing = True
             found = None
         if found is not None:

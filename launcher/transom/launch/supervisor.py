@@ -18,6 +18,11 @@ ends early, or never trains) are a failure like any other.
 MASTER_ADDR is found without cluster DNS: a single-node replica uses loopback; node 0 of
 a multi-node replica publishes its address through the coordinator and the others read it.
 
+A hot spare's launcher (TRANSOM_SPARE_ID, single-node replicas) starts its workers at once;
+they load the model and wait for the promotion (launch/spare.py). Until the labels file
+names a replica, the launcher has no identity to report to the coordinator: it only
+restarts workers that fail. From the promotion on it supervises as that replica.
+
 Exit codes (transom.contract): 0 all workers succeeded, 1 restarts exhausted, 2 usage,
 3 superseded by a newer incarnation, 128+N terminated by signal N.
 """
@@ -37,7 +42,7 @@ from pathlib import Path
 from transom import contract
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.launch import processes
+from transom.launch import processes, spare
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
@@ -112,15 +117,38 @@ def describe_exit(code: int) -> str:
 class Launcher:
     """Owns the worker processes of one node; `run()` returns the launcher's exit code."""
 
-    def __init__(self, config: LaunchConfig, env: contract.ReplicaEnv):
+    def __init__(self, config: LaunchConfig, env: contract.ReplicaEnv, environ: dict[str, str] | None = None):
+        """`environ`: the pod environment `env` was read from (default os.environ)."""
         self.config = config
         self.env = env
+        # What every worker starts with; a promotion sets its identity.
+        self._environ = dict(os.environ if environ is None else environ)
+        self._podinfo = spare.podinfo_dir(self._environ) if env.is_spare else None  # while a spare
         self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token, timeout_s=10)
         self.workers: list[subprocess.Popen] = []
         self._signal: int | None = None
 
     def identity(self, attempt: int) -> Identity:
         return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
+
+    @property
+    def who(self) -> str:
+        return f"spare {self.env.spare_id}" if self.env.is_spare else f"replica {self.env.replica_id}"
+
+    def _promote_if_assigned(self) -> None:
+        """A spare whose labels file now names a replica supervises as that replica from now on
+        (its workers read the same file and register as it)."""
+        assert self._podinfo is not None
+        try:
+            found = spare.read_assignment(self._podinfo)
+        except OSError:
+            return  # not mounted yet: the workers log it
+        if found is None:
+            return
+        log.info("%s promoted to replica %d generation %d", self.who, found.replica_id, found.generation)
+        self.env = self.env.promoted(found.replica_id, found.generation)
+        self._environ = spare.promoted_environ(self._environ, found)
+        self._podinfo = None
 
     # --- one attempt -----------------------------------------------------------------------
     def _master(self, attempt: int) -> tuple[str, int]:
@@ -138,7 +166,7 @@ class Launcher:
         addr, port = self._master(attempt)
         n = self.config.nproc_per_node
         for local_rank in range(n):
-            env = dict(os.environ)
+            env = dict(self._environ)
             env.update(
                 {
                     "RANK": str(self.env.node_rank * n + local_rank),
@@ -157,10 +185,8 @@ class Launcher:
             # is not delivered twice; the launcher forwards what the workers must see, to the group.
             self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True,
                                                  preexec_fn=processes.dies_with_parent()))
-        log.info(
-            "replica %d node %d attempt %d: started %d workers (master %s:%d)",
-            self.env.replica_id, self.env.node_rank, attempt, n, addr, port,
-        )
+        log.info("%s node %d attempt %d: started %d workers (master %s:%d)", self.who, self.env.node_rank,
+                 attempt, n, addr, port)
 
     def _stop_workers(self, first: int, grace_s: float) -> None:
         """Send `first` to every worker's process group, then SIGKILL whatever of the groups
@@ -175,17 +201,19 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
             if not processes.kill_group(w.pid):  # its pgid is its pid: the leader of a new session
-                log.error("replica %d: processes of worker %d's group survive SIGKILL", self.env.replica_id, w.pid)
+                log.error("%s: processes of worker %d's group survive SIGKILL", self.who, w.pid)
             w.wait(timeout=10)
         self.workers = []
 
     def _report(self, attempt: int, reason: str, exit_code: int | None) -> None:
+        if self.env.is_spare:
+            return  # no replica to speak for: nobody waits for a spare
         try:
             self.client.report_failure(
                 FailureReport(identity=self.identity(attempt), reason=reason, exit_code=exit_code), timeout_s=2.0
             )
         except Exception as e:  # the coordinator also notices by heartbeat; never block on it
-            log.warning("could not report failure of replica %d: %s", self.env.replica_id, e)
+            log.warning("could not report failure of %s: %s", self.who, e)
 
     def _watch(self, attempt: int) -> tuple[str, str]:
         """Wait for this attempt to end: ('ok'|'failed'|'superseded'|'signal', reason)."""
@@ -193,6 +221,8 @@ class Launcher:
         while True:
             if self._signal is not None:
                 return "signal", f"received {signal.Signals(self._signal).name}"
+            if self._podinfo is not None:
+                self._promote_if_assigned()
             codes = [w.poll() for w in self.workers]
             for rank, code in enumerate(codes):
                 if code not in (None, 0):
@@ -200,8 +230,10 @@ class Launcher:
                     self._report(attempt, reason, code if code >= 0 else None)
                     return "failed", reason
             if all(c == 0 for c in codes):
+                if self.env.is_spare:
+                    return "failed", "the workers of a spare exited before it was promoted"
                 return self._finished(attempt)
-            if time.monotonic() >= next_state_poll:
+            if not self.env.is_spare and time.monotonic() >= next_state_poll:
                 next_state_poll = time.monotonic() + STATE_POLL_S
                 try:
                     state = self.client.replica_state(self.identity(attempt), timeout_s=1.0)
@@ -227,6 +259,13 @@ class Launcher:
         return "failed", reason
 
     # --- main loop ---------------------------------------------------------------------------
+    def _backoff(self, seconds: float) -> bool:
+        """Sleep before a restart; False if a signal came meanwhile (nothing is started then)."""
+        deadline = time.monotonic() + seconds
+        while self._signal is None and time.monotonic() < deadline:
+            time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        return self._signal is None
+
     def run(self) -> int:
         def on_signal(signum, _frame):
             self._signal = signum
@@ -247,14 +286,16 @@ class Launcher:
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
                 self._stop_workers(signal.SIGKILL, 0.0)
                 if outcome == "superseded":
-                    log.error("replica %d: %s; exiting", self.env.replica_id, reason)
+                    log.error("%s: %s; exiting", self.who, reason)
                     return contract.EXIT_EVICTED
-                log.warning("replica %d attempt %d failed: %s", self.env.replica_id, attempt, reason)
+                log.warning("%s attempt %d failed: %s", self.who, attempt, reason)
                 if attempt >= self.config.max_restarts:
-                    log.error("replica %d: giving up after %d restarts", self.env.replica_id, attempt)
+                    log.error("%s: giving up after %d restarts", self.who, attempt)
                     return contract.EXIT_WORKERS_FAILED
                 attempt += 1
-                time.sleep(min(self.config.restart_backoff_s * 2 ** (attempt - 1), 30.0))
+                if not self._backoff(min(self.config.restart_backoff_s * 2 ** (attempt - 1), 30.0)):
+                    assert self._signal is not None
+                    return 128 + self._signal
         finally:
             if self.workers:
                 self._stop_workers(signal.SIGKILL, 0.0)
