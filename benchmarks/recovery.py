@@ -2,24 +2,33 @@
 
 Purpose
     torchft's own kind of workload (3 replicas, a ~100 MB MLP with AdamW, one process per
-    replica, Gloo across replicas), one replica SIGKILLed in the forward pass of step
-    `--kill-step` and restarted, run for Transom (`transom run`, the ordinary loop with
-    `trainer.optimizer`, benchmarks/scripts/mlp_transom.py) and for torchft 0.2.0 (its
-    lighthouse and its manual loop: `manager.allreduce` of every gradient, `should_commit`,
-    benchmarks/scripts/mlp_torchft.py; restarted by this script as its launcher would) in
-    the same run, on loopback. Both workers write the same per-step log
-    (benchmarks/scripts/mlp_workload.py).
+    replica, Gloo across replicas; benchmarks/scripts/workload.py), one replica SIGKILLed in
+    the forward pass of step `--kill-step` and restarted, run for Transom (the ordinary loop
+    with `trainer.optimizer`), for Transom with one hot spare (`transom run --spares 1`: the
+    killed replica is taken over by a process that is already loaded), and for torchft 0.2.0
+    (its lighthouse and its manual loop: `manager.allreduce` of every gradient,
+    `should_commit`; restarted as its launcher would), alternating in the same run
+    (benchmarks/_replicas.py starts them).
+
+    Networks: `--network loopback` (default), or `--network netns`: each replica (and the
+    spare) in its own network namespace, joined by a bridge over veth links shaped with tc
+    to `--rate-mbit` (benchmarks/netns.py; root), the coordinator or lighthouse on the
+    bridge, so the all-reduce and the state transfer cross a link of known speed and the
+    300 MB transfer takes several steps.
 
 Figures, per system
     step_s                     median failure-free step of the healthy replicas (before the kill)
     healthy_stall_at_kill_s    the healthy replicas' lost time at the kill: from their last
                                commit before it to their first commit after it, less one step
                                (the larger of the two healthy replicas)
-    healthy_stall_at_rejoin_s  their lost time while the restarted replica joins: the sum of
-                               (step time - step_s) over their steps from the joiner's first step
-                               until two steps after it contributes again
+    healthy_stall_at_rejoin_s  their lost time while the new incarnation joins: the sum of
+                               (step time - step_s) over their steps from its first step until
+                               two steps after it contributes again
     rejoin_time_s              restarted process start -> its first committed step
     contributing_after_s       restarted process start -> its first step that trains its own batch
+    With a spare (transom_spare) the process started before the kill, so the clock starts at
+    the kill: `first_commit_after_kill_s` (in the quorum again, target <= 1 s) and
+    `contributing_after_kill_s` (the same plus the catch-up transfer and replay).
     Ratios: `ratio_step_vs_torchft`, `ratio_total_healthy_stall_vs_torchft` (stall at kill
     plus at rejoin). Targets (issue 15): stall at rejoin <= 5% of a step, total healthy
     stall <= 0.5x torchft's, step <= 1.02x. The last line of stdout is one JSON object.
@@ -28,9 +37,10 @@ How to run
     make bench-deps                       # torchft 0.2.0 into the venv (optional dependency)
     .venv/bin/python benchmarks/recovery.py
     .venv/bin/python benchmarks/recovery.py --systems transom --repeats 1   # Transom only, once
+    .venv/bin/python benchmarks/recovery.py --network netns --rate-mbit 1000  # as root
 
-    BENCH_THREADS sets torch's threads per replica (default 1; the three replicas share
-    the machine). Every process is bounded by `--run-timeout` and killed with its tree.
+    BENCH_THREADS sets torch's threads per replica (default 1; the replicas share the
+    machine). Every process is bounded by `--run-timeout` and killed with its tree.
 """
 
 from __future__ import annotations
@@ -39,20 +49,17 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _common import REPO, descendants, kill_known, run_bounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _replicas import Job, run_torchft, run_transom  # noqa: E402
+from netns import Cluster  # noqa: E402
 
-SCRIPTS = HERE / "scripts"
 KILLED = 1  # the replica that is killed
+SYSTEMS = ("transom", "transom_spare", "torchft")
 
 
 # --- analysis (pure) ------------------------------------------------------------------------------
@@ -65,7 +72,7 @@ def load(out: Path, system: str) -> dict[int, list[dict]]:
         if lines and "start" in lines[0]:
             runs.setdefault(replica, []).append({"start": lines[0]["start"], "records": lines[1:]})
     for incarnations in runs.values():
-        incarnations.sort(key=lambda i: i["start"])
+        incarnations.sort(key=lambda i: i["records"][0]["t"] if i["records"] else i["start"])
     return runs
 
 
@@ -74,33 +81,41 @@ def analyse(runs: dict[int, list[dict]], kill_step: int) -> dict:
     if len(runs.get(KILLED, [])) < 2 or not healthy:
         return {"error": f"incarnations per replica: { {r: len(v) for r, v in runs.items()} }"}
     first, second = runs[KILLED][0], runs[KILLED][1]
+    joined = second["records"]
+    if not any(x["committed"] for x in joined):
+        return {"error": "the new incarnation of the killed replica never committed a step"}
     steady = [x["seconds"] for r in healthy for x in runs[r][0]["records"]
               if x["committed"] and x["contributing"] and 5 <= x["step"] <= kill_step]
     step_s = statistics.median(steady)
     t_kill = first["records"][-1]["t"] if first["records"] else first["start"]
-    joined = second["records"]
     t_join = joined[0]["t"] - joined[0]["seconds"]
     first_commit = next(x["t"] for x in joined if x["committed"])
     first_contrib = next((x["t"] for x in joined if x["contributing"]), None)
     at_kill, at_rejoin, windows = [], [], []
     for r in healthy:
-        recs = [x for x in runs[r][0]["records"]]
+        recs = runs[r][0]["records"]
         before = max(x["t"] for x in recs if x["committed"] and x["t"] <= t_kill)
         after = min(x["t"] for x in recs if x["committed"] and x["t"] > t_kill)
         at_kill.append(after - before - step_s)
         end = (first_contrib or joined[-1]["t"]) + 2 * step_s
-        window = [x["seconds"] for x in recs if t_join <= x["t"] <= end]
+        window = [x["seconds"] for x in recs if max(t_join, after) < x["t"] <= end]
         at_rejoin.append(sum(window) - len(window) * step_s)
         windows.append([round(w, 3) for w in window])
-    return {
+    figures = {
         "step_s": round(step_s, 4),
         "healthy_stall_at_kill_s": round(max(at_kill), 3),
         "healthy_stall_at_rejoin_s": round(max(at_rejoin), 3),
-        "rejoin_time_s": round(first_commit - second["start"], 3),
-        "contributing_after_s": round(first_contrib - second["start"], 3) if first_contrib else None,
         "steps_catching_up": sum(1 for x in joined if x["committed"] and not x["contributing"]),
         "rejoin_window_steps_s": windows[at_rejoin.index(max(at_rejoin))],
     }
+    if second["start"] < t_kill:  # a hot spare: its process was running before the kill
+        figures["first_commit_after_kill_s"] = round(first_commit - t_kill, 3)
+        if first_contrib:
+            figures["contributing_after_kill_s"] = round(first_contrib - t_kill, 3)
+    else:
+        figures["rejoin_time_s"] = round(first_commit - second["start"], 3)
+        figures["contributing_after_s"] = round(first_contrib - second["start"], 3) if first_contrib else None
+    return figures
 
 
 def medians(runs: list[dict]) -> dict:
@@ -116,82 +131,40 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
+def comparison(result: dict) -> dict:
+    """The flat keys of the last JSON line: each system's figures, and Transom against torchft."""
+    flat: dict = {}
+    for name in SYSTEMS:
+        for key, value in result.get(name, {}).items():
+            if key not in ("ok", "runs") and not isinstance(value, (list, dict)):
+                flat[f"{name}_{key}"] = value
+    t, f = result.get("transom", {}), result.get("torchft", {})
+    if "step_s" in t and "step_s" in f:
+        total_t = t["healthy_stall_at_kill_s"] + t["healthy_stall_at_rejoin_s"]
+        total_f = f["healthy_stall_at_kill_s"] + f["healthy_stall_at_rejoin_s"]
+        flat["ratio_step_vs_torchft"] = round(t["step_s"] / f["step_s"], 3)
+        flat["ratio_total_healthy_stall_vs_torchft"] = round(total_t / total_f, 3) if total_f > 0 else None
+    for name in ("transom", "transom_spare"):
+        figs = result.get(name, {})
+        if "step_s" in figs:
+            flat[f"{name}_rejoin_stall_fraction_of_step"] = round(figs["healthy_stall_at_rejoin_s"] / figs["step_s"], 3)
+    return flat
+
+
 # --- running --------------------------------------------------------------------------------------
-def run_transom(args: argparse.Namespace, work: Path) -> dict:
-    out = work / "transom"
+def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | None) -> dict:
+    out = work / system
     out.mkdir()
-    cmd = [sys.executable, "-m", "transom", "run", "--replicas", "3",
-           "--inject", f"kill:replica={KILLED},step={args.kill_step},phase=forward",
-           "--timeout", str(args.run_timeout), "--summary-json", str(out / "summary.json"),
-           "--", sys.executable, str(SCRIPTS / "mlp_transom.py"), "--steps", str(args.steps)]
-    env = {**os.environ, "BENCH_OUT": str(out), "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "1")}
-    res = run_bounded(cmd, args.run_timeout + 30, out / "run.log", env)
-    figures = analyse(load(out, "transom"), args.kill_step)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    figures["replicas_bit_identical"] = summary.get("replicas_bit_identical")
-    figures["ok"] = res.returncode == 0 and "error" not in figures
+    job = Job(out, "mlp", args.steps, timeout_s=args.run_timeout, kill=(KILLED, args.kill_step),
+              spares=1 if system == "transom_spare" else 0, net=net)
+    outcome = run_torchft(job) if system == "torchft" else run_transom(job)
+    figures = analyse(load(out, "transom" if system.startswith("transom") else system), args.kill_step)
+    summary = out / "summary.json"
+    if summary.exists():
+        figures["replicas_bit_identical"] = json.loads(summary.read_text()).get("replicas_bit_identical")
+    figures["ok"] = outcome.ok and "error" not in figures
     if not figures["ok"]:
-        figures["output_tail"] = res.tail(2000)
-    return figures
-
-
-def _lighthouse(log) -> tuple[subprocess.Popen, str]:
-    code = ("from torchft.coordination import LighthouseServer; import time; "
-            "s = LighthouseServer(bind='127.0.0.1:0', min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=100); "
-            "print(s.address(), flush=True); time.sleep(3600)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)
-    address = proc.stdout.readline().strip()  # the server prints it once it listens
-    if not address:
-        proc.kill()
-        raise RuntimeError("the torchft lighthouse did not start (see its log)")
-    return proc, address
-
-
-def run_torchft(args: argparse.Namespace, work: Path) -> dict:
-    """Three torchft replicas; this function restarts the killed one, as a launcher would."""
-    out = work / "torchft"
-    out.mkdir()
-    seen: dict[int, int] = {}
-    deadline = time.monotonic() + args.run_timeout
-    with open(out / "run.log", "w") as log:
-        lighthouse, address = _lighthouse(log)
-        env = {**os.environ, "BENCH_OUT": str(out), "TORCHFT_LIGHTHOUSE": address,
-               "BENCH_KILL_STEP": str(args.kill_step), "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "1")}
-
-        def start(replica: int, attempt: int) -> subprocess.Popen:
-            e = {**env, "REPLICA_ID": str(replica), "BENCH_ATTEMPT": str(attempt if replica == KILLED else 1)}
-            return subprocess.Popen([sys.executable, str(SCRIPTS / "mlp_torchft.py"), "--steps", str(args.steps)],
-                                    env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-
-        procs = {r: start(r, 0) for r in range(3)}
-        codes: dict[int, int] = {}
-        restarted = False
-        try:
-            while len(codes) < 3 and time.monotonic() < deadline:
-                for r, p in list(procs.items()):
-                    seen.update(descendants(p.pid))
-                    seen[p.pid] = p.pid
-                    code = p.poll()
-                    if code is None or r in codes:
-                        continue
-                    if code == -signal.SIGKILL and r == KILLED and not restarted:
-                        procs[r], restarted = start(r, 1), True
-                    else:
-                        codes[r] = code
-                time.sleep(0.1)
-        finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-            lighthouse.kill()
-            lighthouse.wait()
-            kill_known(seen)
-    figures = analyse(load(out, "torchft"), args.kill_step)
-    figures["ok"] = codes == {0: 0, 1: 0, 2: 0} and "error" not in figures
-    if not figures["ok"]:
-        figures["exit_codes"] = codes
-        figures["output_tail"] = (out / "run.log").read_text(errors="replace")[-2000:]
+        print(outcome.detail, file=sys.stderr)
     return figures
 
 
@@ -199,41 +172,39 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--kill-step", type=int, default=20)
-    p.add_argument("--systems", default="transom,torchft")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--run-timeout", type=float, default=400)
     p.add_argument("--repeats", type=int, default=3, help="runs per system; figures are medians")
+    p.add_argument("--network", choices=["loopback", "netns"], default="loopback",
+                   help="netns: each replica in its own network namespace over shaped links (root)")
+    p.add_argument("--rate-mbit", type=float, default=1000, help="netns: each link's rate")
     args = p.parse_args()
     systems = args.systems.split(",")
-    if "torchft" in systems:
-        if importlib.util.find_spec("torchft") is None:
-            sys.exit("torchft is not installed: run `make bench-deps` (pip install torchft==0.2.0 into the venv)")
-    result: dict = {"benchmark": "recovery", "network": "loopback", "model_mb": 100.7, "replicas": 3,
+    if unknown := set(systems) - set(SYSTEMS):
+        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if "torchft" in systems and importlib.util.find_spec("torchft") is None:
+        sys.exit("torchft is not installed: run `make bench-deps` (pip install torchft==0.2.0 into the venv)")
+    net = Cluster(4, args.rate_mbit) if args.network == "netns" else None  # 3 replicas and a spare
+    result: dict = {"benchmark": "recovery", "network": args.network, "model_mb": 100.7, "replicas": 3,
                     "threads_per_replica": int(os.environ.get("BENCH_THREADS", "1")), "cpus": os.cpu_count()}
     runs: dict[str, list[dict]] = {system: [] for system in systems}
-    for rep in range(args.repeats):  # the systems alternate, so both see the same machine
-        for system in systems:
-            with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
-                figures = (run_transom if system == "transom" else run_torchft)(args, Path(tmp))
-            tail = figures.pop("output_tail", None)
-            print(f"run {rep} {system:8s} " + "  ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
-            if tail:
-                print(tail, file=sys.stderr)
-            runs[system].append(figures)
+    if net is not None:
+        result["rate_mbit"] = args.rate_mbit
+        net.up()
+    try:
+        for rep in range(args.repeats):  # the systems alternate, so all see the same machine
+            for system in systems:
+                with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
+                    figures = run_once(args, system, Path(tmp), net)
+                print(f"run {rep} {system:13s} " + "  ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
+                runs[system].append(figures)
+    finally:
+        if net is not None:
+            net.down()
     for system, figs in runs.items():
         result[system] = medians(figs)
-        print(f"median of {args.repeats}: {system:8s} " + "  ".join(f"{k} {v}" for k, v in result[system].items()))
-    t, f = result.get("transom", {}), result.get("torchft", {})
-    for key in ("step_s", "healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s", "rejoin_time_s"):
-        for name, figs in (("transom", t), ("torchft", f)):
-            if key in figs:
-                result[f"{name}_{key}"] = figs[key]
-    if "step_s" in t and "step_s" in f:
-        total_t = t["healthy_stall_at_kill_s"] + t["healthy_stall_at_rejoin_s"]
-        total_f = f["healthy_stall_at_kill_s"] + f["healthy_stall_at_rejoin_s"]
-        result["ratio_step_vs_torchft"] = round(t["step_s"] / f["step_s"], 3)
-        result["ratio_total_healthy_stall_vs_torchft"] = round(total_t / total_f, 3) if total_f > 0 else None
-    if "step_s" in t:
-        result["rejoin_stall_fraction_of_step"] = round(t["healthy_stall_at_rejoin_s"] / t["step_s"], 3)
+        print(f"median of {args.repeats}: {system:13s} " + "  ".join(f"{k} {v}" for k, v in result[system].items()))
+    result.update(comparison(result))
     print(json.dumps(result))
 
 

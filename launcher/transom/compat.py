@@ -11,7 +11,8 @@ differs, and how it is bridged:
   is not on every build; the PCI bus id and the host name stand in for it.
 
 `make test-compat` runs a smoke subset on the oldest supported torch (docs/testenv.md).
-Imports torch: only for modules that already need it.
+Imports torch: only for modules that already need it; DCP only where it is used (it takes
+a second to import, on every replica's way to its first step).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import socket
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 MIN_TORCH = (2, 6)
 
@@ -33,6 +33,8 @@ def torch_version() -> tuple[int, int]:
 
 def fsspec_writer(url: str, **kwargs: Any):
     """DCP's FsspecWriter for `url` (a directory or an s3:// prefix)."""
+    import torch.distributed.checkpoint as dcp
+
     cls = getattr(dcp, "FsspecWriter", None)
     if cls is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as cls  # torch < 2.7
@@ -41,6 +43,8 @@ def fsspec_writer(url: str, **kwargs: Any):
 
 def fsspec_reader(url: str, **kwargs: Any):
     """DCP's FsspecReader for `url`."""
+    import torch.distributed.checkpoint as dcp
+
     cls = getattr(dcp, "FsspecReader", None)
     if cls is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as cls  # torch < 2.7
@@ -54,11 +58,15 @@ def _no_dist(fn: Any) -> dict[str, Any]:
 
 def dcp_load(state: dict, checkpoint_id: str, **kwargs: Any) -> None:
     """`dcp.load` in this process alone (no process group), on any supported torch."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(state, checkpoint_id=checkpoint_id, **_no_dist(dcp.load), **kwargs)
 
 
 def dcp_async_save(state: dict, **kwargs: Any):
     """`dcp.async_save` in this process alone; returns its future."""
+    import torch.distributed.checkpoint as dcp
+
     return dcp.async_save(state, **_no_dist(dcp.async_save), **kwargs)
 
 

@@ -82,6 +82,13 @@ def test_plan_buckets_caps_size_and_separates_dtypes():
     assert [0, 1] in buckets and [2] in buckets and [3] in buckets  # an oversized tensor gets its own
 
 
+def test_the_first_bucket_of_each_kind_is_small_so_it_leaves_early():
+    grads = [torch.zeros(10), torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64),
+             torch.zeros(10, dtype=torch.float64)]
+    # As DDP: the gradients backward produces first leave in a small bucket of their own.
+    assert plan_buckets(grads, bucket_bytes=1000, first_bucket_bytes=40) == [[0], [1, 2], [3], [4]]
+
+
 def test_stall_counts_only_disrupted_steps_beyond_normal():
     rec = lambda s, **kw: {"seconds": s, "committed": True, "quorum_changed": False, **kw}  # noqa: E731
     records = [

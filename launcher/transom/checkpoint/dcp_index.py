@@ -10,7 +10,9 @@ from 2.6 on.
 This file is written for DCP and never read by Transom: its own restore reads the JSON
 manifest, and nothing Transom reads from storage is unpickled. The classes come from
 `torch.distributed.checkpoint`'s metadata module (public) and `filesystem._StorageInfo`
-(private, but the same three fields since torch 2.0).
+(private, but the same three fields since torch 2.0). They are imported when a step is
+committed, not with this module: `torch.distributed.checkpoint` takes a second to import,
+and a restarted replica imports this module on its way to its first step.
 """
 
 from __future__ import annotations
@@ -20,20 +22,21 @@ import pickle
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from transom.checkpoint import blob, layout
 
 
 def build(entries: Iterable[layout.Entry]) -> bytes:
     """The pickled `Metadata` of a step whose tensors are `entries` (paths relative to the step)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     state_dict_metadata = {}
     storage_data = {}
     for e in entries:

@@ -7,19 +7,27 @@ replica with the same number of ranks makes the DTensors again on the model's ow
 mesh (`rebuilder`), so `model.load_state_dict` and `optimizer.load_state_dict` take them as
 they are. A different number of ranks would need resharding, which this does not do: the
 restore refuses it with a clear error.
+
+`torch.distributed.tensor` is imported only where a DTensor exists: a process that never
+made one (no FSDP2) cannot hold one, and that import takes a second or more, on every
+replica's way to its first step.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DeviceMesh
 
 
 def _is_dtensor(value: Any) -> bool:
-    return isinstance(value, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def is_sharded(state: Any) -> bool:
@@ -34,6 +42,8 @@ def is_sharded(state: Any) -> bool:
 
 
 def _placement(p: Any) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
     if isinstance(p, Shard):
         return ["shard", p.dim]
     if isinstance(p, Replicate):
@@ -42,6 +52,8 @@ def _placement(p: Any) -> list:
 
 
 def _parse(p: list) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
     if p[0] == "shard":
         return Shard(int(p[1]))
     if p[0] == "replicate":
@@ -57,16 +69,18 @@ def localize(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
     return t.to_local(), meta
 
 
-def mesh_of(module: torch.nn.Module) -> DeviceMesh | None:
+def mesh_of(module: torch.nn.Module) -> "DeviceMesh | None":
     """The device mesh of the module's first DTensor parameter, or None if it has none."""
     return next((p.device_mesh for p in module.parameters() if _is_dtensor(p)), None)
 
 
-def rebuilder(mesh: DeviceMesh | None) -> Callable[[torch.Tensor, dict], torch.Tensor]:
+def rebuilder(mesh: "DeviceMesh | None") -> Callable[[torch.Tensor, dict], torch.Tensor]:
     """Turns a stored local part back into a DTensor on `mesh`."""
     def rebuild(local: torch.Tensor, meta: dict) -> torch.Tensor:
         if mesh is None:
             raise ValueError("the checkpoint holds sharded (DTensor) state but the model has no DTensor parameters")
+        from torch.distributed.tensor import DTensor
+
         placements = [_parse(p) for p in meta["placements"]]
         return DTensor.from_local(local.to(mesh.device_type), mesh, placements, run_check=False,
                                   shape=torch.Size(meta["shape"]), stride=tuple(meta["stride"]))

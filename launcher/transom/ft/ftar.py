@@ -24,6 +24,9 @@ from transom.ft.process_group import CrossReplicaGroup
 
 log = logging.getLogger("transom.ft")
 DEFAULT_BUCKET_BYTES = 25 << 20  # as DDP: several buckets, so the first can leave early
+# As DDP's first bucket: the last layers' gradients, ready first, leave as soon as they
+# are, without waiting for 25 MiB more (on a small model, the whole model).
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,19 +35,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Group gradient indices into buckets of one dtype/device and at most bucket_bytes."""
+def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Group gradient indices into buckets of one dtype/device and at most bucket_bytes (the
+    first of each kind at most `first_bucket_bytes`, as DDP's)."""
     buckets: list[list[int]] = []
-    open_by_kind: dict[tuple, tuple[list[int], int]] = {}
+    open_by_kind: dict[tuple, tuple[list[int], int, int]] = {}  # kind -> (bucket, bytes, its cap)
     for i, g in enumerate(grads):
         kind = (g.dtype, g.device)
         size = g.numel() * g.element_size()
         current = open_by_kind.get(kind)
-        if current is None or (current[1] + size > bucket_bytes and current[0]):
-            current = ([], 0)
+        if current is None or (current[1] + size > current[2] and current[0]):
+            cap = min(first_bucket_bytes, bucket_bytes) if current is None else bucket_bytes
+            current = ([], 0, cap)
             buckets.append(current[0])
         current[0].append(i)
-        open_by_kind[kind] = (current[0], current[1] + size)
+        open_by_kind[kind] = (current[0], current[1] + size, current[2])
     return buckets
 
 
