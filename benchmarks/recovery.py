@@ -26,6 +26,9 @@ Figures, per system
                                two steps after it contributes again
     rejoin_time_s              restarted process start -> its first committed step
     contributing_after_s       restarted process start -> its first step that trains its own batch
+    restart_*_s                where a restart's time goes: kill -> the new process starts
+                               (spawn), its imports, the model's build, join (FaultTolerant /
+                               Manager: registration), -> first commit, -> contributing (catch_up)
     With a spare (transom_spare) the process started before the kill, so the clock starts at
     the kill: `first_commit_after_kill_s` (in the quorum again, target <= 1 s) and
     `contributing_after_kill_s` (the same plus the catch-up transfer and replay).
@@ -64,13 +67,14 @@ SYSTEMS = ("transom", "transom_spare", "torchft")
 
 # --- analysis (pure) ------------------------------------------------------------------------------
 def load(out: Path, system: str) -> dict[int, list[dict]]:
-    """replica -> its incarnations in start order, each {"start": t, "records": [...]}."""
+    """replica -> its incarnations in start order, each {"start": t, <start-up milestones>,
+    "records": [...]}."""
     runs: dict[int, list[dict]] = {}
     for path in sorted(out.glob(f"{system}-r*-*.jsonl")):
         replica = int(path.name.split("-r", 1)[1].split("-", 1)[0])
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip().endswith("}")]
         if lines and "start" in lines[0]:
-            runs.setdefault(replica, []).append({"start": lines[0]["start"], "records": lines[1:]})
+            runs.setdefault(replica, []).append({**lines[0], "records": lines[1:]})
     for incarnations in runs.values():
         incarnations.sort(key=lambda i: i["records"][0]["t"] if i["records"] else i["start"])
     return runs
@@ -115,7 +119,21 @@ def analyse(runs: dict[int, list[dict]], kill_step: int) -> dict:
     else:
         figures["rejoin_time_s"] = round(first_commit - second["start"], 3)
         figures["contributing_after_s"] = round(first_contrib - second["start"], 3) if first_contrib else None
+        figures.update(restart_phases(second, t_kill, first_commit, first_contrib))
     return figures
+
+
+def restart_phases(inc: dict, t_kill: float, first_commit: float, first_contrib: float | None) -> dict:
+    """Where a restart's time goes: kill -> new process, its imports, model build, joining
+    (Transom's FaultTolerant, torchft's Manager), -> first commit, -> contributing."""
+    if not {"imported", "built", "joined"} <= inc.keys():
+        return {}
+    phases = {"restart_spawn_s": inc["start"] - t_kill, "restart_imports_s": inc["imported"] - inc["start"],
+              "restart_build_s": inc["built"] - inc["imported"], "restart_join_s": inc["joined"] - inc["built"],
+              "restart_first_commit_s": first_commit - inc["joined"]}
+    if first_contrib:
+        phases["restart_catch_up_s"] = first_contrib - first_commit
+    return {k: round(v, 3) for k, v in phases.items()}
 
 
 def medians(runs: list[dict]) -> dict:

@@ -22,6 +22,8 @@ from torchft import Manager, ProcessGroupGloo  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import StepLog, Workload, setup  # noqa: E402
 
+IMPORTED = time.time()
+
 
 def main() -> None:
     args = setup()
@@ -29,6 +31,7 @@ def main() -> None:
     kill_step = int(os.environ.get("BENCH_KILL_STEP", "-1")) if os.environ.get("BENCH_ATTEMPT") == "0" else -1
     work = Workload(args.model)
     model, opt = work.model, work.optimizer()
+    built = time.time()
     host = os.environ.get("BENCH_HOST", "127.0.0.1")  # this replica's address (its namespace's, with --network netns)
     if "BENCH_HOST" in os.environ:
         # torchft advertises its checkpoint server as http://<gethostname()>:port, as in a
@@ -50,7 +53,7 @@ def main() -> None:
         lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], store_addr=host, store_port=store.port, hostname=host,
         rank=0, world_size=1, init_sync=False, timeout=timedelta(seconds=30),
     )
-    log = StepLog("torchft", replica, STARTED)
+    log = StepLog("torchft", replica, STARTED, imported=IMPORTED, built=built, joined=time.time())
     try:
         last = time.time()
         while manager.current_step() < args.steps:

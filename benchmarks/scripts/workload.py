@@ -12,8 +12,10 @@ Every replica starts from the same weights (seed 0) and trains its own batches, 
 of (replica, step) only, so a recovered replica sees what it would have seen.
 
 Each process writes `<BENCH_OUT>/<system>-r<replica>-<pid>.jsonl`: a first line
-`{"start": t}` with the wall time at which the process started (taken by the worker before
-torch is imported), then one line per step attempt: `{"step", "t" (end), "seconds",
+`{"start": t, "imported": t, "built": t, "joined": t}` with the wall times at which the
+process started (taken by the worker before torch is imported), had imported torch and its
+system, had built the model and optimizer, and had set up its fault tolerance (Transom's
+FaultTolerant, torchft's Manager: registered, for a spare taken over), then one line per step attempt: `{"step", "t" (end), "seconds",
 "committed", "contributing"}`, where `step` is the number of committed steps after it.
 """
 
@@ -85,10 +87,12 @@ class Workload:
 
 
 class StepLog:
-    def __init__(self, system: str, replica: int, started: float):
+    def __init__(self, system: str, replica: int, started: float, **phases: float):
+        """`phases`: wall times the process reached its start-up's milestones (imported,
+        built, joined), written into the first line beside `start`."""
         out = Path(os.environ["BENCH_OUT"])
         self._file = open(out / f"{system}-r{replica}-{os.getpid()}.jsonl", "a", buffering=1)
-        self._file.write(json.dumps({"start": started}) + "\n")
+        self._file.write(json.dumps({"start": started, **phases}) + "\n")
 
     def step(self, step: int, t: float, seconds: float, committed: bool, contributing: bool) -> None:
         self._file.write(json.dumps({"step": step, "t": t, "seconds": round(seconds, 6), "committed": committed,

@@ -165,3 +165,39 @@ def json_nested(depth: int):
 def test_flatten_names_what_it_cannot_store():
     with pytest.raises(TypeError, match="data/sampler: cannot checkpoint a set"):
         structure.flatten({"data": {"sampler": {1, 2}}}, lambda x: False)
+
+
+def test_files_read_in_ranges_on_several_streams_are_whole_and_checksummed_on_arrival(tmp_path, monkeypatch):
+    import random
+    import zlib
+
+    from transom.checkpoint import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "READ_PART_BYTES", 1000)  # many ranges, finishing out of order
+    rng = random.Random(7)
+    files = {"step-1/a.distcp": rng.randbytes(10_500), "step-1/b.distcp": rng.randbytes(999), "step-1/c": b""}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    store = storage_module.Storage(str(tmp_path))
+    got = store.read_files({k: len(v) for k, v in files.items()}, streams=4)
+    assert {k: (bytes(b), c) for k, (b, c) in got.items()} == {k: (v, zlib.crc32(v)) for k, v in files.items()}
+    assert store.read_files({"step-1/b.distcp": 999}, checksums=False)["step-1/b.distcp"][1] is None
+    with pytest.raises(ValueError, match="does not hold"):
+        store.read_files({"step-1/b.distcp": 1200}, streams=2)
+
+
+def test_a_blob_decodes_without_a_copy_where_it_is_aligned_and_with_one_where_not():
+    import torch
+
+    from transom.checkpoint import blob
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    data = bytearray(blob.encode(t))
+    view = blob.decode(memoryview(data), "float32", [3, 4], copy=False)
+    assert torch.equal(view, t)
+    view.fill_(1.0)
+    assert torch.equal(blob.decode(memoryview(data), "float32", [3, 4]), torch.ones(3, 4))
+    shifted = bytearray(1) + bytearray(blob.encode(t))  # its data now starts at an odd address
+    assert torch.equal(blob.decode(memoryview(shifted)[1:], "float32", [3, 4], copy=False), t)
+    assert torch.equal(blob.decode(bytes(blob.encode(t)), "float32", [3, 4], copy=False), t)  # read-only: a copy

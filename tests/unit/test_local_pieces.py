@@ -138,3 +138,10 @@ def test_transom_core_imports_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_first_restart_is_immediate_and_later_ones_back_off():
+    from transom.launch.supervisor import restart_delay_s
+
+    assert [restart_delay_s(a, 0.5) for a in (1, 2, 3, 4)] == [0.0, 0.5, 1.0, 2.0]
+    assert restart_delay_s(20, 0.5) == 30.0

@@ -14,6 +14,7 @@ Writing goes through torch.save, so `dcp.load` reads what `encode` wrote.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import struct
 import sys
@@ -78,8 +79,10 @@ def encode(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def decode(blob: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
+def decode(blob: bytes | bytearray | memoryview, dtype: str, shape: list[int], copy: bool = True) -> torch.Tensor:
     """The tensor of `dtype` and `shape` stored in `blob`; BlobError if the blob disagrees.
+    `copy=False`: a view of `blob`'s bytes where they are aligned for `dtype` (a writable
+    buffer that outlives nothing: the tensor keeps it alive), else a copy.
 
     Nothing in `blob` is executed: the archive's pickle is never read.
     """
@@ -106,10 +109,19 @@ def decode(blob: bytes | bytearray | memoryview, dtype: str, shape: list[int]) -
     if info.file_size != expected:
         raise BlobError(f"the storage holds {info.file_size} bytes, {dtype}{shape} needs {expected}")
     start = _data_start(view, info)
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    if not copy and expected and not view.readonly and _address(view, start) % itemsize == 0:
+        flat = torch.frombuffer(view, dtype=torch.uint8, count=expected, offset=start)
+        return flat.view(DTYPES[dtype]).reshape(shape)
     out = torch.empty(shape, dtype=DTYPES[dtype])
     if expected:
         out.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(view, numpy.uint8, expected, start)
     return out
+
+
+def _address(view: memoryview, offset: int) -> int:
+    """The memory address of `view[offset]` (alignment of a zero-copy tensor)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view, offset))
 
 
 def _data_start(view: memoryview, info: zipfile.ZipInfo) -> int:

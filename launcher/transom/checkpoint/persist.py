@@ -1,8 +1,9 @@
 """Write one part of a checkpoint, and commit a step once every part is complete.
 
 A part's tensors go into one file in DCP's format (`attempt-<a>/part-<k>/__0_0.distcp`):
-each tensor is the blob `torch.save` writes (blob.py), one after another, which is exactly
-what DCP's own writer produces, so `dcp.load` reads a Transom checkpoint (dcp_index.py).
+each tensor is the blob `torch.save` writes (blob.py), one after another at 64-byte
+boundaries, which is what DCP's own writer produces but for the padding, and DCP reads
+by offset, so `dcp.load` reads a Transom checkpoint (dcp_index.py).
 Writing it here rather than through `dcp.save` gives Transom what it checks on the way
 back: every blob's offset and length, the file's size and CRC-32 (computed as it streams
 out, no second read), and each tensor's CRC-32 (of the host copy, on a helper thread while
@@ -28,6 +29,8 @@ import torch
 
 from transom.checkpoint import blob, dcp_index, layout
 from transom.checkpoint.storage import Storage
+
+BLOB_ALIGN = 64
 
 
 class _Tally:
@@ -60,6 +63,10 @@ def write_part(storage: Storage, step: int, attempt: str, part: int, tensors: Ma
         with storage.open_write(step_name, rel) as f:
             out = _Tally(f)
             for e in entries:
+                # Each blob starts at a multiple of 64 bytes (torch.save aligns its data to 64
+                # within the blob), so a restore can use the tensors in the read buffer as
+                # they are, without a copy; DCP reads by offset and does not mind the gaps.
+                out.write(bytes(-out.size % BLOB_ALIGN))
                 offset = out.size
                 blob.write(tensors[e.key], out)
                 done.append(e.model_copy(update={"file": rel, "offset": offset, "length": out.size - offset}))

@@ -12,7 +12,9 @@ behind NCCL kernels.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +98,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
     """
     env = ReplicaEnv.from_environ()
     rank = int(os.environ.get("RANK", "0"))
+    _log_to_stderr(os.environ.get("TRANSOM_LOG_LEVEL"), rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
@@ -127,3 +130,17 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
         device=device,
         ctrl_group=ctrl,
     )
+
+
+def _log_to_stderr(level: str | None, rank: int) -> None:
+    """With TRANSOM_LOG_LEVEL set (as for the CLI), the worker's `transom` logs go to stderr
+    too, each line saying which pid and rank wrote it; the script's own logging (and the
+    root logger) is left alone."""
+    logger = logging.getLogger("transom")
+    if not level or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [pid %(process)d rank {rank}] %(name)s %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -105,6 +105,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def restart_delay_s(attempt: int, backoff_s: float) -> float:
+    """How long to wait before starting `attempt`: the first restart at once (it is on the
+    recovery path, and nothing says yet that restarting fails), then `backoff_s` doubling
+    per attempt up to 30 s, so that a script that crashes at once does not spin."""
+    return 0.0 if attempt <= 1 else min(backoff_s * 2 ** (attempt - 2), 30.0)
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -293,7 +300,7 @@ class Launcher:
                     log.error("%s: giving up after %d restarts", self.who, attempt)
                     return contract.EXIT_WORKERS_FAILED
                 attempt += 1
-                if not self._backoff(min(self.config.restart_backoff_s * 2 ** (attempt - 1), 30.0)):
+                if not self._backoff(restart_delay_s(attempt, self.config.restart_backoff_s)):
                     assert self._signal is not None
                     return 128 + self._signal
         finally:
