@@ -61,10 +61,12 @@ class Job:
 class Outcome:
     ok: bool
     detail: str = ""  # what went wrong, with the end of the output
+    bit_identical: bool | None = None  # Transom: every replica ended with the same parameters
 
     @staticmethod
-    def of(ok: bool, what: str, log: Path) -> "Outcome":
-        return Outcome(ok, "" if ok else f"{what}; output tail:\n{log.read_text(errors='replace')[-2500:]}")
+    def of(ok: bool, what: str, log: Path, bit_identical: bool | None = None) -> "Outcome":
+        return Outcome(ok, "" if ok else f"{what}; output tail:\n{log.read_text(errors='replace')[-2500:]}",
+                       bit_identical)
 
 
 # --- Transom ------------------------------------------------------------------------------------
@@ -80,7 +82,9 @@ def _transom_local(job: Job) -> Outcome:
     if job.spares:
         cmd += ["--spares", str(job.spares)]
     res = run_bounded([*cmd, "--", *job.worker("transom")], job.timeout_s + 30, job.out / "run.log", job.base_env())
-    return Outcome.of(res.returncode == 0, f"transom run exited {res.returncode}", job.out / "run.log")
+    summary = job.out / "summary.json"
+    identical = json.loads(summary.read_text()).get("replicas_bit_identical") if summary.exists() else None
+    return Outcome.of(res.returncode == 0, f"transom run exited {res.returncode}", job.out / "run.log", identical)
 
 
 def _transom_netns(job: Job) -> Outcome:
@@ -103,7 +107,8 @@ def _transom_netns(job: Job) -> Outcome:
         def launch(slot: int, identity: dict[str, str], fault: str = "") -> subprocess.Popen:
             env = {**job.base_env(), **_pod_env(job.replicas, url, token), **identity,
                    "TRANSOM_ADVERTISE_ADDR": net.addr(slot), "GLOO_SOCKET_IFNAME": net.interface(slot),
-                   "TRANSOM_FAULT": fault, "TRANSOM_OWNER_PID": str(os.getpid())}
+                   "TRANSOM_FAULT": fault, "TRANSOM_OWNER_PID": str(os.getpid()),
+                   "TRANSOM_STATS_DIR": str(job.out / "stats")}  # the final digests
             return subprocess.Popen([*net.prefix(slot), sys.executable, "-m", "transom", "launch", "--nproc-per-node",
                                      "1", "--", *job.worker("transom")],
                                     env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -139,7 +144,9 @@ def _transom_netns(job: Job) -> Outcome:
             coordinator.wait()
             kill_known(seen)
     ok = codes == {r: 0 for r in range(job.replicas)}
-    return Outcome.of(ok, f"launcher exit codes {codes}", job.out / "run.log")
+    finals = [json.loads(p.read_text()) for p in (job.out / "stats").glob("final-r*-k0.json")]
+    identical = len(finals) == job.replicas and len({f["digest"] for f in finals}) == 1
+    return Outcome.of(ok, f"launcher exit codes {codes}", job.out / "run.log", identical)
 
 
 def _pod_env(replicas: int, url: str, token: str) -> dict[str, str]:

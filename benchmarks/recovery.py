@@ -30,8 +30,9 @@ Figures, per system
                                (spawn), its imports, the model's build, join (FaultTolerant /
                                Manager: registration), -> first commit, -> contributing (catch_up)
     With a spare (transom_spare) the process started before the kill, so the clock starts at
-    the kill: `first_commit_after_kill_s` (in the quorum again, target <= 1 s) and
-    `contributing_after_kill_s` (the same plus the catch-up transfer and replay).
+    the kill: `joined_after_kill_s` (promoted and registered as the replica, target <= 1 s),
+    `first_commit_after_kill_s` (its first step, trained in step with the others, done) and
+    `contributing_after_kill_s` (then the catch-up transfer and replay).
     Ratios: `ratio_step_vs_torchft`, `ratio_total_healthy_stall_vs_torchft` (stall at kill
     plus at rejoin). Targets (issue 15): stall at rejoin <= 5% of a step, total healthy
     stall <= 0.5x torchft's, step <= 1.02x. The last line of stdout is one JSON object.
@@ -113,6 +114,8 @@ def analyse(runs: dict[int, list[dict]], kill_step: int) -> dict:
         "rejoin_window_steps_s": windows[at_rejoin.index(max(at_rejoin))],
     }
     if second["start"] < t_kill:  # a hot spare: its process was running before the kill
+        if "joined" in second:
+            figures["joined_after_kill_s"] = round(second["joined"] - t_kill, 3)
         figures["first_commit_after_kill_s"] = round(first_commit - t_kill, 3)
         if first_contrib:
             figures["contributing_after_kill_s"] = round(first_contrib - t_kill, 3)
@@ -177,9 +180,8 @@ def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | N
               spares=1 if system == "transom_spare" else 0, net=net)
     outcome = run_torchft(job) if system == "torchft" else run_transom(job)
     figures = analyse(load(out, "transom" if system.startswith("transom") else system), args.kill_step)
-    summary = out / "summary.json"
-    if summary.exists():
-        figures["replicas_bit_identical"] = json.loads(summary.read_text()).get("replicas_bit_identical")
+    if outcome.bit_identical is not None:
+        figures["replicas_bit_identical"] = outcome.bit_identical
     figures["ok"] = outcome.ok and "error" not in figures
     if not figures["ok"]:
         print(outcome.detail, file=sys.stderr)

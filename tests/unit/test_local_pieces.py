@@ -145,3 +145,39 @@ def test_the_first_restart_is_immediate_and_later_ones_back_off():
 
     assert [restart_delay_s(a, 0.5) for a in (1, 2, 3, 4)] == [0.0, 0.5, 1.0, 2.0]
     assert restart_delay_s(20, 0.5) == 30.0
+
+
+def test_a_transfer_waits_for_the_link_while_the_exchange_holds_it_but_not_forever():
+    import threading
+    import time
+
+    from transom.ft.transfer import LinkGate
+
+    gate = LinkGate(max_wait_s=5.0)
+    gate.busy()
+    passed = threading.Event()
+    t = threading.Thread(target=lambda: (gate.wait_free(), passed.set()))
+    t.start()
+    time.sleep(0.1)
+    assert not passed.is_set()  # held back while the gradients move
+    gate.free()
+    assert passed.wait(2)
+    t.join()
+    stuck = LinkGate(max_wait_s=0.05)
+    stuck.busy()
+    t0 = time.monotonic()
+    stuck.wait_free()  # an exchange stuck in its collective timeout: the chunk goes anyway
+    assert time.monotonic() - t0 < 1
+    off = LinkGate(enabled=False)
+    off.busy()
+    t0 = time.monotonic()
+    off.wait_free()
+    assert time.monotonic() - t0 < 0.05
+
+
+def test_recovery_yield_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.setenv("TRANSOM_RECOVERY_YIELD", "0")
+    assert FTConfig.from_environ().recovery_yields is False
+    monkeypatch.setenv("TRANSOM_RECOVERY_YIELD", "yes")
+    with pytest.raises(ValueError, match="TRANSOM_RECOVERY_YIELD"):
+        FTConfig.from_environ()

@@ -157,8 +157,10 @@ class Joiner:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, token: str,
                  device: torch.device, rebuild: Callable | None, need_from: int, sources: list[str],
-                 timeout_s: float, max_record_bytes: int):
+                 timeout_s: float, max_record_bytes: int, gate: transfer.LinkGate | None = None):
+        """`gate`: the trainer's; the transfer uses the link only while the exchange does not."""
         self.model, self.optimizer, self.token, self.device = model, optimizer, token, device
+        self.gate = gate
         self.rebuild, self.timeout_s, self.max_record_bytes = rebuild, timeout_s, max_record_bytes
         self.need_from = need_from  # the snapshot must be of this step or later
         self.error: str | None = None
@@ -250,7 +252,7 @@ class Joiner:
         manifest, sources = transfer.find_snapshot(self._sources, need_from, self.token, self.timeout_s, stopped)
         late = [ep for ep in self._sources() if ep not in sources]  # still copying or hashing theirs
         t0 = time.monotonic()
-        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped, late=late)
+        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped, late=late, gate=self.gate)
         self.fetched.append((manifest.step, manifest.total_bytes, time.monotonic() - t0))
         log.info("catch-up: snapshot of step %d (%.1f MB) from %d source(s) in %.2fs", manifest.step,
                  manifest.total_bytes / 1e6, len(sources) + len(late), time.monotonic() - t0)

@@ -45,6 +45,11 @@ class FTConfig:
     recovery_bytes_per_s: float = 0
     """A cap on what each rank sends to catching-up replicas (0: none), so that a transfer
     leaves the link to the training traffic; a slower transfer only delays the joiner."""
+    recovery_yields: bool = True
+    """A catching-up replica fetches its snapshot only while its own cross-replica exchange
+    is idle (ft/transfer.py LinkGate), so the transfer never slows the healthy replicas'
+    all-reduce through its link. Off (TRANSOM_RECOVERY_YIELD=0) where the snapshot and the
+    gradients travel separate networks (NCCL on InfiniBand, the transfer over Ethernet)."""
     recovery_chunk_bytes: int = 4 << 20
     """The unit a snapshot is served and checked in; smaller chunks spread a transfer more
     evenly over several sources."""
@@ -84,6 +89,11 @@ class FTConfig:
         }
         values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else int(v) if k.endswith("_bytes") else v)
                                   for k, v in env.items() if v}
+        yields = os.environ.get("TRANSOM_RECOVERY_YIELD")
+        if yields:
+            if yields not in ("0", "1"):
+                raise ValueError(f"TRANSOM_RECOVERY_YIELD must be 0 or 1, got {yields!r}")
+            values["recovery_yields"] = yields == "1"
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

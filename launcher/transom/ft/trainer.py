@@ -67,6 +67,7 @@ from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
 from transom.ft.leader import CoordinatorLink, coordinator_view, outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.state_server import StateServer, fetch_small
+from transom.ft.transfer import LinkGate
 from transom.ft.stats import StatsWriter
 from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
 from transom.ft.optimizer import FTOptimizer
@@ -164,6 +165,7 @@ class FaultTolerant:
                                          bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
         self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
         self._joiner: Joiner | None = None  # while this replica catches up
+        self._exchange_gate = LinkGate(self.config.recovery_yields)  # busy while gradients move
         endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
         self._link: CoordinatorLink | None = None
@@ -323,6 +325,7 @@ class FaultTolerant:
             for bucket in self._buckets[self._backward.started:]:
                 ex.ftar.start(bucket)
             ex.ftar.finish()
+            self._exchange_gate.free()
             if ex.ftar.failed:
                 self._drop_group()
             if ex.recovering:
@@ -365,6 +368,7 @@ class FaultTolerant:
             self.fault.maybe_fire(self.step, self.ctx.rank, "allreduce")
         recovering = self.replica_id in q.recovering
         ftar = StepAllReduce(self._group, q.participants, contribute=not recovering)
+        self._exchange_gate.busy()  # a catch-up in the background leaves the link to the buckets
         if error:
             ftar.fail(error)
         self._opened = _Exchanged(q=q, recovering=recovering, changed=changed, ftar=ftar)
@@ -396,7 +400,8 @@ class FaultTolerant:
             self.step = apply_small(small, self._optimizer, self.state.apply_small)
             rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
             self._joiner = Joiner(self.model, self._optimizer, self.ctx.env.coordinator_token, self.device, rebuild,
-                                  q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes)
+                                  q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes,
+                                  self._exchange_gate)
             log.info("replica %d rank %d catching up from step %d", self.replica_id, self.ctx.rank, self.step)
         self._joiner.set_sources(mine)
 

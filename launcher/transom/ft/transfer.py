@@ -265,15 +265,40 @@ def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: 
     return False
 
 
+class LinkGate:
+    """Whether the replica's own gradient exchange is using the network now. A catch-up
+    transfer asks for its chunks only while it is not (the forward pass, the optimizer
+    step), so the snapshot never competes with the all-reduce for the joiner's link, which
+    the healthy replicas' all-reduce crosses too: the transfer takes longer, nobody waits.
+    A chunk already in flight finishes; a gate closed for longer than `max_wait_s` (an
+    exchange stuck until its collective timeout) lets the next chunk through anyway."""
+
+    def __init__(self, enabled: bool = True, max_wait_s: float = 5.0):
+        self.enabled, self.max_wait_s = enabled, max_wait_s
+        self._free = threading.Event()
+        self._free.set()
+
+    def busy(self) -> None:
+        if self.enabled:
+            self._free.clear()
+
+    def free(self) -> None:
+        self._free.set()
+
+    def wait_free(self) -> None:
+        self._free.wait(self.max_wait_s)
+
+
 def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: float,
           stopped: Callable[[], bool] = lambda: False, per_source: int = 2,
-          late: Sequence[str] = ()) -> bytearray:
+          late: Sequence[str] = (), gate: LinkGate | None = None) -> bytearray:
     """Every chunk of `manifest`, each from whichever source is free, checked against its digest.
 
     `late` sources had no snapshot yet: they join the transfer once they serve this one. A
     source that fails (connection, status, digest) is dropped and its chunk goes back to
-    the queue for the others. SnapshotChanged when the sources answer that the step is gone;
-    TimeoutError when no chunk arrived for `timeout_s`; WireError when every source failed.
+    the queue for the others. `gate`: each chunk is asked for only while the link is free.
+    SnapshotChanged when the sources answer that the step is gone; TimeoutError when no
+    chunk arrived for `timeout_s`; WireError when every source failed.
     """
     out = bytearray(manifest.total_bytes)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -300,6 +325,8 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
                 i = todo.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if gate is not None:
+                gate.wait_free()
             start, end = manifest.chunk_range(i)
             try:
                 _chunk_into(ep, manifest, i, token, timeout_s, memoryview(out)[start:end])
