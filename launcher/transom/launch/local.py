@@ -16,8 +16,11 @@ With `--spares N` the runner also keeps N hot spares, as the operator does with
 `spec.spareReplicas`: launchers whose workers load the script's model and wait
 (launch/spare.py). When the coordinator declares a replica failed, the runner stops that
 replica's launcher and promotes a spare in its place by writing the spare's labels file
-(the kubelet's downward-API file in a pod), as the replica's next generation; then it
-starts a new spare. No process starts on that recovery path.
+(the kubelet's downward-API file in a pod), as the replica's next generation. No process
+starts on that recovery path. The new spare is started once nobody is catching up any
+more (or after REFILL_WAIT_S): on one machine its start-up (imports, the model's build)
+would take the cores the catch-up and the healthy replicas need; on Kubernetes the
+operator refills at once, on other nodes.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from transom.launch.supervisor import check_command
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.display import Display, closing_table, progress_line
 from transom.launch.summary import replica_rows, summarize
+
+REFILL_WAIT_S = 60.0  # the longest a used spare waits to be replaced while a replica catches up
 
 
 @dataclass
@@ -125,6 +130,7 @@ class LocalRun:
         self.spares: dict[int, tuple[subprocess.Popen, Path]] = {}  # spare id -> its launcher, its podinfo dir
         self._spare_generation: dict[int, int] = {}
         self._retired: list[subprocess.Popen] = []  # launchers of replaced replicas, being stopped
+        self._refills: dict[int, float] = {}  # spare id -> when it was used (a new one is due)
         self.done: set[int] = set()
         self.faults: dict[int, list[str]] = {}
         for replica, spec in config.injects:
@@ -270,8 +276,19 @@ class LocalRun:
         if self.log_dir is not None:
             self.logs[replica] = str(self.log_dir / f"spare-{spare_id}-g{self._spare_generation[spare_id]}.log")
         self.say(f"replica {replica} {why}; spare {spare_id} takes over as generation {gen}")
-        self._start_spare(spare_id)
+        self._refills[spare_id] = time.monotonic()
         return True
+
+    def _refill_spares(self) -> None:
+        """Start the spares used up, once no replica catches up (or REFILL_WAIT_S passed)."""
+        if not self._refills:
+            return
+        membership = self.coordinator.server.membership
+        catching_up = self.coordinator.call(lambda: bool(membership.current and membership.current.recovering))
+        for spare_id, used in list(self._refills.items()):
+            if not catching_up or time.monotonic() - used > REFILL_WAIT_S:
+                del self._refills[spare_id]
+                self._start_spare(spare_id)
 
     def _show_progress(self) -> None:
         membership = self.coordinator.server.membership
@@ -318,6 +335,7 @@ class LocalRun:
                 return 1
             if not self._promote_for_failures():
                 return 1
+            self._refill_spares()
             self._retired = [p for p in self._retired if p.poll() is None]
             for r, proc in list(self.launchers.items()):
                 code = proc.poll()
