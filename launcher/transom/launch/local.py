@@ -17,8 +17,8 @@ With `--spares N` the runner also keeps N hot spares, as the operator does with
 (launch/spare.py). When the coordinator declares a replica failed, the runner stops that
 replica's launcher and promotes a spare in its place by writing the spare's labels file
 (the kubelet's downward-API file in a pod), as the replica's next generation. No process
-starts on that recovery path. The new spare is started once nobody is catching up any
-more (or after REFILL_WAIT_S): on one machine its start-up (imports, the model's build)
+starts on that recovery path. The new spare is started once the replica it replaced has
+caught up (or after REFILL_WAIT_S): on one machine its start-up (imports, the model's build)
 would take the cores the catch-up and the healthy replicas need; on Kubernetes the
 operator refills at once, on other nodes.
 """
@@ -130,7 +130,7 @@ class LocalRun:
         self.spares: dict[int, tuple[subprocess.Popen, Path]] = {}  # spare id -> its launcher, its podinfo dir
         self._spare_generation: dict[int, int] = {}
         self._retired: list[subprocess.Popen] = []  # launchers of replaced replicas, being stopped
-        self._refills: dict[int, float] = {}  # spare id -> when it was used (a new one is due)
+        self._refills: dict[int, tuple[float, int]] = {}  # spare id -> (when, replica) it took over
         self.done: set[int] = set()
         self.faults: dict[int, list[str]] = {}
         for replica, spec in config.injects:
@@ -276,17 +276,23 @@ class LocalRun:
         if self.log_dir is not None:
             self.logs[replica] = str(self.log_dir / f"spare-{spare_id}-g{self._spare_generation[spare_id]}.log")
         self.say(f"replica {replica} {why}; spare {spare_id} takes over as generation {gen}")
-        self._refills[spare_id] = time.monotonic()
+        self._refills[spare_id] = (time.monotonic(), replica)
         return True
 
     def _refill_spares(self) -> None:
-        """Start the spares used up, once no replica catches up (or REFILL_WAIT_S passed)."""
+        """Start the spares used up, once the replica each took over has caught up (a member
+        of the current round, not recovering), or REFILL_WAIT_S after it took over."""
         if not self._refills:
             return
         membership = self.coordinator.server.membership
-        catching_up = self.coordinator.call(lambda: bool(membership.current and membership.current.recovering))
-        for spare_id, used in list(self._refills.items()):
-            if not catching_up or time.monotonic() - used > REFILL_WAIT_S:
+
+        def caught_up() -> set[int]:
+            d = membership.current
+            return set(d.member_ids()) - set(d.recovering) if d is not None else set()
+
+        done = self.coordinator.call(caught_up)
+        for spare_id, (used, replica) in list(self._refills.items()):
+            if replica in done or time.monotonic() - used > REFILL_WAIT_S:
                 del self._refills[spare_id]
                 self._start_spare(spare_id)
 
