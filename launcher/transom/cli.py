@@ -1,4 +1,4 @@
-"""The `transom` command: `coordinator`, `launch` (in a pod) and `run` (local mode).
+"""The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode) and `detect replay`.
 
 Importing this module needs no torch: the launcher and coordinator run in images or
 environments where only the workers have it.
@@ -273,6 +273,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=contract.BACKENDS, default=contract.DEFAULT_BACKEND,
                    help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
                         "GPU of its own and the tensors are on it, Gloo otherwise")
+    d = sub.add_parser("detect", help="anomaly detection over recorded traces")
+    dsub = d.add_subparsers(dest="detect_cmd", required=True)
+    from transom.detect import replay
+    replay.add_arguments(dsub.add_parser("replay", help="run the detectors over a trace and print the verdicts"))
     return p
 
 
@@ -287,4 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return _coordinator(args)
     if args.cmd == "launch":
         return _launch(args, command)
+    if args.cmd == "detect":
+        from transom.detect import replay
+        return replay.main(args)
     return _run(args, command)

@@ -54,6 +54,10 @@ DEFAULT_BACKEND = "auto"
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).
 ENV_STATS_DIR = "TRANSOM_STATS_DIR"
+# spec.detection as JSON (transom/detect/signals.py), for the coordinator, launchers and workers
+ENV_DETECTION = "TRANSOM_DETECTION"
+# where a launcher's workers write their step signals and, on request, their stacks
+ENV_SIGNALS_DIR = "TRANSOM_SIGNALS_DIR"
 # Set by `transom run` on the launchers it starts: a launcher stops when that process dies.
 ENV_OWNER_PID = "TRANSOM_OWNER_PID"
 

@@ -1,0 +1,186 @@
+"""Every detector over one stream of signals, one step at a time, and the verdicts they reach.
+
+Signals arrive per launcher, at most once a second, so the ranks of one step come in at
+different times. `Detectors` holds each step until every rank seen within `lag_steps` steps
+has reported it (a rank that stopped reporting holds it back that long at most), then
+judges the step as a whole:
+
+- hang: a rank's step took `hang_timeout_s` or more (in a live job the launcher's watchdog
+  reports it before that step ever ends; in a trace it is such a row);
+- nan: a replica whose own loss or gradients were not finite, `bad_steps` times within
+  `loss_window` steps; not when every replica's were (then it is the data or the model);
+- loss_spike: the same for spikes against the replica's own history (loss.py);
+- sdc: a replica whose parameter fingerprint differs from the majority's (sdc.py), at once;
+- slow: fail-slow (slow.py).
+
+A verdict names the replica (and the rank, where one rank is to blame), the kind, the first
+step it concerns, a message, and whom it blames: the node (slow, sdc: the hardware) or the
+replica (a hang, non-finite values, spikes: the software or the data, as far as anyone can
+tell). One verdict per replica and kind, until `forget(replica)` (a new incarnation).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from transom.detect.loss import LossHistory
+from transom.detect.sdc import minority
+from transom.detect.signals import DetectionSettings, Signal
+from transom.detect.slow import FailSlow
+
+Kind = Literal["slow", "hang", "nan", "loss_spike", "sdc"]
+KINDS: tuple[str, ...] = ("slow", "hang", "nan", "loss_spike", "sdc")
+NODE_KINDS = ("slow", "sdc")  # hardware-class: the node is excluded
+LAG_STEPS = 64  # a rank that stopped reporting holds a step back this many steps at most
+MAX_PENDING_STEPS = 1024  # steps held at most (a silent rank cannot make memory grow)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    replica: int
+    rank: int | None  # None: the whole replica
+    kind: str
+    first_step: int
+    message: str
+    reached_step: int = -1  # the step whose signals completed the evidence (detection delay)
+
+    @property
+    def blame(self) -> str:
+        return "Node" if self.kind in NODE_KINDS else "Replica"
+
+    def summary(self) -> dict:
+        return {"replica": self.replica, "rank": self.rank, "kind": self.kind, "first_step": self.first_step}
+
+
+class Detectors:
+    def __init__(self, settings: DetectionSettings, lag_steps: int = LAG_STEPS):
+        self.settings, self.lag_steps = settings, lag_steps
+        self.slow = FailSlow(settings)
+        self._pending: dict[int, list[Signal]] = {}
+        self._ranks_seen: dict[tuple[int, int], int] = {}  # (replica, rank) -> last step reported
+        self._newest = -1
+        self._judged = -1  # steps up to here are judged; later signals of them are dropped
+        self._losses: dict[int, LossHistory] = {}
+        self._bad: dict[tuple[int, str], collections.deque[int]] = {}
+        self._reported: set[tuple[int, str]] = set()
+
+    # --- input --------------------------------------------------------------------------------
+    def observe(self, signal: Signal) -> list[Verdict]:
+        """Take one signal; returns the verdicts of the steps this completes."""
+        key = (signal.replica, signal.rank)
+        self._ranks_seen[key] = max(signal.step, self._ranks_seen.get(key, -1))
+        if signal.step <= self._judged:
+            return []  # judged already without it (it came too late)
+        self._pending.setdefault(signal.step, []).append(signal)
+        self._newest = max(self._newest, signal.step)
+        return self._judge_ready(final=False)
+
+    def observe_all(self, signals: Iterable[Signal]) -> list[Verdict]:
+        out: list[Verdict] = []
+        for s in signals:
+            out += self.observe(s)
+        return out
+
+    def flush(self) -> list[Verdict]:
+        """Judge every step still held (the end of a trace)."""
+        return self._judge_ready(final=True)
+
+    def forget(self, replica: int) -> None:
+        """`replica` is a new incarnation: its history and verdicts start over."""
+        self.slow.forget(replica)
+        self._losses.pop(replica, None)
+        for key in [k for k in self._bad if k[0] == replica]:
+            del self._bad[key]
+        self._reported = {k for k in self._reported if k[0] != replica}
+        self._ranks_seen = {k: v for k, v in self._ranks_seen.items() if k[0] != replica}
+
+    # --- judging ------------------------------------------------------------------------------
+    def _complete(self, step: int) -> bool:
+        recent = {k for k, last in self._ranks_seen.items() if last >= step - self.lag_steps}
+        return recent <= {(s.replica, s.rank) for s in self._pending[step]}
+
+    def _judge_ready(self, final: bool) -> list[Verdict]:
+        out: list[Verdict] = []
+        for step in sorted(self._pending):
+            if not (final or self._newest - step >= self.lag_steps or self._complete(step)
+                    or len(self._pending) > MAX_PENDING_STEPS):
+                break
+            out += self._judge(step, self._pending.pop(step))
+            self._judged = step
+        return out
+
+    def _judge(self, step: int, signals: list[Signal]) -> list[Verdict]:
+        s = self.settings
+        found: list[Verdict] = []
+        for sig in signals:
+            if sig.step_seconds >= s.hang_timeout_s:
+                found.append(Verdict(sig.replica, sig.rank, "hang", step,
+                                     f"rank {sig.rank} made no progress for {sig.step_seconds:.0f}s"))
+        by_replica: dict[int, list[Signal]] = {}
+        for sig in signals:
+            by_replica.setdefault(sig.replica, []).append(sig)
+        found += self._nonfinite(step, by_replica)
+        found += self._spikes(step, by_replica)
+        found += self._fingerprints(step, signals)
+        found += [Verdict(r, k, "slow", first, msg) for r, k, first, msg in self.slow.step(step, signals)]
+        return self._once([dataclasses.replace(v, reached_step=step) for v in found])
+
+    def _nonfinite(self, step: int, by_replica: dict[int, list[Signal]]) -> list[Verdict]:
+        bad = [r for r, sigs in by_replica.items() if not all(x.finite for x in sigs)]
+        if not bad or (len(by_replica) > 1 and len(bad) == len(by_replica)):
+            return []  # every replica at once: the batch or the model, not one replica
+        return [v for r in bad if (v := self._count(r, "nan", step, "non-finite loss or gradients"))]
+
+    def _spikes(self, step: int, by_replica: dict[int, list[Signal]]) -> list[Verdict]:
+        losses: dict[int, float] = {}
+        for r, sigs in by_replica.items():
+            values = [x.loss for x in sigs if x.loss is not None and x.finite and math.isfinite(x.loss)]
+            if values:
+                losses[r] = statistics.fmean(values)
+        spiking = [r for r, v in losses.items()
+                   if self._losses.setdefault(r, LossHistory(self.settings.loss_window, self.settings.loss_spike_z))
+                   .is_spike(v)]
+        everyone = len(losses) > 1 and len(spiking) == len(losses)
+        for r, v in losses.items():
+            if r not in spiking:
+                self._losses[r].add(v)
+        if everyone:
+            return []
+        return [v for r in spiking
+                if (v := self._count(r, "loss_spike", step, f"loss {losses[r]:.4g} far above its recent level"))]
+
+    def _count(self, replica: int, kind: str, step: int, what: str) -> Verdict | None:
+        window = self._bad.setdefault((replica, kind), collections.deque())
+        window.append(step)
+        while window and window[0] <= step - self.settings.loss_window:
+            window.popleft()
+        if len(window) < self.settings.bad_steps:
+            return None
+        return Verdict(replica, None, kind, window[0],
+                       f"{what} in {len(window)} steps within {self.settings.loss_window}")
+
+    def _fingerprints(self, step: int, signals: list[Signal]) -> list[Verdict]:
+        by_rank: dict[int, dict[int, int]] = {}
+        for sig in signals:
+            if sig.fingerprint is not None:
+                by_rank.setdefault(sig.rank, {})[sig.replica] = sig.fingerprint
+        out = []
+        for rank, prints in sorted(by_rank.items()):
+            culprits, _ = minority(prints)
+            out += [Verdict(r, rank, "sdc", step, f"its parameters (rank {rank}) differ from the other replicas' "
+                            f"at step {step}") for r in culprits]
+        return out
+
+    def _once(self, found: list[Verdict]) -> list[Verdict]:
+        out = []
+        for v in found:
+            if (v.replica, v.kind) not in self._reported:
+                self._reported.add((v.replica, v.kind))
+                out.append(v)
+        return out

@@ -1,0 +1,138 @@
+"""Fail-slow: which rank is slow, told apart from steps that are slow because their work is.
+
+Micro-batch time follows the workload (ResiHP): with packed sequences the tokens per batch
+hardly change, but attention's cost grows with the square of each sequence's length, so a
+batch of long documents takes much longer than one of short ones. A detector that compares a
+step with the recent median (step time > 1.25 x the rolling median) raises an alarm at every
+batch of long documents. Here each rank has a predictor, `time ~ a*tokens + b*sum_len_sq + c`,
+fitted online by least squares with forgetting (a rank that reports no workload falls back to
+its running level, `c`), and a step's *ratio* is its busy time over the prediction.
+
+A step is slow when its rank's ratio exceeds `slow_factor` times the median ratio of the
+other ranks of the same step: a change that slows everybody (a bigger model phase, a shared
+filesystem) is nobody's fault. `slow_steps` slow steps in a row make a verdict. A slow step
+does not train the predictor, so a slowdown is not learnt as the new normal. When every
+rank of a replica is slow the verdict names the replica (rank None): its node or its
+network, not one GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transom.detect.signals import DetectionSettings, Signal
+
+FORGET = 0.995  # the predictor's memory: about the last 200 steps weigh
+RIDGE = 1e-6
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for a small dense system."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-300:
+            return [0.0] * n
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+@dataclass
+class StepTimeModel:
+    """`time ~ a*tokens + b*sum_len_sq + c`, least squares with exponential forgetting."""
+
+    n: int = 0
+    _scale: tuple[float, float] | None = None  # the first workload seen: keeps the system well conditioned
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _theta: list[float] | None = None
+
+    def _x(self, tokens: float | None, sum_len_sq: float | None) -> list[float]:
+        if self._scale is None:
+            self._scale = (tokens or 1.0, sum_len_sq or 1.0)
+        return [(tokens or 0.0) / self._scale[0], (sum_len_sq or 0.0) / self._scale[1], 1.0]
+
+    def add(self, tokens: float | None, sum_len_sq: float | None, seconds: float) -> None:
+        x = self._x(tokens, sum_len_sq)
+        for i in range(3):
+            self._xy[i] = FORGET * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = FORGET * self._xx[i][j] + x[i] * x[j]
+        self.n += 1
+        self._theta = None
+
+    def predict(self, tokens: float | None, sum_len_sq: float | None) -> float:
+        if self._theta is None:
+            scale = max(self._xx[2][2], 1e-12)
+            a = [[v + (RIDGE * scale if i == j else 0.0) for j, v in enumerate(row)] for i, row in enumerate(self._xx)]
+            self._theta = _solve(a, self._xy)
+        x = self._x(tokens, sum_len_sq)
+        return sum(t * v for t, v in zip(self._theta, x))
+
+
+@dataclass
+class _Rank:
+    model: StepTimeModel = field(default_factory=StepTimeModel)
+    run: int = 0  # slow steps in a row
+    run_from: int = -1  # the first step of the current run
+
+
+class FailSlow:
+    def __init__(self, settings: DetectionSettings):
+        self.settings = settings
+        self.ranks: dict[tuple[int, int], _Rank] = {}
+
+    def forget(self, replica: int) -> None:
+        """A new incarnation of `replica` (new hardware, maybe): start its ranks over."""
+        for key in [k for k in self.ranks if k[0] == replica]:
+            del self.ranks[key]
+
+    def step(self, step: int, signals: Sequence[Signal]) -> list[tuple[int, int | None, int, str]]:
+        """Observe one step's signals; returns (replica, rank or None, first step, message)
+        for each rank or replica that is now found slow."""
+        ratios: dict[tuple[int, int], float] = {}
+        for s in signals:
+            r = self.ranks.setdefault((s.replica, s.rank), _Rank())
+            if r.model.n >= self.settings.warmup_steps:
+                ratios[(s.replica, s.rank)] = s.step_seconds / max(r.model.predict(s.tokens, s.sum_len_sq), 1e-9)
+        found = []
+        for s in signals:
+            key = (s.replica, s.rank)
+            r = self.ranks[key]
+            if key not in ratios:
+                r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
+                continue
+            others = [v for k, v in ratios.items() if k != key]
+            relative = ratios[key] / (statistics.median(others) if others else 1.0)
+            if relative > self.settings.slow_factor:
+                r.run_from = step if r.run == 0 else r.run_from
+                r.run += 1
+                if r.run == self.settings.slow_steps:
+                    found.append((s.replica, s.rank, r.run_from,
+                                  f"rank {s.rank} took {relative:.2f}x the time its workload predicts, relative "
+                                  f"to the other ranks, for {r.run} steps"))
+            else:
+                r.run = 0
+                r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
+        return self._whole_replicas(found)
+
+    def _whole_replicas(self, found: list[tuple[int, int, int, str]]) -> list[tuple[int, int | None, int, str]]:
+        out: list[tuple[int, int | None, int, str]] = []
+        for replica in sorted({f[0] for f in found}):
+            ranks = [k for k in self.ranks if k[0] == replica]
+            if len(ranks) > 1 and all(self.ranks[k].run >= self.settings.slow_steps for k in ranks):
+                first = min(self.ranks[k].run_from for k in ranks)
+                out.append((replica, None, first, f"every rank of the replica is slow ({len(ranks)} ranks)"))
+            else:
+                out += [f for f in found if f[0] == replica]
+        return out

@@ -1,0 +1,138 @@
+"""The detectors over synthetic traces (pure logic), the trace format and `transom detect replay`."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transom.detect.detectors import Detectors
+from transom.detect.sdc import minority
+from transom.detect.signals import DetectionSettings, Signal, read_trace, write_trace
+from transom.detect.synthetic import Injection, TraceSpec, generate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def verdicts(rows, settings=DetectionSettings()):
+    d = Detectors(settings)
+    return d.observe_all(rows) + d.flush()
+
+
+def test_a_clean_trace_with_long_tailed_batches_raises_nothing():
+    rows = list(generate(TraceSpec(steps=1500, seed=3)))
+    seconds = [r.step_seconds for r in rows if (r.replica, r.rank) == (0, 0)]
+    assert max(seconds) > 2.5 * min(seconds)  # the workload does vary a lot
+    assert verdicts(rows) == []
+
+
+@pytest.mark.parametrize("factor", [1.3, 2.0])
+def test_a_slow_rank_is_named_within_twenty_steps(factor):
+    rows = list(generate(TraceSpec(steps=400, seed=1, injections=[Injection("slow", 2, 3, 200, factor)])))
+    found = verdicts(rows)
+    assert [(v.replica, v.rank, v.kind) for v in found] == [(2, 3, "slow")]
+    assert found[0].first_step == 200 and found[0].reached_step - 200 <= 20
+    assert found[0].blame == "Node"
+
+
+def test_a_replica_whose_every_rank_is_slow_is_named_as_a_whole():
+    inj = [Injection("slow", 1, k, 150, 1.5) for k in range(4)]
+    found = verdicts(list(generate(TraceSpec(steps=300, seed=2, injections=inj))))
+    assert [(v.replica, v.rank, v.kind) for v in found] == [(1, None, "slow")]
+
+
+def test_a_slowdown_of_everyone_is_nobodys_fault():
+    inj = [Injection("slow", r, k, 150, 1.5) for r in range(4) for k in range(4)]
+    assert verdicts(list(generate(TraceSpec(steps=300, seed=2, injections=inj)))) == []
+
+
+def test_hang_nan_and_bit_flip_are_each_named():
+    inj = [Injection("hang", 2, 0, 100), Injection("nan", 3, 1, 150, steps=3), Injection("sdc", 0, 3, 207)]
+    found = {(v.replica, v.kind): v for v in verdicts(list(generate(TraceSpec(steps=300, seed=4, injections=inj))))}
+    assert set(found) == {(2, "hang"), (3, "nan"), (0, "sdc")}
+    assert found[(3, "nan")].reached_step == 152  # the third non-finite step
+    assert found[(0, "sdc")].reached_step == 250  # the next fingerprint after the flip
+    assert found[(0, "sdc")].rank == 3 and found[(2, "hang")].blame == "Replica"
+
+
+def test_one_non_finite_step_is_skipped_but_not_a_verdict_and_all_replicas_at_once_is_nobodys():
+    assert verdicts(list(generate(TraceSpec(steps=200, injections=[Injection("nan", 1, 0, 100, steps=2)])))) == []
+    everyone = [Injection("nan", r, 0, 100, steps=5) for r in range(4)]
+    assert verdicts(list(generate(TraceSpec(steps=200, injections=everyone)))) == []
+
+
+def test_a_loss_spike_on_one_replica_repeated_is_a_verdict():
+    rows = list(generate(TraceSpec(steps=200, seed=5)))
+    spiked = [Signal(**{**r.__dict__, "loss": r.loss * 20}) if r.replica == 2 and r.step in (120, 130, 140) else r
+              for r in rows]
+    assert [(v.replica, v.kind, v.first_step) for v in verdicts(spiked)] == [(2, "loss_spike", 120)]
+
+
+def test_fingerprints_without_a_majority_blame_nobody():
+    assert minority({0: 5, 1: 5, 2: 6}) == ([2], True)
+    assert minority({0: 5, 1: 6}) == ([], True)
+    assert minority({0: 5, 1: 5}) == ([], False)
+
+
+def test_a_rank_that_stops_reporting_holds_judgement_back_only_so_long():
+    d = Detectors(DetectionSettings(), lag_steps=5)
+    d.observe(Signal(step=0, replica=0, rank=0, step_seconds=1.0))
+    d.observe(Signal(step=0, replica=1, rank=0, step_seconds=1.0))  # replica 1 goes silent after step 0
+    found = []
+    for step in range(1, 8):
+        found += d.observe(Signal(step=step, replica=0, rank=0, step_seconds=1e6 if step == 1 else 1.0))
+    # Step 1 waited for replica 1 until it was 5 steps old, then was judged without it.
+    assert [(v.kind, v.first_step, v.reached_step) for v in found] == [("hang", 1, 1)]
+
+
+def test_settings_from_the_spec_and_bad_ones_refused():
+    s = DetectionSettings.from_spec('{"hangTimeoutSeconds": 5, "slowFactor": 1.3, "action": "Report"}')
+    assert (s.hang_timeout_s, s.slow_factor, s.action, s.bad_steps) == (5, 1.3, "Report", 3)
+    assert DetectionSettings.from_spec(s.to_spec()) == s
+    for bad, why in [('{"slowFactor": 1.0}', "above 1"), ('{"nope": 1}', "unknown"), ('{"badSteps": true}', "type"),
+                     ('{"slowAction": "Rebalance"}', "Replace or Report"), ("[1]", "object"), ("{", "not JSON")]:
+        with pytest.raises(ValueError, match=why):
+            DetectionSettings.from_spec(bad)
+
+
+def test_trace_round_trip_and_replay_cli(tmp_path):
+    rows = list(generate(TraceSpec(steps=300, seed=6, injections=[Injection("slow", 0, 1, 150, 1.5),
+                                                                   Injection("nan", 2, 0, 200, steps=4)])))
+    path = tmp_path / "trace.csv"
+    with open(path, "w", newline="") as f:
+        write_trace(rows, f)
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm")
+    again = io.StringIO(newline="")
+    write_trace(read_trace(path), again)
+    assert again.getvalue().replace("8192.0,", "8192,") == open(path, newline="").read()  # nan != nan: compare text
+    out = subprocess.run([sys.executable, "-m", "transom", "detect", "replay", str(path), "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted((v["replica"], v["rank"], v["kind"], v["first_step"]) for v in got["verdicts"]) == \
+        [(0, 1, "slow", 150), (2, None, "nan", 200)]
+
+
+def test_replay_refuses_a_malformed_trace_with_the_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm\n0,0,0,abc,,,,\n")
+    out = subprocess.run([sys.executable, "-m", "transom", "detect", "replay", str(path), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "bad.csv:2" in out.stderr
+    with pytest.raises(ValueError, match="columns"):
+        list(read_trace(_write(tmp_path / "x.csv", "a,b\n1,2\n")))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_write_trace_writes_non_finite_losses_readably():
+    buf = io.StringIO()
+    write_trace([Signal(step=1, replica=0, rank=0, step_seconds=0.5, loss=float("nan"), finite=False)], buf)
+    assert ",nan," in buf.getvalue()
