@@ -63,6 +63,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from transom.coordinator.server import CoordinatorServer
+    from transom.detect.signals import DetectionSettings
 
     token = os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")
     if args.token_file:
@@ -98,8 +99,14 @@ def _coordinator(args: argparse.Namespace) -> int:
             print(f"transom coordinator: {e}", file=sys.stderr)
             return contract.EXIT_USAGE
 
+    try:
+        detection = DetectionSettings.from_spec(args.detection)
+    except ValueError as e:
+        print(f"transom coordinator: {e}", file=sys.stderr)
+        return contract.EXIT_USAGE
+
     async def serve() -> None:
-        server = CoordinatorServer(settings, token, status_writer=writer)
+        server = CoordinatorServer(settings, token, status_writer=writer, detection=detection)
         await server.start(args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -152,7 +159,9 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
                 return code
             env = contract.ReplicaEnv.from_environ()
         nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
-        config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts)
+        from transom.detect.signals import DetectionSettings
+        config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts,
+                              detection=DetectionSettings.from_spec(os.environ.get(contract.ENV_DETECTION)))
     except ValueError as e:
         print(f"transom launch: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
@@ -210,6 +219,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             backend=args.backend,
             log_dir=args.log_dir,
             spares=args.spares,
+            detection=args.detection,
+            trace_out=args.trace_out,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -241,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kube-api", help="API server URL, to write status from outside a cluster (tests)")
     c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
     c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")
+    c.add_argument("--detection", default=os.environ.get(contract.ENV_DETECTION),
+                   help=f"spec.detection as JSON (default: ${contract.ENV_DETECTION}, else the CRD's defaults)")
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
     la.add_argument("--nproc-per-node", type=count, default=None)
@@ -270,6 +283,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-interval", type=non_negative,
                    help="committed steps between checkpoints (the script may override)")
     r.add_argument("--checkpoint-keep", type=count, help="committed checkpoints to keep")
+    r.add_argument("--detection", metavar="JSON",
+                   help='anomaly detection settings, as spec.detection (e.g. \'{"hangTimeoutSeconds": 60}\')')
+    r.add_argument("--trace-out", metavar="FILE",
+                   help="write every rank's step signals as one CSV trace (transom detect replay FILE)")
     r.add_argument("--backend", choices=contract.BACKENDS, default=contract.DEFAULT_BACKEND,
                    help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
                         "GPU of its own and the tensors are on it, Gloo otherwise")

@@ -3,11 +3,18 @@
 `TRANSOM_FAULT` holds faults separated by `;`, the k-th for the replica's k-th attempt
 (launcher restart), each `ACTION:step=S[,rank=R][,phase=P]`:
 
-    kill   SIGKILL this worker (a crash: no cleanup, no goodbye)
-    stop   SIGSTOP this worker (a hang: the process exists but does nothing)
-    raise  raise RuntimeError (a software fault the launcher restarts in place)
+    kill    SIGKILL this worker (a crash: no cleanup, no goodbye)
+    stop    SIGSTOP this worker (a hang: the process exists but does nothing)
+    raise   raise RuntimeError (a software fault the launcher restarts in place)
+    hang    sleep forever in the step, in Python (a deadlock: threads, heartbeats and stack
+            dumps still work)
+    slow    sleep (factor-1) x the step's own busy time at its end (a degraded device),
+            for `count` steps from `step` (default: the rest of the run)
+    nan     a NaN into this rank's gradients before the exchange, `count` steps (default 1)
+    bitflip flip one bit of this rank's first parameter after the update of `step`
+            (silent data corruption)
 
-`phase` is `allreduce` (default: just before the cross-replica all-reduce, so the peers
+`phase` (kill, stop, raise) is `allreduce` (default: just before the cross-replica all-reduce, so the peers
 are already waiting in it) or `forward` (at the start of the step), where `step` is the
 step number; or, where `step` counts events instead: `catchup` (a replica that catches up
 from its peers, at the end of its `step`-th step doing so: a joiner that dies while
@@ -20,10 +27,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "stop", "raise")
+ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip")
 PHASES = ("allreduce", "forward", "catchup", "serve")
+# Where the trainer offers each of the detection faults: they need what it holds there.
+FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
+FOREVER = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,8 @@ class Fault:
     step: int
     rank: int = 0
     phase: str = "allreduce"
+    count: int = 1  # consecutive steps it fires at (slow, nan)
+    factor: float = 1.5  # slow
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
@@ -44,7 +57,7 @@ class Fault:
             if not eq:
                 raise ValueError(f"fault field must be key=value, got {part!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"step", "rank", "phase"}
+        unknown = set(fields) - {"step", "rank", "phase", "count", "factor"}
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
         if "step" not in fields or not fields["step"].isdigit():
@@ -52,17 +65,49 @@ class Fault:
         phase = fields.get("phase", "allreduce")
         if phase not in PHASES:
             raise ValueError(f"fault phase must be one of {PHASES}, got {phase!r}")
-        return cls(action=action, step=int(fields["step"]), rank=int(fields.get("rank", "0")), phase=phase)
+        if action in FIXED_PHASE:
+            if "phase" in fields:
+                raise ValueError(f"{action} takes no phase: it fires where the step offers it")
+            phase = FIXED_PHASE[action]
+        default_count = FOREVER if action == "slow" else 1
+        count = int(fields.get("count", default_count))
+        factor = float(fields.get("factor", "1.5"))
+        if count < 1 or not 1.0 < factor < 100.0:
+            raise ValueError("count must be at least 1 and factor between 1 and 100")
+        return cls(action=action, step=int(fields["step"]), rank=int(fields.get("rank", "0")), phase=phase,
+                   count=count, factor=factor)
 
-    def maybe_fire(self, step: int, rank: int, phase: str) -> None:
-        if step != self.step or rank != self.rank or phase != self.phase:
+    def maybe_fire(self, step: int, rank: int, phase: str, target=None, elapsed_s: float = 0.0) -> None:
+        """Fire if this is the fault's step, rank and phase. `target`: the gradient (nan) or the
+        parameter (bitflip) to corrupt; `elapsed_s`: the step's busy time so far (slow)."""
+        if not (self.step <= step < self.step + self.count) or rank != self.rank or phase != self.phase:
             return
-        if self.action == "kill":
+        if self.action == "slow":
+            time.sleep((self.factor - 1.0) * elapsed_s)
+        elif self.action == "nan":
+            target.view(-1)[0] = float("nan")
+        elif self.action == "bitflip":
+            _flip_a_bit(target)
+        elif self.action == "hang":
+            while True:  # interruptible sleeps: the stack dump and SIGKILL still reach us
+                time.sleep(1.0)
+        elif self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raise RuntimeError(f"injected fault at step {step}")
+
+
+def _flip_a_bit(param) -> None:
+    """Flip the lowest mantissa bit of the first element, in place: a change no check of
+    values would notice (1.0 becomes 1.0000001)."""
+    import torch  # only workers inject this, and they have torch
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[param.element_size()]
+    with torch.no_grad():
+        bits = param.detach().view(-1)[:1].view(ints)
+        bits ^= 1
 
 
 def parse_targeted(text: str) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from transom.coordinator.models import (
     RegisterRequest,
     RegisterResponse,
     RendezvousInfo,
+    SignalBatch,
     ReplicaState,
 )
 from transom.errors import CoordinatorError, Evicted, JobCompleted, NotRegistered  # noqa: F401  (the family lives in errors.py)
@@ -102,6 +103,10 @@ class CoordinatorClient:
         """Tell the coordinator a checkpoint is committed; False if an equal or newer one was."""
         status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "checkpoint").get("accepted"))
+
+    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> None:
+        status, payload = self._call("POST", "/v1/signals", req, timeout_s=timeout_s)
+        self._expect(status, payload, "signals")
 
     def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)

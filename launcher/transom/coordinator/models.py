@@ -64,6 +64,29 @@ class FailureReport(_Msg):
     exit_code: int | None = Field(default=None, ge=-255, le=255)
 
 
+class SignalRow(_Msg):
+    """One rank's committed step as the detectors see it (transom/detect/signals.py)."""
+
+    step: int = Step
+    rank: int = Field(ge=0, lt=1 << 20)
+    step_seconds: float = Field(ge=0, le=1e9, allow_inf_nan=False)
+    tokens: float | None = Field(None, ge=0, le=1e15, allow_inf_nan=False)
+    sum_len_sq: float | None = Field(None, ge=0, le=1e30, allow_inf_nan=False)
+    loss: float | None = None  # may be NaN or inf: that is what the detectors look for
+    grad_norm: float | None = None
+    finite: bool = True
+    fingerprint: int | None = Field(None, ge=-(2**63), lt=2**63)
+
+
+class SignalBatch(_Msg):
+    """A launcher's rows since its last batch (at most one batch a second), for its replica."""
+
+    identity: Identity
+    node_rank: int = Field(0, ge=0, lt=1 << 12)
+    rows: list[SignalRow] = Field(max_length=4096)
+    stacks: str | None = Field(None, max_length=16384, description="a hung worker's stacks (the hang watchdog)")
+
+
 class CheckpointReport(_Msg):
     """A replica committed a checkpoint (its manifest is written): it ends up in status.training."""
 

@@ -13,6 +13,7 @@ Endpoints (bearer token required on everything under /v1/):
                                                      410 = the job already completed)
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
+    POST /v1/signals             SignalBatch      -> {"verdicts": n} (anomaly detection)
     GET  /v1/replicas/{id}?generation=G&attempt=A -> ReplicaState
     PUT  /v1/rendezvous          RendezvousInfo   -> {}
     GET  /v1/rendezvous/{id}?generation=G&attempt=A -> RendezvousInfo (404 until node 0 put it)
@@ -37,7 +38,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
+from transom.coordinator.detection import Detection
 from transom.coordinator.kube_status import StatusWriter
+from transom.detect.detectors import KINDS
+from transom.detect.signals import DetectionSettings
 from transom.coordinator.membership import Membership, Settings
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
@@ -50,6 +54,7 @@ from transom.coordinator.models import (
     QuorumRequest,
     RegisterRequest,
     RendezvousInfo,
+    SignalBatch,
 )
 
 log = logging.getLogger("transom.coordinator")
@@ -125,8 +130,12 @@ class _MembershipCollector:
         c = CounterMetricFamily(
             "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
         )
-        for reason in ("reported", "heartbeat", "hung", "superseded"):
+        for reason in ("reported", "heartbeat", "hung", "superseded", "detected"):
             c.add_metric([reason], m.failures_total.get(reason, 0))
+        yield c
+        c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
+        for kind in KINDS:
+            c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
         yield c
         yield from self._progress(m)
 
@@ -162,11 +171,13 @@ class CoordinatorServer:
         token: str,
         clock: Callable[[], float] = time.monotonic,
         status_writer: "StatusWriter | None" = None,
+        detection: DetectionSettings | None = None,
     ):
         if not token:
             raise ValueError("a coordinator needs a non-empty token")
         self.settings = settings
         self.membership = Membership(settings)
+        self.detection = Detection(detection or DetectionSettings(), self.membership)
         self.clock = clock
         self._token = token.encode()
         self._lock = asyncio.Lock()
@@ -191,6 +202,7 @@ class CoordinatorServer:
         r.add_post("/v1/failure", self._failure)
         r.add_post("/v1/leave", self._leave)
         r.add_post("/v1/checkpoint", self._checkpoint)
+        r.add_post("/v1/signals", self._signals)
         r.add_get("/v1/replicas/{id}", self._replica)
         r.add_put("/v1/rendezvous", self._put_rendezvous)
         r.add_get("/v1/rendezvous/{id}", self._get_rendezvous)
@@ -272,6 +284,18 @@ class CoordinatorServer:
             accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
         return _ok({"accepted": accepted})
 
+    async def _signals(self, request: web.Request) -> web.Response:
+        req = await _parse(request, SignalBatch)
+        async with self._changed:
+            verdicts = self.detection.observe(req, self.clock())
+            if verdicts:
+                self.membership.try_decide(self.clock())
+                self._changed.notify_all()
+                self._status_due.set()
+        for v in verdicts:
+            log.warning("replica %d: %s from step %d: %s", v.replica, v.kind, v.first_step, v.message[:300])
+        return _ok({"verdicts": len(verdicts)})
+
     async def _quorum(self, request: web.Request) -> web.Response:
         req = await _parse(request, QuorumRequest)
         m = self.membership
@@ -352,9 +376,17 @@ class CoordinatorServer:
         self._tick_task = asyncio.create_task(self._tick())
         if self._status_writer is not None:
             self._status_task = asyncio.create_task(
-                self._status_writer.run(lambda: self.membership.training(self.clock()), self._status_due))
+                self._status_writer.run(self.training, self._status_due))
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
+
+    def training(self) -> dict:
+        """status.training: the membership's progress and the detectors' verdicts."""
+        out = self.membership.training(self.clock())
+        verdicts = self.detection.status_verdicts()
+        if verdicts:
+            out["verdicts"] = verdicts
+        return out
 
     async def stop(self) -> None:
         for task in (self._tick_task, self._status_task):
@@ -372,8 +404,9 @@ class CoordinatorServer:
 class CoordinatorThread:
     """Runs a CoordinatorServer on its own event loop thread (local mode and tests)."""
 
-    def __init__(self, settings: Settings, token: str, host: str = "127.0.0.1", port: int = 0):
-        self.server = CoordinatorServer(settings, token)
+    def __init__(self, settings: Settings, token: str, host: str = "127.0.0.1", port: int = 0,
+                 detection: DetectionSettings | None = None):
+        self.server = CoordinatorServer(settings, token, detection=detection)
         self._host, self._port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="transom-coordinator", daemon=True)

@@ -16,7 +16,7 @@ reads the flag in its commit vote.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,12 +57,16 @@ def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int,
 class StepAllReduce:
     """FTAR state for one attempt of one step."""
 
-    def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool):
+    def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool,
+                 own: Callable[[torch.Tensor], None] | None = None):
+        """`own`: shown each bucket of this replica's own gradients before the exchange
+        (ft/guard.py keeps their norm)."""
         if participants < 1:
             raise ValueError("a step needs at least one participant")
         self.group = group
         self.participants = participants
         self.contribute = contribute
+        self.own = own
         self.error: str | None = None if group is not None else "no cross-replica group"
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, list]] = []  # buckets started
 
@@ -90,6 +94,8 @@ class StepAllReduce:
         grads = [_local(p.grad) for p in params]
         if self.contribute:
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.own is not None:
+                self.own(flat)
         else:
             flat = torch.zeros(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
         try:
@@ -118,6 +124,20 @@ class StepAllReduce:
                 n = g.numel()
                 g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
+
+    def agree(self, bad: bool, device: torch.device) -> bool:
+        """Whether any member found its step `bad` (one 1-element all-reduce, after `finish`);
+        False with the step failed if the collective fails."""
+        if self.failed:
+            return False
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        try:
+            assert self.group is not None
+            self.group.wait(self.group.allreduce_sum([flag]))
+        except Exception as e:
+            self.fail(f"{type(e).__name__}: {e}")
+            return False
+        return bool(flag.item() > 0)
 
     def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Average the gradients of `params` over the participants, in place, all at once."""

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from transom.checkpoint.engine import CheckpointConfig
-from transom.contract import ENV_STATS_DIR
+from transom.contract import ENV_DETECTION, ENV_STATS_DIR
+from transom.detect.signals import DetectionSettings
 from transom.coordinator.client import CoordinatorClient, Evicted
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject
@@ -59,6 +60,7 @@ from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
+from transom.ft.guard import Guard, fingerprint, signals_dir
 from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
@@ -125,6 +127,11 @@ class FaultTolerant:
         self.fault = inject.from_environ(env.attempt)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=extra_state)
+        # Anomaly detection (spec.detection): the step guard and this rank's signals (ft/guard.py).
+        self.detection = DetectionSettings.from_spec(os.environ.get(ENV_DETECTION))
+        self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
+                            self.ctx.rank, gradients_judged=scaler is None) if self.detection.enabled else None
+        self._waited = 0.0  # this step's seconds spent waiting for others (quorum, exchange, votes)
 
         self.step = 0  # committed optimizer steps
         self._commit_quorum_id = -1
@@ -230,12 +237,18 @@ class FaultTolerant:
             self.state.sampler = loader.sampler
         return data.batches(self, loader, num_steps)
 
-    def report(self, loss: torch.Tensor | float | None = None) -> None:
-        """The step's loss, for the coordinator (status, metrics) and the step statistics;
-        call it before `optimizer.step()`. Optional; `float(loss)` is one host sync."""
+    def report(self, loss: torch.Tensor | float | None = None, *, tokens: float | None = None,
+               sum_len_sq: float | None = None) -> None:
+        """The step's loss, for the anomaly detectors, the coordinator (status, metrics) and the
+        step statistics; and its workload: `tokens` in this rank's batch and the sum of its
+        sequences' squared lengths, which attention's cost follows (for packed sequences: the
+        documents' lengths). The fail-slow detector predicts a step's time from them. Call it
+        before `optimizer.step()`; optional."""
         if not self._in_step:
             raise UsageError("report() belongs inside a step, before optimizer.step()")
         self._loss = loss
+        if self._guard is not None:
+            self._guard.workload(tokens, sum_len_sq)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -258,6 +271,9 @@ class FaultTolerant:
         self._opened, self._exchanged, self._loss = None, None, None
         self._backward.reset()
         self._step_started = time.monotonic()
+        self._waited = 0.0
+        if self._guard is not None:
+            self._guard.begin()
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "forward")
         if self._link is not None:
@@ -298,12 +314,24 @@ class FaultTolerant:
             self._optimizer.zero_grad(set_to_none=True)
             return False
         q, ftar = done.q, done.ftar
-        committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
+        attempted = self.step
+        if self.fault:
+            self.fault.maybe_fire(attempted, self.ctx.rank, "end", elapsed_s=self._busy())
+        skip, loss_value, norm = False, None, None
+        with self._waiting_for_others():
+            if self._guard is not None:  # a bad step is applied on no replica (ft/guard.py)
+                skip, loss_value, norm = self._guard.decide(self._loss, ftar, self.ctx, not done.recovering,
+                                                            self.device)
+            committed = self.ctx.all_ok(not ftar.failed)  # the vote of the replica's ranks
         if self.checkpoints is not None:
             self.checkpoints.check_skipped_restore(q.max_step)
         if committed:
             self._catch_up_if_ready()
-            self._commit(q, before_optimizer, update)
+            if skip:
+                log.warning("replica %d rank %d: step %d applied on no replica: a replica's loss or gradients were "
+                            "not finite, or its loss spiked", self.replica_id, self.ctx.rank, attempted)
+            self._commit(q, before_optimizer, update and not skip)
+            self._signal(attempted, loss_value, norm, done.recovering, skip)
         else:
             self._failed_in_a_row += 1
         self._optimizer.zero_grad(set_to_none=True)
@@ -324,7 +352,8 @@ class FaultTolerant:
             assert ex.ftar is not None
             for bucket in self._buckets[self._backward.started:]:
                 ex.ftar.start(bucket)
-            ex.ftar.finish()
+            with self._waiting_for_others():
+                ex.ftar.finish()
             self._exchange_gate.free()
             if ex.ftar.failed:
                 self._drop_group()
@@ -353,7 +382,8 @@ class FaultTolerant:
         step's all-reduce."""
         if self._opened is not None:
             return self._opened
-        q = self._await_quorum()
+        with self._waiting_for_others():
+            q = self._await_quorum()
         if q is None:
             self._opened = _Exchanged(q=None)
             return self._opened
@@ -367,7 +397,10 @@ class FaultTolerant:
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "allreduce")
         recovering = self.replica_id in q.recovering
-        ftar = StepAllReduce(self._group, q.participants, contribute=not recovering)
+        if self.fault and self._buckets:
+            self.fault.maybe_fire(self.step, self.ctx.rank, "gradients", target=self._buckets[0][0].grad)
+        ftar = StepAllReduce(self._group, q.participants, contribute=not recovering,
+                             own=self._guard.own_bucket if self._guard is not None else None)
         self._exchange_gate.busy()  # a catch-up in the background leaves the link to the buckets
         if error:
             ftar.fail(error)
@@ -440,6 +473,8 @@ class FaultTolerant:
             elif update:
                 self._stepping = True
                 self._optimizer.step()
+            if self.fault and self._joiner is None:
+                self.fault.maybe_fire(self.step, self.ctx.rank, "update", target=next(self.model.parameters()))
         finally:
             self._stepping = False
             for g, lr in zip(groups, saved):
@@ -458,6 +493,35 @@ class FaultTolerant:
                                 f"{q.store_prefix}/round{q.round}") if mine else None
         if self._writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
             self.checkpoints.save(self.step, self._writers)
+
+    @contextlib.contextmanager
+    def _waiting_for_others(self):
+        """Time spent here is not this rank's busy time, nor a hang (the waits have timeouts)."""
+        started = time.monotonic()
+        if self._guard is not None:
+            self._guard.waiting(True)
+        try:
+            yield
+        finally:
+            if self._guard is not None:
+                self._guard.waiting(False)
+            self._waited += time.monotonic() - started
+
+    def _busy(self) -> float:
+        return time.monotonic() - self._step_started - self._waited
+
+    def _signal(self, step: int, loss: float | None, norm: float | None, recovering: bool, skipped: bool) -> None:
+        """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
+        and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
+        if self._guard is None:
+            return
+        if not skipped:
+            self._guard.learn(loss)
+        print_ = None
+        if self._joiner is None and self._guard.fingerprint_due(step):
+            print_ = int(fingerprint(list(self.model.parameters())).item())
+        # A replica still catching up trains a stale copy: its loss says nothing.
+        self._guard.record(step, self._busy(), None if recovering else loss, norm, print_)
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -512,6 +576,8 @@ class FaultTolerant:
         elif completed:
             self.stats.final(self.step, state_digest(self.model))
         self.stats.close()
+        if self._guard is not None:
+            self._guard.close()
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
             # A replica that fails saves nothing and does not wait for the checkpoint in flight.
             self.checkpoints.close(self.step if completed else None, self._writers, wait=not failed)

@@ -42,6 +42,7 @@ from pathlib import Path
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.defaults import LOCAL, heartbeat_interval_s
+from transom.detect.signals import DetectionSettings, read_trace, write_trace
 from transom.inject import Fault
 from transom.launch import gpus
 from transom.launch.supervisor import check_command
@@ -73,6 +74,8 @@ class RunConfig:
     backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
     log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
     spares: int = 0  # hot spares (launch/spare.py)
+    detection: str | None = None  # spec.detection as JSON (TRANSOM_DETECTION); None: the defaults
+    trace_out: str | None = None  # write every rank's step signals here as one CSV trace
     devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class RunConfig:
             raise ValueError("--checkpoint-keep must be at least 1")
         if self.backend not in contract.BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
+        DetectionSettings.from_spec(self.detection)  # ValueError now, not in every process later
         if not 0 <= self.spares <= 8:
             raise ValueError("--spares must be between 0 and 8 in local mode")
         self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)
@@ -124,7 +128,8 @@ class LocalRun:
             heartbeat_interval_s=heartbeat_interval_s(config.heartbeat_timeout_s),
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
-        self.coordinator = CoordinatorThread(settings, self.token)
+        self.coordinator = CoordinatorThread(settings, self.token,
+                                             detection=DetectionSettings.from_spec(config.detection))
         self.launchers: dict[int, subprocess.Popen] = {}
         self.generation: dict[int, int] = {}
         self.spares: dict[int, tuple[subprocess.Popen, Path]] = {}  # spare id -> its launcher, its podinfo dir
@@ -175,6 +180,7 @@ class LocalRun:
                 contract.ENV_COORDINATOR_URL: self.coordinator.url,
                 contract.ENV_COORDINATOR_TOKEN: self.token,
                 contract.ENV_STATS_DIR: str(self.stats_dir),
+                contract.ENV_SIGNALS_DIR: str(self.stats_dir / "signals"),
                 contract.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
                 contract.ENV_BACKEND: self.config.backend,
                 # One thread per worker: replicas share this machine's cores.
@@ -187,6 +193,8 @@ class LocalRun:
             env.pop(var, None)
         if self.config.devices[slot] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
+        if self.config.detection:
+            env[contract.ENV_DETECTION] = self.config.detection
         if self.config.checkpoint_uri:
             env[contract.ENV_CHECKPOINT_URI] = self.config.checkpoint_uri
         for var, value in ((contract.ENV_CHECKPOINT_INTERVAL, self.config.checkpoint_interval),
@@ -428,6 +436,9 @@ class LocalRun:
         summary["completed_step"] = completed_step
         summary["last_checkpoint"] = last_checkpoint
         rows = replica_rows(self.stats_dir, self.config.replicas, self.logs)
+        if self.config.trace_out:
+            n = merge_trace(self.stats_dir / "signals", Path(self.config.trace_out))
+            self.say(f"trace of {n} rank-steps written to {self.config.trace_out}")
         if self._own_stats_dir:
             shutil.rmtree(self.stats_dir, ignore_errors=True)
         summary["events"] = self._events
@@ -440,6 +451,21 @@ class LocalRun:
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
         return exit_code
+
+
+def merge_trace(directory: Path, out: Path) -> int:
+    """Every worker's signal rows (all incarnations) as one CSV trace in step order."""
+    rows = []
+    for path in sorted(directory.glob("signals-*.csv")):
+        try:
+            for row in read_trace(path):
+                rows.append(row)
+        except ValueError as e:  # a worker killed mid-row: keep what it wrote before
+            logging.getLogger("transom.launch").info("trace: %s", e)
+    rows.sort(key=lambda r: (r.step, r.replica, r.rank))
+    with open(out, "w", newline="") as f:
+        write_trace(rows, f)
+    return len(rows)
 
 
 def _write_labels(directory: Path, labels: dict[str, str]) -> None:

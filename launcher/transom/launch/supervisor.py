@@ -5,8 +5,10 @@ It starts `nproc_per_node` workers with torchrun's environment for *its own repl
 replica as the unit of failure: when any worker exits non-zero, it tells the coordinator at
 once (so the other replicas stop waiting for this one), stops the remaining workers and
 starts them all again as a new attempt, up to `max_restarts`. It also polls the
-coordinator: a replica the coordinator declared dead (missed heartbeats: a hang) is killed
-and restarted the same way. SIGTERM/SIGINT are forwarded to the workers. Each worker is
+coordinator: a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
+verdict) is killed and restarted the same way. It forwards the workers' step signals to the
+coordinator's detectors and restarts a replica whose workers stopped making progress, with
+their stacks in the log (launch/signals.py). SIGTERM/SIGINT are forwarded to the workers. Each worker is
 the leader of a process group of its own, and signals go to the whole group: whatever a
 worker started is stopped with it, and after every attempt (however it ended) nothing of
 its groups is left running (processes.py). Workers also die with the launcher itself.
@@ -35,18 +37,22 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
+from transom.detect.signals import DetectionSettings
 from transom.launch import processes, spare
+from transom.launch.signals import SignalForwarder
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
 STATE_POLL_S = 1.0
+PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signals.py)
 COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
 
 
@@ -90,6 +96,7 @@ class LaunchConfig:
     restart_backoff_s: float = 0.5
     term_grace_s: float = 10.0
     rendezvous_timeout_s: float = 300.0
+    detection: DetectionSettings = field(default_factory=DetectionSettings)
 
     def __post_init__(self) -> None:
         check_command(self.command)
@@ -134,6 +141,13 @@ class Launcher:
         self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token, timeout_s=10)
         self.workers: list[subprocess.Popen] = []
         self._signal: int | None = None
+        # Where the workers write their step signals (ft/guard.py); ours unless given.
+        given = self._environ.get(contract.ENV_SIGNALS_DIR)
+        self._signals_dir = Path(given or tempfile.mkdtemp(prefix="transom-signals-"))
+        self._own_signals_dir = not given
+        self._signals_dir.mkdir(parents=True, exist_ok=True)
+        self._environ[contract.ENV_SIGNALS_DIR] = str(self._signals_dir)
+        self._forwarder: SignalForwarder | None = None
 
     def identity(self, attempt: int) -> Identity:
         return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
@@ -222,9 +236,28 @@ class Launcher:
         except Exception as e:  # the coordinator also notices by heartbeat; never block on it
             log.warning("could not report failure of %s: %s", self.who, e)
 
+    def _watch_progress(self, attempt: int) -> str | None:
+        """Forward the workers' signals; the reason to restart if they hang."""
+        if self.env.is_spare:
+            return None  # no identity yet: nothing to forward, nobody waits for it
+        if self._forwarder is None:
+            n = self.config.nproc_per_node
+            ranks = [self.env.node_rank * n + k for k in range(n)]
+            self._forwarder = SignalForwarder(self._signals_dir, self.identity(attempt), self.env.node_rank, ranks,
+                                              self.client, self.config.detection)
+        hang = self._forwarder.poll(time.monotonic())
+        if hang is None:
+            return None
+        self._forwarder.report_hang(hang, self.workers)
+        reason = (f"hang: rank {hang.rank} made no progress for {hang.stalled_s:.0f}s after step {hang.step - 1} "
+                  "(every worker's stacks are in the launcher log)")
+        self._report(attempt, reason, None)
+        return reason
+
     def _watch(self, attempt: int) -> tuple[str, str]:
         """Wait for this attempt to end: ('ok'|'failed'|'superseded'|'signal', reason)."""
         next_state_poll = time.monotonic() + STATE_POLL_S
+        next_progress_poll = 0.0
         while True:
             if self._signal is not None:
                 return "signal", f"received {signal.Signals(self._signal).name}"
@@ -240,6 +273,11 @@ class Launcher:
                 if self.env.is_spare:
                     return "failed", "the workers of a spare exited before it was promoted"
                 return self._finished(attempt)
+            if time.monotonic() >= next_progress_poll:
+                next_progress_poll = time.monotonic() + PROGRESS_POLL_S
+                hung = self._watch_progress(attempt)
+                if hung is not None:
+                    return "failed", hung
             if not self.env.is_spare and time.monotonic() >= next_state_poll:
                 next_state_poll = time.monotonic() + STATE_POLL_S
                 try:
@@ -283,6 +321,10 @@ class Launcher:
             while True:
                 self._spawn(attempt)
                 outcome, reason = self._watch(attempt)
+                if self._forwarder is not None:  # the attempt's last rows
+                    self._forwarder.poll(time.monotonic())
+                    self._forwarder.flush()
+                    self._forwarder = None
                 if outcome == "ok":
                     self._stop_workers(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left
                     return contract.EXIT_OK
@@ -308,3 +350,5 @@ class Launcher:
                 self._stop_workers(signal.SIGKILL, 0.0)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if self._own_signals_dir:
+                shutil.rmtree(self._signals_dir, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""The coordinator's anomaly detection: signals in, verdicts out, and what a verdict does.
+
+Launchers post their workers' step rows (`POST /v1/signals`, at most once a second each).
+Rows are taken only for the posting replica's own live incarnation (a replica cannot speak
+for another), then run through the detectors (transom/detect). A verdict:
+
+- is an event and a metric (`transom_coordinator_verdicts_total{kind}`), always;
+- with the action Replace (spec.detection.action, or slowAction for `slow`): declares the
+  incarnation failed, so it leaves the quorum at once and its launcher restarts it, and
+  writes it to `status.training.verdicts`, where the operator replaces the replica's pods
+  and, when the verdict blames the node (slow, sdc: hardware-class), excludes that node.
+
+Pure bookkeeping over `Membership`, under the server's lock; no I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from transom.coordinator.membership import Membership
+from transom.coordinator.models import SignalBatch
+from transom.detect.detectors import Detectors, Verdict
+from transom.detect.signals import DetectionSettings, Signal
+
+# The CRD's reason for each kind (status.training.verdicts[].reason, one CamelCase word).
+REASONS = {"slow": "FailSlow", "hang": "Hang", "nan": "NonFinite", "loss_spike": "LossSpike",
+           "sdc": "SilentDataCorruption"}
+MAX_MESSAGE = 1024
+
+
+class Detection:
+    def __init__(self, settings: DetectionSettings, membership: Membership):
+        self.settings = settings
+        self.membership = membership
+        self.detectors = Detectors(settings)
+        self.verdicts_total: collections.Counter[str] = collections.Counter()
+        self._incarnation: dict[int, tuple[int, int]] = {}  # replica -> (generation, attempt) last seen
+        self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
+        self._stacks: dict[int, str] = {}  # replica -> a hang's stacks, for its verdict
+        self._status: dict[int, dict] = {}  # replica -> its verdict in status.training
+
+    def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
+        """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
+        replica = batch.identity.replica_id
+        self.membership._live(batch.identity)
+        if not self.settings.enabled:
+            return []
+        if self._incarnation.get(replica) != batch.identity.key():
+            self.detectors.forget(replica)  # a new incarnation: new history (maybe new hardware)
+            self._incarnation[replica] = batch.identity.key()
+        if batch.stacks:
+            self._stacks[replica] = batch.stacks
+        signals = []
+        for r in batch.rows:
+            self._node_of[(replica, r.rank)] = batch.node_rank
+            signals.append(Signal(step=r.step, replica=replica, rank=r.rank, step_seconds=r.step_seconds,
+                                  tokens=r.tokens, sum_len_sq=r.sum_len_sq, loss=r.loss, grad_norm=r.grad_norm,
+                                  finite=r.finite, fingerprint=r.fingerprint))
+        verdicts = self.detectors.observe_all(signals)
+        for v in verdicts:
+            self._act(v, now)
+        return verdicts
+
+    def _act(self, v: Verdict, now: float) -> None:
+        reason = REASONS[v.kind]
+        message = v.message
+        if v.kind == "hang" and v.replica in self._stacks:
+            message += "; stacks: " + self._stacks.pop(v.replica)
+        message = message[:MAX_MESSAGE]
+        self.verdicts_total[v.kind] += 1
+        action = self.settings.action_for(v.kind)
+        m = self.membership
+        m._event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
+        rep = m.replicas.get(v.replica)
+        if action != "Replace" or rep is None:
+            return
+        entry = {"replica": v.replica, "generation": rep.identity.generation, "reason": reason,
+                 "message": message, "blame": v.blame,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if v.blame == "Node":
+            entry["nodeRank"] = self._node_of.get((v.replica, v.rank if v.rank is not None else 0), 0)
+        self._status[v.replica] = entry
+        if rep.state == "healthy":
+            m._fail(rep, now, f"{reason}: {message}", "detected")
+
+    def status_verdicts(self) -> list[dict]:
+        """status.training.verdicts: the newest Replace verdict of each replica."""
+        return [self._status[r] for r in sorted(self._status)]

@@ -1,0 +1,164 @@
+"""The worker's part of anomaly detection: a step that must not be applied, and the signals.
+
+Per step, each rank:
+
+- keeps the norm of its *own* gradients, taken from each bucket as FTAR flattens it (before
+  the exchange sums it with the other replicas'): the only place where a rank's own
+  non-finite gradients can be told from everyone's;
+- judges its step at the vote: its loss or its own gradients not finite, or its loss a spike
+  against the replica's own recent losses (detect/loss.py). One read of two scalars from the
+  device, the same synchronisation GradScaler makes for its inf check;
+- agrees with every replica (one 1-element all-reduce over the cross-replica group) and every
+  rank of its replica (the vote) whether anyone found its step bad: then no replica applies
+  the step's update (it is committed without one, like GradScaler's skipped step), and every
+  replica stays identical;
+- every `fingerprint_interval` committed steps, fingerprints its parameters after the update:
+  the sum of their raw bits as 64-bit integers, on the device. Integer addition does not
+  depend on the order, and any flipped bit changes the sum;
+- appends a row to `signals-r<replica>-g<generation>-a<attempt>-k<rank>.csv` in the
+  launcher's TRANSOM_SIGNALS_DIR (the trace format, detect/signals.py): its busy time (the
+  step less the time spent waiting for the quorum, the exchange and the votes), the workload
+  the script reported, loss, gradient norm, finiteness, fingerprint. The launcher forwards
+  the rows to the coordinator (launch/signals.py), which runs the detectors.
+
+It also registers a handler that writes every thread's stack to `stacks-...-k<rank>.txt` on
+SIGUSR1: the launcher's hang watchdog asks for it before it restarts a hung replica. And it
+keeps one byte in `waiting-...-k<rank>` set while the rank waits for others (its quorum, the
+exchange, the votes): a job paused below minReplicas, or a replica whose peer hangs, is
+waiting, not hung (each of those waits has its own timeout), and the watchdog does not count
+that time.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from transom.detect.loss import LossHistory
+from transom.detect.signals import DetectionSettings, Signal, write_trace
+
+STACK_SIGNAL = signal.SIGUSR1
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the parameters' raw bits as int64 (a 0-dim tensor on their device)."""
+    total = None
+    for p in params:
+        local = p.to_local() if callable(getattr(p, "to_local", None)) else p
+        flat = local.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        bits = flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64)
+        total = bits if total is None else total.to(bits.device) + bits
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+class Guard:
+    """One rank's detection state for one incarnation; `close()` ends what it started."""
+
+    def __init__(self, settings: DetectionSettings, directory: str | None, replica: int, generation: int,
+                 attempt: int, rank: int, gradients_judged: bool = True):
+        """`gradients_judged` False: an AMP GradScaler owns inf/NaN gradients (it skips such
+        steps itself, the same on every replica): only the loss is judged."""
+        self.settings = settings
+        self.gradients_judged = gradients_judged
+        self.replica, self.rank = replica, rank
+        self._losses = LossHistory(settings.loss_window, settings.loss_spike_z)
+        self._norms: list[torch.Tensor] = []  # this step's own bucket norms
+        self._workload: tuple[float | None, float | None] = (None, None)
+        self.finite, self.spike = True, False  # this step's own judgement
+        self._file: TextIO | None = None
+        self._stacks: TextIO | None = None
+        self._waiting_fd: int | None = None
+        if directory:
+            base = Path(directory)
+            base.mkdir(parents=True, exist_ok=True)
+            name = f"r{replica}-g{generation}-a{attempt}-k{rank}"
+            self._file = open(base / f"signals-{name}.csv", "w", buffering=1, newline="")
+            write_trace([], self._file)  # the header
+            self._stacks = open(base / f"stacks-{name}.txt", "w")
+            faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+            self._waiting_fd = os.open(base / f"waiting-{name}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.pwrite(self._waiting_fd, b"0", 0)
+
+    # --- during the step -----------------------------------------------------------------------
+    def begin(self) -> None:
+        self._norms, self._workload = [], (None, None)
+        self.finite, self.spike = True, False
+
+    def waiting(self, yes: bool) -> None:
+        """This rank waits for its quorum now (yes) or not any more."""
+        if self._waiting_fd is not None:
+            os.pwrite(self._waiting_fd, b"1" if yes else b"0", 0)
+
+    def workload(self, tokens: float | None, sum_len_sq: float | None) -> None:
+        self._workload = (tokens, sum_len_sq)
+
+    def own_bucket(self, flat: torch.Tensor) -> None:
+        """A bucket of this rank's own gradients, before the exchange (ftar.StepAllReduce)."""
+        self._norms.append(torch.linalg.vector_norm(flat, dtype=torch.float32))
+
+    def judge(self, loss: torch.Tensor | float | None) -> tuple[bool, float | None, float | None]:
+        """(this rank's step is bad, its loss, its own gradient norm): one device read."""
+        values = list(self._norms)
+        if isinstance(loss, torch.Tensor):
+            values.append(loss.detach().float().reshape(()).to(values[0].device if values else loss.device))
+        host = torch.stack(values).double().cpu().tolist() if values else []
+        loss_value = host.pop() if isinstance(loss, torch.Tensor) else (float(loss) if loss is not None else None)
+        norm = math.sqrt(sum(v * v for v in host)) if host else None
+        grads_ok = all(math.isfinite(v) for v in host) or not self.gradients_judged
+        self.finite = grads_ok and (loss_value is None or math.isfinite(loss_value))
+        self.spike = bool(self.finite and loss_value is not None and self._losses.is_spike(loss_value))
+        return (not self.finite or self.spike), loss_value, norm
+
+    def decide(self, loss, ftar, ctx, contributes: bool, device: torch.device) -> tuple[bool, float | None, float | None]:
+        """(skip the step's update on every replica, this rank's loss, its own gradient norm).
+        `ftar` (ft/ftar.py) agrees across replicas, `ctx.all_ok` across the replica's ranks;
+        a replica that contributes nothing (it catches up) cannot make anyone skip."""
+        bad, loss_value, norm = self.judge(loss)
+        anyone = ftar.agree(bad and contributes, device)
+        return not ctx.all_ok(not anyone), loss_value, norm
+
+    def learn(self, loss: float | None) -> None:
+        """A loss that was applied (not a spike) joins the history spikes are judged by."""
+        if loss is not None and self.finite and not self.spike:
+            self._losses.add(loss)
+
+    def fingerprint_due(self, committed_step: int) -> bool:
+        k = self.settings.fingerprint_interval
+        return k > 0 and (committed_step + 1) % k == 0
+
+    # --- after the step ------------------------------------------------------------------------
+    def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
+               print_: int | None) -> None:
+        if self._file is None:
+            return
+        tokens, sum_len_sq = self._workload
+        write_trace([Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
+                            tokens=tokens, sum_len_sq=sum_len_sq, loss=loss, grad_norm=norm,
+                            finite=self.finite, fingerprint=print_)], self._file, header=False)
+
+    def close(self) -> None:
+        if self._waiting_fd is not None:
+            os.close(self._waiting_fd)
+            self._waiting_fd = None
+        if self._stacks is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stacks.close()
+            self._stacks = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def signals_dir() -> str | None:
+    from transom.contract import ENV_SIGNALS_DIR
+
+    return os.environ.get(ENV_SIGNALS_DIR) or None

@@ -1,0 +1,190 @@
+"""The launcher's part of anomaly detection: forward the workers' step rows, watch for hangs.
+
+Each worker appends one CSV row per committed step to its file in the launcher's signals
+directory (ft/guard.py). `SignalForwarder.poll`, called from the launcher's watch loop,
+reads what is new, and at most once a second posts it to the coordinator as one batch for
+the pod (`POST /v1/signals`), where the detectors run. Rows wait in a bounded buffer while
+the coordinator is away (the oldest are dropped first: the detectors judge recent steps).
+
+The hang watchdog: a worker that has reported a step, and then reports none for
+`hang_timeout_s` while not waiting for others (its quorum, the exchange, the votes: each wait
+has a timeout of its own; a paused job or a hung peer's partner waits, it does not hang),
+is hung. The launcher then has every worker write all its threads' stacks (SIGUSR1, which
+the workers' faulthandler answers), logs them, sends them to the coordinator with a row
+that says how long the rank made no progress (the detectors' `hang`), and restarts the
+replica like any failure.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transom.coordinator.client import CoordinatorClient
+from transom.errors import CoordinatorError
+from transom.coordinator.models import Identity, SignalBatch, SignalRow
+from transom.detect.signals import OPTIONAL_COLUMNS, TRACE_COLUMNS, DetectionSettings
+
+log = logging.getLogger("transom.launch")
+FORWARD_INTERVAL_S = 1.0
+MAX_BUFFERED_ROWS = 20_000
+MAX_BATCH_ROWS = 4096
+STACKS_WAIT_S = 3.0
+MAX_STACKS_CHARS = 16_000
+COLUMNS = (*TRACE_COLUMNS, *OPTIONAL_COLUMNS)
+
+
+@dataclass
+class _Worker:
+    rank: int
+    offset: int = 0
+    partial: str = ""
+    last_step: int = -1
+    progress_at: float | None = None  # when it last reported a step (None: not yet)
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    step: int  # the step it did not finish
+    stalled_s: float
+
+
+def _row(line: str) -> SignalRow | None:
+    values = next(csv.reader(io.StringIO(line)))
+    if values[:1] == ["step"] or len(values) != len(COLUMNS):
+        return None  # the header
+    cell = dict(zip(COLUMNS, values))
+
+    def num(name: str) -> float | None:
+        return float(cell[name]) if cell[name] else None
+
+    return SignalRow(step=int(cell["step"]), rank=int(cell["rank"]), step_seconds=float(cell["step_seconds"]),
+                     tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=num("loss"),
+                     grad_norm=num("grad_norm"), finite=cell["finite"] != "0",
+                     fingerprint=int(cell["fingerprint"]) if cell["fingerprint"] else None)
+
+
+class SignalForwarder:
+    """One attempt's rows: read, forwarded, watched. Owns no thread (the watch loop polls it)."""
+
+    def __init__(self, directory: Path, identity: Identity, node_rank: int, ranks: list[int],
+                 client: CoordinatorClient, settings: DetectionSettings):
+        self.dir, self.identity, self.node_rank = directory, identity, node_rank
+        self.client, self.settings = client, settings
+        self._workers = {k: _Worker(k) for k in ranks}
+        self._buffer: list[SignalRow] = []
+        self._next_post = 0.0
+        self._dropped = 0
+
+    def _name(self, rank: int) -> str:
+        i = self.identity
+        return f"r{i.replica_id}-g{i.generation}-a{i.attempt}-k{rank}"
+
+    def poll(self, now: float) -> Hang | None:
+        for w in self._workers.values():
+            self._read(w, now)
+        if now >= self._next_post and self._buffer:
+            self._next_post = now + FORWARD_INTERVAL_S
+            self.flush()
+        return self._hung(now) if self.settings.enabled else None
+
+    def _read(self, w: _Worker, now: float) -> None:
+        path = self.dir / f"signals-{self._name(w.rank)}.csv"
+        try:
+            with open(path, newline="") as f:
+                f.seek(w.offset)
+                chunk = f.read(1 << 20)
+                w.offset = f.tell()
+        except OSError:
+            return  # not started yet
+        lines = (w.partial + chunk).split("\n")
+        w.partial = lines.pop()  # an unfinished last line waits for the rest
+        for line in filter(None, (x.strip("\r") for x in lines)):
+            try:
+                row = _row(line)
+            except (ValueError, StopIteration) as e:
+                log.warning("rank %d wrote a malformed signal row (%s): %r", w.rank, e, line[:200])
+                continue
+            if row is not None:
+                w.last_step, w.progress_at = row.step, now
+                self._buffer.append(row)
+        if len(self._buffer) > MAX_BUFFERED_ROWS:
+            self._dropped += len(self._buffer) - MAX_BUFFERED_ROWS
+            del self._buffer[: len(self._buffer) - MAX_BUFFERED_ROWS]
+
+    def _waiting(self, rank: int) -> bool:
+        try:
+            return (self.dir / f"waiting-{self._name(rank)}").read_bytes()[:1] == b"1"
+        except OSError:
+            return False
+
+    def _hung(self, now: float) -> Hang | None:
+        for w in self._workers.values():
+            if w.progress_at is None:
+                continue
+            if self._waiting(w.rank):
+                w.progress_at = now  # waiting for a quorum: bounded by its own timeout
+            elif now - w.progress_at >= self.settings.hang_timeout_s:
+                return Hang(w.rank, w.last_step + 1, now - w.progress_at)
+        return None
+
+    def flush(self, stacks: str | None = None) -> None:
+        """Post what is buffered (and `stacks`); rows stay buffered if the coordinator is away."""
+        while self._buffer or stacks:
+            rows = self._buffer[:MAX_BATCH_ROWS]
+            try:
+                self.client.report_signals(SignalBatch(identity=self.identity, node_rank=self.node_rank,
+                                                       rows=rows, stacks=stacks), timeout_s=2.0)
+            except CoordinatorError as e:
+                if e.status not in (404, 409, 410):  # else: the coordinator will not judge this incarnation
+                    log.warning("could not forward %d signal rows: %s", len(rows), e)
+                    return
+                self._buffer.clear()  # this incarnation is over for the coordinator: nobody judges it
+                return
+            except Exception as e:  # training goes on; the detectors see the rows later
+                log.warning("could not forward %d signal rows: %s", len(rows), e)
+                return
+            del self._buffer[: len(rows)]
+            stacks = None
+
+    def report_hang(self, hang: Hang, workers: list[subprocess.Popen]) -> str:
+        """Have every worker write its stacks, log and forward them; returns them."""
+        for w in workers:
+            if w.poll() is None:
+                try:
+                    os.kill(w.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        files = [self.dir / f"stacks-{self._name(k)}.txt" for k in self._workers]
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline and not all(_size(f) > 0 for f in files):
+            time.sleep(0.1)
+        time.sleep(0.2)  # the last lines of a dump
+        stacks = "\n".join(f"--- rank {k} ---\n{_read(f)}" for k, f in zip(self._workers, files))
+        log.error("replica %d rank %d made no progress for %.0fs after step %d; every worker's stacks:\n%s",
+                  self.identity.replica_id, hang.rank, hang.stalled_s, hang.step - 1, stacks)
+        self._buffer.append(SignalRow(step=hang.step, rank=hang.rank, step_seconds=round(hang.stalled_s, 3)))
+        self.flush(stacks=stacks[-MAX_STACKS_CHARS:])
+        return stacks
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError as e:
+        return f"(no stacks: {e})"
