@@ -20,6 +20,7 @@ from pydantic import Field, WithJsonSchema, field_validator
 
 from transom.contract import DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
 from transom.defaults import CLUSTER
+from transom.detect.signals import DetectionSettings
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
     GROUP,
     VERSION,
@@ -254,6 +255,71 @@ class FaultTolerance(ApiModel):
     )
 
 
+_DETECT = DetectionSettings()  # the defaults are the detectors' own (transom/detect/signals.py)
+
+
+class Detection(ApiModel):
+    """Anomaly detection (transom/detect) and what its verdicts do."""
+
+    enabled: bool = Field(
+        _DETECT.enabled,
+        description="Run the detectors and the step guard. false: only crashes and lost heartbeats are failures.",
+    )
+    warmup_steps: int = Field(
+        _DETECT.warmup_steps, ge=0, le=100_000,
+        description="Steps each rank is observed (its step-time predictor fitted) before it can be called slow.",
+    )
+    slow_factor_percent: int = Field(
+        round(_DETECT.slow_factor * 100), ge=101, le=10_000,
+        description=(
+            "A rank's step is slow when its busy time exceeds what its workload predicts by this factor, in "
+            "percent (115: 1.15x), relative to the other ranks of the same step."
+        ),
+    )
+    slow_steps: int = Field(
+        _DETECT.slow_steps, ge=1, le=100_000, description="Slow steps in a row before a FailSlow verdict.",
+    )
+    loss_spike_z: int = Field(
+        round(_DETECT.loss_spike_z), ge=1, le=1_000_000,
+        description=(
+            "A loss this many robust standard deviations above the median of the replica's recent losses "
+            "(and at least twice it) is a spike: that step is applied on no replica."
+        ),
+    )
+    loss_window: int = Field(
+        _DETECT.loss_window, ge=2, le=100_000,
+        description="Recent losses the median is taken over; also the window in which badSteps are counted.",
+    )
+    bad_steps: int = Field(
+        _DETECT.bad_steps, ge=1, le=100_000,
+        description="Non-finite or spiking steps of one replica within lossWindow steps before a verdict.",
+    )
+    fingerprint_interval: int = Field(
+        _DETECT.fingerprint_interval, ge=0, le=1_000_000,
+        description=(
+            "Every this many steps each rank fingerprints its parameters; a replica whose fingerprint differs "
+            "from the majority's is corrupt (SilentDataCorruption). 0: never."
+        ),
+    )
+    hang_timeout_seconds: int = Field(
+        int(_DETECT.hang_timeout_s), ge=1, le=86400,
+        description=(
+            "A worker that makes no step progress for this long (not counting waits for other replicas) is hung: "
+            "every worker's stacks go to the launcher's log and the verdict, and the replica restarts."
+        ),
+    )
+    action: Literal["Replace", "Report"] = Field(
+        _DETECT.action,
+        description=(
+            "What a verdict does. Replace: the replica leaves the quorum and is replaced; for FailSlow and "
+            "SilentDataCorruption its node counts as faulty (nodeExclusionPolicy). Report: an event and a metric only."
+        ),
+    )
+    slow_action: Literal["Replace", "Report"] = Field(
+        _DETECT.slow_action, description="What a FailSlow verdict does (Replace or Report).",
+    )
+
+
 def _defaulted(model: type[ApiModel]) -> Any:
     # The whole default object, not `{}`: the API server checks a default against the
     # CEL rules as written, before nested defaults would fill it in.
@@ -335,6 +401,7 @@ class TrainingJobSpec(ApiModel):
         None, description="Checkpointing; without it a job that loses every replica starts over.",
     )
     fault_tolerance: FaultTolerance = _defaulted(FaultTolerance)
+    detection: Detection = _defaulted(Detection)
 
     @field_validator("template")
     @classmethod

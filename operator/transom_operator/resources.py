@@ -111,6 +111,7 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         contract.ENV_CHECKPOINT_URI: spec.checkpoint.uri if spec.checkpoint else "",
         contract.ENV_COLLECTIVE_TIMEOUT: str(spec.fault_tolerance.collective_timeout_seconds),
         contract.ENV_BACKEND: spec.fault_tolerance.backend,
+        contract.ENV_DETECTION: detection_json(job),
     }
     if spec.checkpoint:
         plain[contract.ENV_CHECKPOINT_INTERVAL] = str(spec.checkpoint.interval_steps)
@@ -357,6 +358,11 @@ def coordinator_service(job: api.TrainingJob) -> dict[str, Any]:
     }
 
 
+def detection_json(job: api.TrainingJob) -> str:
+    """spec.detection as the coordinator, launchers and workers read it (TRANSOM_DETECTION)."""
+    return job.spec.detection.model_dump_json(by_alias=True)
+
+
 def coordinator_command(job: api.TrainingJob) -> list[str]:
     """`transom coordinator` with the job's settings (flags of transom.cli)."""
     spec = job.spec
@@ -367,6 +373,7 @@ def coordinator_command(job: api.TrainingJob) -> list[str]:
         "--replicas", str(spec.replicas),
         "--min-replicas", str(spec.min_replicas),
         "--heartbeat-timeout", str(spec.fault_tolerance.heartbeat_timeout_seconds),
+        "--detection", detection_json(job),
         "--kube-status",  # the coordinator writes status.training (its Role allows just that)
     ]
 

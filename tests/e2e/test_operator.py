@@ -346,3 +346,43 @@ def test_a_coordinator_verdict_replaces_the_replica_and_a_pod_annotation_does_no
     assert r0["lastFailure"]["reason"] == "FlaggedByCoordinator"
     assert "Hang" in r0["lastFailure"]["message"] and "no step for 600s" in r0["lastFailure"]["message"]
     assert not status.get("excludedNodes")  # blame Replica: the node is not excluded
+
+
+def test_a_detector_verdict_that_blames_the_node_replaces_the_replica_and_excludes_the_node(kubectl, namespace,
+                                                                                            operator):
+    """The coordinator's detectors (the real code) find replica 1's weights corrupt; the verdict
+    they write makes the operator replace replica 1 elsewhere and exclude its node."""
+    from transom.coordinator.detection import Detection
+    from transom.coordinator.membership import Membership, Settings
+    from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
+    from transom.detect.signals import DetectionSettings
+
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    victim = _pods(kubectl, namespace)["tiny-gpt-r1-n0-g0"]["spec"]["nodeName"]
+    membership = Membership(Settings(job="tiny-gpt", num_replicas=3))
+    detection = Detection(DetectionSettings(fingerprint_interval=50), membership)
+    for r in range(3):
+        identity = Identity(replica_id=r, generation=0, attempt=0)
+        membership.register(RegisterRequest(identity=identity, store_addr="127.0.0.1:1",
+                                            state_endpoints=["http://127.0.0.1:1"]), now=0.0)
+    for r in range(3):
+        row = SignalRow(step=49, rank=0, step_seconds=0.5, fingerprint=1234 + (r == 1))
+        detection.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0), rows=[row]), now=1.0)
+    verdicts = detection.status_verdicts()
+    assert [(v["replica"], v["reason"], v["blame"], v["nodeRank"]) for v in verdicts] == \
+        [(1, "SilentDataCorruption", "Node", 0)]
+    wait_for(lambda: kubectl("get", "role", "tiny-gpt-coordinator", "-n", namespace, check=False).returncode == 0,
+             30, "the coordinator's Role")
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"training": {"verdicts": verdicts}}}),
+            f"--as=system:serviceaccount:{namespace}:tiny-gpt-coordinator")
+    wait_for(lambda: "tiny-gpt-r1-n0-g1" in _pods(kubectl, namespace), 30, "replica 1 replaced")
+    status = _wait_running(kubectl, namespace)
+    r1 = next(r for r in status["replicas"] if r["id"] == 1)
+    assert r1["lastFailure"]["reason"] == "FlaggedByCoordinator"
+    assert "SilentDataCorruption" in r1["lastFailure"]["message"]
+    assert victim in [n["name"] for n in status["excludedNodes"]]
+    assert _pods(kubectl, namespace)["tiny-gpt-r1-n0-g1"]["spec"]["nodeName"] != victim
+    events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+    assert any("SilentDataCorruption" in e.get("message", "") for e in events), [e["message"] for e in events]

@@ -27,7 +27,7 @@ def verdicts(result) -> list[str]:
 
 def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
     trace = tmp_path / "trace.csv"
-    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactor": 1.25}
+    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 125}
     result = transom_run(["--replicas", "3", "--detection", json.dumps(detection), "--trace-out", str(trace),
                           "--inject", "slow:replica=2,step=20,factor=1.5"], ["--steps", "90"])
     assert_consistent_finish(result, 90, 3)

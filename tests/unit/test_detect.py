@@ -90,10 +90,10 @@ def test_a_rank_that_stops_reporting_holds_judgement_back_only_so_long():
 
 
 def test_settings_from_the_spec_and_bad_ones_refused():
-    s = DetectionSettings.from_spec('{"hangTimeoutSeconds": 5, "slowFactor": 1.3, "action": "Report"}')
+    s = DetectionSettings.from_spec('{"hangTimeoutSeconds": 5, "slowFactorPercent": 130, "action": "Report"}')
     assert (s.hang_timeout_s, s.slow_factor, s.action, s.bad_steps) == (5, 1.3, "Report", 3)
     assert DetectionSettings.from_spec(s.to_spec()) == s
-    for bad, why in [('{"slowFactor": 1.0}', "above 1"), ('{"nope": 1}', "unknown"), ('{"badSteps": true}', "type"),
+    for bad, why in [('{"slowFactorPercent": 100}', "above 1"), ('{"nope": 1}', "unknown"), ('{"badSteps": true}', "type"),
                      ('{"slowAction": "Rebalance"}', "Replace or Report"), ("[1]", "object"), ("{", "not JSON")]:
         with pytest.raises(ValueError, match=why):
             DetectionSettings.from_spec(bad)

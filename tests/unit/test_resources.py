@@ -65,6 +65,7 @@ def test_worker_pod_environment():
         contract.ENV_CHECKPOINT_URI: "s3://bucket/run",
         contract.ENV_CHECKPOINT_INTERVAL: "500", contract.ENV_CHECKPOINT_KEEP: "3",  # the CRD's defaults
         contract.ENV_COLLECTIVE_TIMEOUT: "60", contract.ENV_BACKEND: "auto",
+        contract.ENV_DETECTION: resources.detection_json(make_job()),
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
     token = env[contract.ENV_COORDINATOR_TOKEN]
@@ -225,7 +226,8 @@ def test_coordinator_deployment_is_locked_down():
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" == c["livenessProbe"]["httpGet"]["path"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert c["command"] == ["transom", "coordinator", "--port", "8080", "--job", "demo", "--replicas", "3",
-                            "--min-replicas", "2", "--heartbeat-timeout", "30", "--kube-status"]
+                            "--min-replicas", "2", "--heartbeat-timeout", "30",
+                            "--detection", resources.detection_json(make_job()), "--kube-status"]
     token = env_of(c)[contract.ENV_COORDINATOR_TOKEN]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "demo-coordinator-token", "key": "token"}
 
@@ -251,3 +253,16 @@ def test_coordinator_service_selects_the_deployment_pods():
 def test_empty_token_is_refused():
     with pytest.raises(ValueError):
         resources.coordinator_secret(make_job(), "")
+
+
+def test_spec_detection_reaches_the_coordinator_and_every_worker_as_the_detectors_read_it():
+    from transom.detect.signals import DetectionSettings
+
+    default = make_job()
+    assert DetectionSettings.from_spec(resources.detection_json(default)) == DetectionSettings()
+    job = make_job(detection={"hangTimeoutSeconds": 90, "slowFactorPercent": 130, "action": "Report", "fingerprintInterval": 0})
+    wanted = DetectionSettings(hang_timeout_s=90, slow_factor=1.3, action="Report", fingerprint_interval=0)
+    env = env_of(resources.worker_pod(job, 0, 0, 0, coordinator_url="http://c")["spec"]["containers"][0])
+    assert DetectionSettings.from_spec(env[contract.ENV_DETECTION]["value"]) == wanted
+    command = resources.coordinator_command(job)
+    assert DetectionSettings.from_spec(command[command.index("--detection") + 1]) == wanted

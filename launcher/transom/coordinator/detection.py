@@ -57,6 +57,11 @@ class Detection:
             signals.append(Signal(step=r.step, replica=replica, rank=r.rank, step_seconds=r.step_seconds,
                                   tokens=r.tokens, sum_len_sq=r.sum_len_sq, loss=r.loss, grad_norm=r.grad_norm,
                                   finite=r.finite, fingerprint=r.fingerprint))
+        if signals:  # the other live replicas' rows of these steps may still be on their way
+            first = min(x.step for x in signals)
+            for rep in self.membership.replicas.values():
+                if rep.state == "healthy" and rep.identity.replica_id != replica:
+                    self.detectors.expect(rep.identity.replica_id, 0, first)
         verdicts = self.detectors.observe_all(signals)
         for v in verdicts:
             self._act(v, now)

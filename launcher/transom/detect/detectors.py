@@ -87,6 +87,11 @@ class Detectors:
             out += self.observe(s)
         return out
 
+    def expect(self, replica: int, rank: int, step: int) -> None:
+        """Wait for (replica, rank)'s report of `step` and later ones (up to `lag_steps`) before
+        judging them, though it has reported nothing yet (a replica known to train)."""
+        self._ranks_seen.setdefault((replica, rank), step)
+
     def flush(self) -> list[Verdict]:
         """Judge every step still held (the end of a trace)."""
         return self._judge_ready(final=True)

@@ -25,7 +25,7 @@ OPTIONAL_COLUMNS = ("finite", "fingerprint")
 Action = Literal["Replace", "Report"]
 SlowAction = Literal["Replace", "Report"]
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
-SPEC_NAMES = {"enabled": "enabled", "warmupSteps": "warmup_steps", "slowFactor": "slow_factor",
+SPEC_NAMES = {"enabled": "enabled", "warmupSteps": "warmup_steps", "slowFactorPercent": "slow_factor",
               "slowSteps": "slow_steps", "lossSpikeZ": "loss_spike_z", "lossWindow": "loss_window",
               "badSteps": "bad_steps", "fingerprintInterval": "fingerprint_interval",
               "hangTimeoutSeconds": "hang_timeout_s", "action": "action", "slowAction": "slow_action"}
@@ -113,11 +113,13 @@ class DetectionSettings:
             want = {"bool": bool, "int": int, "float": (int, float)}.get(str(kinds[name]), str)
             if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
                 raise ValueError(f"detection setting {key} has the wrong type: {value!r}")
-            values[name] = value
+            values[name] = value / 100 if key == "slowFactorPercent" else value  # the API has no floats
         return replace(cls(), **values)
 
     def to_spec(self) -> str:
-        return json.dumps({key: getattr(self, name) for key, name in SPEC_NAMES.items()})
+        spec = {key: getattr(self, name) for key, name in SPEC_NAMES.items()}
+        spec["slowFactorPercent"] = round(self.slow_factor * 100)
+        return json.dumps(spec)
 
 
 # --- traces ---------------------------------------------------------------------------------------
