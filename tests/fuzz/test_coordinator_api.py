@@ -34,7 +34,7 @@ from transom.coordinator.server import CoordinatorThread
 
 TOKEN = "fuzz-token"
 ENDPOINTS = ["/v1/register", "/v1/heartbeat", "/v1/quorum", "/v1/failure", "/v1/leave", "/v1/checkpoint",
-             "/v1/rendezvous"]
+             "/v1/rendezvous", "/v1/signals"]
 IDENTITY = st.fixed_dictionaries({"replica_id": st.integers(-2, 3) | JSON, "generation": st.integers(0, 3),
                                   "attempt": st.integers(0, 3)})
 SHAPED = st.fixed_dictionaries({"identity": IDENTITY}, optional={
@@ -43,6 +43,11 @@ SHAPED = st.fixed_dictionaries({"identity": IDENTITY}, optional={
     "store_addr": st.text(max_size=300), "state_endpoints": st.lists(st.text(max_size=20), max_size=3),
     "reason": st.text(max_size=2000), "completed": st.booleans() | JSON, "uri": st.text(max_size=50),
     "master_addr": st.text(max_size=10), "master_port": st.integers(-1, 70000), "exit_code": st.integers(-300, 300),
+    "node_rank": st.integers(-1, 5000), "stacks": st.text(max_size=50) | JSON,
+    "rows": st.lists(st.fixed_dictionaries({"step": st.integers(-1, 2**63), "rank": st.integers(-1, 3)}, optional={
+        "step_seconds": st.floats(allow_nan=True) | JSON, "tokens": st.floats(allow_nan=True),
+        "loss": st.floats(allow_nan=True) | JSON, "finite": st.booleans() | JSON,
+        "fingerprint": st.integers(-(2**64), 2**64)}), max_size=4) | JSON,
 })
 
 

@@ -1,0 +1,64 @@
+"""What the coordinator does with signals and verdicts (coordinator/detection.py), without I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from transom.coordinator.detection import Detection
+from transom.coordinator.membership import Membership, Settings
+from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
+from transom.detect.signals import DetectionSettings
+from transom.errors import Evicted
+
+
+def world(settings: DetectionSettings, replicas: int = 3) -> tuple[Membership, Detection]:
+    m = Membership(Settings(job="t", num_replicas=replicas))
+    for r in range(replicas):
+        m.register(RegisterRequest(identity=Identity(replica_id=r, generation=0, attempt=0), store_addr="h:1",
+                                   state_endpoints=["http://h"]), now=0.0)
+    return m, Detection(settings, m)
+
+
+def fingerprints(d: Detection, step: int, odd_one: int, replicas: int = 3) -> list:
+    out = []
+    for r in range(replicas):
+        row = SignalRow(step=step, rank=0, step_seconds=0.5, fingerprint=7 + (r == odd_one))
+        out += d.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0), node_rank=0,
+                                     rows=[row]), now=1.0)
+    return out
+
+
+def test_replace_fails_the_incarnation_and_lists_the_verdict_for_the_operator():
+    m, d = world(DetectionSettings())
+    (v,) = fingerprints(d, 49, odd_one=2)
+    assert (v.replica, v.kind) == (2, "sdc")
+    assert m.replicas[2].state == "failed" and "SilentDataCorruption" in m.replicas[2].last_failure
+    (entry,) = d.status_verdicts()
+    assert entry["replica"] == 2 and entry["generation"] == 0 and entry["blame"] == "Node" and entry["nodeRank"] == 0
+    assert d.verdicts_total["sdc"] == 1 and any(e.kind == "verdict" for e in m.events)
+
+
+def test_report_only_records_an_event():
+    m, d = world(DetectionSettings(action="Report"))
+    assert len(fingerprints(d, 49, odd_one=1)) == 1
+    assert m.replicas[1].state == "healthy" and d.status_verdicts() == []
+    assert any(e.kind == "verdict" for e in m.events)
+
+
+def test_a_replica_speaks_only_for_itself_and_only_while_live():
+    m, d = world(DetectionSettings())
+    # Rows carry no replica id: they count for the poster, so replica 0 cannot frame replica 1.
+    batch = SignalBatch(identity=Identity(replica_id=0, generation=0, attempt=0),
+                        rows=[SignalRow(step=3, rank=0, step_seconds=1e6)])
+    d.observe(batch, now=1.0)
+    for r in (1, 2):
+        d.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0),
+                              rows=[SignalRow(step=3, rank=0, step_seconds=0.5)]), now=1.0)
+    assert [v["replica"] for v in d.status_verdicts()] == [0]
+    with pytest.raises(Evicted):  # the failed incarnation's later rows are refused
+        d.observe(batch, now=2.0)
+
+
+def test_disabled_detection_judges_nothing():
+    m, d = world(DetectionSettings(enabled=False))
+    assert fingerprints(d, 49, odd_one=2) == [] and m.replicas[2].state == "healthy"
