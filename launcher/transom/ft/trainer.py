@@ -564,6 +564,8 @@ class FaultTolerant:
         if self._closed:
             return
         self._closed = True
+        if self._guard is not None:
+            self._guard.waiting(True)  # a final checkpoint may take long: that is not a hang
         if sys.excepthook == self._on_uncaught:
             sys.excepthook = self._previous_excepthook
         done = end_job or (self.num_steps is not None and self.step >= self.num_steps)

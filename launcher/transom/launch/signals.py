@@ -59,8 +59,10 @@ class Hang:
 
 def _row(line: str) -> SignalRow | None:
     values = next(csv.reader(io.StringIO(line)))
-    if values[:1] == ["step"] or len(values) != len(COLUMNS):
+    if values[:1] == ["step"]:
         return None  # the header
+    if len(values) != len(COLUMNS):
+        raise ValueError(f"{len(values)} columns, not {len(COLUMNS)}")
     cell = dict(zip(COLUMNS, values))
 
     def num(name: str) -> float | None:

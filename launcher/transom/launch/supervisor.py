@@ -143,10 +143,16 @@ class Launcher:
         self._signal: int | None = None
         # Where the workers write their step signals (ft/guard.py); ours unless given.
         given = self._environ.get(contract.ENV_SIGNALS_DIR)
-        self._signals_dir = Path(given or tempfile.mkdtemp(prefix="transom-signals-"))
         self._own_signals_dir = not given
-        self._signals_dir.mkdir(parents=True, exist_ok=True)
-        self._environ[contract.ENV_SIGNALS_DIR] = str(self._signals_dir)
+        self._signals_dir: Path | None = None
+        try:
+            self._signals_dir = Path(given or tempfile.mkdtemp(prefix="transom-signals-"))
+            self._signals_dir.mkdir(parents=True, exist_ok=True)
+            self._environ[contract.ENV_SIGNALS_DIR] = str(self._signals_dir)
+        except OSError as e:  # a read-only file system without a writable /tmp: train without them
+            log.warning("no directory for the workers' step signals (%s): anomaly detection and the hang "
+                        "watchdog are off for this pod", e)
+            self._environ.pop(contract.ENV_SIGNALS_DIR, None)
         self._forwarder: SignalForwarder | None = None
 
     def identity(self, attempt: int) -> Identity:
@@ -238,8 +244,8 @@ class Launcher:
 
     def _watch_progress(self, attempt: int) -> str | None:
         """Forward the workers' signals; the reason to restart if they hang."""
-        if self.env.is_spare:
-            return None  # no identity yet: nothing to forward, nobody waits for it
+        if self.env.is_spare or self._signals_dir is None:
+            return None  # no identity yet (nothing to forward, nobody waits for it), or no signals
         if self._forwarder is None:
             n = self.config.nproc_per_node
             ranks = [self.env.node_rank * n + k for k in range(n)]
@@ -350,5 +356,5 @@ class Launcher:
                 self._stop_workers(signal.SIGKILL, 0.0)
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self._own_signals_dir:
+            if self._own_signals_dir and self._signals_dir is not None:
                 shutil.rmtree(self._signals_dir, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""The launcher's forwarding of step rows and its hang watchdog (launch/signals.py), on real files."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from transom.coordinator.models import Identity
+from transom.detect.signals import DetectionSettings, Signal, write_trace
+from transom.errors import CoordinatorError
+from transom.launch.signals import SignalForwarder
+
+ME = Identity(replica_id=1, generation=2, attempt=0)
+FILE = "signals-r1-g2-a0-k0.csv"
+
+
+class FakeClient:
+    def __init__(self, fail: int | None = None):
+        self.batches, self.fail = [], fail
+
+    def report_signals(self, batch, timeout_s: float) -> None:
+        if self.fail is not None:
+            raise CoordinatorError("refused", self.fail)
+        self.batches.append(batch)
+
+
+def rows(*steps: int, header: bool = False) -> str:
+    out = io.StringIO(newline="")
+    write_trace([Signal(step=s, replica=1, rank=0, step_seconds=0.5, loss=1.0) for s in steps], out, header=header)
+    return out.getvalue()
+
+
+def write(path: Path, text: str) -> None:
+    with open(path, "a", newline="") as f:
+        f.write(text)
+
+
+def test_rows_are_forwarded_at_most_once_a_second_and_a_partial_line_waits(tmp_path):
+    client = FakeClient()
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings())
+    third = rows(2)
+    write(tmp_path / FILE, rows(0, 1, header=True) + third[:5])  # the third row is being written
+    fw.poll(100.0)
+    write(tmp_path / FILE, third[5:])
+    fw.poll(100.5)  # within the second: held
+    assert [[r.step for r in b.rows] for b in client.batches] == [[0, 1]]
+    fw.poll(101.1)
+    assert [[r.step for r in b.rows] for b in client.batches] == [[0, 1], [2]]
+    assert all(b.identity == ME for b in client.batches)
+
+
+def test_a_worker_without_progress_is_hung_unless_it_waits_for_others(tmp_path):
+    fw = SignalForwarder(tmp_path, ME, 0, [0], FakeClient(), DetectionSettings(hang_timeout_s=10))
+    assert fw.poll(0.0) is None  # no row yet: the clock has not started (imports, restore)
+    write(tmp_path / FILE, rows(0, 1, 2, header=True))
+    assert fw.poll(1.0) is None
+    (tmp_path / "waiting-r1-g2-a0-k0").write_bytes(b"1")
+    assert fw.poll(30.0) is None  # waiting for its quorum or a peer: bounded by those timeouts
+    (tmp_path / "waiting-r1-g2-a0-k0").write_bytes(b"0")
+    assert fw.poll(35.0) is None
+    hang = fw.poll(40.5)
+    assert hang is not None and (hang.rank, hang.step) == (0, 3) and hang.stalled_s >= 10
+
+
+def test_rows_of_an_incarnation_the_coordinator_dropped_are_discarded_others_kept(tmp_path):
+    write(tmp_path / FILE, rows(0, header=True))
+    away = FakeClient(fail=503)
+    fw = SignalForwarder(tmp_path, ME, 0, [0], away, DetectionSettings())
+    fw.poll(0.0)
+    assert len(fw._buffer) == 1  # the coordinator is away: kept for later
+    fw.client = FakeClient(fail=409)
+    fw.flush()
+    assert fw._buffer == []  # evicted: nobody will judge these rows
