@@ -1,4 +1,5 @@
-"""The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode) and `detect replay`.
+"""The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode), `detect replay`
+and `simulate`.
 
 Importing this module needs no torch: the launcher and coordinator run in images or
 environments where only the workers have it.
@@ -294,6 +295,8 @@ def parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="detect_cmd", required=True)
     from transom.detect import replay
     replay.add_arguments(dsub.add_parser("replay", help="run the detectors over a trace and print the verdicts"))
+    from transom.simulate import cli as simulate_cli
+    simulate_cli.add_arguments(sub.add_parser("simulate", help="goodput of large jobs under failures, by strategy"))
     return p
 
 
@@ -308,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         return _coordinator(args)
     if args.cmd == "launch":
         return _launch(args, command)
+    if args.cmd == "simulate":
+        from transom.simulate import cli as simulate_cli
+        return simulate_cli.main(args)
     if args.cmd == "detect":
         from transom.detect import replay
         return replay.main(args)
