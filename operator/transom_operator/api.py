@@ -316,7 +316,11 @@ class Detection(ApiModel):
         ),
     )
     slow_action: Literal["Replace", "Report"] = Field(
-        _DETECT.slow_action, description="What a FailSlow verdict does (Replace or Report).",
+        _DETECT.slow_action,
+        description=(
+            "What a FailSlow verdict does. Report (default): an event and a metric. Replace: as for action; "
+            "choose it where each replica has its devices to itself."
+        ),
     )
 
 

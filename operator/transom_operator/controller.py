@@ -1,8 +1,9 @@
 """One reconcile pass of one TrainingJob: read the world, plan (pure), act, write status once.
 
 This is the glue between `kube.py` (all I/O) and `reconcile/` (all decisions). It is
-synchronous; the kopf daemon runs it in a worker thread. Every pass starts from what the
-API server says, so a pass interrupted anywhere (operator killed mid-recovery) is simply
+synchronous; the kopf daemon runs it in a worker thread. Every pass starts from the job as
+the API server has it and the job's pods and the nodes as the watches last showed them
+(cache.py), so a pass interrupted anywhere (operator killed mid-recovery) is simply
 repeated by the next one.
 """
 
@@ -17,6 +18,7 @@ from datetime import datetime, timezone
 from transom import contract
 
 from transom_operator import api, metrics, naming, reasons, resources
+from transom_operator.cache import WatchCache
 from transom_operator.kube import Kube
 from transom_operator.reconcile import failures, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
@@ -32,6 +34,7 @@ class Controller:
     # What the cluster admin allows beyond excluding a node for one job (failures.NODE_ACTIONS).
     node_actions: frozenset[str] = frozenset()
     network_policy: bool = True  # give every job a NetworkPolicy that admits only its own pods
+    cache: WatchCache = field(default_factory=WatchCache)  # fed by the pod and node watches (handlers.py)
     # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
     _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
     _states: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -48,11 +51,13 @@ class Controller:
         raw = self.kube.get_job(namespace, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self._set_state(namespace, name, None)
+            self.cache.forget_job(namespace, name)
             return None  # owned objects go with it (ownerReferences)
         job = api.TrainingJob.model_validate(raw)
         self._ensure_coordinator(namespace, job)
-        pods = [observe_pod(p) for p in self.kube.list_pods(namespace, name)]
-        nodes = [observe_node(n) for n in self.kube.list_nodes()]
+        # From the watches' cache (cache.py): a pass lists nothing, whatever the job's size.
+        pods = [observe_pod(p) for p in self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name))]
+        nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
         now = datetime.now(timezone.utc)
         plan = replicas.plan(job, pods, nodes, now)
 

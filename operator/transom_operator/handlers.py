@@ -2,8 +2,9 @@
 
 Each TrainingJob gets a daemon that runs a reconcile pass (controller.py) whenever
 something relevant changed or its requeue time came, whichever is first: pod and node
-watch events only *wake* the daemon of the job they concern, so reaction is immediate
-while every decision is still made from a fresh read of the whole world (level-based).
+watch events update the controller's cache of pods and nodes (cache.py) and *wake* the
+daemon of the job they concern, so reaction is immediate while every decision is still made
+from the whole current view (level-based), without listing the job's pods on every event.
 Only the leader (leader.py) acts; the others keep their daemons idle.
 """
 
@@ -53,11 +54,13 @@ async def job_daemon(name, namespace, stopped, memo, **_):
 
 
 @kopf.on.event("", "v1", "pods", labels={contract.LABEL_JOB: kopf.PRESENT})
-async def pod_changed(namespace, labels, memo, **_):
+async def pod_changed(event, namespace, labels, memo, **_):
+    memo.controller.cache.pod_event(event.get("type"), event["object"])
     _wake(memo, (namespace, labels[contract.LABEL_JOB]))
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_changed(memo, **_):
+async def node_changed(event, memo, **_):
+    memo.controller.cache.node_event(event.get("type"), event["object"])
     for key in list(memo.wakeups):
         _wake(memo, key)

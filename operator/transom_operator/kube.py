@@ -28,6 +28,11 @@ def _json(resp) -> Any:
     return json.loads(resp.data)
 
 
+def _list_rv(resp: dict) -> int:
+    raw = (resp.get("metadata") or {}).get("resourceVersion") or "0"
+    return int(raw) if raw.isdigit() else 0
+
+
 class Kube:
     def __init__(self, api: client.ApiClient):
         self.api = api
@@ -56,15 +61,17 @@ class Kube:
                 return None
             raise
 
-    def list_pods(self, namespace: str, job: str) -> list[dict]:
+    def list_pods(self, namespace: str, job: str) -> tuple[list[dict], int]:
+        """The job's pods, and the list's resourceVersion (cache.py)."""
         self._count()
-        resp = self.core.list_namespaced_pod(
-            namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False)
-        return _json(resp)["items"]
+        resp = _json(self.core.list_namespaced_pod(
+            namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False))
+        return resp["items"], _list_rv(resp)
 
-    def list_nodes(self) -> list[dict]:
+    def list_nodes(self) -> tuple[list[dict], int]:
         self._count()
-        return _json(self.core.list_node(_preload_content=False))["items"]
+        resp = _json(self.core.list_node(_preload_content=False))
+        return resp["items"], _list_rv(resp)
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         self._count()

@@ -68,7 +68,7 @@ def test_ftar_averages_cuda_gradients_between_replicas_sharing_the_gpu():
     assert [r[1] for r in results] == [False, False, False]
     assert [r[3] for r in results] == ["gloo"] * 3  # one GPU shared: NCCL would refuse, Gloo carries CUDA tensors
     for _, _, grads, _ in results:
-        assert torch.equal(grads[0], torch.full((5,), 1.5))
+        assert torch.equal(torch.tensor(grads[0]), torch.full((5,), 1.5))
 
 
 def test_sigkill_with_the_model_on_the_gpu(transom_run):

@@ -22,26 +22,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def verdicts(result) -> list[str]:
-    return [e for e in result.summary["events"] if e.startswith("verdict:")]
+    """The verdicts that acted. FailSlow verdicts are reported only by default (slowAction), and
+    on this shared 2-core machine the CPU scheduler alone can make a replica look slow."""
+    return [e for e in result.summary["events"] if e.startswith("verdict:") and "(Replace)" in e]
 
 
 def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
     trace = tmp_path / "trace.csv"
-    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 125}
-    result = transom_run(["--replicas", "3", "--detection", json.dumps(detection), "--trace-out", str(trace),
-                          "--inject", "slow:replica=2,step=20,factor=1.5"], ["--steps", "90"])
-    assert_consistent_finish(result, 90, 3)
+    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 125, "slowAction": "Replace"}
+    # Two replicas, one per core: with three on two cores, the sleeping replica frees CPU for
+    # the others' compute and the slowdown it shows is much less than 1.5x.
+    result = transom_run(["--replicas", "2", "--detection", json.dumps(detection), "--trace-out", str(trace),
+                          "--inject", "slow:replica=1,step=20,factor=1.5"], ["--steps", "90"])
+    assert_consistent_finish(result, 90, 2)
     found = verdicts(result)
-    assert len(found) == 1 and "replica 2: FailSlow" in found[0], found
-    assert result.incarnations(2) == 2 and result.incarnations(0) == result.incarnations(1) == 1
+    assert len(found) == 1 and "replica 1: FailSlow from step 2" in found[0], found
+    assert result.incarnations(1) == 2 and result.incarnations(0) == 1
     # The trace holds what the detectors saw; replaying it finds the same rank.
     with open(trace, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert {r["replica"] for r in rows} == {"0", "1", "2"}
+    assert {r["replica"] for r in rows} == {"0", "1"}
     out = subprocess.run([sys.executable, "-m", "transom", "detect", "replay", str(trace), "--json",
                           "--detection", json.dumps(detection)], capture_output=True, text=True, timeout=60, check=True)
     replayed = json.loads(out.stdout)["verdicts"]
-    assert [(v["replica"], v["kind"]) for v in replayed][:1] == [(2, "slow")], replayed
+    assert [(v["replica"], v["kind"]) for v in replayed][:1] == [(1, "slow")], replayed
 
 
 def test_a_hang_dumps_every_thread_and_restarts_the_replica(transom_run):

@@ -35,7 +35,9 @@ def _average_worker(rank: int, port: int, out: mp.Queue, choice: str = "gloo", d
     params = _params(rank + 1.0, device)
     step = StepAllReduce(group, participants=2, contribute=rank != 2)  # rank 2 is joining
     step.allreduce_gradients(params)
-    out.put((rank, step.failed, [p.grad.cpu().clone() for p in params], group.backend))
+    # Plain values, not tensors: a tensor sent through the queue is shared by a file
+    # descriptor that vanishes when this process exits before the parent reads it.
+    out.put((rank, step.failed, [p.grad.cpu().tolist() for p in params], group.backend))
 
 
 def _forced_nccl_worker(rank: int, port: int, out: mp.Queue) -> None:
@@ -100,7 +102,7 @@ def test_average_over_participants_with_a_zero_contributing_joiner(choice):
     results = _run(_average_worker, 3, choice)
     assert [r[1] for r in results] == [False, False, False]
     assert [r[3] for r in results] == ["gloo"] * 3  # auto: CPU gradients go through Gloo, also where CUDA is
-    grads = [r[2] for r in results]
+    grads = [[torch.tensor(v) for v in r[2]] for r in results]  # float32 values survive a float round trip
     for g in grads:
         assert torch.equal(g[0], torch.full((5,), 1.5))  # (1 + 2) / 2; the joiner's 3 is not sent
     assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))  # bit-identical

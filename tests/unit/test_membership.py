@@ -501,3 +501,16 @@ def test_round_timeout_runs_from_the_first_member_not_from_a_replacement():
     d2 = m.try_decide(321.0)  # member 1 has not come 120 s after member 0 did
     assert d2 is not None and d2.member_ids() == [0, 2]
     assert m.replicas[1].state == "failed"
+
+
+def test_a_round_whose_every_member_still_catches_up_is_decided_without_a_source():
+    """The last holder of the state died while the others caught up from it: the round is
+    decided (they are told nobody can serve them, and restart), not a coordinator crash."""
+    m, d = started(3, heartbeat_timeout_s=1e6)
+    d = next_round(m, d, [0, 1, 2], 1.0, 1)
+    m.report_failure(FailureReport(identity=ident(0), reason="killed"), 2.0)
+    reqs = [qreq(rid, 1, d.quorum_id, d.round, failed=True).model_copy(update={"catching_up_from": 1})
+            for rid in (1, 2)]
+    d = round_all(m, reqs, 2.0)
+    assert (d.recovering, d.sources, d.participants) == ((1, 2), (), 1)
+    assert d.store_addr == "10.0.0.1:29500"

@@ -399,7 +399,9 @@ class Membership:
         needs = [ready[i].catching_up_from if ready[i].catching_up_from is not None else max_step
                  for i in recovering]
         if not same:
-            owner = self.replicas[canonical[0]]
+            # The groups are built on a member's store: one holding the state, or any member
+            # when every one of them is still catching up (they are told they cannot).
+            owner = self.replicas[canonical[0] if canonical else ids[0]]
             store_addr = owner.store_addr
             prefix = f"transom/{self.settings.job}/{self.epoch}/q{quorum_id}"
             self.quorum_changes_total += 1

@@ -76,6 +76,7 @@ class SignalRow(_Msg):
     grad_norm: float | None = None
     finite: bool = True
     fingerprint: int | None = Field(None, ge=-(2**63), lt=2**63)
+    recovery: bool = False
 
 
 class SignalBatch(_Msg):

@@ -6,7 +6,7 @@ synchronous training every rank's wall-clock step is the same, set by the slowes
 the busy time tells which rank is slow.
 
 A trace is a CSV file with the columns of TRACE_COLUMNS, one row per rank and step (`transom
-run --trace-out FILE`); `finite` and `fingerprint` may follow. Empty cells are unknown values;
+run --trace-out FILE`); `finite`, `fingerprint` and `recovery` may follow. Empty cells are unknown values;
 a non-finite loss is written `nan` or `inf`.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
-OPTIONAL_COLUMNS = ("finite", "fingerprint")
+OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery")
 Action = Literal["Replace", "Report"]
 SlowAction = Literal["Replace", "Report"]
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
@@ -43,6 +43,7 @@ class Signal:
     grad_norm: float | None = None
     finite: bool = True  # this rank's own loss and gradients (before averaging) were finite
     fingerprint: int | None = None  # of its parameters after the step's update (every K steps)
+    recovery: bool = False  # the rank also served or fetched recovery state in this step: not judged slow
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class DetectionSettings:
     """No step progress for this long makes the launcher dump every worker's stacks and restart."""
     action: Action = "Replace"
     """What a verdict does: Replace (the replica is taken out and replaced) or Report."""
-    slow_action: SlowAction = "Replace"
-    """What a `slow` verdict does: Replace or Report (Rebalance, a smaller share of each global
-    batch, is not built: docs/architecture.md)."""
+    slow_action: SlowAction = "Report"
+    """What a `slow` verdict does: Report (the default: an event and a metric; replicas that
+    share CPUs with other work are slow without a faulty device) or Replace (Rebalance, a
+    smaller share of each global batch, is not built: docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.slow_steps < 1 or self.bad_steps < 1 or self.loss_window < 2:
@@ -172,6 +174,7 @@ def _row(row: dict[str, str]) -> Signal:
     finite_cell = (row.get("finite") or "").strip()
     finite = finite_cell != "0" if finite_cell else (loss is None or math.isfinite(loss))
     fingerprint = (row.get("fingerprint") or "").strip()
+    recovery = (row.get("recovery") or "").strip() == "1"
     return Signal(step=whole("step"), replica=whole("replica"), rank=whole("rank"), step_seconds=seconds,
                   tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=loss, grad_norm=num("grad_norm"),
-                  finite=finite, fingerprint=int(fingerprint) if fingerprint else None)
+                  finite=finite, fingerprint=int(fingerprint) if fingerprint else None, recovery=recovery)

@@ -11,7 +11,8 @@ its running level, `c`), and a step's *ratio* is its busy time over the predicti
 A step is slow when its rank's ratio exceeds `slow_factor` times the median ratio of the
 other ranks of the same step: a change that slows everybody (a bigger model phase, a shared
 filesystem) is nobody's fault. `slow_steps` slow steps in a row make a verdict. A slow step
-does not train the predictor, so a slowdown is not learnt as the new normal. When every
+does not train the predictor, so a slowdown is not learnt as the new normal. Steps in which
+the rank also worked on a catch-up (serving or fetching state) are left out. When every
 rank of a replica is slow the verdict names the replica (rank None): its node or its
 network, not one GPU.
 """
@@ -100,6 +101,9 @@ class FailSlow:
     def step(self, step: int, signals: Sequence[Signal]) -> list[tuple[int, int | None, int, str]]:
         """Observe one step's signals; returns (replica, rank or None, first step, message)
         for each rank or replica that is now found slow."""
+        # A rank that also served or fetched a joiner's state did more than its workload:
+        # its step is neither judged nor learnt from (a catch-up is not a slow device).
+        signals = [s for s in signals if not s.recovery]
         ratios: dict[tuple[int, int], float] = {}
         for s in signals:
             r = self.ranks.setdefault((s.replica, s.rank), _Rank())

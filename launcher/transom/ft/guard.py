@@ -137,13 +137,13 @@ class Guard:
 
     # --- after the step ------------------------------------------------------------------------
     def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
-               print_: int | None) -> None:
+               print_: int | None, recovery: bool = False) -> None:
         if self._file is None:
             return
         tokens, sum_len_sq = self._workload
         write_trace([Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
                             tokens=tokens, sum_len_sq=sum_len_sq, loss=loss, grad_norm=norm,
-                            finite=self.finite, fingerprint=print_)], self._file, header=False)
+                            finite=self.finite, fingerprint=print_, recovery=recovery)], self._file, header=False)
 
     def close(self) -> None:
         if self._waiting_fd is not None:

@@ -331,7 +331,7 @@ class FaultTolerant:
                 log.warning("replica %d rank %d: step %d applied on no replica: a replica's loss or gradients were "
                             "not finite, or its loss spiked", self.replica_id, self.ctx.rank, attempted)
             self._commit(q, before_optimizer, update and not skip)
-            self._signal(attempted, loss_value, norm, done.recovering, skip)
+            self._signal(attempted, loss_value, norm, done.recovering, q.serve_recovery, skip)
         else:
             self._failed_in_a_row += 1
         self._optimizer.zero_grad(set_to_none=True)
@@ -510,7 +510,8 @@ class FaultTolerant:
     def _busy(self) -> float:
         return time.monotonic() - self._step_started - self._waited
 
-    def _signal(self, step: int, loss: float | None, norm: float | None, recovering: bool, skipped: bool) -> None:
+    def _signal(self, step: int, loss: float | None, norm: float | None, recovering: bool, serving: bool,
+                skipped: bool) -> None:
         """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
         if self._guard is None:
@@ -520,8 +521,9 @@ class FaultTolerant:
         print_ = None
         if self._joiner is None and self._guard.fingerprint_due(step):
             print_ = int(fingerprint(list(self.model.parameters())).item())
-        # A replica still catching up trains a stale copy: its loss says nothing.
-        self._guard.record(step, self._busy(), None if recovering else loss, norm, print_)
+        # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
+        # (serving or fetching state) makes the step longer than its workload says.
+        self._guard.record(step, self._busy(), None if recovering else loss, norm, print_, recovering or serving)
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:

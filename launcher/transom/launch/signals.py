@@ -71,7 +71,8 @@ def _row(line: str) -> SignalRow | None:
     return SignalRow(step=int(cell["step"]), rank=int(cell["rank"]), step_seconds=float(cell["step_seconds"]),
                      tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=num("loss"),
                      grad_norm=num("grad_norm"), finite=cell["finite"] != "0",
-                     fingerprint=int(cell["fingerprint"]) if cell["fingerprint"] else None)
+                     fingerprint=int(cell["fingerprint"]) if cell["fingerprint"] else None,
+                     recovery=cell["recovery"] == "1")
 
 
 class SignalForwarder:

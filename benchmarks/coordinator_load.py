@@ -1,0 +1,223 @@
+"""A job's coordinator under the load of a very large job: node agents heartbeating, replica
+leaders asking for every step's quorum.
+
+    .venv/bin/python benchmarks/coordinator_load.py [--agents 1000,5000,10000] [--replicas 16]
+                                                    [--duration 30] [--heartbeat-interval 5]
+
+For each number of agents: a real `transom coordinator` process on loopback; this process
+registers `--replicas` replicas, runs one leader per replica (ask for the quorum of the
+next step, get the answer, "train" `--step-s` seconds, ask again: the rounds of real
+training) and `agents` simulated node agents, each posting a heartbeat for its replica every
+`--heartbeat-interval` seconds at its own phase (`POST /v1/heartbeat`, what every leader
+does; at 10,000 agents 2,000 requests a second). Bounded: at most 20,000 agents, each case
+`--duration` seconds after a 5 s warm-up, every request with a 10 s timeout.
+
+Measured after the warm-up: heartbeat and quorum latency (p50, p99; a quorum's latency runs
+from the request to the answer, so it includes waiting for the other leaders of the round,
+a few milliseconds here), achieved heartbeat rate, errors, and the coordinator's CPU (its
+process's user+system seconds over wall seconds: 1.0 is one core). The load generator runs
+on the same machine and its latencies include its own event loop's delays, so they are an
+upper bound. Ends with one JSON line for the largest case (`agents`, `heartbeat_p99_s`,
+`quorum_p99_s`, ...) with every case under `cases`. Target: quorum p99 < 100 ms at 10,000
+agents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launcher"))
+from transom.launch.supervisor import free_port  # noqa: E402
+
+MAX_AGENTS = 20_000
+WARMUP_S = 5.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 5)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Load:
+    def __init__(self, url: str, token: str, replicas: int, agents: int, interval_s: float, step_s: float,
+                 duration_s: float):
+        self.url, self.headers = url, {"Authorization": f"Bearer {token}"}
+        self.replicas, self.agents, self.interval_s, self.step_s = replicas, agents, interval_s, step_s
+        self.start = time.monotonic()
+        self.measure_from = self.start + WARMUP_S
+        self.end = self.measure_from + duration_s
+        self.steps = [0] * replicas  # committed steps per replica, for the heartbeats
+        self.heartbeats: list[float] = []
+        self.quorums: list[float] = []
+        self.errors = 0
+        self.rounds = 0
+
+    def _identity(self, replica: int) -> dict:
+        return {"replica_id": replica, "generation": 0, "attempt": 0}
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> tuple[float, dict | None]:
+        t = time.monotonic()
+        try:
+            async with session.post(self.url + path, json=body, headers=self.headers,
+                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as r:
+                payload = await r.json()
+                ok = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok, payload = False, None
+        if not ok:
+            self.errors += 1
+            return time.monotonic() - t, None
+        return time.monotonic() - t, payload
+
+    async def leader(self, session: aiohttp.ClientSession, replica: int) -> None:
+        commit_quorum, last_round = -1, -1
+        while time.monotonic() < self.end:
+            asked = time.monotonic()
+            body = {"identity": self._identity(replica), "step": self.steps[replica],
+                    "commit_quorum_id": commit_quorum, "last_round": last_round, "timeout_s": 30.0}
+            latency, answer = await self._post(session, "/v1/quorum", body)
+            if answer is None:
+                await asyncio.sleep(0.5)
+                continue
+            if asked >= self.measure_from:
+                self.quorums.append(latency)
+            commit_quorum, last_round = answer["quorum_id"], answer["round"]
+            if replica == 0:
+                self.rounds += 1
+            await asyncio.sleep(self.step_s)
+            self.steps[replica] += 1  # the step is committed
+
+    async def agent(self, session: aiohttp.ClientSession, index: int) -> None:
+        replica = index % self.replicas
+        next_at = self.start + random.uniform(0, self.interval_s)
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if time.monotonic() >= self.end:
+                return
+            sent = time.monotonic()
+            latency, _ = await self._post(session, "/v1/heartbeat",
+                                          {"identity": self._identity(replica), "step": self.steps[replica]})
+            if sent >= self.measure_from:
+                self.heartbeats.append(latency)
+            next_at += self.interval_s
+
+    async def run(self) -> None:
+        connector = aiohttp.TCPConnector(limit=256)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for r in range(self.replicas):
+                body = {"identity": self._identity(r), "store_addr": "127.0.0.1:1",
+                        "state_endpoints": ["http://127.0.0.1:1"]}
+                _, answer = await self._post(session, "/v1/register", body)
+                if answer is None:
+                    raise RuntimeError(f"could not register replica {r}")
+            await asyncio.gather(*(self.leader(session, r) for r in range(self.replicas)),
+                                 *(self.agent(session, i) for i in range(self.agents)))
+
+
+def start_coordinator(replicas: int, token: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, TRANSOM_COORDINATOR_TOKEN=token, PYTHONPATH=str(ROOT / "launcher"))
+    proc = subprocess.Popen([sys.executable, "-m", "transom", "coordinator", "--host", "127.0.0.1", "--port",
+                             str(port), "--replicas", str(replicas), "--min-replicas", str(replicas),
+                             "--heartbeat-timeout", "60", "--startup-wait", "0", "--round-timeout", "120"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    import urllib.request
+    while True:
+        try:
+            urllib.request.urlopen(url + "/healthz", timeout=1).close()
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the coordinator did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.1)
+
+
+def run_case(agents: int, args: argparse.Namespace) -> dict:
+    token = secrets.token_urlsafe(16)
+    proc, url = start_coordinator(args.replicas, token)
+    try:
+        load = Load(url, token, args.replicas, agents, args.heartbeat_interval, args.step_s, args.duration)
+        cpu0, mine0 = None, None
+
+        async def measured() -> None:
+            nonlocal cpu0, mine0
+            task = asyncio.ensure_future(load.run())
+            await asyncio.sleep(max(0.0, load.measure_from - time.monotonic()))
+            cpu0, mine0 = cpu_seconds(proc.pid), time.process_time()
+            await asyncio.wait_for(task, timeout=args.duration + WARMUP_S + 60)
+
+        t0 = time.monotonic()
+        asyncio.run(measured())
+        wall = time.monotonic() - max(t0, load.measure_from - WARMUP_S) - WARMUP_S
+        coordinator_cpu = (cpu_seconds(proc.pid) - cpu0) / wall
+        generator_cpu = (time.process_time() - mine0) / wall
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    return {
+        "agents": agents, "replicas": args.replicas, "heartbeat_interval_s": args.heartbeat_interval,
+        "heartbeats_per_s": round(len(load.heartbeats) / wall, 1),
+        "heartbeat_p50_s": percentile(load.heartbeats, 0.5), "heartbeat_p99_s": percentile(load.heartbeats, 0.99),
+        "quorum_rounds": len(load.quorums) // args.replicas,
+        "quorum_p50_s": percentile(load.quorums, 0.5), "quorum_p99_s": percentile(load.quorums, 0.99),
+        "errors": load.errors, "coordinator_cpu": round(coordinator_cpu, 3), "generator_cpu": round(generator_cpu, 3),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--agents", default="1000,5000,10000")
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--step-s", type=float, default=1.0)
+    args = p.parse_args()
+    counts = [int(a) for a in args.agents.split(",")]
+    if any(not 1 <= a <= MAX_AGENTS for a in counts) or not 1 <= args.replicas <= 4096 or args.duration > 600:
+        p.error(f"agents 1..{MAX_AGENTS}, replicas 1..4096, duration at most 600 s")
+    cases = []
+    for agents in counts:
+        case = run_case(agents, args)
+        cases.append(case)
+        print(f"{agents:6d} agents: heartbeats {case['heartbeats_per_s']}/s p50 {case['heartbeat_p50_s']} s "
+              f"p99 {case['heartbeat_p99_s']} s; quorum ({args.replicas} leaders, {case['quorum_rounds']} rounds) "
+              f"p50 {case['quorum_p50_s']} s p99 {case['quorum_p99_s']} s; errors {case['errors']}; "
+              f"coordinator CPU {case['coordinator_cpu']} cores, load generator {case['generator_cpu']}", flush=True)
+    largest = cases[-1]
+    result = {"benchmark": "coordinator_load", **largest, "cpus": os.cpu_count(), "cases": cases,
+              "target_quorum_p99_s": 0.1,
+              "ok": largest["quorum_p99_s"] is not None and largest["quorum_p99_s"] < 0.1 and largest["errors"] == 0}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

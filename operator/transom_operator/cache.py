@@ -1,0 +1,111 @@
+"""What the watches last showed: each job's pods and every node, so a reconcile pass reads
+memory instead of listing thousands of pods from the API server on every event.
+
+The kopf event handlers (handlers.py) feed every pod event of a job's pods and every node
+event in; a pass reads the job's pods and the nodes from here (controller.py). A job's pods
+are listed from the API once when its first pass needs them, and again when their list is
+older than `resync_s` (a watch that dropped a DELETED event while it reconnected cannot
+leave a ghost for longer than that). Between lists, an object is replaced only by a newer
+resourceVersion, so a late event never rolls the view back.
+
+A pass may run before the events of its own writes arrive: it then sees a pod it created
+as missing, or one it deleted as present. The writes are idempotent (deterministic names:
+409 on create is "exists", 404 on delete is "gone"), and a pod missing from a replica
+counts as lost only once the status recorded the replica Running with it, so such a pass
+repeats a write at most. Thread-safe: events arrive on kopf's loop, passes run in threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from transom import contract
+
+RESYNC_S = 60.0
+
+
+def _rv(obj: dict) -> int:
+    """The resourceVersion as an integer (opaque by contract, an etcd revision in practice)."""
+    raw = (obj.get("metadata") or {}).get("resourceVersion") or "0"
+    return int(raw) if raw.isdigit() else 0
+
+
+def _name(obj: dict) -> str:
+    return (obj.get("metadata") or {}).get("name", "")
+
+
+class _Objects:
+    """One listed set of objects (a job's pods, or the nodes), kept current by events."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, dict] = {}
+        self.listed_at: float | None = None
+
+    def apply(self, kind: str | None, obj: dict) -> None:
+        name = _name(obj)
+        if kind == "DELETED":
+            if name in self.items and _rv(self.items[name]) <= _rv(obj):
+                del self.items[name]
+            return
+        if name not in self.items or _rv(self.items[name]) <= _rv(obj):
+            self.items[name] = obj
+
+    def seed(self, listed: list[dict], list_rv: int, now: float) -> None:
+        fresh = {_name(o): o for o in listed}
+        for name, cached in self.items.items():
+            if name in fresh and _rv(cached) > _rv(fresh[name]):
+                fresh[name] = cached  # an event newer than the list
+            elif name not in fresh and _rv(cached) > list_rv:
+                fresh[name] = cached  # created after the list was taken
+        self.items, self.listed_at = fresh, now
+
+
+class WatchCache:
+    def __init__(self, resync_s: float = RESYNC_S, clock: Callable[[], float] = time.monotonic):
+        self.resync_s, self.clock = resync_s, clock
+        self._lock = threading.Lock()
+        self._pods: dict[tuple[str, str], _Objects] = {}
+        self._nodes = _Objects()
+
+    # --- from the watches (kopf's event loop) ---------------------------------------------------
+    def pod_event(self, kind: str | None, pod: dict) -> None:
+        meta = pod.get("metadata") or {}
+        job = (meta.get("labels") or {}).get(contract.LABEL_JOB)
+        if not job:
+            return
+        with self._lock:
+            self._pods.setdefault((meta.get("namespace", ""), job), _Objects()).apply(kind, pod)
+
+    def node_event(self, kind: str | None, node: dict) -> None:
+        with self._lock:
+            self._nodes.apply(kind, node)
+
+    def forget_job(self, namespace: str, job: str) -> None:
+        with self._lock:
+            self._pods.pop((namespace, job), None)
+
+    # --- for a reconcile pass (its thread) --------------------------------------------------------
+    def pods(self, namespace: str, job: str, list_pods: Callable[[], tuple[list[dict], int]]) -> list[dict]:
+        """The job's pods; `list_pods()` -> (items, the list's resourceVersion) when a list is due."""
+        key = (namespace, job)
+        with self._lock:
+            objs = self._pods.setdefault(key, _Objects())
+            due = objs.listed_at is None or self.clock() - objs.listed_at >= self.resync_s
+        if due:
+            items, rv = list_pods()
+            with self._lock:
+                self._pods.setdefault(key, _Objects()).seed(items, rv, self.clock())
+        with self._lock:
+            return list(self._pods[key].items.values())
+
+    def nodes(self, list_nodes: Callable[[], tuple[list[dict], int]]) -> list[dict]:
+        with self._lock:
+            due = self._nodes.listed_at is None or self.clock() - self._nodes.listed_at >= self.resync_s
+        if due:
+            items, rv = list_nodes()
+            with self._lock:
+                self._nodes.seed(items, rv, self.clock())
+        with self._lock:
+            return list(self._nodes.items.values())
