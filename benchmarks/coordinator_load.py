@@ -36,8 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launcher"))
 from transom.launch.supervisor import free_port  # noqa: E402
@@ -45,6 +43,7 @@ from transom.launch.supervisor import free_port  # noqa: E402
 MAX_AGENTS = 20_000
 WARMUP_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
+POOL_SIZE = 64  # connections; a quorum long-poll holds one for up to a step
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -59,10 +58,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class Pool:
+    """Keep-alive HTTP/1.1 connections over asyncio streams: a far cheaper client than a full
+    HTTP library, so that one core can generate the load (its own delays still count)."""
+
+    def __init__(self, host: str, port: int, token: str, size: int):
+        self.host, self.port, self.size = host, port, size
+        self.auth = f"Authorization: Bearer {token}\r\n".encode()
+        self.idle: asyncio.Queue = asyncio.Queue()
+
+    async def open(self) -> None:
+        for _ in range(self.size):
+            self.idle.put_nowait(await asyncio.open_connection(self.host, self.port))
+
+    async def close(self) -> None:
+        while not self.idle.empty():
+            _, writer = self.idle.get_nowait()
+            writer.close()
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        reader, writer = await self.idle.get()
+        try:
+            writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: c\r\n" + self.auth +
+                         b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                         b"\r\n\r\n" + body)
+            status = int((await reader.readline()).split()[1])
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            payload = await reader.readexactly(length)
+        except BaseException:
+            writer.close()
+            self.idle.put_nowait(await asyncio.open_connection(self.host, self.port))
+            raise
+        self.idle.put_nowait((reader, writer))
+        return status, payload
+
+
 class Load:
     def __init__(self, url: str, token: str, replicas: int, agents: int, interval_s: float, step_s: float,
                  duration_s: float):
-        self.url, self.headers = url, {"Authorization": f"Bearer {token}"}
+        host, port = url.rsplit("//", 1)[1].split(":")
+        self.pool = Pool(host, int(port), token, POOL_SIZE)
         self.replicas, self.agents, self.interval_s, self.step_s = replicas, agents, interval_s, step_s
         self.start = time.monotonic()
         self.measure_from = self.start + WARMUP_S
@@ -71,44 +109,39 @@ class Load:
         self.heartbeats: list[float] = []
         self.quorums: list[float] = []
         self.errors = 0
-        self.rounds = 0
 
     def _identity(self, replica: int) -> dict:
         return {"replica_id": replica, "generation": 0, "attempt": 0}
 
-    async def _post(self, session: aiohttp.ClientSession, path: str, body: dict) -> tuple[float, dict | None]:
+    async def _post(self, path: str, body: dict) -> tuple[float, dict | None]:
         t = time.monotonic()
         try:
-            async with session.post(self.url + path, json=body, headers=self.headers,
-                                    timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as r:
-                payload = await r.json()
-                ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok, payload = False, None
-        if not ok:
+            status, payload = await asyncio.wait_for(self.pool.post(path, json.dumps(body).encode()),
+                                                     REQUEST_TIMEOUT_S)
+        except (OSError, ValueError, IndexError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            status, payload = 0, b""
+        if status != 200:
             self.errors += 1
             return time.monotonic() - t, None
-        return time.monotonic() - t, payload
+        return time.monotonic() - t, json.loads(payload)
 
-    async def leader(self, session: aiohttp.ClientSession, replica: int) -> None:
+    async def leader(self, replica: int) -> None:
         commit_quorum, last_round = -1, -1
         while time.monotonic() < self.end:
             asked = time.monotonic()
             body = {"identity": self._identity(replica), "step": self.steps[replica],
                     "commit_quorum_id": commit_quorum, "last_round": last_round, "timeout_s": 30.0}
-            latency, answer = await self._post(session, "/v1/quorum", body)
+            latency, answer = await self._post("/v1/quorum", body)
             if answer is None:
                 await asyncio.sleep(0.5)
                 continue
             if asked >= self.measure_from:
                 self.quorums.append(latency)
             commit_quorum, last_round = answer["quorum_id"], answer["round"]
-            if replica == 0:
-                self.rounds += 1
             await asyncio.sleep(self.step_s)
             self.steps[replica] += 1  # the step is committed
 
-    async def agent(self, session: aiohttp.ClientSession, index: int) -> None:
+    async def agent(self, index: int) -> None:
         replica = index % self.replicas
         next_at = self.start + random.uniform(0, self.interval_s)
         while True:
@@ -116,23 +149,25 @@ class Load:
             if time.monotonic() >= self.end:
                 return
             sent = time.monotonic()
-            latency, _ = await self._post(session, "/v1/heartbeat",
+            latency, _ = await self._post("/v1/heartbeat",
                                           {"identity": self._identity(replica), "step": self.steps[replica]})
             if sent >= self.measure_from:
                 self.heartbeats.append(latency)
             next_at += self.interval_s
 
     async def run(self) -> None:
-        connector = aiohttp.TCPConnector(limit=256)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        await self.pool.open()
+        try:
             for r in range(self.replicas):
                 body = {"identity": self._identity(r), "store_addr": "127.0.0.1:1",
                         "state_endpoints": ["http://127.0.0.1:1"]}
-                _, answer = await self._post(session, "/v1/register", body)
+                _, answer = await self._post("/v1/register", body)
                 if answer is None:
                     raise RuntimeError(f"could not register replica {r}")
-            await asyncio.gather(*(self.leader(session, r) for r in range(self.replicas)),
-                                 *(self.agent(session, i) for i in range(self.agents)))
+            await asyncio.gather(*(self.leader(r) for r in range(self.replicas)),
+                                 *(self.agent(i) for i in range(self.agents)))
+        finally:
+            await self.pool.close()
 
 
 def start_coordinator(replicas: int, token: str) -> tuple[subprocess.Popen, str]:

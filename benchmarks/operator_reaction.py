@@ -51,7 +51,10 @@ def job_manifest(name: str, replicas: int, nodes_per_replica: int, spares: int =
         "spec": {
             "replicas": replicas, "minReplicas": 1, "nodesPerReplica": nodes_per_replica, "procsPerNode": 1,
             "spareReplicas": spares,
-            "template": {"spec": {"containers": [{"name": "trainer", "image": "transom/bench:0"}]}},
+            # The testenv's kwok nodes stand for GPU nodes: they carry the GPU taint.
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "transom/bench:0"}],
+                                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                   "effect": "NoSchedule"}]}},
             # No backoff: the benchmark measures the operator's reaction, not the policy's delay.
             "faultTolerance": {"maxReplicaRestarts": 1000, "restartWindowSeconds": 3600, "backoffSeconds": 0,
                                "maxBackoffSeconds": 0},
@@ -96,7 +99,7 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=250)
     p.add_argument("--big-failures", type=int, default=10)
     p.add_argument("--nodes-per-replica", type=int, default=8)
-    p.add_argument("--kwok-nodes", type=int, default=16)
+    p.add_argument("--kwok-nodes", type=int, default=32)  # at most 110 pods each
     args = p.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="transom-bench-"))
@@ -121,7 +124,12 @@ def main() -> int:
 
         # --- 1. reaction to failures --------------------------------------------------------
         kubectl(env, "apply", "-n", "bench", "-f", "-", input=json.dumps(job_manifest("react", 3, 1)))
-        wait(lambda: sum(p["status"].get("phase") == "Running" for p in pods(env, "bench")) == 3, 90, "3 running")
+        try:
+            wait(lambda: sum(p["status"].get("phase") == "Running" for p in pods(env, "bench")) == 3, 90, "3 running")
+        except TimeoutError:
+            print(kubectl(env, "get", "tj,pods,lease", "-n", "bench", "-o", "wide", check=False).stdout[-3000:])
+            print((state / "operator.log").read_text()[-3000:])
+            raise
         from kubernetes import client, config
         from kubernetes.client.rest import ApiException
 
