@@ -73,19 +73,28 @@ class Detectors:
     # --- input --------------------------------------------------------------------------------
     def observe(self, signal: Signal) -> list[Verdict]:
         """Take one signal; returns the verdicts of the steps this completes."""
-        key = (signal.replica, signal.rank)
-        self._ranks_seen[key] = max(signal.step, self._ranks_seen.get(key, -1))
-        if signal.step <= self._judged:
-            return []  # judged already without it (it came too late)
-        self._pending.setdefault(signal.step, []).append(signal)
-        self._newest = max(self._newest, signal.step)
+        self._add(signal)
         return self._judge_ready(final=False)
 
     def observe_all(self, signals: Iterable[Signal]) -> list[Verdict]:
+        """Take signals in step order; steps are judged after each run of one step's rows, not
+        after every row (whether a step is complete looks at every rank seen)."""
         out: list[Verdict] = []
+        run_step = None
         for s in signals:
-            out += self.observe(s)
-        return out
+            if run_step is not None and s.step != run_step:
+                out += self._judge_ready(final=False)
+            run_step = s.step
+            self._add(s)
+        return out + self._judge_ready(final=False)
+
+    def _add(self, signal: Signal) -> None:
+        key = (signal.replica, signal.rank)
+        self._ranks_seen[key] = max(signal.step, self._ranks_seen.get(key, -1))
+        if signal.step <= self._judged:
+            return  # judged already without it (it came too late)
+        self._pending.setdefault(signal.step, []).append(signal)
+        self._newest = max(self._newest, signal.step)
 
     def expect(self, replica: int, rank: int, step: int) -> None:
         """Wait for (replica, rank)'s report of `step` and later ones (up to `lag_steps`) before
