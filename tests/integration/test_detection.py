@@ -29,7 +29,9 @@ def verdicts(result) -> list[str]:
 
 def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
     trace = tmp_path / "trace.csv"
-    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 125, "slowAction": "Replace"}
+    # The default threshold (1.15x): under load the sleeping replica frees CPU for the other's
+    # compute, and the 1.5x it sleeps shows as 1.2-1.7x.
+    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 115, "slowAction": "Replace"}
     # Two replicas, one per core: with three on two cores, the sleeping replica frees CPU for
     # the others' compute and the slowdown it shows is much less than 1.5x.
     result = transom_run(["--replicas", "2", "--detection", json.dumps(detection), "--trace-out", str(trace),
