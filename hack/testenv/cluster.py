@@ -24,7 +24,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import contextlib
 import dataclasses
+import fcntl
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -182,6 +185,32 @@ def _node_manifest(name: str) -> dict:
 
 
 # --- public --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def session_lock(timeout_s: float) -> Iterator[None]:
+    """Hold the state directory for one test session. Two sessions on one machine share it
+    (and the real nodes' fixed host paths): without the lock the second's `up` stops the
+    first's processes and each sees the other's kubelet changes as its own leftovers. The
+    second waits for the first; the lock file lies beside the state directory, which `down`
+    removes, and the kernel drops the lock when its holder dies."""
+    d = state_dir()
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.with_name(d.name + ".lock"), "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another test session has held the test environment {d} for "
+                                       f"{timeout_s:.0f} s; wait for it to end or stop it") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def current() -> Env | None:
     d = state_dir()
     path = d / STATE_FILE

@@ -1,13 +1,16 @@
 """Fixtures for e2e tests: a real control plane on loopback (hack/testenv).
 
 One control plane serves the whole session: a running one (`hack/testenv.sh up`) is
-reused and left running; otherwise the session starts one and stops it at the end. A tool
+reused and left running; otherwise the session starts one and stops it at the end. A
+session holds the environment's lock throughout, so a second session on the machine waits
+for the first instead of stopping its processes. A tool
 that was never built fails the tests with the command that builds it: CI must not pass by
 skipping them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Iterator
@@ -28,6 +31,8 @@ from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
 # nodes (kubelet + containerd) for the tests that run containers (test_real_nodes.py).
 KWOK_NODES = 4
 REAL_NODES = 2
+# Another session on this machine (a second `make test`) holds the environment: wait this long.
+SESSION_LOCK_TIMEOUT_S = 45 * 60
 
 
 def _up_once_more_if_it_fails() -> cluster.Env:
@@ -45,10 +50,21 @@ def _up_once_more_if_it_fails() -> cluster.Env:
 
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[cluster.Env]:
-    env = cluster.current()
-    if env is not None:
-        yield env  # someone else's: leave it running
-        return
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(cluster.session_lock(SESSION_LOCK_TIMEOUT_S))
+        except RuntimeError as e:
+            pytest.fail(str(e), pytrace=False)
+        env = cluster.current()
+        if env is not None:
+            yield env  # started by `hack/testenv.sh up`: leave it running
+            return
+        yield from _own_control_plane()
+
+
+def _own_control_plane() -> Iterator[cluster.Env]:
+    """Start the session's control plane, stop it at the end, and check that the host is
+    as it was."""
     host_before = hostguard.snapshot()
     try:
         env = _up_once_more_if_it_fails()

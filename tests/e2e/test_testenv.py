@@ -260,3 +260,17 @@ def test_node_made_not_ready_reads_back_not_ready(core_v1, lost_node):
     wait_for(lambda: any(t.key == "node.kubernetes.io/not-ready" for t in core_v1.read_node(lost_node).spec.taints or []),
              60, f"the node lifecycle controller to taint {lost_node} not-ready")
     assert ready_status()[0] in ("False", "Unknown")  # Unknown once its lease expires
+
+
+def test_a_second_session_waits_for_the_first_and_is_told_why(tmp_path, monkeypatch):
+    """Two `make test` on one machine: the second does not start its own environment over
+    the first's; it waits for the lock and, past its timeout, says what holds it."""
+    from testenv import cluster
+
+    monkeypatch.setenv("TRANSOM_TESTENV_STATE", str(tmp_path / "run"))
+    with cluster.session_lock(5):
+        with pytest.raises(RuntimeError, match="another test session"):
+            with cluster.session_lock(1.5):
+                pass
+    with cluster.session_lock(1.5):  # released by the first: taken at once
+        pass
