@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from datetime import datetime, timezone
 from typing import Any
 
@@ -41,14 +42,26 @@ class Kube:
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.dynamic = dynamic.DynamicClient(api)
+        self._kinds: dict[tuple[str, str], Any] = {}
+        self._kinds_lock = threading.Lock()
 
     def _count(self) -> None:
         metrics.API_REQUESTS.inc()
 
+    def _kind(self, api_version: str, kind: str):
+        """The dynamic client's resource for a kind, resolved once: its discovery fills a shared
+        cache that is not safe from several threads at once (passes and their pod writes run
+        in threads)."""
+        key = (api_version, kind)
+        with self._kinds_lock:
+            if key not in self._kinds:
+                self._kinds[key] = self.dynamic.resources.get(api_version=api_version, kind=kind)
+            return self._kinds[key]
+
     def _resource(self, manifest: dict):
         # The dynamic client sends the manifest as it is: the typed client would re-validate
         # it against its own models and refuse valid YAML (e.g. `nvidia.com/gpu: 8`).
-        return self.dynamic.resources.get(api_version=manifest["apiVersion"], kind=manifest["kind"])
+        return self._kind(manifest["apiVersion"], manifest["kind"])
 
     # --- reads ---------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict | None:
@@ -85,7 +98,7 @@ class Kube:
     def set_container_command(self, namespace: str, deployment: str, container: str, command: list[str]) -> None:
         """Strategic merge on the container list (merged by name): only its command changes."""
         self._count()
-        deployments = self.dynamic.resources.get(api_version="apps/v1", kind="Deployment")
+        deployments = self._kind("apps/v1", "Deployment")
         body = {"spec": {"template": {"spec": {"containers": [{"name": container, "command": command}]}}}}
         deployments.patch(body=body, name=deployment, namespace=namespace,
                           content_type="application/strategic-merge-patch+json")
@@ -95,10 +108,16 @@ class Kube:
         """Create any of the kinds the operator makes; False if it already existed."""
         self._count()
         try:
-            self._resource(manifest).create(body=manifest, namespace=namespace)
+            # serialize=False: the answer is not wrapped into objects nobody reads.
+            self._resource(manifest).create(body=manifest, namespace=namespace, serialize=False)
             return True
         except ApiException as e:
             if e.status == 409:
+                return False
+            if e.status == 403 and "NamespaceTerminating" in str(e.body or ""):
+                # The job's namespace is being deleted, and the job with it: nothing to create.
+                log.debug("not creating %s %s: namespace %s is terminating", manifest["kind"],
+                          manifest["metadata"].get("name"), namespace)
                 return False
             raise
 
@@ -115,20 +134,22 @@ class Kube:
     def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
         """Merge-patch a pod's labels (None removes one); False if the pod is gone."""
         self._count()
-        pods = self.dynamic.resources.get(api_version="v1", kind="Pod")
+        pods = self._kind("v1", "Pod")
         try:
             pods.patch(body={"metadata": {"labels": labels}}, name=name, namespace=namespace,
-                       content_type="application/merge-patch+json")
+                       content_type="application/merge-patch+json", serialize=False)
             return True
         except ApiException as e:
             if e.status == 404:
                 return False
             raise
 
-    def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
+    def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> None:
+        """A JSON patch of the job's status (reconcile/status_diff.py: only what changed)."""
         self._count()
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False)
+        status = self._kind(f"{GROUP}/{VERSION}", "TrainingJob").subresources["status"]
+        status.patch(body=ops, name=name, namespace=namespace, content_type="application/json-patch+json",
+                     serialize=False)
 
     def exclude_node(self, node: str, policy: str, reason: str) -> None:
         """Taint (NoSchedule) or cordon a node the job excluded; `Exclude` touches nothing."""
@@ -142,7 +163,7 @@ class Kube:
         else:
             return
         self._count()
-        nodes = self.dynamic.resources.get(api_version="v1", kind="Node")
+        nodes = self._kind("v1", "Node")
         nodes.patch(body=body, name=node, content_type="application/merge-patch+json")
 
     def event(self, job: dict, type_: str, reason: str, message: str) -> None:

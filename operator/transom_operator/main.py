@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
         )
     finally:
+        controller.close()
         leader.stop()
     return 0
 

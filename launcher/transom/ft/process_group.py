@@ -106,3 +106,38 @@ class CrossReplicaGroup:
                 self.pg.abort()
             except Exception as e:  # already torn down: nothing left to free
                 log.debug("abort of NCCL group failed: %s", e)
+
+
+class QuorumGroups:
+    """The group of the current quorum, for one rank: rebuilt when the quorum changes (a new
+    store prefix), dropped after a failed exchange; a dropped group is never reused, even for
+    the same quorum."""
+
+    def __init__(self, backend: str, shard: int, timeout_s: float, device: torch.device):
+        self.backend, self.shard, self.timeout_s, self.device = backend, shard, timeout_s, device
+        self.group: CrossReplicaGroup | None = None
+        self._prefix = ""
+
+    def changed(self, store_prefix: str) -> bool:
+        return store_prefix != self._prefix
+
+    def rebuild(self, store_addr: str, store_prefix: str, rank: int, size: int, quorum_id: int) -> str | None:
+        """The group of a new quorum; an error message if it could not be built (the step
+        fails and runs again under the next quorum)."""
+        self.drop()
+        self._prefix = store_prefix
+        try:
+            self.group = CrossReplicaGroup(self.backend, store_addr, f"{store_prefix}/shard{self.shard}", rank, size,
+                                           self.timeout_s, self.device)
+        except placement.BackendError:
+            raise  # a configuration that cannot work: no retry makes it work
+        except Exception as e:
+            return f"building the group of quorum {quorum_id}: {e}"
+        return None
+
+    def drop(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
+        del group
+        self._prefix = ""

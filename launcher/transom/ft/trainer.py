@@ -64,7 +64,8 @@ from transom.ft.guard import Guard, fingerprint, signals_dir
 from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
-from transom.ft.process_group import CrossReplicaGroup
+from transom.ft.process_group import QuorumGroups
+from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
 from transom.ft.leader import CoordinatorLink, coordinator_view, outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
@@ -131,7 +132,7 @@ class FaultTolerant:
         self.detection = DetectionSettings.from_spec(os.environ.get(ENV_DETECTION))
         self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
                             self.ctx.rank, gradients_judged=scaler is None) if self.detection.enabled else None
-        self._waited = 0.0  # this step's seconds spent waiting for others (quorum, exchange, votes)
+        self._clock = StepClock(self._guard)  # this step's busy time, and its waits for others
 
         self.step = 0  # committed optimizer steps
         self._commit_quorum_id = -1
@@ -145,10 +146,8 @@ class FaultTolerant:
         """This replica's batch went into the last committed step (not while it recovered)."""
         self._last_seconds: float | None = None
         self._failed_in_a_row = 0
-        self._group_prefix = ""
-        self._group: CrossReplicaGroup | None = None
+        self._groups = QuorumGroups(self._backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
         self._future: concurrent.futures.Future | None = None
-        self._step_started = 0.0
         self._in_step = False
         self._opened: _Exchanged | None = None  # this step's, once its quorum is in
         self._exchanged: _Exchanged | None = None  # this step's, once the gradients are averaged
@@ -270,10 +269,7 @@ class FaultTolerant:
         self._in_step = True
         self._opened, self._exchanged, self._loss = None, None, None
         self._backward.reset()
-        self._step_started = time.monotonic()
-        self._waited = 0.0
-        if self._guard is not None:
-            self._guard.begin()
+        self._clock.begin()
         if self.fault:
             self.fault.maybe_fire(self.step, self.ctx.rank, "forward")
         if self._link is not None:
@@ -316,9 +312,9 @@ class FaultTolerant:
         q, ftar = done.q, done.ftar
         attempted = self.step
         if self.fault:
-            self.fault.maybe_fire(attempted, self.ctx.rank, "end", elapsed_s=self._busy())
+            self.fault.maybe_fire(attempted, self.ctx.rank, "end", elapsed_s=self._clock.busy())
         skip, loss_value, norm = False, None, None
-        with self._waiting_for_others():
+        with self._clock.waiting():
             if self._guard is not None:  # a bad step is applied on no replica (ft/guard.py)
                 skip, loss_value, norm = self._guard.decide(self._loss, ftar, self.ctx, not done.recovering,
                                                             self.device)
@@ -352,11 +348,11 @@ class FaultTolerant:
             assert ex.ftar is not None
             for bucket in self._buckets[self._backward.started:]:
                 ex.ftar.start(bucket)
-            with self._waiting_for_others():
+            with self._clock.waiting():
                 ex.ftar.finish()
             self._exchange_gate.free()
             if ex.ftar.failed:
-                self._drop_group()
+                self._groups.drop()
             if ex.recovering:
                 self._join(ex.q, ex.ftar)
             elif self._joiner is not None:  # a coordinator that forgot us would say so: be safe
@@ -382,15 +378,16 @@ class FaultTolerant:
         step's all-reduce."""
         if self._opened is not None:
             return self._opened
-        with self._waiting_for_others():
+        with self._clock.waiting():
             q = self._await_quorum()
         if q is None:
             self._opened = _Exchanged(q=None)
             return self._opened
         self._last_round = q.round
         # The prefix names a quorum uniquely, across coordinator restarts too.
-        changed = q.store_prefix != self._group_prefix
-        error = self._rebuild_group(q) if changed else None
+        changed = self._groups.changed(q.store_prefix)
+        error = self._groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
+            if changed else None
         if q.serve_recovery:  # kilobytes: what a joiner needs to train in step at once
             self._state_server.publish_small(q.round, wire.encode(small_part(self.state.capture(self.step))))
         self._source.on_round(q.serve_recovery, q.snapshot_from)
@@ -399,7 +396,7 @@ class FaultTolerant:
         recovering = self.replica_id in q.recovering
         if self.fault and self._buckets:
             self.fault.maybe_fire(self.step, self.ctx.rank, "gradients", target=self._buckets[0][0].grad)
-        ftar = StepAllReduce(self._group, q.participants, contribute=not recovering,
+        ftar = StepAllReduce(self._groups.group, q.participants, contribute=not recovering,
                              own=self._guard.own_bucket if self._guard is not None else None)
         self._exchange_gate.busy()  # a catch-up in the background leaves the link to the buckets
         if error:
@@ -494,22 +491,6 @@ class FaultTolerant:
         if self._writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
             self.checkpoints.save(self.step, self._writers)
 
-    @contextlib.contextmanager
-    def _waiting_for_others(self):
-        """Time spent here is not this rank's busy time, nor a hang (the waits have timeouts)."""
-        started = time.monotonic()
-        if self._guard is not None:
-            self._guard.waiting(True)
-        try:
-            yield
-        finally:
-            if self._guard is not None:
-                self._guard.waiting(False)
-            self._waited += time.monotonic() - started
-
-    def _busy(self) -> float:
-        return time.monotonic() - self._step_started - self._waited
-
     def _signal(self, step: int, loss: float | None, norm: float | None, recovering: bool, serving: bool,
                 skipped: bool) -> None:
         """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
@@ -523,7 +504,7 @@ class FaultTolerant:
             print_ = int(fingerprint(list(self.model.parameters())).item())
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.
-        self._guard.record(step, self._busy(), None if recovering else loss, norm, print_, recovering or serving)
+        self._guard.record(step, self._clock.busy(), None if recovering else loss, norm, print_, recovering or serving)
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -535,7 +516,7 @@ class FaultTolerant:
         # (it contributes zeros) nor when the step failed (the batch comes again).
         self.last_step_committed = committed
         self.last_batch_trained = committed and not recovering
-        self._last_seconds = time.monotonic() - self._step_started
+        self._last_seconds = self._clock.elapsed()
         self._in_step = False
         self.stats.step(
             step=self.step, committed=committed, seconds=round(self._last_seconds, 6), quorum_id=q.quorum_id,
@@ -597,7 +578,7 @@ class FaultTolerant:
         self._source.close()
         self._backward.remove()
         self._step_guard.remove()
-        self._drop_group()
+        self._groups.drop()
         self._state_server.close()
         self._store = None
 
@@ -630,32 +611,6 @@ class FaultTolerant:
             raise NoQuorum(f"replica {self.replica_id}: no quorum: {answer['error']}")
         return QuorumResponse.model_validate_json(answer)
 
-    def _rebuild_group(self, q: QuorumResponse) -> str | None:
-        self._drop_group()
-        self._group_prefix = q.store_prefix
-        try:
-            self._group = CrossReplicaGroup(
-                self._backend,
-                q.store_addr,
-                f"{q.store_prefix}/shard{self.ctx.rank}",
-                q.rank,
-                len(q.members),
-                self.config.collective_timeout_s,
-                self.device,
-            )
-        except placement.BackendError:
-            raise  # a configuration that cannot work: no retry makes it work
-        except Exception as e:
-            return f"building the group of quorum {q.quorum_id}: {e}"
-        return None
-
-    def _drop_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            group.abort()
-        del group
-        self._group_prefix = ""  # a dropped group is never reused, even for the same quorum
-
     def _report_close_failure(self) -> None:
         """close() before the target: report this replica failed (the leader talks for it)."""
         if not self.ctx.is_leader:
@@ -669,7 +624,7 @@ class FaultTolerant:
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:
-            self._drop_group()
+            self._groups.drop()
             if not self._evicted and not self._closed:
                 reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"
                 report_failure(self.client, self.identity, reason, timeout_s=1.0)
