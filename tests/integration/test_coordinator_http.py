@@ -250,6 +250,10 @@ def test_body_over_one_mebibyte_is_refused(coord):
         ("/v1/replicas/99999999999999999999", 400),
         ("/v1/rendezvous/abc", 400),
         ("/v1/rendezvous/0?attempt=1.5", 400),
+        ("/v1/replicas/0?known=unknown&wait_s=x", 400),
+        ("/v1/replicas/0?known=unknown&wait_s=-1", 400),
+        ("/v1/replicas/0?known=unknown&wait_s=61", 400),
+        ("/v1/replicas/0?known=healthy&wait_s=30", 200),  # answered at once: the state is not `known`
         ("/v1/replicas/0", 200),
         ("/v1/nothing-here", 404),
     ],

@@ -36,6 +36,12 @@ from transom.errors import CoordinatorError, Evicted, JobCompleted, NotRegistere
 M = TypeVar("M", bound=BaseModel)
 
 
+def replica_state_path(identity: Identity, known: str | None = None, wait_s: float = 0.0) -> str:
+    """GET path of a replica's state; with `known`, a long-poll held until it changes."""
+    path = f"/v1/replicas/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
+    return path + (f"&known={known}&wait_s={wait_s:g}" if known is not None else "")
+
+
 class CoordinatorClient:
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
@@ -130,8 +136,7 @@ class CoordinatorClient:
             return QuorumResponse.model_validate(self._expect(status, payload, "quorum"))
 
     def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> ReplicaState:
-        path = f"/v1/replicas/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
-        status, payload = self._call("GET", path, timeout_s=timeout_s)
+        status, payload = self._call("GET", replica_state_path(identity), timeout_s=timeout_s)
         return ReplicaState.model_validate(self._expect(status, payload, "replica state"))
 
     def status(self, timeout_s: float = 5.0) -> JobStatus:

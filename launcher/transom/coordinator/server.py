@@ -14,7 +14,9 @@ Endpoints (bearer token required on everything under /v1/):
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
     POST /v1/signals             SignalBatch      -> {"verdicts": n} (anomaly detection)
-    GET  /v1/replicas/{id}?generation=G&attempt=A -> ReplicaState
+    GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
+                                                     `known`, a long-poll: answered when the
+                                                     state is no longer S, or after W <= 30 s)
     PUT  /v1/rendezvous          RendezvousInfo   -> {}
     GET  /v1/rendezvous/{id}?generation=G&attempt=A -> RendezvousInfo (404 until node 0 put it)
     GET  /v1/status              -> JobStatus
@@ -60,6 +62,7 @@ from transom.coordinator.models import (
 log = logging.getLogger("transom.coordinator")
 M = TypeVar("M", bound=BaseModel)
 TICK_S = 0.05
+MAX_STATE_WAIT_S = 60.0  # the longest a replica-state long-poll is held
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -182,6 +185,11 @@ class CoordinatorServer:
         self._token = token.encode()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition(self._lock)
+        # Replica-state long-polls wait for this event, which the tick sets (and replaces)
+        # when membership recorded an event (a registration, failure, leave, completion): not
+        # on every quorum round, and without the lock, which 10,000 held polls would queue on.
+        self._states_changed = asyncio.Event()
+        self._events_seen = 0
         self._rendezvous: dict[tuple[int, int, int], RendezvousInfo] = {}
         self._registry = CollectorRegistry()
         self._registry.register(_MembershipCollector(self))
@@ -320,8 +328,25 @@ class CoordinatorServer:
 
     async def _replica(self, request: web.Request) -> web.Response:
         identity = _query_identity(request, request.match_info["id"])
-        async with self._lock:
-            return _ok(self.membership.replica_state(identity))
+        known = request.query.get("known")
+        try:
+            wait_s = float(request.query.get("wait_s", "0"))
+        except ValueError:
+            raise BadRequest("wait_s must be a number of seconds") from None
+        if not 0 <= wait_s <= MAX_STATE_WAIT_S:
+            raise BadRequest(f"wait_s must be between 0 and {MAX_STATE_WAIT_S:g}")
+        deadline = time.monotonic() + wait_s
+        # Reads of membership need no lock: they do not await, so no handler runs in between.
+        state = self.membership.replica_state(identity)
+        while state.state == known and not state.job_completed and time.monotonic() < deadline:
+            changed = self._states_changed
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await changed.wait()
+            except TimeoutError:
+                pass
+            state = self.membership.replica_state(identity)
+        return _ok(state)
 
     async def _put_rendezvous(self, request: web.Request) -> web.Response:
         info = await _parse(request, RendezvousInfo)
@@ -364,6 +389,10 @@ class CoordinatorServer:
                 self.membership.try_decide(now)
                 if (self.membership.next_round, self.membership.healthy_count()) != before:
                     self._changed.notify_all()
+                if self.membership.events_total != self._events_seen:
+                    self._events_seen = self.membership.events_total
+                    changed, self._states_changed = self._states_changed, asyncio.Event()
+                    changed.set()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         # A quorum long-poll can run for up to 120 s; on stop, cancel handlers after 1 s

@@ -4,8 +4,8 @@ It starts `nproc_per_node` workers with torchrun's environment for *its own repl
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the
 replica as the unit of failure: when any worker exits non-zero, it tells the coordinator at
 once (so the other replicas stop waiting for this one), stops the remaining workers and
-starts them all again as a new attempt, up to `max_restarts`. It also polls the
-coordinator: a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
+starts them all again as a new attempt, up to `max_restarts`. It also watches the
+coordinator (a long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
 verdict) is killed and restarted the same way. It forwards the workers' step signals to the
 coordinator's detectors and restarts a replica whose workers stopped making progress, with
 their stacks in the log (launch/signals.py). SIGTERM/SIGINT are forwarded to the workers. Each worker is
@@ -48,10 +48,10 @@ from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
 from transom.detect.signals import DetectionSettings
 from transom.launch import processes, spare
 from transom.launch.signals import SignalForwarder
+from transom.launch.state_watch import StateWatch
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
-STATE_POLL_S = 1.0
 PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signals.py)
 COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
 
@@ -262,39 +262,47 @@ class Launcher:
 
     def _watch(self, attempt: int) -> tuple[str, str]:
         """Wait for this attempt to end: ('ok'|'failed'|'superseded'|'signal', reason)."""
-        next_state_poll = time.monotonic() + STATE_POLL_S
+        watch: StateWatch | None = None  # the coordinator's view of this replica (launch/state_watch.py)
         next_progress_poll = 0.0
-        while True:
-            if self._signal is not None:
-                return "signal", f"received {signal.Signals(self._signal).name}"
-            if self._podinfo is not None:
-                self._promote_if_assigned()
-            codes = [w.poll() for w in self.workers]
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    reason = f"worker local rank {rank} {describe_exit(code)}"
-                    self._report(attempt, reason, code if code >= 0 else None)
-                    return "failed", reason
-            if all(c == 0 for c in codes):
-                if self.env.is_spare:
-                    return "failed", "the workers of a spare exited before it was promoted"
-                return self._finished(attempt)
-            if time.monotonic() >= next_progress_poll:
-                next_progress_poll = time.monotonic() + PROGRESS_POLL_S
-                hung = self._watch_progress(attempt)
-                if hung is not None:
-                    return "failed", hung
-            if not self.env.is_spare and time.monotonic() >= next_state_poll:
-                next_state_poll = time.monotonic() + STATE_POLL_S
-                try:
-                    state = self.client.replica_state(self.identity(attempt), timeout_s=1.0)
-                except Exception:
-                    state = None  # coordinator unreachable: the workers decide for themselves
-                if state is not None and state.state == "failed":
-                    return "failed", f"coordinator declared the replica failed: {state.reason}"
-                if state is not None and state.state == "superseded":
-                    return "superseded", "a newer incarnation of this replica registered"
-            time.sleep(POLL_S)
+        try:
+            while True:
+                if self._signal is not None:
+                    return "signal", f"received {signal.Signals(self._signal).name}"
+                if self._podinfo is not None:
+                    self._promote_if_assigned()
+                ended = self._workers_ended(attempt)
+                if ended is not None:
+                    return ended
+                if time.monotonic() >= next_progress_poll:
+                    next_progress_poll = time.monotonic() + PROGRESS_POLL_S
+                    hung = self._watch_progress(attempt)
+                    if hung is not None:
+                        return "failed", hung
+                if not self.env.is_spare:  # a spare has no identity until it is promoted
+                    if watch is None:
+                        watch = StateWatch(self.client.url, self.client.token, self.identity(attempt))
+                    state = watch.latest  # None: not answered yet, or the coordinator is unreachable
+                    if state is not None and state.state == "failed":
+                        return "failed", f"coordinator declared the replica failed: {state.reason}"
+                    if state is not None and state.state == "superseded":
+                        return "superseded", "a newer incarnation of this replica registered"
+                time.sleep(POLL_S)
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _workers_ended(self, attempt: int) -> tuple[str, str] | None:
+        codes = [w.poll() for w in self.workers]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                reason = f"worker local rank {rank} {describe_exit(code)}"
+                self._report(attempt, reason, code if code >= 0 else None)
+                return "failed", reason
+        if all(c == 0 for c in codes):
+            if self.env.is_spare:
+                return "failed", "the workers of a spare exited before it was promoted"
+            return self._finished(attempt)
+        return None
 
     def _finished(self, attempt: int) -> tuple[str, str]:
         """Every worker exited 0: 'ok' if the coordinator says the job completed, else 'failed'."""
