@@ -23,7 +23,7 @@ from transom_operator import api, metrics, naming, reasons, resources
 from transom_operator.cache import WatchCache
 from transom_operator.kube import Kube
 from transom_operator.reconcile import failures, replicas
-from transom_operator.reconcile.observe import ObservedPod, observe_node, observe_pod
+from transom_operator.reconcile.observe import observe_node, observe_pod
 from transom_operator.reconcile.status_diff import status_ops
 
 log = logging.getLogger("transom.operator")
@@ -45,9 +45,6 @@ class Controller:
     # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
     _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
     _states: dict[tuple[str, str], str] = field(default_factory=dict)
-    # Per job: each pod as last observed, by (uid, resourceVersion): a pass re-reads only the
-    # pods that changed (a 2,000-pod job's pass otherwise spends most of its CPU here).
-    _observed: dict[tuple[str, str], dict[tuple[str, str], ObservedPod]] = field(default_factory=dict)
     # Per job: (metadata.generation, when) the coordinator was last checked against the spec.
     _coordinator_checked: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     _writers: ThreadPoolExecutor = field(
@@ -71,12 +68,13 @@ class Controller:
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self._set_state(namespace, name, None)
             self.cache.forget_job(namespace, name)
-            self._observed.pop((namespace, name), None)
             self._coordinator_checked.pop((namespace, name), None)
             return None  # owned objects go with it (ownerReferences)
         job = api.TrainingJob.model_validate(raw)
         self._ensure_coordinator(namespace, job)
-        pods = self._pods(namespace, name)
+        # From the watches' cache (cache.py): a pass lists nothing, whatever the job's size, and
+        # observes again only the pods that changed.
+        pods = self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name), observe_pod)
         nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
         now = datetime.now(timezone.utc)
         plan = replicas.plan(job, pods, nodes, now)
@@ -133,18 +131,6 @@ class Controller:
             if first is not None:
                 raise first
         metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
-
-    def _pods(self, namespace: str, name: str) -> list[ObservedPod]:
-        """The job's pods from the watches' cache (cache.py): a pass lists nothing, whatever the
-        job's size, and observes again only the pods whose resourceVersion changed."""
-        before = self._observed.get((namespace, name), {})
-        now: dict[tuple[str, str], ObservedPod] = {}
-        for raw in self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name)):
-            meta = raw.get("metadata") or {}
-            key = (meta.get("uid", ""), meta.get("resourceVersion", ""))
-            now[key] = before.get(key) or observe_pod(raw)
-        self._observed[(namespace, name)] = now
-        return list(now.values())
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
         """Create the job's coordinator, or roll it when the spec changed what it runs with. Read

@@ -61,3 +61,18 @@ def test_nodes_and_forgetting_a_job():
     cache.forget_job("ns", "j")
     fresh = Lister([], 2)
     assert cache.pods("ns", "j", fresh) == [] and fresh.calls == 1
+
+
+def test_a_pod_is_observed_again_only_when_it_changed():
+    cache = WatchCache(resync_s=60, clock=lambda: 0.0)
+    lister = Lister([pod("a", 5), pod("b", 6)], rv=10)
+    observed: list[str] = []
+
+    def observe(p: dict) -> str:
+        observed.append(p["metadata"]["name"])
+        return p["status"]["phase"]
+
+    assert sorted(cache.pods("ns", "j", lister, observe)) == ["Running", "Running"]
+    cache.pod_event("MODIFIED", pod("b", 11, phase="Failed"))
+    assert sorted(cache.pods("ns", "j", lister, observe)) == ["Failed", "Running"]
+    assert observed == ["a", "b", "b"]  # a unchanged: its observation is reused
