@@ -123,13 +123,10 @@ class Controller:
               for pod, labels in plan.relabel),
             *(lambda pod=pod: self.kube.delete_pod(namespace, pod, force=pod in on_dead_node) for pod in plan.delete),
         ]
-        if len(writes) == 1:
-            writes[0]()
-        else:
-            errors = [f.exception() for f in [self._writers.submit(w) for w in writes]]
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                raise first
+        errors = [f.exception() for f in [self._writers.submit(w) for w in writes]]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
