@@ -315,11 +315,14 @@ class Detection(ApiModel):
             "SilentDataCorruption its node counts as faulty (nodeExclusionPolicy). Report: an event and a metric only."
         ),
     )
-    slow_action: Literal["Replace", "Report"] = Field(
+    slow_action: Literal["Replace", "Report", "Rebalance"] = Field(
         _DETECT.slow_action,
         description=(
             "What a FailSlow verdict does. Report (default): an event and a metric. Replace: as for action; "
-            "choose it where each replica has its devices to itself."
+            "choose it where each replica has its devices to itself. Rebalance: the slow replica keeps training "
+            "with a smaller share of each global batch (the others take more, the update stays the mean over "
+            "all samples) until it is at normal speed again; needs a script that takes its batches from "
+            "trainer.batches()."
         ),
     )
 

@@ -7,7 +7,7 @@ know, so that an older reader survives a newer writer (`StatusModel`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -37,7 +37,7 @@ class Condition(StatusModel):
 
     type: str = Field(
         max_length=64, pattern=CAMEL_CASE,
-        description="Kind of condition: Ready, Degraded, Recovering, Succeeded or Failed.",
+        description="Kind of condition: Ready, Degraded, Recovering, Succeeded, Failed or Rebalanced.",
     )
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
     reason: Reason | None = Field(None, description="Why, as one CamelCase word (for example NodeNotReady).")
@@ -131,6 +131,9 @@ class Verdict(StatusModel):
     time: Timestamp | None = Field(None, description="When the verdict was reached.")
 
 
+SharePercent = Annotated[int, Field(ge=1, le=400, description="A replica's share, in percent.")]
+
+
 class TrainingProgress(StatusModel):
     """Training progress, written by the job's coordinator (a job's user cannot write status)."""
 
@@ -158,6 +161,15 @@ class TrainingProgress(StatusModel):
             "Fraction of the job's time spent on steps that were kept, as a decimal string "
             "from \"0\" to \"1.000\" with at most three decimals (for example \"0.930\")."
         ),
+    )
+    batch_share_percent: list[SharePercent] | None = Field(
+        None, max_length=MAX_REPLICAS,
+        description=(
+            "Each replica's share of the global batch, in percent of the nominal one (the index is the "
+            "replica), while a slow replica is rebalanced (spec.detection.slowAction Rebalance); absent "
+            "when every replica has its nominal share."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
     update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
 
@@ -193,7 +205,7 @@ class TrainingJobStatus(StatusModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list, max_length=16,
-        description="Ready, Degraded, Recovering, Succeeded and Failed, at most one of each type.",
+        description="Ready, Degraded, Recovering, Succeeded, Failed and Rebalanced, at most one of each type.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     healthy_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS, description="Replicas with every pod running.")

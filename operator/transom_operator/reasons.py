@@ -37,6 +37,8 @@ NOT_COMPLETE = "NotComplete"
 TOO_MANY_RESTARTS = "TooManyRestarts"
 NOT_FAILED = "NotFailed"
 SUSPENDED = "Suspended"
+SLOW_REPLICA_REBALANCED = "SlowReplicaRebalanced"  # spec.detection.slowAction Rebalance in force
+NOMINAL_SHARES = "NominalShares"
 
 # --- Events (transitions a user can act on) -------------------------------------------
 EVENT_REPLICA_FAILED = "ReplicaFailed"
@@ -48,6 +50,7 @@ EVENT_JOB_DEGRADED = "JobDegraded"
 EVENT_JOB_FAILED = "JobFailed"
 EVENT_JOB_SUCCEEDED = "JobSucceeded"
 EVENT_JOB_SUSPENDED = "JobSuspended"
+EVENT_REBALANCED = "Rebalanced"  # the batch shares changed (status.training.batchSharePercent)
 
 NORMAL = "Normal"
 WARNING = "Warning"

@@ -283,7 +283,7 @@ MODEL_ERRORS = {
     "unknown-exclusion-policy": "Input should be 'Exclude', 'Taint', 'Cordon' or 'None'",
     "restarts-as-float": "valid integer",
     "detection-slow-factor-not-above-one": "greater than or equal to 101",
-    "detection-rebalance-not-built": "Input should be 'Replace' or 'Report'",
+    "detection-unknown-slow-action": "Input should be 'Replace', 'Report' or 'Rebalance'",
     "backend-unknown": "Input should be 'auto', 'gloo' or 'nccl'",
     "name-too-long": "metadata.name must be at most 40 characters",
     "name-starts-with-digit": "metadata.name must start with a lowercase letter",

@@ -416,3 +416,18 @@ def test_observe_node(conditions, expected):
 @pytest.mark.parametrize("n, expected", [(0, 0), (1, 0), (2, 10), (3, 20), (4, 40), (5, 60), (60, 60)])
 def test_backoff_seconds(n, expected):
     assert failures.backoff_seconds(n, backoff=10, max_backoff=60) == expected
+
+
+def test_rebalanced_shares_are_a_condition_and_an_event_when_they_change():
+    w = World(make_job()).running()
+    assert cond(w.step().status, "Rebalanced").status == "False"
+    w.coordinator(step=5, batchSharePercent=[112, 75, 113])
+    p = w.step()
+    c = cond(p.status, "Rebalanced")
+    assert (c.status, c.reason) == ("True", "SlowReplicaRebalanced") and "replica 1 75%" in c.message
+    assert [e[1] for e in p.events] == ["Rebalanced"] and (p.create, p.delete) == ([], [])
+    assert w.step().events == []  # the same shares: no new Event
+    w.coordinator(step=9)  # back to nominal: status.training without the shares
+    p = w.step()
+    assert cond(p.status, "Rebalanced").status == "False" and [e[1] for e in p.events] == ["Rebalanced"]
+    w.assert_quiet()

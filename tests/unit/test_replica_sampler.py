@@ -62,12 +62,30 @@ def test_a_partial_last_batch_is_dropped_on_every_rank():
     assert (s.epoch, s.offset, len(s)) == (1, 0, 8)
 
 
+class Shares:
+    """FaultTolerant.shares (ft/shares.py) with the counts given per step."""
+
+    def __init__(self, counts):
+        self.by_step, self.nominal, self.took_samples = counts, None, []
+
+    def follow(self, batch_size):
+        self.nominal = batch_size
+
+    def counts(self, step):
+        return next((c for first, c in sorted(self.by_step.items(), reverse=True) if step >= first), None)
+
+    def took(self, samples):
+        self.took_samples.append(samples)
+
+
 class Trainer:
     """steps() as FaultTolerant's: the step index until `n` are committed; a scripted
     sequence of outcomes (committed, retried) and jumps (recovered from a peer)."""
 
-    def __init__(self, script):
+    def __init__(self, script, counts=None):
+        """`counts`: {first step: samples per rank of each replica} (Rebalance)."""
         self.script, self.step, self.seen = list(script), 0, []
+        self.shares = Shares(counts or {})
 
     def steps(self, n):
         while self.step < n and self.script:
@@ -97,3 +115,39 @@ def test_batches_repeats_a_retried_step_and_repositions_after_a_jump(workers):
 def test_batches_refuses_a_loader_without_a_replica_sampler():
     with pytest.raises(TypeError, match="ReplicaSampler"):
         next(batches(Trainer(["ok"]), DataLoader(list(range(8)), batch_size=2), 1))
+
+
+def _ranks(replicas=3, world=2, size=48, seed=4):
+    return [ReplicaSampler(range(size), Ctx(r, replicas, k, world), seed=seed) for r in range(replicas) for k in range(world)]
+
+
+def test_rebalanced_slices_of_each_step_partition_the_nominal_global_batch():
+    nominal, counts = _ranks(), [3, 5, 4]  # samples per rank of each replica; they add up to 3 x 4
+    for s in nominal:
+        s.set_step(1, 4)  # step 1 of 2 per epoch (48 samples, 6 ranks, batch 4): the rest of epoch 0
+    rebalanced = _ranks()
+    for s in rebalanced:
+        s.set_step(1, 4)
+        s.counts = counts
+    want = sorted(i for s in nominal for i in list(s))  # step 1's global batch, nominal
+    got = [list(s) for s in rebalanced]
+    assert [len(g) for g in got] == [3, 3, 5, 5, 4, 4] and [len(s) for s in rebalanced] == [3, 3, 5, 5, 4, 4]
+    flat = [i for g in got for i in g]
+    assert len(set(flat)) == len(flat) and sorted(flat) == want  # disjoint, and the same samples
+
+
+def test_batches_follow_the_shares_from_the_step_they_apply_and_keep_a_retried_batch():
+    data = TensorDataset(torch.arange(96))
+    ctx = Ctx(1, 3, 0, 2)
+    loader = DataLoader(data, batch_size=4, sampler=ReplicaSampler(data, ctx, seed=3))
+    trainer = Trainer(["ok", "ok", "retry", "ok", "ok"], counts={2: [5, 3, 4]})
+    got = [(step, batch[0].tolist()) for step, batch in batches(trainer, loader, 4)]
+    assert trainer.shares.nominal == 4 and [len(b) for _, b in got] == [4, 4, 3, 3, 3]
+    assert got[2] == got[3]  # the retry saw the same (rebalanced) batch
+    assert trainer.shares.took_samples == [4, 4, 3, 3]  # one per new step
+    reference = _ranks(size=96, seed=3)
+    for s in reference:
+        s.set_step(2, 4)
+        s.counts = [5, 3, 4]
+    assert got[2][1] == list(reference[2])[:3] and got[4][1] == list(reference[2])[3:6]
+

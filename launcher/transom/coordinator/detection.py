@@ -8,7 +8,11 @@ for another), then run through the detectors (transom/detect). A verdict:
 - with the action Replace (spec.detection.action, or slowAction for `slow`): declares the
   incarnation failed, so it leaves the quorum at once and its launcher restarts it, and
   writes it to `status.training.verdicts`, where the operator replaces the replica's pods
-  and, when the verdict blames the node (slow, sdc: hardware-class), excludes that node.
+  and, when the verdict blames the node (slow, sdc: hardware-class), excludes that node;
+- with slowAction Rebalance (`slow` only): sets the replica's slowdown in the membership's
+  batch shares, which the next decision publishes (transom/detect/rebalance.py); the share
+  returns to nominal when the detectors find the replica at normal speed again, or with
+  its next incarnation.
 
 Pure bookkeeping over `Membership`, under the server's lock; no I/O.
 """
@@ -49,6 +53,7 @@ class Detection:
         if self._incarnation.get(replica) != batch.identity.key():
             self.detectors.forget(replica)  # a new incarnation: new history (maybe new hardware)
             self._incarnation[replica] = batch.identity.key()
+            self._restore(replica, now, "restarted")
         if batch.stacks:
             self._stacks[replica] = batch.stacks
         signals = []
@@ -65,7 +70,13 @@ class Detection:
         verdicts = self.detectors.observe_all(signals)
         for v in verdicts:
             self._act(v, now)
+        for r in self.detectors.take_recovered():
+            self._restore(r, now, "at normal speed again")
         return verdicts
+
+    def _restore(self, replica: int, now: float, why: str) -> None:
+        if self.membership.shares.restore(replica):
+            self.membership._event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
 
     def _act(self, v: Verdict, now: float) -> None:
         reason = REASONS[v.kind]
@@ -78,6 +89,9 @@ class Detection:
         m = self.membership
         m._event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
         rep = m.replicas.get(v.replica)
+        if action == "Rebalance":
+            m.shares.slow(v.replica, v.slowdown)  # published by the next decision
+            return
         if action != "Replace" or rep is None:
             return
         entry = {"replica": v.replica, "generation": rep.identity.generation, "reason": reason,

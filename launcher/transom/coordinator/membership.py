@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from transom.coordinator.goodput import GoodputClock, as_decimal
+from transom.detect.rebalance import BatchShares
 from transom.coordinator.models import (
     CheckpointReport,
     Event,
@@ -129,6 +130,8 @@ class Decision:
     recovering: tuple[int, ...]  # members catching up (they contribute zeros)
     sources: tuple[int, ...] = ()  # members holding the newest state, serving it while anyone catches up
     snapshot_from: int | None = None  # the sources keep a snapshot of this step or later
+    shares: tuple[float, ...] | None = None  # each replica's share of the global batch (Rebalance)
+    shares_from: int = 0  # ... from this step on
 
     def member_ids(self) -> list[int]:
         return [m.replica_id for m in self.members]
@@ -164,6 +167,12 @@ class Membership:
     last_checkpoint: tuple[int, float] | None = None
     last_checkpoint_stall_s: float | None = None  # the committing replica's snapshot stall
     goodput: GoodputClock = field(default_factory=GoodputClock)
+    # Rebalance (spec.detection.slowAction): the detectors set who is slow, a decision
+    # publishes the shares (transom/detect/rebalance.py).
+    shares: BatchShares = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shares = BatchShares(self.settings.num_replicas)
 
     # --- helpers -----------------------------------------------------------------------
     def _event(self, now: float, kind: str, message: str) -> None:
@@ -417,6 +426,11 @@ class Membership:
         if self.paused:
             self.paused = False
             self._event(now, "resumed", f"{len(ids)} replicas ready")
+        if self.shares.publish(all(ready[i].follows_shares for i in ids), max_step):
+            vector = self.shares.published
+            self._event(now, "rebalance", f"from step {max_step + 1}: " + (
+                "every replica takes its nominal share of the global batch" if vector is None else
+                "shares of the global batch " + ", ".join(f"replica {r} {v:.2f}" for r, v in enumerate(vector))))
         decision = Decision(
             round=self.next_round,
             quorum_id=quorum_id,
@@ -428,6 +442,8 @@ class Membership:
             recovering=recovering,
             sources=tuple(canonical) if recovering else (),
             snapshot_from=max(needs) if needs else None,
+            shares=tuple(self.shares.published) if self.shares.published is not None else None,
+            shares_from=self.shares.published_from,
         )
         self.next_round += 1
         self.current = decision
@@ -461,6 +477,8 @@ class Membership:
             serve_recovery=replica_id in decision.sources,
             sources=sources,
             snapshot_from=decision.snapshot_from,
+            shares=list(decision.shares) if decision.shares is not None else None,
+            shares_from=decision.shares_from,
         )
 
     def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:
@@ -494,6 +512,10 @@ class Membership:
         goodput = self.goodput.value(now)
         if goodput is not None:
             out["goodput"] = as_decimal(goodput)
+        if self.shares.published is not None:
+            out["batchSharePercent"] = [round(v * 100) for v in self.shares.published]
+        elif self.shares.published_from > 0:  # rebalanced before: a merge patch's null removes it
+            out["batchSharePercent"] = None
         return out
 
     def status(self, now: float) -> JobStatus:

@@ -130,6 +130,10 @@ class QuorumRequest(_Msg):
                     "and needs a snapshot of this step or later (ft/catchup.py)",
     )
     timeout_s: float = Field(default=30.0, gt=0, le=120, description="long-poll limit")
+    follows_shares: bool = Field(
+        default=False, description="the replica takes its batches from the share schedule (trainer.batches): "
+                                   "it can be rebalanced (transom/detect/rebalance.py)",
+    )
 
     @model_validator(mode="after")
     def _catching_up_from_the_past(self) -> "QuorumRequest":
@@ -162,6 +166,10 @@ class QuorumResponse(_Msg):
     snapshot_from: int | None = Field(
         default=None, description="sources keep a snapshot of this step or later; None: they keep none"
     )
+    shares: list[float] | None = Field(
+        default=None, description="each replica's share of the global batch (1.0 nominal), None: all nominal"
+    )
+    shares_from: int = Field(default=0, description="the step from which `shares` apply")
 
 
 class ReplicaStatus(_Msg):

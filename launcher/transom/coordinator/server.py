@@ -140,6 +140,12 @@ class _MembershipCollector:
         for kind in KINDS:
             c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
         yield c
+        g = GaugeMetricFamily("transom_coordinator_batch_share",
+                              "A replica's share of the global batch (1 nominal), while Rebalance is in force",
+                              labels=["replica"])
+        for replica, share in enumerate(m.shares.published or []):
+            g.add_metric([str(replica)], share)
+        yield g
         yield from self._progress(m)
 
     def _progress(self, m: Membership):

@@ -49,6 +49,7 @@ class Verdict:
     first_step: int
     message: str
     reached_step: int = -1  # the step whose signals completed the evidence (detection delay)
+    slowdown: float | None = None  # slow: how many times longer than predicted, relative to the others
 
     @property
     def blame(self) -> str:
@@ -142,8 +143,15 @@ class Detectors:
         found += self._nonfinite(step, by_replica)
         found += self._spikes(step, by_replica)
         found += self._fingerprints(step, signals)
-        found += [Verdict(r, k, "slow", first, msg) for r, k, first, msg in self.slow.step(step, signals)]
+        found += [Verdict(r, k, "slow", first, msg, slowdown=x) for r, k, first, msg, x in self.slow.step(step, signals)]
         return self._once([dataclasses.replace(v, reached_step=step) for v in found])
+
+    def take_recovered(self) -> list[int]:
+        """Replicas that had a `slow` verdict and are at normal speed again (each once); a new
+        slowdown of theirs can make a new verdict."""
+        out, self.slow.recovered = self.slow.recovered, []
+        self._reported -= {(r, "slow") for r in out}
+        return out
 
     def _nonfinite(self, step: int, by_replica: dict[int, list[Signal]]) -> list[Verdict]:
         bad = [r for r, sigs in by_replica.items() if not all(x.finite for x in sigs)]

@@ -23,7 +23,7 @@ from typing import Literal, TextIO
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
 OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery")
 Action = Literal["Replace", "Report"]
-SlowAction = Literal["Replace", "Report"]
+SlowAction = Literal["Replace", "Report", "Rebalance"]
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
 SPEC_NAMES = {"enabled": "enabled", "warmupSteps": "warmup_steps", "slowFactorPercent": "slow_factor",
               "slowSteps": "slow_steps", "lossSpikeZ": "loss_spike_z", "lossWindow": "loss_window",
@@ -73,8 +73,9 @@ class DetectionSettings:
     """What a verdict does: Replace (the replica is taken out and replaced) or Report."""
     slow_action: SlowAction = "Report"
     """What a `slow` verdict does: Report (the default: an event and a metric; replicas that
-    share CPUs with other work are slow without a faulty device) or Replace (Rebalance, a
-    smaller share of each global batch, is not built: docs/architecture.md)."""
+    share CPUs with other work are slow without a faulty device), Replace, or Rebalance (the
+    slow replica gets a smaller share of each global batch and the others more, until it is
+    at normal speed again: transom/detect/rebalance.py)."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.slow_steps < 1 or self.bad_steps < 1 or self.loss_window < 2:
@@ -87,8 +88,10 @@ class DetectionSettings:
             raise ValueError("fingerprint_interval must not be negative")
         if not (math.isfinite(self.hang_timeout_s) and self.hang_timeout_s > 0):
             raise ValueError(f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s}")
-        if self.action not in ("Replace", "Report") or self.slow_action not in ("Replace", "Report"):
-            raise ValueError(f"action and slow_action must be Replace or Report, got {self.action}, {self.slow_action}")
+        if self.action not in ("Replace", "Report"):
+            raise ValueError(f"action must be Replace or Report, got {self.action}")
+        if self.slow_action not in ("Replace", "Report", "Rebalance"):
+            raise ValueError(f"slow_action must be Replace, Report or Rebalance, got {self.slow_action}")
 
     def action_for(self, kind: str) -> str:
         return self.slow_action if kind == "slow" else self.action

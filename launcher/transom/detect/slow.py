@@ -14,7 +14,9 @@ filesystem) is nobody's fault. `slow_steps` slow steps in a row make a verdict. 
 does not train the predictor, so a slowdown is not learnt as the new normal. Steps in which
 the rank also worked on a catch-up (serving or fetching state) are left out. When every
 rank of a replica is slow the verdict names the replica (rank None): its node or its
-network, not one GPU.
+network, not one GPU. A verdict carries the slowdown (the median relative ratio of the run
+that made it), which Rebalance sizes the replica's share by; a replica with a verdict whose
+ranks are then at normal speed for `slow_steps` steps in a row is reported recovered.
 """
 
 from __future__ import annotations
@@ -86,21 +88,26 @@ class _Rank:
     model: StepTimeModel = field(default_factory=StepTimeModel)
     run: int = 0  # slow steps in a row
     run_from: int = -1  # the first step of the current run
+    run_ratios: list[float] = field(default_factory=list)  # its relative ratios (the first slow_steps)
+    normal_run: int = 0  # steps at normal speed in a row
 
 
 class FailSlow:
     def __init__(self, settings: DetectionSettings):
         self.settings = settings
         self.ranks: dict[tuple[int, int], _Rank] = {}
+        self.flagged: set[int] = set()  # replicas with a verdict, until they are at normal speed
+        self.recovered: list[int] = []  # replicas found at normal speed again, for the caller to take
 
     def forget(self, replica: int) -> None:
         """A new incarnation of `replica` (new hardware, maybe): start its ranks over."""
         for key in [k for k in self.ranks if k[0] == replica]:
             del self.ranks[key]
+        self.flagged.discard(replica)
 
-    def step(self, step: int, signals: Sequence[Signal]) -> list[tuple[int, int | None, int, str]]:
-        """Observe one step's signals; returns (replica, rank or None, first step, message)
-        for each rank or replica that is now found slow."""
+    def step(self, step: int, signals: Sequence[Signal]) -> list[tuple[int, int | None, int, str, float]]:
+        """Observe one step's signals; returns (replica, rank or None, first step, message,
+        slowdown) for each rank or replica that is now found slow."""
         # A rank that also served or fetched a joiner's state did more than its workload:
         # its step is neither judged nor learnt from (a catch-up is not a slow device).
         signals = [s for s in signals if not s.recovery]
@@ -119,24 +126,44 @@ class FailSlow:
             others = [v for k, v in ratios.items() if k != key]
             relative = ratios[key] / (statistics.median(others) if others else 1.0)
             if relative > self.settings.slow_factor:
-                r.run_from = step if r.run == 0 else r.run_from
+                r.run_from, r.run_ratios = (step, []) if r.run == 0 else (r.run_from, r.run_ratios)
                 r.run += 1
+                r.normal_run = 0
+                if len(r.run_ratios) < self.settings.slow_steps:
+                    r.run_ratios.append(relative)
                 if r.run == self.settings.slow_steps:
+                    slowdown = statistics.median(r.run_ratios)
                     found.append((s.replica, s.rank, r.run_from,
-                                  f"rank {s.rank} took {relative:.2f}x the time its workload predicts, relative "
-                                  f"to the other ranks, for {r.run} steps"))
+                                  f"rank {s.rank} took {slowdown:.2f}x the time its workload predicts, relative "
+                                  f"to the other ranks, for {r.run} steps", slowdown))
             else:
                 r.run = 0
+                r.normal_run += 1
                 r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
-        return self._whole_replicas(found)
+        self._find_recovered()
+        out = self._whole_replicas(found)
+        self.flagged.update(f[0] for f in out)
+        return out
 
-    def _whole_replicas(self, found: list[tuple[int, int, int, str]]) -> list[tuple[int, int | None, int, str]]:
-        out: list[tuple[int, int | None, int, str]] = []
+    def _find_recovered(self) -> None:
+        """Replicas with a verdict whose every rank has been at normal speed for slow_steps steps."""
+        for replica in sorted(self.flagged):
+            ranks = [r for k, r in self.ranks.items() if k[0] == replica]
+            if ranks and all(r.normal_run >= self.settings.slow_steps for r in ranks):
+                self.flagged.discard(replica)
+                self.recovered.append(replica)
+
+    def _whole_replicas(self, found: list[tuple[int, int, int, str, float]]
+                        ) -> list[tuple[int, int | None, int, str, float]]:
+        out: list[tuple[int, int | None, int, str, float]] = []
         for replica in sorted({f[0] for f in found}):
             ranks = [k for k in self.ranks if k[0] == replica]
             if len(ranks) > 1 and all(self.ranks[k].run >= self.settings.slow_steps for k in ranks):
                 first = min(self.ranks[k].run_from for k in ranks)
-                out.append((replica, None, first, f"every rank of the replica is slow ({len(ranks)} ranks)"))
-            else:
-                out += [f for f in found if f[0] == replica]
+                slowdown = statistics.median(statistics.median(self.ranks[k].run_ratios) for k in ranks)
+                out.append((replica, None, first, f"every rank of the replica is slow ({len(ranks)} ranks)",
+                            slowdown))
+            else:  # the replica waits for its slowest rank
+                mine = [f for f in found if f[0] == replica]
+                out += [max(mine, key=lambda f: f[4])]
         return out

@@ -19,6 +19,14 @@ step `s` is `s // steps_per_epoch`: an epoch is `per_rank_samples // batch_size`
 batches on every rank (a partial last batch is dropped, so that every step's global batch
 is whole); `drop_last=False` wraps the permutation around to even out the ranks instead
 of dropping the dataset's tail, as DistributedSampler does.
+
+Under Rebalance (transom/detect/rebalance.py) the replicas' batches differ in size: the
+global batch of step `s` is still the `s`-th block of `num_replicas x world_size x
+batch_size` positions of the epoch's permutation, and each rank takes a contiguous slice of
+it, sized by its replica's share (`counts`, samples per rank of each replica; the slices
+of all ranks are disjoint and cover the block). `batches()` sets the counts in force at
+each step and the loader's batch size with them (its own `BatchSampler`'s, which the
+loader reads when an iteration starts), and starts a new iteration when they change.
 """
 
 from __future__ import annotations
@@ -44,12 +52,20 @@ class ReplicaSampler(Sampler[int]):
         self.epoch = 0
         self.offset = 0  # samples of this epoch this rank has already consumed
         self.limit = self.per_rank  # samples of an epoch that are used (whole batches only)
+        self.counts: list[int] | None = None  # Rebalance: samples per rank of each replica, per step
+        self._batch = 0  # the nominal batch size of set_step (block size under counts)
+
+    @property
+    def replica_id(self) -> int:
+        return self._ctx.replica_id
 
     @property
     def global_rank(self) -> int:
         return self._ctx.replica_id * self._ctx.world_size + self._ctx.rank
 
     def __len__(self) -> int:
+        if self.counts is not None:
+            return (self.limit - self.offset) // self._batch * self.counts[self.replica_id]
         return self.limit - self.offset
 
     def set_epoch(self, epoch: int) -> None:
@@ -67,9 +83,10 @@ class ReplicaSampler(Sampler[int]):
         per_epoch = self.steps_per_epoch(batch_size)
         self.epoch, within = divmod(step, per_epoch)
         self.offset, self.limit = within * batch_size, per_epoch * batch_size
+        self._batch = batch_size
 
-    def indices(self, epoch: int) -> list[int]:
-        """This rank's samples of `epoch`, in order."""
+    def _order(self, epoch: int) -> list[int]:
+        """The epoch's permutation, `per_rank x ranks` long."""
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = torch.randperm(self.size, generator=g).tolist()
@@ -78,10 +95,28 @@ class ReplicaSampler(Sampler[int]):
         total = self.per_rank * self.ranks
         if total > len(order):  # not drop_last: wrap around to even the ranks out
             order += order[: total - len(order)]
-        return order[self.global_rank:total:self.ranks]
+        return order[:total]
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's samples of `epoch`, in order (nominal shares)."""
+        return self._order(epoch)[self.global_rank::self.ranks]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices(self.epoch)[self.offset:self.limit])
+        if self.counts is None:
+            return iter(self.indices(self.epoch)[self.offset:self.limit])
+        return iter(self._sliced())
+
+    def _sliced(self) -> list[int]:
+        """The rest of the epoch under `counts`: this rank's slice of each step's block."""
+        counts, world, replica = self.counts, self._ctx.world_size, self.replica_id
+        assert counts is not None and self._batch > 0
+        block = self._batch * self.ranks
+        start = world * sum(counts[:replica]) + self._ctx.rank * counts[replica]
+        order = self._order(self.epoch)
+        out: list[int] = []
+        for k in range(self.offset // self._batch, self.limit // self._batch):
+            out += order[k * block + start:k * block + start + counts[replica]]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "limit": self.limit, "seed": self.seed, "ranks": self.ranks}
@@ -106,9 +141,16 @@ def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
         raise TypeError("trainer.batches needs a DataLoader whose sampler is an ft.ReplicaSampler")
     if loader.batch_size is None:
         raise TypeError("trainer.batches needs a DataLoader with a batch_size")
+    nominal = loader.batch_size  # with batch_size= (not batch_sampler=), the loader's own BatchSampler
+    trainer.shares.follow(nominal)
     it, expected, current, batch = None, None, None, None
     for step in trainer.steps(num_steps):
         if step != current:
+            counts = trainer.shares.counts(step)
+            if counts != sampler.counts:  # Rebalance: another batch size from this step
+                sampler.counts = counts
+                loader.batch_sampler.batch_size = nominal if counts is None else counts[sampler.replica_id]
+                it = None
             if it is None or step != expected:
                 sampler.set_step(step, loader.batch_size)
                 it = iter(loader)
@@ -119,4 +161,5 @@ def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
                 it = iter(loader)
                 batch = next(it)
             current, expected = step, step + 1
+            trainer.shares.took(nominal if counts is None else counts[sampler.replica_id])
         yield step, batch

@@ -2,7 +2,10 @@
 
 Gradients are packed into flat buckets (one per dtype and device, capped in size), summed
 across the quorum's members and divided by the number of *participants*: a recovering
-replica sends zeros and is not counted, so it changes nothing in the average. Each bucket
+replica sends zeros and is not counted, so it changes nothing in the average. Under
+Rebalance (replicas with batches of different sizes, transom/detect/rebalance.py) each
+contributor scales its gradients by its share of the step's samples instead, and the sum
+is the average. Each bucket
 is started as soon as its gradients are ready (`start`, asynchronous; the trainer calls it
 from the backward pass, ft/backward.py) and `finish` waits for them all, so the exchange
 overlaps the rest of the backward pass as DDP's does.
@@ -58,14 +61,18 @@ class StepAllReduce:
     """FTAR state for one attempt of one step."""
 
     def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool,
-                 own: Callable[[torch.Tensor], None] | None = None):
+                 own: Callable[[torch.Tensor], None] | None = None, weight: float | None = None):
         """`own`: shown each bucket of this replica's own gradients before the exchange
-        (ft/guard.py keeps their norm)."""
+        (ft/guard.py keeps their norm). `weight`: this replica's fraction of the step's
+        samples (every member gives one, or none does): the sum is then the average."""
         if participants < 1:
             raise ValueError("a step needs at least one participant")
+        if weight is not None and not 0.0 <= weight <= 1.0:
+            raise ValueError(f"a replica's weight is a fraction of the step's samples, got {weight}")
         self.group = group
         self.participants = participants
         self.contribute = contribute
+        self.weight = weight
         self.own = own
         self.error: str | None = None if group is not None else "no cross-replica group"
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, list]] = []  # buckets started
@@ -96,6 +103,8 @@ class StepAllReduce:
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.own is not None:
                 self.own(flat)
+            if self.weight is not None and self.weight != 1.0:
+                flat.mul_(self.weight)
         else:
             flat = torch.zeros(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
         try:
@@ -118,7 +127,8 @@ class StepAllReduce:
             self.fail(f"{type(e).__name__}: {e}")
             return
         for grads, flat, _ in pending:
-            flat.div_(self.participants)
+            if self.weight is None:
+                flat.div_(self.participants)
             offset = 0
             for g in grads:
                 n = g.numel()
@@ -140,7 +150,7 @@ class StepAllReduce:
         return bool(flag.item() > 0)
 
     def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Average the gradients of `params` over the participants, in place, all at once."""
+        """Average the gradients of `params` over the participants (or by weight), in place, all at once."""
         plist = [p for p in params if p.requires_grad]
         for bucket in bucket_params(plist, bucket_bytes):
             self.start(bucket)

@@ -101,6 +101,12 @@ class Guard:
     def workload(self, tokens: float | None, sum_len_sq: float | None) -> None:
         self._workload = (tokens, sum_len_sq)
 
+    def default_workload(self, samples: int) -> None:
+        """The batch's samples stand for its tokens when the script reported no workload (a
+        rebalanced replica's batch changes size: its predicted time must follow)."""
+        if self._workload == (None, None):
+            self._workload = (float(samples), None)
+
     def own_bucket(self, flat: torch.Tensor) -> None:
         """A bucket of this rank's own gradients, before the exchange (ftar.StepAllReduce)."""
         self._norms.append(torch.linalg.vector_norm(flat, dtype=torch.float32))

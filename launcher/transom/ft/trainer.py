@@ -65,6 +65,7 @@ from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_par
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.process_group import QuorumGroups
+from transom.ft.shares import BatchShares
 from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
 from transom.ft.leader import CoordinatorLink, coordinator_view, outcome, report_failure
@@ -133,6 +134,8 @@ class FaultTolerant:
         self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
                             self.ctx.rank, gradients_judged=scaler is None) if self.detection.enabled else None
         self._clock = StepClock(self._guard)  # this step's busy time, and its waits for others
+        self.shares = BatchShares(self.ctx.num_replicas)
+        """Rebalance: the shares of the global batch that batches() follows (ft/shares.py)."""
 
         self.step = 0  # committed optimizer steps
         self._commit_quorum_id = -1
@@ -282,6 +285,7 @@ class FaultTolerant:
                 last_loss=self._last_loss,
                 last_step_seconds=self._last_seconds,
                 catching_up_from=self._joiner.need_from if self._joiner is not None else None,
+                follows_shares=self.shares.following,
             )
             self._future = self._link.ask(req)
 
@@ -396,8 +400,10 @@ class FaultTolerant:
         recovering = self.replica_id in q.recovering
         if self.fault and self._buckets:
             self.fault.maybe_fire(self.step, self.ctx.rank, "gradients", target=self._buckets[0][0].grad)
+        self.shares.update(q)
         ftar = StepAllReduce(self._groups.group, q.participants, contribute=not recovering,
-                             own=self._guard.own_bucket if self._guard is not None else None)
+                             own=self._guard.own_bucket if self._guard is not None else None,
+                             weight=self.shares.weight(q, self.replica_id))
         self._exchange_gate.busy()  # a catch-up in the background leaves the link to the buckets
         if error:
             ftar.fail(error)
@@ -499,6 +505,8 @@ class FaultTolerant:
             return
         if not skipped:
             self._guard.learn(loss)
+        if self.shares.step_samples is not None:
+            self._guard.default_workload(self.shares.step_samples)
         print_ = None
         if self._joiner is None and self._guard.fingerprint_due(step):
             print_ = int(fingerprint(list(self.model.parameters())).item())

@@ -1,5 +1,6 @@
-"""The job-level part of a TrainingJob's status: its state, its five conditions and the
-Events of a state transition, from the replicas' states that `replicas.plan` worked out.
+"""The job-level part of a TrainingJob's status: its state, its six conditions and the
+Events of a state transition, from the replicas' states that `replicas.plan` worked out
+(and, for Rebalanced, from the batch shares the coordinator wrote in status.training).
 
 Pure: `job_state` and `conditions` read only their arguments. A condition keeps its
 lastTransitionTime while its status stays the same, so writing the same status twice
@@ -88,6 +89,20 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
                    reasons.TOO_MANY_RESTARTS if state == "Failed" else reasons.NOT_FAILED,
                    failed_message or "the job has not failed", prev, generation, now),
     ]
+
+
+def rebalanced(shares: list[int] | None, prev: Mapping[str, api.Condition], generation: int | None,
+               now: datetime) -> tuple[api.Condition, tuple[str, str, str] | None]:
+    """The Rebalanced condition (a slow replica has a smaller share of each global batch:
+    status.training.batchSharePercent) and the Event of a change of the shares, if any."""
+    on = bool(shares)
+    message = ("shares of the global batch: " + ", ".join(f"replica {r} {p}%" for r, p in enumerate(shares or []))
+               if on else "every replica has its nominal share of the global batch")
+    cond = _condition("Rebalanced", on, reasons.SLOW_REPLICA_REBALANCED if on else reasons.NOMINAL_SHARES,
+                      message, prev, generation, now)
+    old = prev.get("Rebalanced")
+    changed = old.message != message if old is not None else on
+    return cond, (reasons.NORMAL, reasons.EVENT_REBALANCED, message) if changed else None
 
 
 def transition_event(state: str, previous: str | None, v: JobView,

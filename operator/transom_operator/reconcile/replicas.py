@@ -344,11 +344,15 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     event = job_status.transition_event(state, prev.state, view, failed_message)
     if event is not None:
         ps.out.events.append(event)
+    shares = prev.training.batch_share_percent if prev.training is not None else None
+    rebalanced, shares_event = job_status.rebalanced(shares, prev_conditions, gen, ps.now)
+    if shares_event is not None:
+        ps.out.events.append(shares_event)
     return api.TrainingJobStatus(
         observed_generation=gen,
         state=state,
         healthy=f"{healthy}/{spec.replicas}",
-        conditions=job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now),
+        conditions=[*job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now), rebalanced],
         healthy_replicas=healthy,
         total_restarts=(prev.total_restarts or 0) + (0 if failed_now else ps.new_restarts),
         replicas=statuses,

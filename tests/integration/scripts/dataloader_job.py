@@ -3,11 +3,13 @@ trainer.batches, in the ordinary optimizer idiom with AMP's GradScaler (enabled 
 too, so its skip path runs), logging which samples each committed step trained on.
 
     transom run --replicas 3 -- python dataloader_job.py --steps 30 --log-dir D [--workers 2]
-        [--inf-at REPLICA:STEP]
+        [--inf-at REPLICA:STEP] [--sample-seconds S]
 
 Every rank appends one JSON line per step to D/<replica>-<rank>-<pid>.jsonl:
-{"replica", "rank", "step", "committed", "updated", "scale", "indices"}; the test checks
-them. `--inf-at` makes that replica's loss infinite at that step (an AMP overflow).
+{"replica", "rank", "step", "committed", "updated", "scale", "indices"}, and at the end
+D/final-<replica>-<rank>.json with the model's parameters; the test checks them.
+`--inf-at` makes that replica's loss infinite at that step (an AMP overflow);
+`--sample-seconds` makes a step's compute proportional to its batch (a sleep per sample).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="sleep this long in every step (so that a killed replica restarts while the others train)")
+    p.add_argument("--sample-seconds", type=float, default=0.0, help="sleep this long per sample of the batch")
     p.add_argument("--inf-at", default=None, help="REPLICA:STEP whose loss overflows")
     args = p.parse_args()
     inf_at = tuple(int(v) for v in args.inf_at.split(":")) if args.inf_at else None
@@ -59,6 +62,7 @@ def main() -> None:
             if inf_at == (ctx.replica_id, step):
                 loss = loss * float("inf")
             before = model.weight.detach().clone()
+            time.sleep(args.sample_seconds * len(index))
             scaler.scale(loss).backward()
             time.sleep(args.step_seconds)
             scaler.unscale_(optimizer)
@@ -71,6 +75,8 @@ def main() -> None:
                                   "updated": not torch.equal(before, model.weight), "scale": scaler.get_scale(),
                                   "indices": index.tolist()}) + "\n")
             log.flush()
+    final = {"weight": model.weight.detach().flatten().tolist(), "bias": model.bias.detach().tolist()}
+    (args.log_dir / f"final-{ctx.replica_id}-{ctx.rank}.json").write_text(json.dumps(final))
 
 
 if __name__ == "__main__":

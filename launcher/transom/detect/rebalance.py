@@ -1,0 +1,128 @@
+"""Rebalance: a slow replica's smaller share of each global batch (ResiHP's adaptation, at
+replica granularity). Pure: the coordinator's policy, the replicas' arithmetic.
+
+A replica that is slow but healthy (a throttled GPU, a noisy neighbour) holds every step
+back by its slowdown, since the replicas train in lockstep. With `slowAction: Rebalance`
+the coordinator gives it fewer samples of each global batch and the others more, so that
+all finish together, instead of replacing it:
+
+- **Policy** (`BatchShares`, the coordinator's). A `slow` verdict says how much longer the
+  replica takes than its workload predicts, relative to the others (`factor`, at most
+  `MAX_SLOWNESS` counted). Shares are proportional to speed (1/factor; 1 for the others)
+  and sum to the number of replicas, so the global batch keeps its size: with three
+  replicas and one 1.5x slow, 0.75 / 1.125 / 1.125, and a step takes 1.125x instead of
+  1.5x. The share returns to 1 when the detector sees the replica at normal speed again for
+  `slowSteps` steps, or when the replica is restarted or replaced (a new incarnation,
+  maybe new hardware).
+- **Schedule** (`ShareSchedule`, each replica's). A new vector is published in a round's
+  decision and applies from the step after that round's, so every member knows it before
+  it takes that step's batch; a retried step keeps the batch it had.
+- **Samples** (`samples_per_rank`): the nominal batch `b` per rank times the share,
+  rounded so that the replicas' samples still add up to `replicas x b` (largest remainder,
+  ties to the lower replica id): every member computes the same numbers.
+- **Exact update** (`exchange_weight`): each contributing replica scales its gradients (a
+  mean over its own samples) by its samples over all contributors' samples before the sum,
+  so the average is the mean over every sample of the step, whatever the shares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_SLOWNESS = 4.0  # a replica slower than this is given the share of one this slow (replace it instead)
+CHANGE = 0.02  # shares that differ by less than this are not worth a new schedule
+
+
+def share_vector(slowness: dict[int, float], replicas: int) -> list[float] | None:
+    """Each replica's share of the global batch (1.0 the nominal one; they sum to `replicas`),
+    or None when every replica has the nominal share."""
+    speeds = [1.0 / min(max(slowness.get(r, 1.0), 1.0), MAX_SLOWNESS) for r in range(replicas)]
+    if all(s == 1.0 for s in speeds):
+        return None
+    total = sum(speeds)
+    return [round(replicas * s / total, 4) for s in speeds]
+
+
+def samples_per_rank(shares: list[float] | None, batch: int, replicas: int) -> list[int]:
+    """Samples each replica's ranks take per step: `batch` times its share, rounded by largest
+    remainder so that they add up to `replicas x batch`; at least one each."""
+    if shares is None:
+        return [batch] * replicas
+    if len(shares) != replicas or not all(math.isfinite(s) and s > 0 for s in shares):
+        raise ValueError(f"batch shares {shares} do not fit {replicas} replicas")
+    total = batch * replicas
+    ideal = [s * total / sum(shares) for s in shares]
+    counts = [max(1, math.floor(x)) for x in ideal]
+    # Largest remainders first, lower replica ids on ties; take back from the largest if the
+    # floor of one made the sum overshoot.
+    order = sorted(range(replicas), key=lambda r: (-(ideal[r] - counts[r]), r))
+    i = 0
+    while sum(counts) < total:
+        counts[order[i % replicas]] += 1
+        i += 1
+    while sum(counts) > total:
+        counts[max(range(replicas), key=lambda r: (counts[r], -r))] -= 1
+    return counts
+
+
+def exchange_weight(counts: list[int], contributors: list[int], me: int) -> float:
+    """What `me` multiplies its (per-sample mean) gradients by before the cross-replica sum, so
+    that the sum is the mean over every contributing replica's samples."""
+    return counts[me] / sum(counts[c] for c in contributors)
+
+
+@dataclass
+class BatchShares:
+    """The coordinator's policy: who is slow by how much, and the vector that follows."""
+
+    replicas: int
+    slowness: dict[int, float] = field(default_factory=dict)
+    published: list[float] | None = None  # the vector in the latest decision
+    published_from: int = 0  # ... applies from this step
+
+    def slow(self, replica: int, factor: float | None) -> bool:
+        """A `slow` verdict with Rebalance; True if the wanted shares changed."""
+        before = self.wanted()
+        self.slowness[replica] = max(factor or 1.0, 1.0)
+        return self.wanted() != before
+
+    def restore(self, replica: int) -> bool:
+        """The replica is at normal speed again, or a new incarnation; True if it had a share."""
+        return self.slowness.pop(replica, None) is not None
+
+    def wanted(self) -> list[float] | None:
+        return share_vector(self.slowness, self.replicas)
+
+    def publish(self, all_follow: bool, step: int) -> bool:
+        """The vector for a round decided at `step` (applied from step + 1). Only when every
+        member takes its batches from the schedule (trainer.batches): a replica with its own
+        data loop would be weighted for samples it did not take. True if it changed."""
+        want = self.wanted() if all_follow else None
+        if want is not None and self.published is not None and \
+                max(abs(a - b) for a, b in zip(want, self.published)) < CHANGE:
+            return False
+        if want == self.published:
+            return False
+        self.published, self.published_from = want, step + 1
+        return True
+
+
+@dataclass
+class ShareSchedule:
+    """A replica's view of the published vectors: the one in force at any step it may take."""
+
+    current: list[float] | None = None
+    pending: list[float] | None = None
+    pending_from: int = 0
+
+    def update(self, shares: list[float] | None, shares_from: int) -> None:
+        """The vector of a round's answer (applies from `shares_from`)."""
+        if (shares, shares_from) == (self.pending, self.pending_from):
+            return  # the same answer again (most rounds): keep the objects, and what was made of them
+        if shares_from != self.pending_from:  # the previous announcement is in force before it
+            self.current = self.pending
+        self.pending, self.pending_from = shares, shares_from
+
+    def at(self, step: int) -> list[float] | None:
+        return self.pending if step >= self.pending_from else self.current

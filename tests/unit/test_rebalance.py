@@ -1,0 +1,162 @@
+"""Rebalance (transom/detect/rebalance.py and its users): shares sized by slowness, samples
+that add up to the global batch, an update that stays the mean over every sample, the
+schedule every member reads alike, the detector's slowdown and recovery, and the
+coordinator publishing and withdrawing the shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from membership_world import ident, make, register, round_all
+from transom.coordinator.detection import Detection
+from transom.coordinator.models import QuorumRequest, SignalBatch, SignalRow
+from transom.detect.detectors import Detectors
+from transom.detect.rebalance import (MAX_SLOWNESS, BatchShares, ShareSchedule, exchange_weight, samples_per_rank,
+                                      share_vector)
+from transom.detect.signals import DetectionSettings, Signal
+
+
+def test_shares_follow_speed_and_keep_the_global_batch():
+    assert share_vector({}, 3) is None
+    shares = share_vector({1: 1.5}, 3)
+    assert shares == [1.125, 0.75, 1.125] and sum(shares) == 3
+    # The slow one's time (share x slowdown) now equals the others': the step is 1.125x, not 1.5x.
+    assert shares[1] * 1.5 == pytest.approx(shares[0])
+    assert share_vector({0: 100.0}, 2) == share_vector({0: MAX_SLOWNESS}, 2)
+    assert share_vector({0: 0.5}, 2) is None  # "faster than the others" is not a slowdown
+
+
+@pytest.mark.parametrize("shares,batch", [([1.125, 0.75, 1.125], 4), ([0.4, 1.6], 1), ([1.0] * 5, 7),
+                                          ([0.25, 1.25, 1.25, 1.25], 3)])
+def test_samples_add_up_to_the_global_batch_and_follow_the_shares(shares, batch):
+    counts = samples_per_rank(shares, batch, len(shares))
+    assert sum(counts) == batch * len(shares) and min(counts) >= 1
+    for c, s in zip(counts, shares):
+        assert abs(c - s * batch) < 1 or batch == 1
+    assert samples_per_rank(None, batch, len(shares)) == [batch] * len(shares)
+    with pytest.raises(ValueError):
+        samples_per_rank([1.0, 0.0], 4, 2)
+
+
+def test_weighted_exchange_is_the_mean_over_every_sample():
+    torch.manual_seed(0)
+    w = torch.randn(5, requires_grad=True)
+    samples = torch.randn(12, 5)
+    counts = [5, 3, 4]
+    parts = torch.split(samples, counts)
+
+    def grad(x):
+        w.grad = None
+        (x @ w).pow(2).mean().backward()
+        return w.grad.clone()
+
+    want = grad(samples)
+    summed = sum(exchange_weight(counts, [0, 1, 2], r) * grad(p) for r, p in enumerate(parts))
+    assert torch.allclose(summed, want, atol=1e-6)
+    unweighted = sum(grad(p) for p in parts) / 3  # what dividing by the participants would give
+    assert not torch.allclose(unweighted, want, atol=1e-3)
+    # A member catching up contributes nothing: the others' samples are the step's.
+    assert exchange_weight(counts, [0, 2], 0) == 5 / 9
+
+
+def test_shares_are_published_only_when_every_member_follows_and_apply_from_the_next_step():
+    b = BatchShares(3)
+    assert b.slow(1, 1.5) and not b.publish(all_follow=False, step=10)
+    assert b.publish(all_follow=True, step=10) and (b.published, b.published_from) == ([1.125, 0.75, 1.125], 11)
+    assert not b.slow(1, 1.51) or not b.publish(True, 12)  # a change below CHANGE is not republished
+    assert b.published_from == 11
+    assert b.restore(1) and b.publish(True, 20) and (b.published, b.published_from) == (None, 21)
+    assert not b.restore(1)
+
+
+def test_each_member_reads_the_shares_in_force_at_any_step():
+    s = ShareSchedule()
+    s.update(None, 0)
+    assert s.at(5) is None
+    s.update([0.5, 1.5], 11)  # decided at step 10
+    assert s.at(10) is None and s.at(11) == [0.5, 1.5]
+    s.update([0.6, 1.4], 11)  # step 10 failed and its retry's round decided again
+    assert s.at(10) is None and s.at(11) == [0.6, 1.4]
+    s.update(None, 30)
+    assert s.at(29) == [0.6, 1.4] and s.at(30) is None
+
+
+def _rows(step: int, slow: dict[int, float], replicas: int = 3) -> list[Signal]:
+    return [Signal(step=step, replica=r, rank=0, step_seconds=0.5 * slow.get(r, 1.0), tokens=100.0)
+            for r in range(replicas)]
+
+
+def test_a_slow_verdict_says_how_slow_and_recovery_is_reported_once():
+    d = Detectors(DetectionSettings(warmup_steps=5, slow_steps=4))
+    found = []
+    for step in range(30):
+        found += d.observe_all(_rows(step, {2: 1.5} if 10 <= step < 20 else {}))
+        assert d.take_recovered() == ([2] if step == 23 else []), step
+    (v,) = found
+    assert (v.replica, v.kind, v.first_step) == (2, "slow", 10) and v.slowdown == pytest.approx(1.5, rel=0.02)
+    # Recovered: a new slowdown makes a new verdict.
+    for step in range(30, 40):
+        found += d.observe_all(_rows(step, {2: 2.0}))
+    assert [x.replica for x in found] == [2, 2] and found[1].slowdown == pytest.approx(2.0, rel=0.02)
+
+
+def _quorum(m, step, follows=True, replicas=3):
+    return round_all(m, [QuorumRequest(identity=ident(r), step=step, commit_quorum_id=-1 if step == 0 else 0,
+                                       last_round=step - 1, follows_shares=follows) for r in range(replicas)],
+                     now=1.0 + step)
+
+
+def test_the_coordinator_rebalances_a_slow_replica_and_restores_it():
+    m = make(3)
+    for r in range(3):
+        register(m, r)
+    d = Detection(DetectionSettings(warmup_steps=5, slow_steps=4, slow_action="Rebalance"), m)
+
+    def signals(step, slow):
+        for r in range(3):
+            row = SignalRow(step=step, rank=0, step_seconds=0.5 * (1.5 if r == slow else 1.0), tokens=100.0)
+            d.observe(SignalBatch(identity=ident(r), rows=[row]), now=1.0 + step)
+
+    for step in range(14):
+        signals(step, slow=1 if step >= 6 else None)
+    assert m.replicas[1].state == "healthy"  # Rebalance keeps the replica
+    decision = _quorum(m, 0)
+    assert decision.shares == pytest.approx((1.125, 0.75, 1.125), abs=0.01) and decision.shares_from == 1
+    assert m.response(decision, 0).shares == list(decision.shares)
+    percent = m.training(2.0)["batchSharePercent"]
+    assert percent[1] == 75 and percent[0] == percent[2] in (112, 113)
+    assert any(e.kind == "rebalance" for e in m.events) and any("(Rebalance)" in e.message for e in m.events)
+    for step in range(14, 22):  # at normal speed again
+        signals(step, slow=None)
+    decision = _quorum(m, 1)
+    assert decision.shares is None and decision.shares_from == 2
+    assert m.training(3.0)["batchSharePercent"] is None  # removed from status by the merge patch
+
+
+def test_a_member_that_does_not_follow_shares_keeps_everyone_nominal():
+    m = make(3)
+    for r in range(3):
+        register(m, r)
+    m.shares.slow(1, 1.5)
+    assert _quorum(m, 0, follows=False).shares is None
+
+
+def test_a_replica_weighs_its_gradients_by_the_shares_of_the_rounds_step():
+    from transom.coordinator.models import QuorumResponse
+    from transom.ft.shares import BatchShares as Follower
+
+    def answer(shares, recovering=(), step=12):
+        return QuorumResponse(round=3, quorum_id=1, members=[0, 1, 2], rank=0, store_addr="h:1", store_prefix="p",
+                              max_step=step, participants=3 - len(recovering), recovering=list(recovering),
+                              serve_recovery=False, shares=shares, shares_from=11)
+
+    f = Follower(3)
+    f.update(answer([1.125, 0.75, 1.125]))
+    assert f.weight(answer([1.125, 0.75, 1.125]), 1) is None  # its batches do not follow the shares
+    f.follow(8)
+    assert f.counts(10) is None and f.counts(11) == [9, 6, 9]
+    assert f.weight(answer([1.125, 0.75, 1.125]), 1) == 6 / 24
+    assert f.weight(answer([1.125, 0.75, 1.125], recovering=[2]), 1) == 6 / 15
+    assert f.weight(answer([1.125, 0.75, 1.125], recovering=[2]), 2) == 0.0  # catching up: zeros
+    assert f.weight(answer([1.125, 0.75, 1.125], step=10), 1) is None  # before the shares apply
