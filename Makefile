@@ -19,6 +19,10 @@ DEPS_HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 VENV ?= $(HOME)/.cache/transom/venv-$(DEPS_HASH)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The venv is shared by every checkout on the machine, and its editable install points at
+# the last one that ran `make install`: this checkout's code comes first on the path of
+# everything run from here (tests, their subprocesses, the demo), whichever that was.
+export PYTHONPATH := $(CURDIR)/launcher:$(CURDIR)/operator$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # The oldest torch and the other Python that Transom supports (docs/compatibility.md).
 COMPAT_TORCH ?= 2.6.0
