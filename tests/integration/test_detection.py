@@ -38,7 +38,10 @@ def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
                           "--inject", "slow:replica=1,step=20,factor=1.5"], ["--steps", "90"])
     assert_consistent_finish(result, 90, 2)
     found = verdicts(result)
-    assert len(found) == 1 and "replica 1: FailSlow from step 2" in found[0], found
+    # Named once, from a step of the slowdown (a noisy step below the threshold on this
+    # shared machine can restart the run of slow steps, so not always from step 20).
+    assert len(found) == 1 and "replica 1: FailSlow from step " in found[0], found
+    assert int(found[0].split("from step ")[1].split()[0]) >= 20, found
     assert result.incarnations(1) == 2 and result.incarnations(0) == 1
     # The trace holds what the detectors saw; replaying it finds the same rank.
     with open(trace, newline="") as f:

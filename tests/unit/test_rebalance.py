@@ -160,3 +160,28 @@ def test_a_replica_weighs_its_gradients_by_the_shares_of_the_rounds_step():
     assert f.weight(answer([1.125, 0.75, 1.125], recovering=[2]), 1) == 6 / 15
     assert f.weight(answer([1.125, 0.75, 1.125], recovering=[2]), 2) == 0.0  # catching up: zeros
     assert f.weight(answer([1.125, 0.75, 1.125], step=10), 1) is None  # before the shares apply
+
+
+def test_a_rebalanced_rank_is_judged_per_nominal_batch():
+    """After the rebalance its batch is 0.75 of the nominal one and the others' 1.125: while it
+    is still 1.5x slow it stays flagged (no recovery, no second verdict); once it is at normal
+    speed it is reported recovered, though its step is then the shortest."""
+    d = Detectors(DetectionSettings(warmup_steps=5, slow_steps=4))
+    share = {0: 1.125, 1: 1.125, 2: 0.75}
+
+    def rows(step, slowdown):
+        return [Signal(step=step, replica=r, rank=0, step_seconds=0.5 * share[r] * (slowdown if r == 2 else 1.0),
+                       tokens=100.0 * share[r], batch_share=share[r]) for r in range(3)]
+
+    found = []
+    for step in range(10):
+        found += d.observe_all(_rows(step, {}))
+    for step in range(10, 40):
+        found += d.observe_all(rows(step, 1.5))
+        assert d.take_recovered() == [], step
+    assert [(v.replica, round(v.slowdown, 2)) for v in found] == [(2, 1.5)]
+    recovered = []
+    for step in range(40, 50):
+        found += d.observe_all(rows(step, 1.0))
+        recovered += d.take_recovered()
+    assert recovered == [2] and len(found) == 1

@@ -61,7 +61,8 @@ class Detection:
             self._node_of[(replica, r.rank)] = batch.node_rank
             signals.append(Signal(step=r.step, replica=replica, rank=r.rank, step_seconds=r.step_seconds,
                                   tokens=r.tokens, sum_len_sq=r.sum_len_sq, loss=r.loss, grad_norm=r.grad_norm,
-                                  finite=r.finite, fingerprint=r.fingerprint, recovery=r.recovery))
+                                  finite=r.finite, fingerprint=r.fingerprint, recovery=r.recovery,
+                                  batch_share=r.batch_share))
         if signals:  # the other live replicas' rows of these steps may still be on their way
             first = min(x.step for x in signals)
             for rep in self.membership.replicas.values():

@@ -77,6 +77,7 @@ class SignalRow(_Msg):
     finite: bool = True
     fingerprint: int | None = Field(None, ge=-(2**63), lt=2**63)
     recovery: bool = False
+    batch_share: float | None = Field(None, gt=0, le=1e3, allow_inf_nan=False)
 
 
 class SignalBatch(_Msg):

@@ -6,8 +6,8 @@ synchronous training every rank's wall-clock step is the same, set by the slowes
 the busy time tells which rank is slow.
 
 A trace is a CSV file with the columns of TRACE_COLUMNS, one row per rank and step (`transom
-run --trace-out FILE`); `finite`, `fingerprint` and `recovery` may follow. Empty cells are unknown values;
-a non-finite loss is written `nan` or `inf`.
+run --trace-out FILE`); `finite`, `fingerprint`, `recovery` and `batch_share` may follow. Empty cells
+are unknown values; a non-finite loss is written `nan` or `inf`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
-OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery")
+OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery", "batch_share")
 Action = Literal["Replace", "Report"]
 SlowAction = Literal["Replace", "Report", "Rebalance"]
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
@@ -44,6 +44,7 @@ class Signal:
     finite: bool = True  # this rank's own loss and gradients (before averaging) were finite
     fingerprint: int | None = None  # of its parameters after the step's update (every K steps)
     recovery: bool = False  # the rank also served or fetched recovery state in this step: not judged slow
+    batch_share: float | None = None  # its batch over its nominal one (Rebalance); None: nominal
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ def _row(row: dict[str, str]) -> Signal:
     finite = finite_cell != "0" if finite_cell else (loss is None or math.isfinite(loss))
     fingerprint = (row.get("fingerprint") or "").strip()
     recovery = (row.get("recovery") or "").strip() == "1"
+    share = num("batch_share")
+    if share is not None and not (math.isfinite(share) and share > 0):
+        raise ValueError(f"batch_share must be a positive number, got {row.get('batch_share')!r}")
     return Signal(step=whole("step"), replica=whole("replica"), rank=whole("rank"), step_seconds=seconds,
                   tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=loss, grad_norm=num("grad_norm"),
-                  finite=finite, fingerprint=int(fingerprint) if fingerprint else None, recovery=recovery)
+                  finite=finite, fingerprint=int(fingerprint) if fingerprint else None, recovery=recovery,
+                  batch_share=share)

@@ -17,13 +17,17 @@ rank of a replica is slow the verdict names the replica (rank None): its node or
 network, not one GPU. A verdict carries the slowdown (the median relative ratio of the run
 that made it), which Rebalance sizes the replica's share by; a replica with a verdict whose
 ranks are then at normal speed for `slow_steps` steps in a row is reported recovered.
+A rebalanced rank (a smaller or larger batch than its nominal one, `batch_share`) is judged
+per nominal batch: its time and workload divided by its share, so that the predictor,
+fitted on nominal batches, stays in its range and a slowdown stays the same number
+whatever the share.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transom.detect.signals import DetectionSettings, Signal
 
@@ -83,6 +87,15 @@ class StepTimeModel:
         return sum(t * v for t, v in zip(self._theta, x))
 
 
+def _per_nominal_batch(s: Signal) -> Signal:
+    if s.batch_share is None:
+        return s
+    k = 1.0 / s.batch_share
+    return replace(s, step_seconds=s.step_seconds * k, batch_share=None,
+                   tokens=None if s.tokens is None else s.tokens * k,
+                   sum_len_sq=None if s.sum_len_sq is None else s.sum_len_sq * k)
+
+
 @dataclass
 class _Rank:
     model: StepTimeModel = field(default_factory=StepTimeModel)
@@ -110,7 +123,7 @@ class FailSlow:
         slowdown) for each rank or replica that is now found slow."""
         # A rank that also served or fetched a joiner's state did more than its workload:
         # its step is neither judged nor learnt from (a catch-up is not a slow device).
-        signals = [s for s in signals if not s.recovery]
+        signals = [_per_nominal_batch(s) for s in signals if not s.recovery]
         ratios: dict[tuple[int, int], float] = {}
         for s in signals:
             r = self.ranks.setdefault((s.replica, s.rank), _Rank())

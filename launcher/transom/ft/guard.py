@@ -101,11 +101,6 @@ class Guard:
     def workload(self, tokens: float | None, sum_len_sq: float | None) -> None:
         self._workload = (tokens, sum_len_sq)
 
-    def default_workload(self, samples: int) -> None:
-        """The batch's samples stand for its tokens when the script reported no workload (a
-        rebalanced replica's batch changes size: its predicted time must follow)."""
-        if self._workload == (None, None):
-            self._workload = (float(samples), None)
 
     def own_bucket(self, flat: torch.Tensor) -> None:
         """A bucket of this rank's own gradients, before the exchange (ftar.StepAllReduce)."""
@@ -143,13 +138,15 @@ class Guard:
 
     # --- after the step ------------------------------------------------------------------------
     def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
-               print_: int | None, recovery: bool = False) -> None:
+               print_: int | None, recovery: bool = False, batch_share: float | None = None) -> None:
+        """`batch_share`: this rank's batch over its nominal one (Rebalance), if not 1."""
         if self._file is None:
             return
         tokens, sum_len_sq = self._workload
         write_trace([Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
                             tokens=tokens, sum_len_sq=sum_len_sq, loss=loss, grad_norm=norm,
-                            finite=self.finite, fingerprint=print_, recovery=recovery)], self._file, header=False)
+                            finite=self.finite, fingerprint=print_, recovery=recovery,
+                            batch_share=batch_share)], self._file, header=False)
 
     def close(self) -> None:
         if self._waiting_fd is not None:

@@ -4,8 +4,9 @@ they give each replica at a step, and the weight of its gradients in the exchang
 The coordinator publishes the shares in its quorum answers (transom/detect/rebalance.py has
 the policy and the arithmetic). `trainer.batches()` (ft/data.py) declares that this replica
 follows them (`follow`), asks for the samples per rank in force at each step (`counts`)
-and says how many its rank took (`took`: the detectors' workload when the script reports
-none); the trainer feeds every answer in (`update`) and asks for the exchange weight.
+and says how many its rank took (`took`); the trainer feeds every answer in (`update`) and
+asks for the exchange weight and the step's batch share (the detectors judge a rebalanced
+replica's step per nominal batch).
 A script with its own data loop never follows: its replica is never rebalanced, and while
 it is a member nobody is (the coordinator publishes nominal shares).
 """
@@ -34,6 +35,12 @@ class BatchShares:
 
     def took(self, samples: int) -> None:
         self.step_samples = samples
+
+    def batch_share(self) -> float | None:
+        """This step's batch over the nominal one; None when they are the same (or unknown)."""
+        if self.step_samples is None or self.nominal is None or self.step_samples == self.nominal:
+            return None
+        return round(self.step_samples / self.nominal, 6)
 
     def update(self, q: QuorumResponse) -> None:
         self.schedule.update(q.shares, q.shares_from)

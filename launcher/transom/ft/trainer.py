@@ -505,14 +505,13 @@ class FaultTolerant:
             return
         if not skipped:
             self._guard.learn(loss)
-        if self.shares.step_samples is not None:
-            self._guard.default_workload(self.shares.step_samples)
         print_ = None
         if self._joiner is None and self._guard.fingerprint_due(step):
             print_ = int(fingerprint(list(self.model.parameters())).item())
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.
-        self._guard.record(step, self._clock.busy(), None if recovering else loss, norm, print_, recovering or serving)
+        self._guard.record(step, self._clock.busy(), None if recovering else loss, norm, print_, recovering or serving,
+                           self.shares.batch_share())
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:

@@ -72,7 +72,7 @@ def _row(line: str) -> SignalRow | None:
                      tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=num("loss"),
                      grad_norm=num("grad_norm"), finite=cell["finite"] != "0",
                      fingerprint=int(cell["fingerprint"]) if cell["fingerprint"] else None,
-                     recovery=cell["recovery"] == "1")
+                     recovery=cell["recovery"] == "1", batch_share=num("batch_share"))
 
 
 class SignalForwarder:
