@@ -10,13 +10,14 @@ Purpose
     by side on one machine, in one run, three ways that alternate:
 
     - clean:     no slowdown (the failure-free step);
-    - report:    replica 1 slowed by F from step `--slow-step` (`--inject slow:...`: it sleeps
-                 F-1 times its own busy time at the end of each step), slowAction Report;
+    - report:    replica 1's device F times slower from step `--slow-step`, slowAction Report;
     - rebalance: the same slowdown, slowAction Rebalance.
 
     The workload (benchmarks/scripts/rebalance_worker.py) is an ordinary DataLoader loop
-    whose step costs time in proportion to its batch (an MLP on synthetic data), one torch
-    thread per replica.
+    training a small MLP, one torch thread per replica, on a modelled device whose time is
+    proportional to the batch (`--sample-seconds` per sample, a sleep: real compute on this
+    2-core machine would make the replicas compete for the cores, which devices of their own
+    do not).
 
 How to run
     .venv/bin/python benchmarks/rebalance.py                 # 3 rounds, 2 replicas, F=2
@@ -60,9 +61,10 @@ def one_run(args: argparse.Namespace, mode: str, index: int, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "transom", "run", "--replicas", str(args.replicas),
            "--detection", json.dumps(detection), "--timeout", str(args.run_timeout),
            "--summary-json", str(out / "summary.json"), "--stats-dir", str(out / "stats")]
+    cmd += ["--", sys.executable, str(WORKER), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--sample-seconds", str(args.sample_seconds)]
     if mode != "clean":
-        cmd += ["--inject", f"slow:replica=1,step={args.slow_step},factor={args.factor}"]
-    cmd += ["--", sys.executable, str(WORKER), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+        cmd += ["--slow-replica", "1", "--slow-from", str(args.slow_step), "--slow-factor", str(args.factor)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_OUT": str(out)}
     res = run_bounded(cmd, args.run_timeout + 30, out / "log.txt", env)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
@@ -93,6 +95,7 @@ def main() -> None:
     p.add_argument("--slow-step", type=int, default=20)
     p.add_argument("--window", type=int, default=50, help="the last steps the step time is taken over")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--sample-seconds", type=float, default=0.001, help="the modelled device's time per sample")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the three modes")
     p.add_argument("--run-timeout", type=float, default=300.0)
     args = p.parse_args()

@@ -1,8 +1,12 @@
-"""The workload of benchmarks/rebalance.py: an ordinary DataLoader loop whose step costs
-time in proportion to its batch (an MLP, 4 x 1024², on synthetic data, SGD), so that a
-smaller share of the global batch makes a step shorter, as on a real accelerator.
+"""The workload of benchmarks/rebalance.py: an ordinary DataLoader loop (a small MLP on
+synthetic data, SGD) on a modelled device whose step takes `--sample-seconds` per sample,
+and `--slow-factor` times that on replica `--slow-replica` from step `--slow-from` (a
+degraded device). The device time is a sleep: on this 2-core machine real compute would
+make the replicas compete for the cores, and how long a step takes would depend on what
+the other replica does, which it does not on a real accelerator.
 
-    transom run --replicas 2 -- python benchmarks/scripts/rebalance_worker.py --steps 150
+    transom run --replicas 2 -- python benchmarks/scripts/rebalance_worker.py --steps 150 \
+        [--slow-replica 1 --slow-from 20 --slow-factor 2]
 
 Each rank appends `{"step", "samples", "t"}` per committed step to
 $BENCH_OUT/r<replica>-k<rank>.jsonl (the end of the step, wall clock).
@@ -21,13 +25,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from transom import ft
 
-DIM, LAYERS = 1024, 4
+DIM, LAYERS = 256, 2
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=64, help="nominal samples per rank and step")
+    p.add_argument("--sample-seconds", type=float, default=0.001, help="the modelled device's time per sample")
+    p.add_argument("--slow-replica", type=int, default=None)
+    p.add_argument("--slow-from", type=int, default=20)
+    p.add_argument("--slow-factor", type=float, default=2.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     ctx = ft.init()
@@ -43,6 +51,8 @@ def main() -> None:
     with ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=1e-3), ctx) as trainer:
         for step, (x, y) in trainer.batches(loader, args.steps):
             torch.nn.functional.mse_loss(model(x), y).backward()
+            slow = ctx.replica_id == args.slow_replica and step >= args.slow_from
+            time.sleep(args.sample_seconds * len(x) * (args.slow_factor if slow else 1.0))
             trainer.optimizer.step()
             trainer.optimizer.zero_grad()
             if trainer.last_step_committed:

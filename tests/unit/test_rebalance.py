@@ -5,6 +5,8 @@ coordinator publishing and withdrawing the shares."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,3 +187,35 @@ def test_a_rebalanced_rank_is_judged_per_nominal_batch():
         found += d.observe_all(rows(step, 1.0))
         recovered += d.take_recovered()
     assert recovered == [2] and len(found) == 1
+
+
+def test_a_rebalanced_replica_is_measured_against_the_others_and_its_share_adjusted():
+    d = Detectors(DetectionSettings(warmup_steps=5, slow_steps=4))
+    for step in range(10):
+        d.observe_all(_rows(step, {}))
+    for step in range(10, 14):
+        d.observe_all(_rows(step, {2: 1.5}))
+    assert d.take_updates() == {}  # the verdict itself carries the first measure
+    for step in range(14, 22):  # its share made it 1.2x the others' busy time: still too long
+        rows = _rows(step, {2: 1.2})
+        share = 0.75 if step < 16 else 0.8  # ... and the shares changed once more meanwhile
+        rows[2] = dataclasses.replace(rows[2], batch_share=share)
+        d.observe_all(rows)
+        assert d.take_updates() == ({2: pytest.approx(1.2)} if step == 19 else {}), step
+    b = BatchShares(3)
+    assert not b.balance(2, 1.2)  # not rebalanced: nothing to adjust
+    b.slow(2, 1.5)
+    assert b.balance(2, 1.2) and b.slowness[2] == pytest.approx(1.5 * 1.2 ** 0.5)
+    assert b.balance(2, 0.8) and b.slowness[2] == pytest.approx(1.5 * (1.2 * 0.8) ** 0.5)
+    assert not b.balance(2, 1.0)  # balanced: the shares stay
+
+
+def test_the_balance_moves_the_estimate_only_so_far_from_the_verdicts_measure():
+    b = BatchShares(2)
+    b.slow(1, 2.0)
+    for _ in range(10):  # its step does not follow its batch: shifting more would not help
+        b.balance(1, 1.3)
+    assert b.slowness[1] == pytest.approx(2.0 * 1.5)
+    for _ in range(20):
+        b.balance(1, 0.5)
+    assert b.slowness[1] == pytest.approx(2.0 / 1.5)

@@ -71,6 +71,9 @@ class Detection:
         verdicts = self.detectors.observe_all(signals)
         for v in verdicts:
             self._act(v, now)
+        for r, busy_over_others in self.detectors.take_updates().items():
+            if self.settings.slow_action == "Rebalance":
+                self.membership.shares.balance(r, busy_over_others)  # published by the next decision
         for r in self.detectors.take_recovered():
             self._restore(r, now, "at normal speed again")
         return verdicts

@@ -146,6 +146,11 @@ class Detectors:
         found += [Verdict(r, k, "slow", first, msg, slowdown=x) for r, k, first, msg, x in self.slow.step(step, signals)]
         return self._once([dataclasses.replace(v, reached_step=step) for v in found])
 
+    def take_updates(self) -> dict[int, float]:
+        """Replicas with a `slow` verdict: their busy time over the others' since (1: balanced)."""
+        out, self.slow.updates = self.slow.updates, {}
+        return out
+
     def take_recovered(self) -> list[int]:
         """Replicas that had a `slow` verdict and are at normal speed again (each once); a new
         slowdown of theirs can make a new verdict."""

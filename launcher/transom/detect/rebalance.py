@@ -11,9 +11,14 @@ all finish together, instead of replacing it:
   `MAX_SLOWNESS` counted). Shares are proportional to speed (1/factor; 1 for the others)
   and sum to the number of replicas, so the global batch keeps its size: with three
   replicas and one 1.5x slow, 0.75 / 1.125 / 1.125, and a step takes 1.125x instead of
-  1.5x. The share returns to 1 when the detector sees the replica at normal speed again for
-  `slowSteps` steps, or when the replica is restarted or replaced (a new incarnation,
-  maybe new hardware).
+  1.5x. The first measure can be off (where replicas share CPUs or a link, or where part
+  of a step does not shrink with the batch), so while the replica is rebalanced the
+  detector reports its busy time over the others' every `slowSteps` steps, and the
+  estimate is multiplied by the square root of it (1 when the share balances it; the root
+  damps the swings of a noisy measure), within `MAX_ADJUSTMENT` of the verdict's measure
+  either way. The share returns to 1
+  when the detector sees the replica at normal speed again for `slowSteps` steps, or when
+  the replica is restarted or replaced (a new incarnation, maybe new hardware).
 - **Schedule** (`ShareSchedule`, each replica's). A new vector is published in a round's
   decision and applies from the step after that round's, so every member knows it before
   it takes that step's batch; a retried step keeps the batch it had.
@@ -31,6 +36,10 @@ import math
 from dataclasses import dataclass, field
 
 MAX_SLOWNESS = 4.0  # a replica slower than this is given the share of one this slow (replace it instead)
+# How far the balance may move the estimate from the verdict's measure, either way: further
+# than that, the step does not follow the batch (a part that does not shrink with it, CPUs
+# shared with the others) and shifting more samples would not help.
+MAX_ADJUSTMENT = 1.5
 CHANGE = 0.02  # shares that differ by less than this are not worth a new schedule
 
 
@@ -78,17 +87,30 @@ class BatchShares:
 
     replicas: int
     slowness: dict[int, float] = field(default_factory=dict)
+    measured: dict[int, float] = field(default_factory=dict)  # the verdict's slowdown
     published: list[float] | None = None  # the vector in the latest decision
     published_from: int = 0  # ... applies from this step
 
     def slow(self, replica: int, factor: float | None) -> bool:
         """A `slow` verdict with Rebalance; True if the wanted shares changed."""
         before = self.wanted()
-        self.slowness[replica] = max(factor or 1.0, 1.0)
+        self.slowness[replica] = self.measured[replica] = max(factor or 1.0, 1.0)
+        return self.wanted() != before
+
+    def balance(self, replica: int, busy_over_others: float) -> bool:
+        """A rebalanced replica's busy time over the others' (1: its share balances it); True if
+        the wanted shares changed."""
+        if replica not in self.slowness or not math.isfinite(busy_over_others) or busy_over_others <= 0:
+            return False
+        before = self.wanted()
+        first = self.measured[replica]
+        adjusted = self.slowness[replica] * math.sqrt(busy_over_others)
+        self.slowness[replica] = max(min(adjusted, first * MAX_ADJUSTMENT), first / MAX_ADJUSTMENT, 1.0)
         return self.wanted() != before
 
     def restore(self, replica: int) -> bool:
         """The replica is at normal speed again, or a new incarnation; True if it had a share."""
+        self.measured.pop(replica, None)
         return self.slowness.pop(replica, None) is not None
 
     def wanted(self) -> list[float] | None:

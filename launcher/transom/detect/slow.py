@@ -15,8 +15,10 @@ does not train the predictor, so a slowdown is not learnt as the new normal. Ste
 the rank also worked on a catch-up (serving or fetching state) are left out. When every
 rank of a replica is slow the verdict names the replica (rank None): its node or its
 network, not one GPU. A verdict carries the slowdown (the median relative ratio of the run
-that made it), which Rebalance sizes the replica's share by; a replica with a verdict whose
-ranks are then at normal speed for `slow_steps` steps in a row is reported recovered.
+that made it), which Rebalance sizes the replica's share by; while a replica has a verdict,
+every `slow_steps` steps report its busy time over the others' as it is (`updates`: 1 when
+its share balances it), and once its ranks are at normal speed for `slow_steps` steps in a
+row it is reported recovered.
 A rebalanced rank (a smaller or larger batch than its nominal one, `batch_share`) is judged
 per nominal batch: its time and workload divided by its share, so that the predictor,
 fitted on nominal batches, stays in its range and a slowdown stays the same number
@@ -111,19 +113,25 @@ class FailSlow:
         self.ranks: dict[tuple[int, int], _Rank] = {}
         self.flagged: set[int] = set()  # replicas with a verdict, until they are at normal speed
         self.recovered: list[int] = []  # replicas found at normal speed again, for the caller to take
+        self.updates: dict[int, float] = {}  # flagged replica -> its busy time over the others', for the caller
+        self._balance: dict[int, tuple[float, list[float]]] = {}  # flagged replica -> (its share, that ratio by step)
 
     def forget(self, replica: int) -> None:
         """A new incarnation of `replica` (new hardware, maybe): start its ranks over."""
         for key in [k for k in self.ranks if k[0] == replica]:
             del self.ranks[key]
         self.flagged.discard(replica)
+        self.updates.pop(replica, None)
+        self._balance.pop(replica, None)
 
     def step(self, step: int, signals: Sequence[Signal]) -> list[tuple[int, int | None, int, str, float]]:
         """Observe one step's signals; returns (replica, rank or None, first step, message,
         slowdown) for each rank or replica that is now found slow."""
         # A rank that also served or fetched a joiner's state did more than its workload:
         # its step is neither judged nor learnt from (a catch-up is not a slow device).
-        signals = [_per_nominal_batch(s) for s in signals if not s.recovery]
+        signals = [s for s in signals if not s.recovery]
+        self._measure_balance(signals)
+        signals = [_per_nominal_batch(s) for s in signals]
         ratios: dict[tuple[int, int], float] = {}
         for s in signals:
             r = self.ranks.setdefault((s.replica, s.rank), _Rank())
@@ -158,12 +166,32 @@ class FailSlow:
         self.flagged.update(f[0] for f in out)
         return out
 
+    def _measure_balance(self, signals: Sequence[Signal]) -> None:
+        """For each flagged replica, its busy time over the other replicas' (as they are, not per
+        nominal batch: 1 when its share makes it finish with them); every `slow_steps` steps
+        at one share the median goes to `updates`, which Rebalance adjusts the shares by. Steps
+        before its share changed say nothing about the new one: they are not counted."""
+        for replica in self.flagged:
+            mine = [s for s in signals if s.replica == replica]
+            others = [s.step_seconds for s in signals if s.replica != replica]
+            if not mine or mine[0].batch_share is None or not others or statistics.median(others) <= 0:
+                continue
+            share, seen = self._balance.get(replica, (None, []))
+            if share != mine[0].batch_share:
+                share, seen = mine[0].batch_share, []
+                self._balance[replica] = (share, seen)
+            seen.append(max(s.step_seconds for s in mine) / statistics.median(others))  # it waits for its slowest rank
+            if len(seen) >= self.settings.slow_steps:
+                self.updates[replica] = statistics.median(seen)
+                seen.clear()
+
     def _find_recovered(self) -> None:
         """Replicas with a verdict whose every rank has been at normal speed for slow_steps steps."""
         for replica in sorted(self.flagged):
             ranks = [r for k, r in self.ranks.items() if k[0] == replica]
             if ranks and all(r.normal_run >= self.settings.slow_steps for r in ranks):
                 self.flagged.discard(replica)
+                self._balance.pop(replica, None)
                 self.recovered.append(replica)
 
     def _whole_replicas(self, found: list[tuple[int, int, int, str, float]]
