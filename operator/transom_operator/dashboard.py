@@ -137,6 +137,12 @@ PANELS: tuple[Panel, ...] = (
     Panel("Checkpoint stall", "How long the training loop waited for the newest checkpoint's memory "
           "snapshot (the rest of the save runs in the background).", "s",
           (Query("gauge", "transom_coordinator_checkpoint_stall_seconds", agg="max"),), min=0),
+    Panel("Anomaly verdicts by kind", "Anomalies the coordinator's detectors found (spec.detection: slow, "
+          "hang, nan, loss_spike, sdc), over the rate interval.", "short",
+          (Query("increase", "transom_coordinator_verdicts_total", by=("kind",)),), min=0),
+    Panel("Batch share by replica", "Each replica's share of the global batch while a slow replica is "
+          "rebalanced (spec.detection.slowAction Rebalance; 1 is the nominal share; no data otherwise).", "short",
+          (Query("gauge", "transom_coordinator_batch_share", by=("replica",), agg="max"),), min=0),
 )
 
 

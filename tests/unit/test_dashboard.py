@@ -87,7 +87,8 @@ def test_dashboard_identity_and_layout():
     assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
     titles = {p["title"] for p in d["panels"] if p["type"] == "timeseries"}
     assert {"Goodput", "Step rate (steps/s)", "Healthy replicas", "Replica failures by reason",
-            "Recovery: replica replacement time", "Checkpoint age", "Checkpoint stall"} == titles
+            "Recovery: replica replacement time", "Checkpoint age", "Checkpoint stall", "Anomaly verdicts by kind",
+            "Batch share by replica"} == titles
 
 
 # --- the metrics the panels read exist ---------------------------------------------------------
@@ -304,7 +305,7 @@ def test_render_writes_a_png_with_every_key_panel(tmp_path):
     out = tmp_path / "dashboard.png"
     assert renderer.main([str(path), str(out), "--title", "synthetic"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(renderer.key_panels()) == 7
+    assert len(renderer.key_panels()) == 9
 
 
 def test_render_of_an_empty_recording_says_no_data(tmp_path):
