@@ -134,6 +134,23 @@ def test_coordinator_exports_goodput_and_checkpoint_once_known():
     assert after["transom_coordinator_checkpoint_stall_seconds"] == 0.25
 
 
+def test_batch_shares_are_exported_per_replica_while_rebalanced():
+    m, d = started(2)
+    server = CoordinatorServer(Settings(job="t", num_replicas=2), token="t")
+    server.membership = m
+
+    def shares():
+        text = generate_latest(server._registry).decode()
+        return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "transom_coordinator_batch_share"}
+
+    assert shares() == {}  # nominal: no sample
+    m.shares.slow(1, 2.0)
+    round_all(m, [qreq(r, step=1, commit=d.quorum_id, last_round=d.round).model_copy(update={"follows_shares": True})
+                  for r in (0, 1)], 1.0)
+    assert shares() == {"0": pytest.approx(4 / 3, abs=1e-3), "1": pytest.approx(2 / 3, abs=1e-3)}
+
+
 # --- PromQL ---------------------------------------------------------------------------------------
 
 def test_promql_of_coordinator_panels_selects_the_job():
