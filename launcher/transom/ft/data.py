@@ -147,9 +147,10 @@ def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
     for step in trainer.steps(num_steps):
         if step != current:
             counts = trainer.shares.counts(step)
+            size = nominal if counts is None else counts[sampler.replica_id]
             if counts != sampler.counts:  # Rebalance: another batch size from this step
                 sampler.counts = counts
-                loader.batch_sampler.batch_size = nominal if counts is None else counts[sampler.replica_id]
+                loader.batch_sampler.batch_size = size
                 it = None
             if it is None or step != expected:
                 sampler.set_step(step, loader.batch_size)
@@ -161,5 +162,5 @@ def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
                 it = iter(loader)
                 batch = next(it)
             current, expected = step, step + 1
-            trainer.shares.took(nominal if counts is None else counts[sampler.replica_id])
+            trainer.shares.took(size)
         yield step, batch

@@ -137,6 +137,20 @@ class Guard:
         return k > 0 and (committed_step + 1) % k == 0
 
     # --- after the step ------------------------------------------------------------------------
+    def committed(self, step: int, busy_s: float, loss: float | None, norm: float | None, recovering: bool,
+                  serving: bool, skipped: bool, model: torch.nn.Module | None, batch_share: float | None) -> None:
+        """This rank's row of a committed step: its busy time, workload, loss, norm, and every
+        `fingerprint_interval` steps the fingerprint of `model`'s parameters (None: it still
+        catches up, its parameters are not the job's)."""
+        if not skipped:
+            self.learn(loss)
+        print_ = None
+        if model is not None and self.fingerprint_due(step):
+            print_ = int(fingerprint(list(model.parameters())).item())
+        # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
+        # (serving or fetching state) makes the step longer than its workload says.
+        self.record(step, busy_s, None if recovering else loss, norm, print_, recovering or serving, batch_share)
+
     def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
                print_: int | None, recovery: bool = False, batch_share: float | None = None) -> None:
         """`batch_share`: this rank's batch over its nominal one (Rebalance), if not 1."""

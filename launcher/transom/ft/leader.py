@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 from collections.abc import Callable
 
@@ -100,6 +101,14 @@ def coordinator_view(client: CoordinatorClient, replica_id: int) -> tuple[int | 
         return None, None
     steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != replica_id]
     return max(steps, default=None), status.last_checkpoint
+
+
+def close_failure_reason(step: int, num_steps: int | None) -> str:
+    """Why a close() before the job's target is this replica's failure."""
+    target = "no target (steps() was not used)" if num_steps is None else f"the target {num_steps}"
+    exc = sys.exc_info()[1]  # close() in a `finally:` while an exception propagates
+    cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+    return f"closed at step {step}, before {target}{cause}"[:1000]
 
 
 def report_failure(client: CoordinatorClient, identity: Identity, reason: str, timeout_s: float) -> None:

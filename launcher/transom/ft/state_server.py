@@ -31,6 +31,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from transom.background import yield_cpu
+from transom.ft import wire
 from transom.ft.transfer import Published, http_get
 
 log = logging.getLogger("transom.ft")
@@ -198,3 +199,15 @@ def fetch_small(endpoint: str, round_id: int, token: str, timeout_s: float, wait
             break
         time.sleep(0.05)
     raise TimeoutError(f"could not fetch the state of round {round_id} from {endpoint}: {last_error}")
+
+
+def take_small(endpoint: str, round_id: int, token: str, timeout_s: float) -> tuple[dict | None, str | None]:
+    """(the small state of `round_id` from a source, None) or (None, why not). The peer's
+    bytes are data: decoded by ft/wire.py, never unpickled."""
+    try:
+        small = wire.decode(fetch_small(endpoint, round_id, token, timeout_s))
+    except Exception as e:
+        return None, f"taking the state of round {round_id} from a source: {e}"
+    if not isinstance(small, dict) or not isinstance(small.get("param_groups"), list):
+        return None, f"taking the state of round {round_id} from a source: its answer is not a small state"
+    return small, None

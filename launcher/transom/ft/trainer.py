@@ -60,17 +60,17 @@ from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
-from transom.ft.guard import Guard, fingerprint, signals_dir
+from transom.ft.guard import Guard, signals_dir
 from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.process_group import QuorumGroups
 from transom.ft.shares import BatchShares
 from transom.ft.step_clock import StepClock
-from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError, WireError
-from transom.ft.leader import CoordinatorLink, coordinator_view, outcome, report_failure
+from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
+from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
-from transom.ft.state_server import StateServer, fetch_small
+from transom.ft.state_server import StateServer, take_small
 from transom.ft.transfer import LinkGate
 from transom.ft.stats import StatsWriter
 from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
@@ -420,15 +420,8 @@ class FaultTolerant:
         if self._joiner is None:
             small, error = None, ftar.error
             if not ftar.failed:
-                try:
-                    blob = fetch_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.coordinator_token,
-                                       self.config.recovery_timeout_s)
-                    small = wire.decode(blob)  # the peer's bytes are data: no unpickling
-                    if not isinstance(small, dict) or not isinstance(small.get("param_groups"), list):
-                        small = None
-                        raise WireError("the source's answer is not a small state")
-                except Exception as e:
-                    error = f"taking the state of round {q.round} from a source: {e}"
+                small, error = take_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.coordinator_token,
+                                          self.config.recovery_timeout_s)
             # Every rank of the replica starts catching up, or none does (the step again).
             if not self.ctx.all_ok(small is not None):
                 ftar.fail(error or "another rank of this replica could not take its source's state")
@@ -501,17 +494,9 @@ class FaultTolerant:
                 skipped: bool) -> None:
         """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
-        if self._guard is None:
-            return
-        if not skipped:
-            self._guard.learn(loss)
-        print_ = None
-        if self._joiner is None and self._guard.fingerprint_due(step):
-            print_ = int(fingerprint(list(self.model.parameters())).item())
-        # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
-        # (serving or fetching state) makes the step longer than its workload says.
-        self._guard.record(step, self._clock.busy(), None if recovering else loss, norm, print_, recovering or serving,
-                           self.shares.batch_share())
+        if self._guard is not None:
+            self._guard.committed(step, self._clock.busy(), loss, norm, recovering, serving, skipped,
+                                  self.model if self._joiner is None else None, self.shares.batch_share())
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -620,14 +605,10 @@ class FaultTolerant:
 
     def _report_close_failure(self) -> None:
         """close() before the target: report this replica failed (the leader talks for it)."""
-        if not self.ctx.is_leader:
-            return
-        target = "no target (steps() was not used)" if self.num_steps is None else f"the target {self.num_steps}"
-        exc = sys.exc_info()[1]  # close() in a `finally:` while an exception propagates
-        cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
-        reason = f"closed at step {self.step}, before {target}{cause}"[:1000]
-        log.error("replica %d %s", self.replica_id, reason)
-        report_failure(self.client, self.identity, reason, timeout_s=2.0)
+        if self.ctx.is_leader:
+            reason = close_failure_reason(self.step, self.num_steps)
+            log.error("replica %d %s", self.replica_id, reason)
+            report_failure(self.client, self.identity, reason, timeout_s=2.0)
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:
