@@ -38,10 +38,13 @@ def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
                           "--inject", "slow:replica=1,step=20,factor=1.5"], ["--steps", "90"])
     assert_consistent_finish(result, 90, 2)
     found = verdicts(result)
-    # Named once, from a step of the slowdown (a noisy step below the threshold on this
-    # shared machine can restart the run of slow steps, so not always from step 20).
+    # Named once, for the slowdown. The run of slow steps that made the verdict need not start
+    # at step 20: on this shared machine a noisy step below the threshold can restart it later,
+    # and one or two noisy steps just before step 20 can start it earlier (seen: step 18). But
+    # it must reach into the slowdown: a run of `slowSteps` that ends before step 20 would be a
+    # false alarm on clean steps.
     assert len(found) == 1 and "replica 1: FailSlow from step " in found[0], found
-    assert int(found[0].split("from step ")[1].split()[0]) >= 20, found
+    assert int(found[0].split("from step ")[1].split()[0]) > 20 - detection["slowSteps"], found
     assert result.incarnations(1) == 2 and result.incarnations(0) == 1
     # The trace holds what the detectors saw; replaying it finds the same rank.
     with open(trace, newline="") as f:
