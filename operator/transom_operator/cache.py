@@ -1,12 +1,20 @@
-"""What the watches last showed: each job's pods and every node, so a reconcile pass reads
-memory instead of listing thousands of pods from the API server on every event.
+"""What the watches last showed: each job, its pods and every node, so a reconcile pass reads
+memory instead of asking the API server for thousands of pods and a job of tens of
+kilobytes on every event.
 
-The kopf event handlers (handlers.py) feed every pod event of a job's pods and every node
-event in; a pass reads the job's pods and the nodes from here (controller.py). A job's pods
-are listed from the API once when its first pass needs them, and again when their list is
-older than `resync_s` (a watch that dropped a DELETED event while it reconnected cannot
-leave a ghost for longer than that). Between lists, an object is replaced only by a newer
-resourceVersion, so a late event never rolls the view back.
+The kopf event handlers (handlers.py) feed every TrainingJob event, every pod event of a
+job's pods and every node event in; a pass reads the job, its pods and the nodes from here
+(controller.py). A job's pods are listed from the API once when its first pass needs them,
+and again when their list is older than `resync_s` (a watch that dropped a DELETED event
+while it reconnected cannot leave a ghost for longer than that). Between lists, an object
+is replaced only by a newer resourceVersion, so a late event never rolls the view back.
+
+The job itself is read from the API (GET) on its first pass and every `resync_s`; between,
+the watch's events and the responses to the operator's own status writes keep it current,
+newest resourceVersion first. So a pass never works from a status older than the operator's
+own last write, which its JSON patch is computed against (a write that fails anyway drops the
+cached job: the next pass reads it again). A deleted job leaves a tombstone, so the response
+of a write that raced the deletion cannot bring it back.
 
 A pass may run before the events of its own writes arrive: it then sees a pod it created
 as missing, or one it deleted as present. The writes are idempotent (deterministic names:
@@ -20,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from transom import contract
@@ -76,14 +85,61 @@ class _Objects:
         self.items, self.listed_at = fresh, now
 
 
+@dataclass
+class _Job:
+    body: dict | None  # None: deleted (a tombstone at resourceVersion `rv`)
+    rv: int
+    read_at: float | None = None  # when it was last read from the API (None: only seen in events)
+
+
+def _generation(body: dict | None) -> tuple[int, bool]:
+    meta = (body or {}).get("metadata") or {}
+    return meta.get("generation", 0), bool(meta.get("deletionTimestamp"))
+
+
 class WatchCache:
     def __init__(self, resync_s: float = RESYNC_S, clock: Callable[[], float] = time.monotonic):
         self.resync_s, self.clock = resync_s, clock
         self._lock = threading.Lock()
+        self._jobs: dict[tuple[str, str], _Job] = {}
         self._pods: dict[tuple[str, str], _Objects] = {}
         self._nodes = _Objects()
 
+    def _put_job(self, kind: str | None, body: dict, read_at: float | None = None) -> _Job | None:
+        """Keep `body` if it is newer than what is cached; returns what was cached before."""
+        meta = body.get("metadata") or {}
+        key, rv = (meta.get("namespace", ""), _name(body)), _rv(body)
+        was = self._jobs.get(key)
+        if was is not None and was.rv > rv:
+            if read_at is not None:
+                was.read_at = read_at  # events brought a newer one than the read: as fresh
+            return was  # late: the view never rolls back
+        fresh = _Job(None if kind == "DELETED" else body, rv, read_at)
+        if read_at is None and was is not None:
+            fresh.read_at = was.read_at
+        self._jobs[key] = fresh
+        return was
+
     # --- from the watches (kopf's event loop) ---------------------------------------------------
+    def job_event(self, kind: str | None, job: dict) -> bool:
+        """A TrainingJob event; True when it changes more than status (its spec, a deletion),
+        which a pass should see at once."""
+        with self._lock:
+            was = self._put_job(kind, job)
+        if was is not None and was.rv > _rv(job):
+            return False
+        return kind == "DELETED" or was is None or _generation(was.body) != _generation(job)
+
+    def wrote_job(self, job: dict) -> None:
+        """The job as the API server returned it after one of the operator's own writes."""
+        with self._lock:
+            self._put_job("MODIFIED", job)
+
+    def drop_job(self, namespace: str, name: str) -> None:
+        """Read the job from the API on the next pass (a write computed from the cached one failed)."""
+        with self._lock:
+            self._jobs.pop((namespace, name), None)
+
     def pod_event(self, kind: str | None, pod: dict) -> None:
         meta = pod.get("metadata") or {}
         job = (meta.get("labels") or {}).get(contract.LABEL_JOB)
@@ -99,8 +155,24 @@ class WatchCache:
     def forget_job(self, namespace: str, job: str) -> None:
         with self._lock:
             self._pods.pop((namespace, job), None)
+            self._jobs.pop((namespace, job), None)
 
     # --- for a reconcile pass (its thread) --------------------------------------------------------
+    def job(self, namespace: str, name: str, get_job: Callable[[], dict | None]) -> dict | None:
+        """The job (None: it is gone); `get_job()` reads it from the API when a read is due: on
+        the first pass, after a tombstone or a dropped entry, and every `resync_s`."""
+        key = (namespace, name)
+        with self._lock:
+            cached = self._jobs.get(key)
+            if (cached is not None and cached.body is not None and cached.read_at is not None
+                    and self.clock() - cached.read_at < self.resync_s):
+                return cached.body
+        body = get_job()
+        if body is None:
+            return None
+        with self._lock:
+            self._put_job("MODIFIED", body, read_at=self.clock())
+            return self._jobs[key].body
     def pods(self, namespace: str, job: str, list_pods: Callable[[], tuple[list[dict], int]],
              observe: Callable[[dict], Any] | None = None) -> list:
         """The job's pods; `list_pods()` -> (items, the list's resourceVersion) when a list is due.

@@ -1,10 +1,10 @@
 """One reconcile pass of one TrainingJob: read the world, plan (pure), act, write status once.
 
 This is the glue between `kube.py` (all I/O) and `reconcile/` (all decisions). It is
-synchronous; the kopf daemon runs it in a worker thread. Every pass starts from the job as
-the API server has it and the job's pods and the nodes as the watches last showed them
-(cache.py), so a pass interrupted anywhere (operator killed mid-recovery) is simply
-repeated by the next one.
+synchronous; the kopf daemon runs it in a worker thread. Every pass starts from the job, its
+pods and the nodes as the watches last showed them (cache.py; the job never older than the
+operator's own last write to it), so a pass interrupted anywhere (operator killed
+mid-recovery) is simply repeated by the next one.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Controller:
 
     def _reconcile(self, namespace: str, name: str) -> float | None:
         t0 = time.monotonic()
-        raw = self.kube.get_job(namespace, name)
+        raw = self.cache.job(namespace, name, lambda: self.kube.get_job(namespace, name))
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self._set_state(namespace, name, None)
             self.cache.forget_job(namespace, name)
@@ -88,7 +88,11 @@ class Controller:
         t_plan = time.monotonic()
         ops = status_ops(raw.get("status"), plan.status_patch())
         if ops:
-            self.kube.patch_job_status(namespace, name, ops)
+            try:
+                self.cache.wrote_job(self.kube.patch_job_status(namespace, name, ops))
+            except Exception:
+                self.cache.drop_job(namespace, name)  # e.g. a `test` failed: read it afresh
+                raise
         t_status = time.monotonic()
         self._act(namespace, pods, plan)
         t_act = time.monotonic()

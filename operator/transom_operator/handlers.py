@@ -1,10 +1,11 @@
 """kopf registrations: thin, level-based, and never sleeping in a handler.
 
 Each TrainingJob gets a daemon that runs a reconcile pass (controller.py) whenever
-something relevant changed or its requeue time came, whichever is first: pod and node
-watch events update the controller's cache of pods and nodes (cache.py) and *wake* the
-daemon of the job they concern, so reaction is immediate while every decision is still made
-from the whole current view (level-based), without listing the job's pods on every event.
+something relevant changed or its requeue time came, whichever is first: job, pod and node
+watch events update the controller's cache of them (cache.py) and *wake* the daemon of the
+job they concern (for a job's own events: when its spec changed or it is being deleted),
+so reaction is immediate while every decision is still made from the whole current view
+(level-based), without reading the job or listing its pods on every event.
 Only the leader (leader.py) acts; the others keep their daemons idle.
 """
 
@@ -51,6 +52,14 @@ async def job_daemon(name, namespace, stopped, memo, **_):
                 pass
     finally:
         memo.wakeups.pop(key, None)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def job_changed(event, namespace, name, memo, **_):
+    # A spec change or a deletion is acted on at once; a status change (most are the
+    # operator's own writes, or the coordinator's training figures) only keeps the cache current.
+    if memo.controller.cache.job_event(event.get("type"), event["object"]):
+        _wake(memo, (namespace, name))
 
 
 @kopf.on.event("", "v1", "pods", labels={contract.LABEL_JOB: kopf.PRESENT})

@@ -144,12 +144,13 @@ class Kube:
                 return False
             raise
 
-    def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> None:
-        """A JSON patch of the job's status (reconcile/status_diff.py: only what changed)."""
+    def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> dict:
+        """A JSON patch of the job's status (reconcile/status_diff.py: only what changed); returns
+        the job as the API server has it after the patch."""
         self._count()
         status = self._kind(f"{GROUP}/{VERSION}", "TrainingJob").subresources["status"]
-        status.patch(body=ops, name=name, namespace=namespace, content_type="application/json-patch+json",
-                     serialize=False)
+        return _json(status.patch(body=ops, name=name, namespace=namespace,
+                                  content_type="application/json-patch+json", serialize=False))
 
     def exclude_node(self, node: str, policy: str, reason: str) -> None:
         """Taint (NoSchedule) or cordon a node the job excluded; `Exclude` touches nothing."""

@@ -142,10 +142,10 @@ def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_r
         source.publish_small(3, buf.getvalue())
         ftar = StepAllReduce(None, 1, contribute=False)
         ftar.error = None
-        trainer._join(_joiner_round(3, source.url), ftar)
+        assert trainer._rejoin.round(_joiner_round(3, source.url), ftar) is None
         assert ftar.failed and "bad header" in ftar.error
         assert not RunsCode.marker.exists(), "the joiner ran code its source sent"
-        assert trainer.step == 0 and trainer._joiner is None
+        assert trainer.step == 0 and not trainer._rejoin.active
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
         # A real source: its small state at step 5, then its snapshot of step 5.
@@ -155,19 +155,19 @@ def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_r
         source.publish_small(4, wire.encode(small_part(peer_state)))
         ftar = StepAllReduce(None, 1, contribute=False)
         ftar.error = None
-        trainer._join(_joiner_round(4, source.url), ftar)
-        assert not ftar.failed and trainer.step == 5 and trainer._joiner is not None
+        assert trainer._rejoin.round(_joiner_round(4, source.url), ftar) == 5
+        assert not ftar.failed and trainer._rejoin.active
         source.publish_snapshot(_published(5, peer_state))
         # One committed step while catching up: recorded, replayed on the shadow.
         grads = [torch.full_like(p, 0.5) for p in peer.parameters()]
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
-        trainer._joiner.record(record_of(5, opt, update=True))
+        assert trainer._rejoin.record(5, update=True) == 1
         deadline = time.monotonic() + 20
-        while not trainer._joiner.ready_at(6):
-            assert trainer._joiner.error is None and time.monotonic() < deadline
+        while trainer._rejoin.active:  # swapped in once the shadow has replayed step 5
+            trainer._rejoin.take_if_ready(6, None)
+            assert time.monotonic() < deadline
             time.sleep(0.02)
-        trainer._joiner.take()
         for p, g in zip(peer.parameters(), grads):
             p.grad = g
         peer_opt.step()

@@ -16,7 +16,7 @@ Endpoints (bearer token required on everything under /v1/):
     POST /v1/signals             SignalBatch      -> {"verdicts": n} (anomaly detection)
     GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
                                                      `known`, a long-poll: answered when the
-                                                     state is no longer S, or after W <= 30 s)
+                                                     state is no longer S, or after W <= 60 s)
     PUT  /v1/rendezvous          RendezvousInfo   -> {}
     GET  /v1/rendezvous/{id}?generation=G&attempt=A -> RendezvousInfo (404 until node 0 put it)
     GET  /v1/status              -> JobStatus

@@ -61,7 +61,7 @@ from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
 from transom.ft.guard import Guard, signals_dir
-from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
+from transom.ft.catchup import Source, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.process_group import QuorumGroups
@@ -70,7 +70,8 @@ from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
 from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
-from transom.ft.state_server import StateServer, take_small
+from transom.ft.rejoin import Rejoin
+from transom.ft.state_server import StateServer
 from transom.ft.transfer import LinkGate
 from transom.ft.stats import StatsWriter
 from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
@@ -173,8 +174,9 @@ class FaultTolerant:
         self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr,
                                          bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
         self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
-        self._joiner: Joiner | None = None  # while this replica catches up
         self._exchange_gate = LinkGate(self.config.recovery_yields)  # busy while gradients move
+        self._rejoin = Rejoin(self.ctx, self.replica_id, self.config, model, optimizer, self.state, self.device,
+                              self._exchange_gate)
         endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
         self._link: CoordinatorLink | None = None
@@ -284,7 +286,7 @@ class FaultTolerant:
                 failed=self._last_failed,
                 last_loss=self._last_loss,
                 last_step_seconds=self._last_seconds,
-                catching_up_from=self._joiner.need_from if self._joiner is not None else None,
+                catching_up_from=self._rejoin.need_from,
                 follows_shares=self.shares.following,
             )
             self._future = self._link.ask(req)
@@ -326,7 +328,7 @@ class FaultTolerant:
         if self.checkpoints is not None:
             self.checkpoints.check_skipped_restore(q.max_step)
         if committed:
-            self._catch_up_if_ready()
+            self._rejoin.take_if_ready(self.step, self.checkpoints.wait_snapshot if self.checkpoints else None)
             if skip:
                 log.warning("replica %d rank %d: step %d applied on no replica: a replica's loss or gradients were "
                             "not finite, or its loss spiked", self.replica_id, self.ctx.rank, attempted)
@@ -358,8 +360,9 @@ class FaultTolerant:
             if ex.ftar.failed:
                 self._groups.drop()
             if ex.recovering:
-                self._join(ex.q, ex.ftar)
-            elif self._joiner is not None:  # a coordinator that forgot us would say so: be safe
+                small_step = self._rejoin.round(ex.q, ex.ftar)
+                self.step = self.step if small_step is None else small_step
+            elif self._rejoin.active:  # a coordinator that forgot us would say so: be safe
                 raise MustRestart(f"replica {self.replica_id} was catching up, but the quorum counts it caught up")
         self._exchanged = ex
         return ex
@@ -410,44 +413,6 @@ class FaultTolerant:
         self._opened = _Exchanged(q=q, recovering=recovering, changed=changed, ftar=ftar)
         return self._opened
 
-    def _join(self, q: QuorumResponse, ftar: StepAllReduce) -> None:
-        """A recovering replica's part of a round: in its first, load the small state from a
-        source and start catching up in the background (ft/catchup.py); in every round, tell
-        the catch-up which sources are alive."""
-        mine = [s.endpoints[self.ctx.rank] for s in q.sources if len(s.endpoints) > self.ctx.rank]
-        if not mine:
-            raise MustRestart(f"replica {self.replica_id} is behind and no replica holds the state to catch up from")
-        if self._joiner is None:
-            small, error = None, ftar.error
-            if not ftar.failed:
-                small, error = take_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.coordinator_token,
-                                          self.config.recovery_timeout_s)
-            # Every rank of the replica starts catching up, or none does (the step again).
-            if not self.ctx.all_ok(small is not None):
-                ftar.fail(error or "another rank of this replica could not take its source's state")
-                return
-            self.step = apply_small(small, self._optimizer, self.state.apply_small)
-            rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
-            self._joiner = Joiner(self.model, self._optimizer, self.ctx.env.coordinator_token, self.device, rebuild,
-                                  q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes,
-                                  self._exchange_gate)
-            log.info("replica %d rank %d catching up from step %d", self.replica_id, self.ctx.rank, self.step)
-        self._joiner.set_sources(mine)
-
-    def _catch_up_if_ready(self) -> None:
-        """A catching-up replica whose shadow (every rank's) has reached this step swaps it in."""
-        if self._joiner is None:
-            return
-        if self._joiner.error is not None:
-            raise MustRestart(f"replica {self.replica_id} could not catch up: {self._joiner.error}")
-        if not self.ctx.all_ok(self._joiner.ready_at(self.step)):
-            return
-        if self.checkpoints is not None:
-            self.checkpoints.wait_snapshot()  # a copy in flight must not read what the swap replaces
-        self._joiner.take()
-        self._joiner = None
-        log.info("replica %d rank %d caught up at step %d", self.replica_id, self.ctx.rank, self.step)
-
     def _commit(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None, update: bool) -> None:
         """Step the optimizer (its learning rate scaled for missing replicas) unless `update`
         is False, count the step, and start the checkpoint that is due."""
@@ -462,14 +427,14 @@ class FaultTolerant:
         try:
             if update and before_optimizer is not None:
                 before_optimizer()
-            if self._joiner is not None:  # no state to step yet: the update is replayed later
-                self._joiner.record(record_of(self.step, self._optimizer, update))
+            if self._rejoin.active:  # no state to step yet: the update is replayed later
+                recorded = self._rejoin.record(self.step, update)
                 if self.fault:
-                    self.fault.maybe_fire(len(self._joiner.recorded), self.ctx.rank, "catchup")
+                    self.fault.maybe_fire(recorded, self.ctx.rank, "catchup")
             elif update:
                 self._stepping = True
                 self._optimizer.step()
-            if self.fault and self._joiner is None:
+            if self.fault and not self._rejoin.active:
                 self.fault.maybe_fire(self.step, self.ctx.rank, "update", target=next(self.model.parameters()))
         finally:
             self._stepping = False
@@ -484,7 +449,7 @@ class FaultTolerant:
         # The members that hold the state of this step (not those catching up) write its
         # checkpoint together.
         holders = [m for m in q.members if m not in q.recovering]
-        mine = self._joiner is None and self.replica_id in holders
+        mine = not self._rejoin.active and self.replica_id in holders
         self._writers = Writers(holders.index(self.replica_id), len(holders),
                                 f"{q.store_prefix}/round{q.round}") if mine else None
         if self._writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
@@ -496,7 +461,7 @@ class FaultTolerant:
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
         if self._guard is not None:
             self._guard.committed(step, self._clock.busy(), loss, norm, recovering, serving, skipped,
-                                  self.model if self._joiner is None else None, self.shares.batch_share())
+                                  self.model if not self._rejoin.active else None, self.shares.batch_share())
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -548,7 +513,7 @@ class FaultTolerant:
         failed = not done and not self.completed_elsewhere and not self._evicted
         if failed:  # before anything slow: the other replicas stop waiting for this one now
             self._report_close_failure()
-        if completed and self._joiner is not None:
+        if completed and self._rejoin.active:
             log.warning("replica %d ends the job before it caught up: its state is not the job's", self.replica_id)
         elif completed:
             self.stats.final(self.step, state_digest(self.model))
@@ -565,8 +530,7 @@ class FaultTolerant:
                     "ended the job" if end_job and self.step < (self.num_steps or 0) else "completed"
                 leave = LeaveRequest(identity=self.identity, step=self.step, completed=completed, reason=reason)
             self._link.close(leave)
-        if self._joiner is not None:
-            self._joiner.close()
+        self._rejoin.close()
         self._source.close()
         self._backward.remove()
         self._step_guard.remove()
