@@ -104,6 +104,8 @@ def main() -> int:
     p.add_argument("--big-failures", type=int, default=10)
     p.add_argument("--nodes-per-replica", type=int, default=8)
     p.add_argument("--kwok-nodes", type=int, default=32)  # at most 110 pods each
+    p.add_argument("--operator-verbose", action="store_true",
+                   help="the operator logs at DEBUG (each pass's timings) into the state directory's operator.log")
     args = p.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="transom-bench-"))
@@ -123,7 +125,8 @@ def main() -> int:
         log = open(state / "operator.log", "ab")
         op = subprocess.Popen(
             [sys.executable, "-m", "transom_operator.main", "--metrics-port", str(metrics_port),
-             "--metrics-address", "127.0.0.1", "--lease-namespace", "bench"],
+             "--metrics-address", "127.0.0.1", "--lease-namespace", "bench",
+             *(["--verbose"] if args.operator_verbose else [])],
             env={**os.environ, "KUBECONFIG": str(env.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT)
 
         # --- 1. reaction to failures --------------------------------------------------------
