@@ -13,7 +13,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -32,6 +33,7 @@ DEFAULT_REQUEUE_S = 10.0
 # round trip instead of one after another (the kubernetes client pools 10+ connections).
 WRITE_CONCURRENCY = 16
 COORDINATOR_RECHECK_S = 30.0
+WRITE_TIMEOUT_S = 120.0  # a pod write's own HTTP timeouts end it well before
 
 
 @dataclass
@@ -79,26 +81,29 @@ class Controller:
         now = datetime.now(timezone.utc)
         plan = replicas.plan(job, pods, nodes, now)
 
-        # Record the decision first, then act: an operator killed in between finds the new
-        # generation, restart count and history in the API and only finishes the pod work (a
-        # crash after acting but before recording would lose the restart from the count). Only
-        # what changed is written (reconcile/status_diff.py), and nothing when nothing did: most
-        # passes are woken by events that change nothing, and a 250-replica status is tens of
-        # kilobytes.
+        # The pod creates go out with the status write, the deletes and relabels after it: a
+        # replacement waits for no status write of tens of kilobytes (a 250-replica job's), and
+        # an operator killed before the write leaves the failed incarnation's pods in place, on
+        # which the next pass finds the failure again and records it (reconcile/replicas.py).
+        # Only what changed is written (reconcile/status_diff.py), and nothing when nothing
+        # did: most passes are woken by events that change nothing.
         t_plan = time.monotonic()
+        creates = [self._writers.submit(self.kube.create, namespace, manifest) for manifest in plan.create]
         ops = status_ops(raw.get("status"), plan.status_patch())
-        if ops:
-            try:
+        try:
+            if ops:
                 self.cache.wrote_job(self.kube.patch_job_status(namespace, name, ops))
-            except Exception:
-                self.cache.drop_job(namespace, name)  # e.g. a `test` failed: read it afresh
-                raise
+        except Exception:
+            self.cache.drop_job(namespace, name)  # e.g. a `test` failed: read it afresh
+            wait_all(creates, timeout=WRITE_TIMEOUT_S)  # every write of the pass ends with it
+            raise
+        _first_error(creates)
         t_status = time.monotonic()
         self._act(namespace, pods, plan)
         t_act = time.monotonic()
-        log.debug("%s/%s pass: read+plan %.3fs, status %.3fs, %d deletes %d relabels %d creates %.3fs", namespace,
-                  name, t_plan - t0, t_status - t_plan, len(plan.delete), len(plan.relabel), len(plan.create),
-                  t_act - t_status)
+        log.debug("%s/%s pass: read+plan %.3fs, status and %d creates %.3fs, %d deletes %d relabels %.3fs",
+                  namespace, name, t_plan - t0, len(plan.create), t_status - t_plan, len(plan.delete),
+                  len(plan.relabel), t_act - t_status)
         policy, refused = failures.node_action(job.spec.fault_tolerance.node_exclusion_policy, self.node_actions)
         for node, reason in plan.excluded_nodes_added:
             self.kube.exclude_node(node, policy, reason)
@@ -112,25 +117,19 @@ class Controller:
         return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
 
     def _act(self, namespace: str, pods: list, plan: replicas.Plan) -> None:
-        """The plan's pod writes, all at once: they touch distinct pods (a new generation's
-        pods have new names), so none waits for another, and a replacement costs one round
-        trip however many pods the replica has. The first failure is raised after every write
+        """The plan's relabels and deletes (once its status is written), all at once: they touch
+        distinct pods, so none waits for another. The first failure is raised after every write
         was tried; the next pass repeats what is missing (every write is idempotent)."""
         dead_nodes = {n for n, _ in plan.excluded_nodes_added}
         on_dead_node = {p.name for p in pods if p.node_name in dead_nodes}
-        # The replacement first: with more writes than threads, it is what the job waits for.
         writes: list[Callable[[], object]] = [
-            *(lambda manifest=manifest: self.kube.create(namespace, manifest) for manifest in plan.create),
             # A spare's pods become the replica's by their labels; a pod gone meanwhile leaves a
             # rank missing, which the next pass creates like any replacement pod.
             *(lambda pod=pod, labels=labels: self.kube.patch_pod_labels(namespace, pod, labels)
               for pod, labels in plan.relabel),
             *(lambda pod=pod: self.kube.delete_pod(namespace, pod, force=pod in on_dead_node) for pod in plan.delete),
         ]
-        errors = [f.exception() for f in [self._writers.submit(w) for w in writes]]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        _first_error([self._writers.submit(w) for w in writes])
         metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
@@ -185,3 +184,11 @@ class Controller:
         for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
 
+
+
+def _first_error(futures: list[Future]) -> None:
+    """Wait for every write; raise the first failure (the next pass repeats what is missing)."""
+    errors = [f.exception(timeout=WRITE_TIMEOUT_S) for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first

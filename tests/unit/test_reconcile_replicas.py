@@ -431,3 +431,50 @@ def test_rebalanced_shares_are_a_condition_and_an_event_when_they_change():
     p = w.step()
     assert cond(p.status, "Rebalanced").status == "False" and [e[1] for e in p.events] == ["Rebalanced"]
     w.assert_quiet()
+
+
+@pytest.mark.parametrize("what, change, reason, exclusion", [FAILURES[0], FAILURES[3]], ids=["pod failed", "node lost"])
+def test_operator_killed_between_the_creates_and_the_status_write_loses_no_restart(what, change, reason, exclusion):
+    """The creates go out with the status write (controller.py); only they reached the API
+    server. The next pass finds the failed incarnation's pods (nothing deleted them) and
+    records the replacement as the cut pass would have."""
+    w = World(make_job()).running()
+    bad = w.pod_of(1)
+    w.set_pod(bad.name, **change)
+    cut = plan(w.job, list(w.pods.values()), w.nodes, w.now)
+    for manifest in cut.create:  # the creates only: no deletes, no status
+        pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
+        w.pods[pod.name] = pod
+    assert w.job.status.replicas[1].generation == 0
+    p = w.step()
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.restarts, r1.state, r1.last_failure.reason) == (1, 1, "Replacing", reason)
+    assert p.status.total_restarts == 1 and [(h.replica, h.generation) for h in p.status.restart_history] == [(1, 0)]
+    assert sorted(p.delete) == ["demo-r1-n0-g0", "demo-r1-n1-g0"] and p.create == []
+    assert (reasons.WARNING, reasons.EVENT_REPLICA_FAILED) in [(t, r) for t, r, _ in p.events]
+    if exclusion:
+        assert [(e.name, e.reason) for e in p.status.excluded_nodes] == [(bad.node_name, exclusion)]
+    w.settle()
+    w.step()
+    assert w.job.status.state == "Running" and w.job.status.total_restarts == 1
+    assert w.job.status.replicas[1].restarts == 1 and w.job.status.replicas[1].last_failure.reason == reason
+    w.assert_quiet()
+
+
+def test_a_deleted_pod_whose_replacement_was_not_recorded_is_still_counted():
+    """The failure itself was a deleted pod (gone, as with a force delete): the recorded
+    incarnation lacks it, which is the failure the next pass finds."""
+    w = World(make_job()).running()
+    del w.pods["demo-r1-n0-g0"]
+    cut = plan(w.job, list(w.pods.values()), w.nodes, w.now)
+    for manifest in cut.create:
+        pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
+        w.pods[pod.name] = pod
+    p = w.step()
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.restarts, r1.last_failure.reason) == (1, 1, reasons.POD_DELETED)
+    assert p.delete == ["demo-r1-n1-g0"]
+    w.settle()
+    w.step()
+    assert w.job.status.total_restarts == 1
+    w.assert_quiet()

@@ -10,6 +10,13 @@ cannot write: the replicas' generations, restarts and last failures in `status.r
 the excluded nodes in `status.excludedNodes`, and the restart history in
 `status.restartHistory`. So an operator restarted mid-recovery converges.
 
+A pass writes the status at the same time as it creates pods (controller.py), and deletes
+and relabels only once the status is written. So an operator killed between a replacement's
+pod creates and its status write leaves pods of a generation the status has not recorded,
+beside the failed incarnation's pods, which nothing has deleted yet: the next pass finds
+the failure on those again and records it then (restarts, lastFailure, the history), so no
+restart is lost from the count however the pass was cut short.
+
 Rules:
 - The current generation of a replica is the highest of its pods' generations and the one
   recorded in status (0 for a new replica); pods of older generations are deleted.
@@ -82,13 +89,27 @@ class _Replica:
     recorded: api.ReplicaStatus | None
     failure: failures.ReplicaFailure | None = None
     state: str = "Pending"
+    # The failure that made the current generation, when the pass that replaced it was cut
+    # short before its status write (`unrecorded`).
+    lost: failures.ReplicaFailure | None = None
+    lost_at: datetime | None = None
+
+    @property
+    def unrecorded(self) -> int:
+        """Generations of pods newer than the recorded one: created by a pass whose status
+        write never happened (an operator killed in between, or the write failed)."""
+        if self.recorded is None or not self.current:
+            return 0
+        return max(0, self.generation - self.recorded.generation)
 
     @property
     def restarts(self) -> int:
-        return self.recorded.restarts if self.recorded else 0
+        return (self.recorded.restarts if self.recorded else 0) + self.unrecorded
 
     @property
     def last_failure(self) -> api.Failure | None:
+        if self.lost is not None:
+            return api.Failure(reason=self.lost.reason, message=self.lost.message, time=self.lost_at)
         return self.recorded.last_failure if self.recorded else None
 
 
@@ -183,9 +204,19 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
 
 # --- detect ---------------------------------------------------------------------------------
 def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, int], Any]) -> None:
-    """Each replica's failure, if its current incarnation has one (failures.detect)."""
+    """Each replica's failure, if its current incarnation has one (failures.detect), and the
+    failure of the recorded incarnation of a replica whose replacement was not recorded."""
     for r in replicas:
         rec = r.recorded
+        if r.unrecorded and rec is not None:
+            previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
+            r.lost, _ = failures.detect(
+                failures.Incarnation(r.id, rec.generation, previous, rec.state in ("Running", "Succeeded"),
+                                     verdicts.get((r.id, rec.generation))),
+                nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
+                grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
+            )
+            r.lost_at = ps.now
         recorded_running = rec is not None and rec.generation == r.generation and rec.state in ("Running", "Succeeded")
         incarnation = failures.Incarnation(r.id, r.generation, r.current, recorded_running,
                                            verdicts.get((r.id, r.generation)))
@@ -204,6 +235,10 @@ def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
     for r in replicas:
         if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in ps.history):
             ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node))
+        for generation in range(r.generation - r.unrecorded, r.generation):  # replacements not recorded
+            if all((h.replica, h.generation) != (r.id, generation) for h in ps.history):
+                node = r.lost.node if r.lost is not None else None
+                ps.history.append(api.RestartRecord(replica=r.id, generation=generation, time=now_s, node=node))
     if len(ps.history) <= ps.ft.max_replica_restarts:
         return None
     failing = ", ".join(str(r.id) for r in replicas if r.failure)
@@ -241,6 +276,11 @@ def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
     when there is one), and create the pods it is missing once its backoff has passed."""
     stale, current = list(r.stale), dict(r.current)
     generation, restarts, last_failure = r.generation, r.restarts, r.last_failure
+    ps.new_restarts += r.unrecorded  # replacements made by a pass cut short, counted now
+    if r.lost is not None:  # the replacement happened; its record is written now
+        ps.out.events.append((reasons.WARNING, reasons.EVENT_REPLICA_FAILED,
+                              f"Replica {r.id} generation {generation - 1} failed: {r.lost.message}"))
+        _exclude_nodes(ps, r.lost)
     if r.failure:
         stale.extend(current.values())
         current, generation, restarts = {}, generation + 1, restarts + 1
