@@ -127,7 +127,7 @@ class WatchCache:
         with self._lock:
             was = self._put_job(kind, job)
         if was is not None and was.rv > _rv(job):
-            return False
+            return False  # late: not kept
         return kind == "DELETED" or was is None or _generation(was.body) != _generation(job)
 
     def wrote_job(self, job: dict) -> None:

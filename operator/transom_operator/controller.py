@@ -185,7 +185,6 @@ class Controller:
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
 
 
-
 def _first_error(futures: list[Future]) -> None:
     """Wait for every write; raise the first failure (the next pass repeats what is missing)."""
     errors = [f.exception(timeout=WRITE_TIMEOUT_S) for f in futures]

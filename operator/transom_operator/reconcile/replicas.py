@@ -206,24 +206,22 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
 def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, int], Any]) -> None:
     """Each replica's failure, if its current incarnation has one (failures.detect), and the
     failure of the recorded incarnation of a replica whose replacement was not recorded."""
-    for r in replicas:
-        rec = r.recorded
-        if r.unrecorded and rec is not None:
-            previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
-            r.lost, _ = failures.detect(
-                failures.Incarnation(r.id, rec.generation, previous, rec.state in ("Running", "Succeeded"),
-                                     verdicts.get((r.id, rec.generation))),
-                nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
-                grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
-            )
-            r.lost_at = ps.now
-        recorded_running = rec is not None and rec.generation == r.generation and rec.state in ("Running", "Succeeded")
-        incarnation = failures.Incarnation(r.id, r.generation, r.current, recorded_running,
-                                           verdicts.get((r.id, r.generation)))
-        r.failure, recheck = failures.detect(
-            incarnation, nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
+
+    def detect(replica: int, generation: int, pods: Mapping[int, ObservedPod], recorded_running: bool):
+        return failures.detect(
+            failures.Incarnation(replica, generation, pods, recorded_running, verdicts.get((replica, generation))),
+            nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
             grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
         )
+
+    for r in replicas:
+        rec = r.recorded
+        running = rec is not None and rec.state in ("Running", "Succeeded")
+        if r.unrecorded and rec is not None:
+            previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
+            r.lost, _ = detect(r.id, rec.generation, previous, running)
+            r.lost_at = ps.now
+        r.failure, recheck = detect(r.id, r.generation, r.current, running and rec.generation == r.generation)
         if recheck is not None:
             ps.out._requeue(recheck)
 
