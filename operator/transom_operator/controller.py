@@ -22,7 +22,7 @@ from transom import contract
 
 from transom_operator import api, metrics, naming, reasons, resources
 from transom_operator.cache import WatchCache
-from transom_operator.kube import Kube
+from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
 from transom_operator.reconcile import failures, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
 from transom_operator.reconcile.status_diff import status_ops
@@ -33,7 +33,9 @@ DEFAULT_REQUEUE_S = 10.0
 # round trip instead of one after another (the kubernetes client pools 10+ connections).
 WRITE_CONCURRENCY = 16
 COORDINATOR_RECHECK_S = 30.0
-WRITE_TIMEOUT_S = 120.0  # a pod write's own HTTP timeouts end it well before
+# Past any write's own end: kube.REQUEST_TIMEOUT_S per attempt, and urllib3 tries an idempotent
+# request (a delete) up to four times.
+WRITE_TIMEOUT_S = 4 * sum(REQUEST_TIMEOUT_S) + 5.0
 
 
 @dataclass

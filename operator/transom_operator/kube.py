@@ -3,14 +3,15 @@
 Reads come back as plain dicts (the API's own camelCase JSON, `_preload_content=False`) so
 the pure reconcile code parses exactly what the server sent. Writes are idempotent where
 Kubernetes lets them be: a 409 on create means the object exists (deterministic names), a
-404 on delete means it is gone already.
+404 on delete means it is gone already. Every request has a connect and a read timeout
+(REQUEST_TIMEOUT_S): an API server that accepts a connection and never answers costs a pass
+one timeout, never a worker thread forever.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,6 +24,10 @@ from transom_operator import metrics
 log = logging.getLogger("transom.operator")
 GROUP, VERSION, PLURAL = "transom.io", "v1alpha1", "trainingjobs"
 EXCLUDE_TAINT_KEY = "transom.io/excluded"
+# (connect, read) seconds for one request. The read bound is far above any answer a healthy
+# API server gives (a 2,000-pod list takes well under a second) and well below the pass's
+# own bound on its writes (controller.WRITE_TIMEOUT_S).
+REQUEST_TIMEOUT_S = (5.0, 30.0)
 
 
 def _json(resp) -> Any:
@@ -34,41 +39,64 @@ def _list_rv(resp: dict) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
+# Where the API server serves each kind the operator writes. It writes a fixed set of kinds,
+# so it needs no discovery: the dynamic client's would send a dozen requests, none of them
+# with a timeout, and share a cache that is not safe from several threads at once.
+_PLURALS = {
+    "Pod": "pods", "Secret": "secrets", "ServiceAccount": "serviceaccounts", "Service": "services",
+    "Event": "events", "Node": "nodes", "Deployment": "deployments", "NetworkPolicy": "networkpolicies",
+    "Role": "roles", "RoleBinding": "rolebindings", "TrainingJob": PLURAL,
+}
+
+
+def _path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
+          subresource: str | None = None) -> str:
+    """The API path of a kind's collection (no name) or of one object, e.g.
+    /apis/apps/v1/namespaces/ml/deployments/demo-coordinator."""
+    if kind not in _PLURALS:
+        raise ValueError(f"kube.py does not know where the API serves {kind} (add it to _PLURALS)")
+    parts = ["/api/v1" if api_version == "v1" else f"/apis/{api_version}"]
+    if namespace is not None:
+        parts += ["namespaces", namespace]
+    parts.append(_PLURALS[kind])
+    parts += [p for p in (name, subresource) if p is not None]
+    return "/".join(parts)
+
+
+class _Requests(dynamic.DynamicClient):
+    """The dynamic client's `request` (authentication, headers, error mapping to ApiException,
+    any body sent as it is) without its discovery, which its constructor would run at once."""
+
+    def __init__(self, api: client.ApiClient):  # deliberately not super().__init__: no discovery
+        self.client = api
+
+
 class Kube:
-    def __init__(self, api: client.ApiClient):
+    def __init__(self, api: client.ApiClient, timeout: tuple[float, float] = REQUEST_TIMEOUT_S):
         self.api = api
+        self.timeout = timeout
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
-        self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.dynamic = dynamic.DynamicClient(api)
-        self._kinds: dict[tuple[str, str], Any] = {}
-        self._kinds_lock = threading.Lock()
+        self._requests = _Requests(api)
 
     def _count(self) -> None:
         metrics.API_REQUESTS.inc()
 
-    def _kind(self, api_version: str, kind: str):
-        """The dynamic client's resource for a kind, resolved once: its discovery fills a shared
-        cache that is not safe from several threads at once (passes and their pod writes run
-        in threads)."""
-        key = (api_version, kind)
-        with self._kinds_lock:
-            if key not in self._kinds:
-                self._kinds[key] = self.dynamic.resources.get(api_version=api_version, kind=kind)
-            return self._kinds[key]
-
-    def _resource(self, manifest: dict):
-        # The dynamic client sends the manifest as it is: the typed client would re-validate
-        # it against its own models and refuse valid YAML (e.g. `nvidia.com/gpu: 8`).
-        return self._kind(manifest["apiVersion"], manifest["kind"])
+    def _send(self, method: str, path: str, body: Any, content_type: str = "application/json") -> Any:
+        """One request with a JSON body; the answer's parsed JSON. The typed client is not used
+        for writes: it would re-validate a manifest against its own models and refuse valid
+        YAML (e.g. `nvidia.com/gpu: 8`)."""
+        self._count()
+        return _json(self._requests.request(method, path, body=body, content_type=content_type,
+                                            _request_timeout=self.timeout))
 
     # --- reads ---------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict | None:
         self._count()
         try:
             return _json(self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False))
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False, _request_timeout=self.timeout))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -78,18 +106,20 @@ class Kube:
         """The job's pods, and the list's resourceVersion (cache.py)."""
         self._count()
         resp = _json(self.core.list_namespaced_pod(
-            namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False))
+            namespace, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False,
+            _request_timeout=self.timeout))
         return resp["items"], _list_rv(resp)
 
     def list_nodes(self) -> tuple[list[dict], int]:
         self._count()
-        resp = _json(self.core.list_node(_preload_content=False))
+        resp = _json(self.core.list_node(_preload_content=False, _request_timeout=self.timeout))
         return resp["items"], _list_rv(resp)
 
     def get_deployment(self, namespace: str, name: str) -> dict | None:
         self._count()
         try:
-            return _json(self.apps.read_namespaced_deployment(name, namespace, _preload_content=False))
+            return _json(self.apps.read_namespaced_deployment(name, namespace, _preload_content=False,
+                                                                 _request_timeout=self.timeout))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -97,19 +127,15 @@ class Kube:
 
     def set_container_command(self, namespace: str, deployment: str, container: str, command: list[str]) -> None:
         """Strategic merge on the container list (merged by name): only its command changes."""
-        self._count()
-        deployments = self._kind("apps/v1", "Deployment")
         body = {"spec": {"template": {"spec": {"containers": [{"name": container, "command": command}]}}}}
-        deployments.patch(body=body, name=deployment, namespace=namespace,
-                          content_type="application/strategic-merge-patch+json")
+        self._send("PATCH", _path("apps/v1", "Deployment", namespace, deployment), body,
+                   "application/strategic-merge-patch+json")
 
     # --- writes --------------------------------------------------------------------------
     def create(self, namespace: str, manifest: dict) -> bool:
         """Create any of the kinds the operator makes; False if it already existed."""
-        self._count()
         try:
-            # serialize=False: the answer is not wrapped into objects nobody reads.
-            self._resource(manifest).create(body=manifest, namespace=namespace, serialize=False)
+            self._send("POST", _path(manifest["apiVersion"], manifest["kind"], namespace), manifest)
             return True
         except ApiException as e:
             if e.status == 409:
@@ -126,18 +152,16 @@ class Kube:
         try:
             # A pod on a dead node never confirms its own deletion: force it.
             self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,
-                                            _preload_content=False)
+                                            _preload_content=False, _request_timeout=self.timeout)
         except ApiException as e:
             if e.status != 404:
                 raise
 
     def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
         """Merge-patch a pod's labels (None removes one); False if the pod is gone."""
-        self._count()
-        pods = self._kind("v1", "Pod")
         try:
-            pods.patch(body={"metadata": {"labels": labels}}, name=name, namespace=namespace,
-                       content_type="application/merge-patch+json", serialize=False)
+            self._send("PATCH", _path("v1", "Pod", namespace, name), {"metadata": {"labels": labels}},
+                       "application/merge-patch+json")
             return True
         except ApiException as e:
             if e.status == 404:
@@ -147,25 +171,21 @@ class Kube:
     def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> dict:
         """A JSON patch of the job's status (reconcile/status_diff.py: only what changed); returns
         the job as the API server has it after the patch."""
-        self._count()
-        status = self._kind(f"{GROUP}/{VERSION}", "TrainingJob").subresources["status"]
-        return _json(status.patch(body=ops, name=name, namespace=namespace,
-                                  content_type="application/json-patch+json", serialize=False))
+        return self._send("PATCH", _path(f"{GROUP}/{VERSION}", "TrainingJob", namespace, name, "status"), ops,
+                          "application/json-patch+json")
 
     def exclude_node(self, node: str, policy: str, reason: str) -> None:
         """Taint (NoSchedule) or cordon a node the job excluded; `Exclude` touches nothing."""
         if policy == "Cordon":
             body: dict = {"spec": {"unschedulable": True}}
         elif policy == "Taint":
-            current = self.core.read_node(node).spec.taints or []
+            current = self.core.read_node(node, _request_timeout=self.timeout).spec.taints or []
             taints = [t.to_dict() for t in current if t.key != EXCLUDE_TAINT_KEY]
             taints.append({"key": EXCLUDE_TAINT_KEY, "value": reason[:63], "effect": "NoSchedule"})
             body = {"spec": {"taints": taints}}
         else:
             return
-        self._count()
-        nodes = self._kind("v1", "Node")
-        nodes.patch(body=body, name=node, content_type="application/merge-patch+json")
+        self._send("PATCH", _path("v1", "Node", name=node), body, "application/merge-patch+json")
 
     def event(self, job: dict, type_: str, reason: str, message: str) -> None:
         meta = job["metadata"]
@@ -183,8 +203,7 @@ class Kube:
             "reportingComponent": "transom-operator", "reportingInstance": "transom-operator",
             "action": reason, "source": {"component": "transom-operator"}, "count": 1,
         }
-        self._count()
         try:
-            self._resource(body).create(body=body, namespace=meta["namespace"])
+            self._send("POST", _path("v1", "Event", meta["namespace"]), body)
         except ApiException as e:  # an Event is a courtesy: never fail a reconcile for it
             log.warning("could not post event %s for %s: %s", reason, meta["name"], e.reason)

@@ -37,6 +37,9 @@ class LeaderElector:
         self.namespace, self.name, self.identity = namespace, name, identity
         self.duration_s, self.renew_s = duration_s, renew_s
         self._renewed_at = 0.0  # monotonic time of our last successful renewal
+        # A request that hangs must not outlive the lease: the loop would stop renewing without
+        # noticing (is_leader turns False on its own, but nothing would try again).
+        self._timeout = (renew_s, renew_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="transom-leader", daemon=True)
 
@@ -65,13 +68,13 @@ class LeaderElector:
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": self.duration_s,
                 "renewTime": _fmt(now)}
         try:
-            lease = self.coord.read_namespaced_lease(self.name, self.namespace)
+            lease = self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
         except ApiException as e:
             if e.status != 404:
                 raise
             body = {"metadata": {"name": self.name}, "spec": {**spec, "acquireTime": _fmt(now)}}
             try:
-                self.coord.create_namespaced_lease(self.namespace, body)
+                self.coord.create_namespaced_lease(self.namespace, body, _request_timeout=self._timeout)
                 self._won()
             except ApiException as e2:
                 if e2.status != 409:
@@ -86,7 +89,7 @@ class LeaderElector:
                 "spec": {**spec, "acquireTime": _fmt(now) if holder != self.identity else
                          _fmt(lease.spec.acquire_time or now)}}
         try:
-            self.coord.replace_namespaced_lease(self.name, self.namespace, body)
+            self.coord.replace_namespaced_lease(self.name, self.namespace, body, _request_timeout=self._timeout)
             if holder != self.identity:
                 log.info("acquired leadership (lease %s/%s) from %s", self.namespace, self.name, holder)
             self._won()

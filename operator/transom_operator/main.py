@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     def configure(settings: kopf.OperatorSettings, **_):
         settings.posting.level = logging.WARNING  # our own Events carry the user-facing story
         settings.watching.server_timeout = 60
+        # kopf's own requests (watches, finalizers, its Events) get bounds like kube.py's: a
+        # watch that stays silent is reconnected after settings.watching.inactivity_timeout.
+        settings.watching.connect_timeout = 10
+        settings.networking.connect_timeout = 10
+        settings.networking.request_timeout = 60
         settings.persistence.finalizer = "transom.io/operator"
 
     try:

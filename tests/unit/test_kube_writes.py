@@ -1,11 +1,15 @@
 """How kube.py reads the API server's refusals of a create: 409 is "exists", a namespace
-being deleted is "nothing to create", and anything else is raised (the pass is retried)."""
+being deleted is "nothing to create", and anything else is raised (the pass is retried).
+The refusals come over HTTP from a loopback server that answers as the API server would."""
 
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from transom_operator.kube import Kube
@@ -13,31 +17,51 @@ from transom_operator.kube import Kube
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
 
 
-class Refusing:
-    def __init__(self, status: int, reason: str):
-        self.status, self.reason = status, reason
+class _Refusing(BaseHTTPRequestHandler):
+    answer: tuple[int, str] = (500, "InternalError")
+    seen: list[tuple[str, str, dict]] = []
 
-    def create(self, **_):
-        e = ApiException(status=self.status, reason=self.reason)
-        e.body = json.dumps({"kind": "Status", "code": self.status, "details": {"causes": [{"reason": self.reason}]}})
-        raise e
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append((self.command, self.path, body))
+        status, reason = self.answer
+        payload = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
+                              "reason": reason, "message": f"refused: {reason}"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *_):
+        pass
 
 
 @pytest.fixture
 def kube():
-    # Without __init__: its dynamic client would ask a server for discovery. create() needs
-    # only _kind, which each test replaces.
-    return Kube.__new__(Kube)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    api = client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}"))
+    _Refusing.seen = []
+    yield Kube(api, timeout=(2.0, 5.0))
+    api.close()
+    server.shutdown()
+    thread.join(timeout=5)
+    server.server_close()
 
 
-@pytest.mark.parametrize("status, reason, created", [(409, "AlreadyExists", False), (403, "NamespaceTerminating", False)])
-def test_refusals_that_mean_nothing_to_do(kube, monkeypatch, status, reason, created):
-    monkeypatch.setattr(kube, "_kind", lambda *_: Refusing(status, reason))
-    assert kube.create("ns", POD) is created
+@pytest.mark.parametrize("status, reason", [(409, "AlreadyExists"), (403, "NamespaceTerminating")])
+def test_refusals_that_mean_nothing_to_do(kube, status, reason):
+    _Refusing.answer = (status, reason)
+    assert kube.create("ns", POD) is False
+    # The manifest went as it is, to the kind's collection in the namespace.
+    assert _Refusing.seen == [("POST", "/api/v1/namespaces/ns/pods", POD)]
 
 
 @pytest.mark.parametrize("status, reason", [(403, "Forbidden"), (422, "Invalid"), (500, "InternalError")])
-def test_other_refusals_are_raised(kube, monkeypatch, status, reason):
-    monkeypatch.setattr(kube, "_kind", lambda *_: Refusing(status, reason))
-    with pytest.raises(ApiException):
+def test_other_refusals_are_raised(kube, status, reason):
+    _Refusing.answer = (status, reason)
+    with pytest.raises(ApiException) as raised:
         kube.create("ns", POD)
+    assert raised.value.status == status
