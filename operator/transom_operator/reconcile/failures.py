@@ -81,7 +81,6 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
     for rank in sorted(inc.current):
         pod = inc.current[rank]
         node = nodes.get(pod.node_name) if pod.node_name else None
-        where = f" on node {pod.node_name}" if pod.node_name else ""
         if node is not None and not node.ready and node.not_ready_since is not None:
             elapsed = (now - node.not_ready_since).total_seconds()
             if elapsed >= grace_seconds:
@@ -90,6 +89,9 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
                                node.name, reasons.NODE_NOT_READY))
             else:
                 later(grace_seconds - elapsed)
+        if pod.phase == "Running" and not pod.deleting:
+            continue  # the common case, and nothing below applies to it
+        where = f" on node {pod.node_name}" if pod.node_name else ""
         if pod.phase == "Failed":
             if pod.reason in NODE_LOST_POD_REASONS:
                 causes.append((reasons.NODE_LOST, f"pod {pod.name}{where} lost with its node ({pod.reason})",

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime
 from typing import Any
 
@@ -94,7 +95,7 @@ class _Replica:
     lost: failures.ReplicaFailure | None = None
     lost_at: datetime | None = None
 
-    @property
+    @cached_property  # asked several times per replica and pass; its inputs never change
     def unrecorded(self) -> int:
         """Generations of pods newer than the recorded one: created by a pass whose status
         write never happened (an operator killed in between, or the write failed)."""
@@ -123,13 +124,28 @@ def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
 
 
 def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
-    pods = [r.current.get(rank) for rank in range(nodes_per_replica)]
-    if all(p is not None and not p.deleting and p.phase == "Succeeded" for p in pods):
-        return "Succeeded"
-    if all(p is not None and not p.deleting and p.phase in ("Running", "Succeeded") for p in pods):
-        return "Running"
-    # Coming up: the first incarnation is Pending, a later one is a replacement.
-    return "Replacing" if r.last_failure is not None else "Pending"
+    succeeded = True
+    for rank in range(nodes_per_replica):
+        p = r.current.get(rank)
+        phase = None if p is None or p.deleting else p.phase
+        if phase != "Running" and phase != "Succeeded":
+            # Coming up: the first incarnation is Pending, a later one is a replacement.
+            return "Replacing" if r.last_failure is not None else "Pending"
+        succeeded = succeeded and phase == "Succeeded"
+    return "Succeeded" if succeeded else "Running"
+
+
+def _replica_status(r: _Replica, generation: int, state: str, restarts: int,
+                    last_failure: api.Failure | None, nodes: list[str]) -> api.ReplicaStatus:
+    """The replica's entry in status: the recorded one itself when nothing in it changed, as for
+    nearly every replica of a large job on any pass (building 250 validated entries again is
+    most of such a pass's planning time)."""
+    rec = r.recorded
+    if (rec is not None and rec.generation == generation and rec.state == state and rec.restarts == restarts
+            and rec.nodes == nodes and rec.last_failure == last_failure):
+        return rec
+    return api.ReplicaStatus(id=r.id, generation=generation, state=state, restarts=restarts,
+                             last_failure=last_failure, nodes=nodes)
 
 
 @dataclass
@@ -265,8 +281,7 @@ def _frozen(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
         state = "Failed"
         if r.failure:
             last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=ps.now)
-    return api.ReplicaStatus(id=r.id, generation=r.generation, state=state, restarts=r.restarts,
-                             last_failure=last_failure, nodes=_nodes(r.current))
+    return _replica_status(r, r.generation, state, r.restarts, last_failure, _nodes(r.current))
 
 
 def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
@@ -303,8 +318,7 @@ def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
         state = "Replacing"
     if ps.completed and state == "Replacing":  # too late: it is not replaced any more
         state = "Failed"
-    return api.ReplicaStatus(id=r.id, generation=generation, state=state, restarts=restarts,
-                             last_failure=last_failure, nodes=_nodes(current))
+    return _replica_status(r, generation, state, restarts, last_failure, _nodes(current))
 
 
 def _exclude_nodes(ps: _Pass, failure: failures.ReplicaFailure) -> None:
