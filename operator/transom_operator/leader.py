@@ -52,7 +52,8 @@ class LeaderElector:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():  # also called when the operator failed before starting it
+            self._thread.join(timeout=10)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

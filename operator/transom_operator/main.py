@@ -62,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     api = _api_client()
     identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
     leader = LeaderElector(api, args.lease_namespace, args.lease_name, identity)
-    leader.start()
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_address, registry=metrics.REGISTRY)
     node_actions = frozenset(a for a, on in (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon)) if on)
     controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy)
     memo = kopf.Memo(controller=controller, leader=leader, wakeups={}, resync_s=args.resync_seconds)
@@ -81,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.persistence.finalizer = "transom.io/operator"
 
     try:
+        leader.start()
+        if args.metrics_port:  # its daemon thread serves until the process ends
+            start_http_server(args.metrics_port, addr=args.metrics_address, registry=metrics.REGISTRY)
         kopf.run(
             clusterwide=not args.namespace,
             namespaces=args.namespace,

@@ -12,6 +12,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -55,11 +56,15 @@ class CoordinatorClient:
         body: BaseModel | None = None,
         timeout_s: float | None = None,
         request_timeout_s: float | None = None,
+        stopped: Callable[[], bool] | None = None,
     ) -> tuple[int, dict]:
+        """`stopped`: the caller's owner is shutting down; give up at the next retry."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         data = body.model_dump_json().encode() if body is not None else None
         backoff = 0.05
         while True:
+            if stopped is not None and stopped():
+                raise CoordinatorError(f"{method} {path}: stopped")
             req = urllib.request.Request(self.url + path, data=data, method=method)
             req.add_header("Authorization", f"Bearer {self.token}")
             if data is not None:
@@ -118,8 +123,9 @@ class CoordinatorClient:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)
         self._expect(status, payload, "leave")
 
-    def quorum(self, req: QuorumRequest, timeout_s: float) -> QuorumResponse:
-        """Long-poll until this replica's next round is decided, or raise after timeout_s."""
+    def quorum(self, req: QuorumRequest, timeout_s: float, stopped: Callable[[], bool] | None = None) -> QuorumResponse:
+        """Long-poll until this replica's next round is decided, or raise after timeout_s (or
+        at the next retry or poll once `stopped()`)."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -127,7 +133,7 @@ class CoordinatorClient:
                 raise CoordinatorError(f"no quorum within {timeout_s:.0f}s (training paused?)")
             poll = req.model_copy(update={"timeout_s": max(0.1, min(req.timeout_s, remaining))})
             status, payload = self._call(
-                "POST", "/v1/quorum", poll, timeout_s=remaining, request_timeout_s=poll.timeout_s + 5.0
+                "POST", "/v1/quorum", poll, timeout_s=remaining, request_timeout_s=poll.timeout_s + 5.0, stopped=stopped
             )
             if status == 408:
                 continue

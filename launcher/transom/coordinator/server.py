@@ -450,7 +450,12 @@ class CoordinatorThread:
     def start(self, timeout_s: float = 10.0) -> str:
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(self.server.start(self._host, self._port), self._loop)
-        port = fut.result(timeout=timeout_s)
+        try:
+            port = fut.result(timeout=timeout_s)
+        except BaseException:  # no server: its loop thread must not outlive the failed start
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=timeout_s)
+            raise
         self.url = f"http://{self._host}:{port}"
         return self.url
 
@@ -469,4 +474,5 @@ class CoordinatorThread:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(timeout=timeout_s)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=timeout_s)
-        self._loop.close()
+        if not self._thread.is_alive():  # a loop still running cannot be closed
+            self._loop.close()

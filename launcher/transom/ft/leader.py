@@ -1,21 +1,29 @@
 """`CoordinatorLink`: what a replica's leader (its rank 0) says to the coordinator, and hears.
 
 The leader registers the replica, heartbeats in a thread of its own, asks for every step's
-quorum from a one-thread pool (the request leaves when the step begins and overlaps the
-forward pass), and reports checkpoints, failures and its leaving. The other ranks of the
-replica never talk to the coordinator: the trainer hands them the leader's answers over the
-replica's control group. Every thread here is stopped by `close()`.
+quorum from a thread of its own (the request leaves when the step begins and overlaps the
+forward pass; requests go one after another), and reports checkpoints, failures and its
+leaving. The other ranks of the replica never talk to the coordinator: the trainer hands
+them the leader's answers over the replica's control group (`hand_outcome`).
+
+Every thread here is stopped by `close()`, also one in the middle of a quorum request to an
+unreachable coordinator (which would otherwise retry until `quorum_timeout_s`): the request
+gives up at its next retry, and its thread is a daemon, so that a long-poll still on the
+wire never holds the process's exit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
-from transom.coordinator.client import CoordinatorClient, Evicted, JobCompleted, NotRegistered
+from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -40,36 +48,64 @@ class CoordinatorLink:
         self.evicted: str | None = None  # set by the heartbeat thread when the coordinator evicts us
         self._progress = progress
         reg = client.register(registration)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="transom-quorum")
         self._stop = threading.Event()
+        self._requests: queue.SimpleQueue[tuple[QuorumRequest, concurrent.futures.Future]] = queue.SimpleQueue()
+        self._asker = threading.Thread(target=self._ask_loop, name="transom-quorum", daemon=True)
+        self._asker.start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,),
                                            name="transom-heartbeat", daemon=True)
         self._heartbeat.start()
 
     def ask(self, req: QuorumRequest) -> concurrent.futures.Future:
         """The quorum of the step `req` describes, answered in the background."""
-        return self._pool.submit(self._quorum_call, req)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set():
+            future.set_exception(CoordinatorError("the replica's coordinator link is closed"))
+        else:
+            self._requests.put((req, future))
+        return future
+
+    def _ask_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                req, future = self._requests.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._quorum_call(req))
+                except BaseException as e:  # the future carries it to the step that waits
+                    future.set_exception(e)
 
     def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
+        stopped = self._stop.is_set
         try:
-            return self.client.quorum(req, self.quorum_timeout_s)
+            return self.client.quorum(req, self.quorum_timeout_s, stopped=stopped)
         except NotRegistered:
             # The coordinator restarted and lost its memory: introduce ourselves again; the
             # new coordinator's first round gathers everyone at the steps they hold.
             log.warning("replica %d: coordinator does not know us (restarted?); registering again",
                         self.identity.replica_id)
             self.client.register(self.registration)
-            return self.client.quorum(req.model_copy(update={"last_round": -1}), self.quorum_timeout_s)
+            return self.client.quorum(req.model_copy(update={"last_round": -1}), self.quorum_timeout_s,
+                                      stopped=stopped)
 
     def report_checkpoint(self, step: int, uri: str, stall_s: float | None) -> None:
         self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri,
                                                        stall_seconds=stall_s))
 
     def close(self, leave: LeaveRequest | None) -> None:
-        """Stop the heartbeat and the quorum pool; `leave`: say goodbye first (never raises)."""
+        """Stop the heartbeat and the quorum thread; `leave`: say goodbye first (never raises).
+        A request not yet sent is cancelled; one in flight ends at its next retry or poll."""
         self._stop.set()
         self._heartbeat.join(timeout=5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._asker.join(timeout=1)  # a long-poll on the wire may outlast this: a daemon
+        while True:
+            try:
+                _, future = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
         if leave is not None:
             try:
                 self.client.leave(leave)
@@ -118,6 +154,34 @@ def report_failure(client: CoordinatorClient, identity: Identity, reason: str, t
         client.report_failure(FailureReport(identity=identity, reason=reason[:1000]), timeout_s=timeout_s)
     except Exception as e:
         log.warning("could not report replica %d failed: %s", identity.replica_id, e)
+
+
+# The leader tells its replica's other ranks at least this often that it is still waiting
+# for the quorum, far below the control group's timeout (replica.init's timeout_s, 300 s by
+# default): a pause below minReplicas lasts up to quorum_timeout_s (900 s), and the other
+# ranks' wait on the control group must not end first.
+STILL_WAITING_EVERY_S = 60.0
+STILL_WAITING = {"waiting": "no quorum yet"}
+
+
+def hand_outcome(from_leader: Callable[[Any], Any], future: concurrent.futures.Future | None, timeout_s: float,
+                 every_s: float = STILL_WAITING_EVERY_S) -> str | dict:
+    """The quorum's outcome (`outcome`) on every rank of the replica: the leader (the rank with
+    the `future`) waits up to `timeout_s` for it, and hands the others STILL_WAITING every
+    `every_s` until then; `from_leader` is the replica's broadcast from its rank 0."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        payload: str | dict | None = None
+        if future is not None:
+            remaining = deadline - time.monotonic()
+            if remaining > every_s:
+                done, _ = concurrent.futures.wait([future], timeout=every_s)
+                payload = outcome(future, 0) if done else STILL_WAITING
+            else:
+                payload = outcome(future, max(0.0, remaining))
+        answer = from_leader(payload)
+        if answer != STILL_WAITING:
+            return answer
 
 
 def outcome(future: concurrent.futures.Future, timeout_s: float) -> str | dict:

@@ -120,7 +120,8 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        ctrl = dist.group.WORLD if world_backend == "gloo" else dist.new_group(backend="gloo")
+        ctrl = (dist.group.WORLD if world_backend == "gloo"
+                else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
     return ReplicaContext(
         env=env,
         rank=rank,

@@ -68,7 +68,7 @@ from transom.ft.process_group import QuorumGroups
 from transom.ft.shares import BatchShares
 from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
-from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, outcome, report_failure
+from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, hand_outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.rejoin import Rejoin
 from transom.ft.state_server import StateServer
@@ -553,9 +553,8 @@ class FaultTolerant:
 
     def _await_quorum(self) -> QuorumResponse | None:
         # Only the leader asked; it tells the other ranks.
-        payload = outcome(self._future, self.config.quorum_timeout_s + 30) if self._future is not None else None
+        answer = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
         self._future = None
-        answer = self.ctx.from_leader(payload)
         if isinstance(answer, dict):
             if "evicted" in answer:
                 self._evicted = answer["evicted"]

@@ -378,7 +378,10 @@ class LocalRun:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
-                proc.wait(timeout=5)
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: the others still get stopped
+                    self.say(f"launcher pid {proc.pid} did not end after SIGKILL")
 
     def run(self) -> int:
         handler = None
