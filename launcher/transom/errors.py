@@ -14,7 +14,8 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     ├── CheckpointError
     │   ├── NoCheckpoint          no committed checkpoint to restore
     │   ├── CorruptCheckpoint     a checkpoint whose bytes do not match its manifest
-    │   └── IncompatibleCheckpoint  a sound checkpoint that does not fit this job
+    │   ├── IncompatibleCheckpoint  a sound checkpoint that does not fit this job
+    │   └── StorageStalled        storage stopped answering a restore's reads
     ├── IncompatibleState         a replica state (a peer's, a checkpoint's) that the live objects do not take
     └── InvalidBytes              bytes from a peer or from storage that are not what they claim
         ├── WireError             a peer's replica state
@@ -23,7 +24,7 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
 The coordinator raises the same three CoordinatorError classes that its client raises (it
 maps each to its HTTP status), so one name means one thing on both ends. Each class also
 derives from the builtin its callers caught before it existed (RuntimeError, ValueError,
-LookupError), so older `except ValueError:` code still works. Imports nothing heavy.
+LookupError, TimeoutError), so older `except ValueError:` code still works. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class CorruptCheckpoint(CheckpointError, ValueError):
 
 class IncompatibleCheckpoint(CheckpointError, ValueError):
     """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks)."""
+
+
+class StorageStalled(CheckpointError, TimeoutError):
+    """Storage returned none of a restore's reads for `checkpoint.storage.READ_STALL_S`."""
 
 
 class IncompatibleState(TransomError, ValueError):

@@ -26,6 +26,8 @@ import fsspec
 import numpy
 from fsspec.implementations.local import LocalFileSystem
 
+from transom.errors import StorageStalled
+
 log = logging.getLogger("transom.checkpoint")
 T = TypeVar("T")
 READ_PART_BYTES = 32 << 20
@@ -34,6 +36,10 @@ READ_STREAMS = 8  # ranges read at once by a restore (s3fs: one connection each)
 # a few at once beat one (measured: 2 streams 0.40 s, 1 stream 0.74-0.97 s for 512 MiB on
 # 2 cores), more than the cores only add overhead.
 LOCAL_READ_STREAMS = min(4, max(2, os.cpu_count() or 1))
+# A restore gives up when no range of READ_PART_BYTES arrived for this long: storage that
+# stopped answering (a hung mount, a stalled connection) fails the restore, which the
+# launcher then retries, instead of waiting forever before the replica ever registered.
+READ_STALL_S = 300.0
 
 
 class Storage:
@@ -67,8 +73,8 @@ class Storage:
         self.fs.invalidate_cache(self.path(*parts))
         return int(self.fs.info(self.path(*parts))["size"])
 
-    def read_files(self, sizes: dict[str, int], streams: int | None = None,
-                   checksums: bool = True) -> dict[str, tuple[memoryview, int | None]]:
+    def read_files(self, sizes: dict[str, int], streams: int | None = None, checksums: bool = True,
+                   stall_s: float = READ_STALL_S) -> dict[str, tuple[memoryview, int | None]]:
         """Whole files (path under the root -> the size it must have) with each one's CRC-32,
         read as ranges of READ_PART_BYTES on `streams` connections at once: one stream of an
         object store reads at about a single connection's speed, several at its aggregate
@@ -76,7 +82,8 @@ class Storage:
         (LOCAL_READ_STREAMS), straight into the buffer; an object store's default is
         READ_STREAMS. The CRC-32 is computed while the reads go on, over each file's ranges
         in order as they arrive (zlib releases the GIL), so the check costs no pass of its
-        own after the last byte; None without `checksums`. ValueError if a file holds another number of bytes."""
+        own after the last byte; None without `checksums`. ValueError if a file holds another number of bytes;
+        StorageStalled if no range arrived for `stall_s`."""
         streams = streams or (LOCAL_READ_STREAMS if self.local else READ_STREAMS)
         # Uninitialised buffers (not bytearray(size), which writes zeros over every page
         # first), aligned for any dtype: a restore's tensors are views of them (blob.decode).
@@ -104,22 +111,26 @@ class Storage:
         hashed = {path: 0 for path in sizes}  # bytes of each file hashed so far, from its start
         arrived: dict[str, dict[int, int]] = {path: {} for path in sizes}  # start -> end of ranges not hashed yet
         if ranges:
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(streams, len(ranges))),
-                                                       thread_name_prefix="transom-read") as pool:
-                futures = [pool.submit(one, r) for r in ranges]
-                try:
-                    for done in concurrent.futures.as_completed(futures):
-                        path, start, end = done.result()
-                        if not checksums:
-                            continue
-                        arrived[path][start] = end
-                        while hashed[path] in arrived[path]:
-                            upto = arrived[path].pop(hashed[path])
-                            crc[path] = zlib.crc32(memoryview(out[path])[hashed[path]:upto], crc[path])
-                            hashed[path] = upto
-                finally:
-                    for f in futures:
-                        f.cancel()
+            pool = concurrent.futures.ThreadPoolExecutor(max(1, min(streams, len(ranges))),
+                                                         thread_name_prefix="transom-read")
+            futures = [pool.submit(one, r) for r in ranges]
+            stalled = False
+            try:
+                for path, start, end in _as_completed(futures, stall_s):
+                    if not checksums:
+                        continue
+                    arrived[path][start] = end
+                    while hashed[path] in arrived[path]:
+                        upto = arrived[path].pop(hashed[path])
+                        crc[path] = zlib.crc32(memoryview(out[path])[hashed[path]:upto], crc[path])
+                        hashed[path] = upto
+            except StorageStalled:
+                stalled = True
+                raise
+            finally:
+                # A read stuck in storage cannot be interrupted: the pool is not waited for
+                # then, and its thread ends when the read does (or with the process).
+                pool.shutdown(wait=not stalled, cancel_futures=True)
         for path, size in sizes.items():
             if self.size(path) != size:  # longer than the manifest says: not the file it describes
                 raise ValueError(f"{path} does not hold the {size} bytes the manifest says")
@@ -185,6 +196,17 @@ class Storage:
 # Errors that say the code or the data is wrong, not that storage is away: waiting cannot
 # fix them, so they fail at once with their message.
 PERMANENT_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, ImportError)
+
+
+def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -> Iterator[T]:
+    """Each future's result as it completes; StorageStalled when none completed for `stall_s`."""
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(pending, timeout=stall_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        if not done:
+            raise StorageStalled(f"storage returned none of {len(pending)} reads in {stall_s:.0f}s")
+        for future in done:
+            yield future.result()
 
 
 def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: float = 0.5,
