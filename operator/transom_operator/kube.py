@@ -88,7 +88,8 @@ class Kube:
         for writes: it would re-validate a manifest against its own models and refuse valid
         YAML (e.g. `nvidia.com/gpu: 8`)."""
         self._count()
-        return _json(self._requests.request(method, path, body=body, content_type=content_type,
+        # serialize=False: the raw answer, not wrapped into objects nobody reads.
+        return _json(self._requests.request(method, path, body=body, content_type=content_type, serialize=False,
                                             _request_timeout=self.timeout))
 
     # --- reads ---------------------------------------------------------------------------
