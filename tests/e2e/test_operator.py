@@ -107,12 +107,24 @@ def _apply_example(kubectl, namespace: str, spec: dict | None = None, **ft) -> N
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
 
-def _wait_running(kubectl, namespace: str, timeout_s: float = 90) -> dict:
+def _wait_running(kubectl, namespace: str, timeout_s: float = 90, replaced: tuple[int, int] | None = None) -> dict:
+    """The job's status once it is Running with 3/3 healthy replicas; with `replaced` (replica,
+    generation), once that generation of the replica is recorded Running too. A replacement's
+    pods can exist before its status is written (a pass sends its creates beside its status
+    write): seeing the new pod does not mean the status already tells of it."""
     def ready():
         st = _job(kubectl, namespace).get("status", {})
-        return st if st.get("healthyReplicas") == 3 and st.get("state") == "Running" else None
+        if st.get("healthyReplicas") != 3 or st.get("state") != "Running":
+            return None
+        if replaced is not None:
+            entry = next((r for r in st.get("replicas", []) if r["id"] == replaced[0]), {})
+            if entry.get("generation") != replaced[1] or entry.get("state") != "Running":
+                return None
+        return st
 
-    return wait_for(ready, timeout_s, "job Running with 3/3 healthy replicas")
+    what = "job Running with 3/3 healthy replicas" + (f", replica {replaced[0]} generation {replaced[1]} among them"
+                                                       if replaced else "")
+    return wait_for(ready, timeout_s, what)
 
 
 def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operator):
@@ -145,7 +157,7 @@ def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operato
     before = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items()}
     kubectl("delete", "pod", "tiny-gpt-r1-n0-g0", "-n", namespace, "--grace-period=0", "--force")
     wait_for(lambda: "tiny-gpt-r1-n0-g1" in _pods(kubectl, namespace), 30, "replica 1 generation 1 created")
-    status = _wait_running(kubectl, namespace)
+    status = _wait_running(kubectl, namespace, replaced=(1, 1))
     after = {n: p["metadata"]["uid"] for n, p in _pods(kubectl, namespace).items()}
     for name in ("tiny-gpt-r0-n0-g0", "tiny-gpt-r2-n0-g0"):
         assert after[name] == before[name], f"{name} was touched"
@@ -204,7 +216,7 @@ def _exclude_a_not_ready_node(kubectl, namespace: str, core_v1, policy: str) -> 
     make_node_not_ready(core_v1, victim)
     try:
         wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 60, "replica 0 replaced")
-        status = _wait_running(kubectl, namespace)
+        status = _wait_running(kubectl, namespace, replaced=(0, 1))
         assert victim in [n["name"] for n in status["excludedNodes"]]
         new = _pods(kubectl, namespace)["tiny-gpt-r0-n0-g1"]
         assert new["spec"]["nodeName"] != victim
@@ -223,7 +235,7 @@ def test_failed_pod_is_replaced(kubectl, namespace, operator, core_v1):
     _wait_running(kubectl, namespace)
     fail_pod(core_v1, namespace, "tiny-gpt-r2-n0-g0", exit_code=1)
     wait_for(lambda: "tiny-gpt-r2-n0-g1" in _pods(kubectl, namespace), 30, "replica 2 replaced")
-    status = _wait_running(kubectl, namespace)
+    status = _wait_running(kubectl, namespace, replaced=(2, 1))
     r2 = next(r for r in status["replicas"] if r["id"] == 2)
     assert r2["lastFailure"]["reason"] == "PodFailed"
 
@@ -243,10 +255,17 @@ def test_operator_killed_mid_recovery_converges_and_only_one_of_two_acts(
         operator.stop(signal.SIGKILL)
         # The standby takes the Lease over once it expires and finishes the replacement.
         wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 60, "replacement after failover")
-        status = _wait_running(kubectl, namespace)
-        assert status["totalRestarts"] == 1  # not counted twice
-        lease = json.loads(kubectl("get", "lease", "transom-operator", "-n", namespace, "-o", "json").stdout)
-        assert lease["spec"]["holderIdentity"] != holder
+        # The killed leader may have created the replacement without recording it (its pod
+        # creates go out beside its status write): the status must tell of generation 1.
+        status = _wait_running(kubectl, namespace, replaced=(0, 1))
+        assert status["totalRestarts"] == 1  # counted once, whichever operator recorded it
+        assert next(r for r in status["replicas"] if r["id"] == 0)["restarts"] == 1
+
+        def new_holder() -> str | None:
+            lease = json.loads(kubectl("get", "lease", "transom-operator", "-n", namespace, "-o", "json").stdout)
+            return lease["spec"]["holderIdentity"] if lease["spec"]["holderIdentity"] != holder else None
+
+        wait_for(new_holder, 60, "the standby holding the Lease")
     finally:
         second.stop()
 
@@ -309,7 +328,7 @@ def test_hot_spare_takes_over_a_failed_replica_and_is_refilled(kubectl, namespac
     # The spare pod itself, same uid, already Running: nothing had to be scheduled or started.
     assert pod["metadata"]["uid"] == spare["metadata"]["uid"] and pod["status"]["phase"] == "Running"
     assert "transom.io/spare" not in pod["metadata"]["labels"]
-    status = _wait_running(kubectl, namespace)
+    status = _wait_running(kubectl, namespace, replaced=(1, 1))
     assert status["totalRestarts"] == 1
     r1 = next(r for r in status["replicas"] if r["id"] == 1)
     assert r1["generation"] == 1 and r1["lastFailure"]["reason"] == "PodFailed"
@@ -341,7 +360,7 @@ def test_a_coordinator_verdict_replaces_the_replica_and_a_pod_annotation_does_no
             "-p", json.dumps({"status": {"training": {"verdicts": [verdict]}}}),
             f"--as=system:serviceaccount:{namespace}:tiny-gpt-coordinator")
     wait_for(lambda: "tiny-gpt-r0-n0-g1" in _pods(kubectl, namespace), 30, "replica 0 replaced")
-    status = _wait_running(kubectl, namespace)
+    status = _wait_running(kubectl, namespace, replaced=(0, 1))
     r0 = next(r for r in status["replicas"] if r["id"] == 0)
     assert r0["lastFailure"]["reason"] == "FlaggedByCoordinator"
     assert "Hang" in r0["lastFailure"]["message"] and "no step for 600s" in r0["lastFailure"]["message"]
@@ -378,7 +397,7 @@ def test_a_detector_verdict_that_blames_the_node_replaces_the_replica_and_exclud
             "-p", json.dumps({"status": {"training": {"verdicts": verdicts}}}),
             f"--as=system:serviceaccount:{namespace}:tiny-gpt-coordinator")
     wait_for(lambda: "tiny-gpt-r1-n0-g1" in _pods(kubectl, namespace), 30, "replica 1 replaced")
-    status = _wait_running(kubectl, namespace)
+    status = _wait_running(kubectl, namespace, replaced=(1, 1))
     r1 = next(r for r in status["replicas"] if r["id"] == 1)
     assert r1["lastFailure"]["reason"] == "FlaggedByCoordinator"
     assert "SilentDataCorruption" in r1["lastFailure"]["message"]

@@ -21,18 +21,28 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 
 
-def _set_parent_death_signal(sig: int) -> bool:
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved in the calling process; None off Linux."""
     if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def dies_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A `preexec_fn` for Popen: the child gets `sig` when the process that started it dies.
-    Only for a parent with no other threads running (preexec_fn runs between fork and exec)."""
+    libc is looked up here, in the parent: between fork and exec the child only calls the
+    function (a dlopen there could wait forever for a loader lock that another thread of the
+    parent held at the fork)."""
+    prctl = _prctl()
+
     def preexec() -> None:
-        _set_parent_death_signal(sig)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     return preexec
 
 
