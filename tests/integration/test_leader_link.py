@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import os
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest
 from transom.coordinator.server import CoordinatorThread
 from transom.ft.leader import CoordinatorLink, hand_outcome
+from transom.launch.supervisor import free_port
 
 TOKEN = "link-test-token"
 
@@ -75,12 +75,6 @@ def test_close_stops_a_quorum_request_retrying_against_a_gone_coordinator():
         link.ask(_request(2)).result(timeout=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, every_s: float, results) -> None:
     """Rank `rank` of a 2-process replica whose control group times out after 2 s; the leader's
     quorum answer comes after 5 s."""
@@ -110,7 +104,7 @@ def test_other_ranks_wait_for_the_leaders_quorum_past_their_control_groups_timeo
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank, args=(r, port, every_s, results)) for r in range(2)]
         for p in procs:
             p.start()

@@ -28,8 +28,7 @@ def _prctl() -> Callable[..., int] | None:
     return ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _set_parent_death_signal(sig: int) -> bool:
-    prctl = _prctl()
+def _set_parent_death_signal(sig: int, prctl: Callable[..., int] | None) -> bool:
     return prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
@@ -41,15 +40,14 @@ def dies_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     prctl = _prctl()
 
     def preexec() -> None:
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        _set_parent_death_signal(sig, prctl)
     return preexec
 
 
 def follow_parent(expected_parent: int, sig: int = signal.SIGTERM) -> bool:
     """Called by a child on itself: get `sig` once its parent dies; False if the parent is
     already gone (the caller should exit: nobody owns it any more)."""
-    _set_parent_death_signal(sig)
+    _set_parent_death_signal(sig, _prctl())
     return os.getppid() == expected_parent  # after prctl: a parent that died before is seen here
 
 
