@@ -250,6 +250,65 @@ def test_member_left_behind_is_restarted_and_rejoins_and_recovers():
     assert d2.recovering == (2,) and d2.participants == 2 and d2.max_step == 1
 
 
+@pytest.mark.parametrize("decide_at,expected", [(11.0, None), (15.9, None), (16.0, [0, 1])])
+def test_the_failed_grace_stretches_to_three_of_the_jobs_rounds(decide_at, expected):
+    """Rounds of 2 s: a member still computing meets the failed exchange up to a step later,
+    so the 0.5 s grace becomes 3 rounds (6 s) before it is declared hung."""
+    m, d = started(3, failed_grace_s=0.5, heartbeat_timeout_s=1e6)
+    for step in range(1, 5):
+        d = next_round(m, d, [0, 1, 2], 2.0 * step, step)
+    assert m.request_quorum(qreq(0, 4, d.quorum_id, d.round, failed=True), 10.0) is None
+    assert m.request_quorum(qreq(1, 4, d.quorum_id, d.round, failed=True), 10.0) is None
+    assert m.failed_grace_s(m.pending, [2]) == 6.0
+    decided = m.try_decide(decide_at)
+    if expected is None:
+        assert decided is None and m.replicas[2].state == "healthy"
+    else:
+        assert decided is not None and decided.member_ids() == expected
+        assert "did not return within 6s of a failed step" in m.replicas[2].last_failure
+
+
+def test_the_only_holder_of_the_state_is_not_cut_by_the_failed_grace():
+    """0 died serving the joiner 2, and 1 (the other holder) is slow to return: 2 alone cannot
+    train, so 1 is waited for up to round_timeout_s, not failed_grace_s (cutting it would
+    restart the job from nothing)."""
+    m, d = started(3, failed_grace_s=0.5, round_timeout_s=30.0, heartbeat_timeout_s=1e6)
+    d = next_round(m, d, [0, 1, 2], 1.0, 1)
+    reqs = [qreq(rid, 1, d.quorum_id, d.round).model_copy(update={"catching_up_from": 1 if rid == 2 else None})
+            for rid in (0, 1, 2)]
+    d = round_all(m, reqs, 2.0)
+    assert d.recovering == (2,) and d.sources == (0, 1)
+    m.report_failure(FailureReport(identity=ident(0), reason="killed"), 2.5)
+    joiner = qreq(2, 1, d.quorum_id, d.round, failed=True).model_copy(update={"catching_up_from": 1})
+    assert m.request_quorum(joiner, 3.0) is None
+    assert m.failed_grace_s({2: joiner}, [1]) == 30.0
+    assert m.try_decide(20.0) is None and m.replicas[1].state == "healthy"
+    late = m.request_quorum(qreq(1, 1, d.quorum_id, d.round, failed=True), 20.0)
+    assert late is not None and late.member_ids() == [1, 2] and late.sources == (1,) and late.recovering == (2,)
+
+
+def test_a_joiner_that_committed_a_step_no_holder_did_restarts_alone():
+    """0 died inside step 2's exchange, which completed on the joiner 2 only: 2 recorded an
+    update of step 2 that the holder 1 never applied. 2 restarts and catches up again; 1 goes
+    on (before, neither could be a source and both were told to restart)."""
+    m, d = started(3, heartbeat_timeout_s=1e6)
+    d = next_round(m, d, [0, 1, 2], 1.0, 1)
+    reqs = [qreq(rid, 1, d.quorum_id, d.round).model_copy(update={"catching_up_from": 1 if rid == 2 else None})
+            for rid in (0, 1, 2)]
+    d = round_all(m, reqs, 2.0)
+    m.report_failure(FailureReport(identity=ident(0), reason="killed"), 2.5)
+    joiner = qreq(2, 2, d.quorum_id, d.round).model_copy(update={"catching_up_from": 1})
+    assert m.request_quorum(joiner, 3.0) is None
+    d = m.request_quorum(qreq(1, 1, d.quorum_id, d.round, failed=True), 3.1)
+    assert d is not None and d.member_ids() == [1] and d.recovering == () and d.max_step == 1
+    assert m.replicas[2].state == "failed" and m.failures_total["diverged"] == 1
+    assert "no replica holding the state did (at step 1)" in m.replicas[2].last_failure
+    register(m, 2, 4.0, att=1)
+    assert m.request_quorum(qreq(2, 0, att=1), 4.0) is None
+    d = m.request_quorum(qreq(1, 2, d.quorum_id, d.round), 4.1)
+    assert d is not None and d.recovering == (2,) and d.sources == (1,) and d.max_step == 2
+
+
 @pytest.mark.parametrize("age,expired", [(0.0, False), (2.9, False), (3.0, False), (3.01, True), (50.0, True)])
 def test_heartbeat_expiry_marks_replica_failed(age, expired):
     m = make(2, heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0)

@@ -11,9 +11,11 @@ The protocol, one *round* per training step:
 * A round is decided when every live member of the previous quorum has asked; replicas
   that are new (replacements) and already waiting are added. A member that is known dead
   (failure report, missed heartbeats) is not waited for; one that is merely absent is
-  waited for only `failed_grace_s` once some member reported a failed step, and at most
-  `round_timeout_s` otherwise; a member left behind so is declared failed (hung), so its
-  launcher restarts it even if its heartbeat thread still runs.
+  waited for only a short grace once some member reported a failed step (`failed_grace_s`
+  or three recent rounds; never while it alone holds the state the others need), and at
+  most `round_timeout_s` otherwise; a member left behind so is declared failed (hung), so
+  its launcher restarts it even if its heartbeat thread still runs. A joiner that
+  committed a step no holder of the state committed is declared failed (diverged).
 * The decision is the same for every member: the quorum id changes exactly when the
   membership changes or a step failed (then groups are rebuilt under a fresh prefix);
   members behind the newest committed state, and those that say they are still catching
@@ -38,6 +40,7 @@ from __future__ import annotations
 import collections
 import math
 import secrets
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -64,7 +67,11 @@ from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.defaults import LOCAL
 from transom.defaults import heartbeat_interval_s as interval_for
 
-
+# A failed round waits for an absent member at least this many of the job's recent rounds:
+# a member still computing its step meets the failed exchange only at the step's end, and
+# on a loaded machine that can be well past `failed_grace_s`.
+FAILED_GRACE_ROUNDS = 3
+ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,8 @@ class Membership:
     next_round: int = 0
     last_quorum_id: int = -1
     round_failed_since: float | None = None
+    decided_at: float | None = None  # when the newest round was decided
+    round_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=ROUNDS_TIMED))
     pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
     paused: bool = False
     # Set when the first replica leaves with `completed`: the job's last step. A replica
@@ -359,8 +368,9 @@ class Membership:
                 # may ask in the middle of the members' step, which proves nothing.
                 member_ids = {m.replica_id for m in self.current.members}
                 opened = min((self.pending_since.get(r, now) for r in ready if r in member_ids), default=now)
-                if self.round_failed_since is not None and now - self.round_failed_since >= self.settings.failed_grace_s:
-                    why = f"did not return within {self.settings.failed_grace_s:g}s of a failed step"
+                grace = self.failed_grace_s(ready, missing)
+                if self.round_failed_since is not None and now - self.round_failed_since >= grace:
+                    why = f"did not return within {grace:.3g}s of a failed step"
                 elif now - opened >= self.settings.round_timeout_s:
                     why = f"did not ask for its next quorum within {self.settings.round_timeout_s:g}s"
                 else:
@@ -373,6 +383,7 @@ class Membership:
                     self._event(now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas")
                     self.paused = True
                     return None
+        ready = self._without_diverged(ready, now)
         if len(ready) < self.settings.min_replicas:
             if not self.paused:
                 self.paused = True
@@ -381,6 +392,39 @@ class Membership:
                 )
             return None
         return self._decide(ready, now)
+
+    def _without_diverged(self, ready: dict[int, QuorumRequest], now: float) -> dict[int, QuorumRequest]:
+        """`ready` without the members catching up that committed a step no member holding
+        the state committed (their last exchange completed on them only, as a peer died in
+        it): the update they recorded belongs to a lineage nobody holds. They are declared
+        failed and restart as fresh joiners; otherwise no member could be a source and every
+        one would be told to restart."""
+        held = [r.step for r in ready.values() if r.catching_up_from is None]
+        if not held:
+            return ready
+        ahead = [rid for rid, r in ready.items() if r.catching_up_from is not None and r.step > max(held)]
+        for rid in ahead:
+            self._fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
+                       f"replica holding the state did (at step {max(held)}); it catches up again", "diverged")
+        return {rid: r for rid, r in ready.items() if rid not in ahead}
+
+    def failed_grace_s(self, ready: dict[int, QuorumRequest], missing: list[int]) -> float:
+        """How long a round with a failed step waits for the absent `missing` members.
+
+        `failed_grace_s`, or FAILED_GRACE_ROUNDS of the job's recent rounds if that is
+        longer (a live member asks again only after it meets the failed exchange, at the end
+        of the step it is computing). As long as `round_timeout_s` when the
+        absent include a member holding the newest state and no ready member holds it: the
+        ready ones could not train without it, and cutting it loses the job's progress.
+        """
+        assert self.current is not None
+        holders = {m.replica_id for m in self.current.members} - set(self.current.recovering)
+        if holders & set(missing) and not holders & set(ready):
+            return self.settings.round_timeout_s
+        grace = self.settings.failed_grace_s
+        if self.round_seconds:
+            grace = max(grace, FAILED_GRACE_ROUNDS * statistics.median(self.round_seconds))
+        return min(grace, self.settings.round_timeout_s)
 
     def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
         ids = sorted(ready)
@@ -446,6 +490,9 @@ class Membership:
             shares_from=self.shares.published_from,
         )
         self.next_round += 1
+        if self.decided_at is not None:
+            self.round_seconds.append(now - self.decided_at)
+        self.decided_at = now
         self.current = decision
         self.step_limit = max(self.step_limit, max_step + 1)
         self.goodput.observe(now, max_step)

@@ -133,7 +133,7 @@ class _MembershipCollector:
         c = CounterMetricFamily(
             "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
         )
-        for reason in ("reported", "heartbeat", "hung", "superseded", "detected"):
+        for reason in ("reported", "heartbeat", "hung", "superseded", "detected", "diverged"):
             c.add_metric([reason], m.failures_total.get(reason, 0))
         yield c
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
