@@ -14,10 +14,12 @@ checkpoints allocate nothing; the host memory held is one copy of the state.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 
 import torch
 
+from transom.cuda_wait import wait_for
 from transom.errors import CheckpointError, UsageError
 
 
@@ -69,6 +71,7 @@ class Snapshot:
 
     def wait(self, timeout_s: float = 300.0) -> dict[str, torch.Tensor]:
         """The host copies, once complete. TimeoutError if the copy takes longer than timeout_s."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._thread is not None:
                 self._thread.join(timeout_s)
@@ -76,7 +79,7 @@ class Snapshot:
                     raise TimeoutError(f"snapshot copy not finished after {timeout_s}s")
                 self._thread = None
             if self._event is not None:
-                self._event.synchronize()
+                wait_for(self._event, max(0.0, deadline - time.monotonic()), "snapshot copy")
                 self._event = None
             if self._error is not None:
                 error, self._error = self._error, None

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from transom import compat
+from transom.cuda_wait import wait_for
 from transom.ft import backend as placement
 
 log = logging.getLogger("transom.ft")
@@ -97,7 +98,9 @@ class CrossReplicaGroup:
                 raise TimeoutError(f"cross-replica collective did not finish within {self.timeout.total_seconds()}s")
         if self.backend == "nccl" and self.device is not None:
             # Work.wait only makes the current stream wait; the vote needs the bytes.
-            torch.cuda.current_stream(self.device).synchronize()
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            wait_for(done, self.timeout.total_seconds(), "cross-replica collective")
 
     def abort(self) -> None:
         """Best effort: free NCCL communicators stuck on a dead peer. Gloo has no abort."""
