@@ -12,10 +12,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from transom import contract
+from transom.coordinator.membership import Settings
+from transom.coordinator.server import CoordinatorThread
+from transom.launch.supervisor import free_port
+from launching import start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -84,3 +91,30 @@ def test_a_restarted_replica_leaves_no_process_of_its_failed_attempt(transom_run
     children = started_children(pids)
     assert len(children) == 3  # replica 0's, replica 1's first attempt's (SIGKILLed) and its restart's
     assert not [pid for pid in children if alive(pid)], "a worker's child outlived its worker"
+
+
+def test_sigterm_while_waiting_for_node_0_stops_the_launcher_at_once(tmp_path):
+    """Node 1 of a two-node replica waits (up to 300 s) for node 0's address, which never
+    comes: SIGTERM (a pod deleted meanwhile) ends it within a second, with no worker started."""
+    port, token = free_port(), "rendezvous-token"
+    coordinator = CoordinatorThread(Settings(job="rdzv", num_replicas=1), token, port=port)
+    coordinator.start()
+    launcher = start_launcher(coordinator.url, token, 1, tmp_path, 10, **{
+        contract.ENV_REPLICA_ID: "0", contract.ENV_NODE_RANK: "1", contract.ENV_NNODES: "2",
+        "TRANSOM_LOG_LEVEL": "INFO"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any("for node 0 to publish" in line for line in lines), 60, "the rendezvous wait")
+        time.sleep(0.5)  # inside the wait's poll loop
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=10) == 128 + signal.SIGTERM
+        assert time.monotonic() - sent < 2.0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        coordinator.stop()
+    reader.join(timeout=5)
+    assert not any("started 1 workers" in line for line in lines), "".join(lines)[-2000:]

@@ -153,14 +153,23 @@ class CoordinatorClient:
         status, payload = self._call("PUT", "/v1/rendezvous", info)
         self._expect(status, payload, "rendezvous")
 
-    def get_rendezvous(self, identity: Identity, timeout_s: float) -> RendezvousInfo:
-        """Wait for node 0 of this replica to publish MASTER_ADDR/PORT."""
+    def get_rendezvous(self, identity: Identity, timeout_s: float,
+                       stopped: Callable[[], bool] = lambda: False) -> RendezvousInfo | None:
+        """Wait for node 0 of this replica to publish MASTER_ADDR/PORT; None once `stopped()`
+        (the launcher got SIGTERM: it must not sit out the whole timeout)."""
         deadline = time.monotonic() + timeout_s
         path = f"/v1/rendezvous/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
-        while True:
-            status, payload = self._call("GET", path, timeout_s=max(0.1, deadline - time.monotonic()))
+        while not stopped():
+            try:
+                status, payload = self._call("GET", path, timeout_s=max(0.1, deadline - time.monotonic()),
+                                             stopped=stopped)
+            except CoordinatorError:
+                if stopped():
+                    return None
+                raise
             if status == 200:
                 return RendezvousInfo.model_validate(payload)
             if status != 404 or time.monotonic() > deadline:
                 raise CoordinatorError(f"rendezvous: {status} {payload.get('error', '')}", status)
             time.sleep(0.2)
+        return None

@@ -178,7 +178,8 @@ class Launcher:
         self._podinfo = None
 
     # --- one attempt -----------------------------------------------------------------------
-    def _master(self, attempt: int) -> tuple[str, int]:
+    def _master(self, attempt: int) -> tuple[str, int] | None:
+        """MASTER_ADDR/PORT of this attempt's world; None if a signal came while waiting."""
         if self.env.nnodes == 1:
             return "127.0.0.1", free_port()
         if self.env.node_rank == 0:
@@ -186,11 +187,18 @@ class Launcher:
             info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr, master_port=port)
             self.client.put_rendezvous(info)
             return info.master_addr, port
-        info = self.client.get_rendezvous(self.identity(attempt), self.config.rendezvous_timeout_s)
-        return info.master_addr, info.master_port
+        log.info("%s node %d: waiting up to %gs for node 0 to publish the replica's address", self.who,
+                 self.env.node_rank, self.config.rendezvous_timeout_s)
+        found = self.client.get_rendezvous(self.identity(attempt), self.config.rendezvous_timeout_s,
+                                           stopped=lambda: self._signal is not None)
+        return (found.master_addr, found.master_port) if found is not None else None
 
     def _spawn(self, attempt: int) -> None:
-        addr, port = self._master(attempt)
+        """Start this attempt's workers (none if a signal came first: `_watch` then returns)."""
+        master = self._master(attempt)
+        if master is None:
+            return
+        addr, port = master
         n = self.config.nproc_per_node
         for local_rank in range(n):
             env = dict(self._environ)
