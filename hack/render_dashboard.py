@@ -69,7 +69,7 @@ def render(scrapes: list[dashboard.Scrape], out: Path, title: str = "Transom",
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.2 * rows)))  # room for the title above the first row
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
