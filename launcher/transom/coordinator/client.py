@@ -154,17 +154,17 @@ class CoordinatorClient:
         self._expect(status, payload, "rendezvous")
 
     def get_rendezvous(self, identity: Identity, timeout_s: float,
-                       stopped: Callable[[], bool] = lambda: False) -> RendezvousInfo | None:
+                       stopped: Callable[[], bool] | None = None) -> RendezvousInfo | None:
         """Wait for node 0 of this replica to publish MASTER_ADDR/PORT; None once `stopped()`
         (the launcher got SIGTERM: it must not sit out the whole timeout)."""
         deadline = time.monotonic() + timeout_s
         path = f"/v1/rendezvous/{identity.replica_id}?generation={identity.generation}&attempt={identity.attempt}"
-        while not stopped():
-            try:
+        while True:
+            try:  # `_call` checks `stopped` before every try
                 status, payload = self._call("GET", path, timeout_s=max(0.1, deadline - time.monotonic()),
                                              stopped=stopped)
             except CoordinatorError:
-                if stopped():
+                if stopped is not None and stopped():
                     return None
                 raise
             if status == 200:
@@ -172,4 +172,3 @@ class CoordinatorClient:
             if status != 404 or time.monotonic() > deadline:
                 raise CoordinatorError(f"rendezvous: {status} {payload.get('error', '')}", status)
             time.sleep(0.2)
-        return None

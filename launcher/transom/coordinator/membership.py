@@ -399,13 +399,13 @@ class Membership:
         it): the update they recorded belongs to a lineage nobody holds. They are declared
         failed and restart as fresh joiners; otherwise no member could be a source and every
         one would be told to restart."""
-        held = [r.step for r in ready.values() if r.catching_up_from is None]
-        if not held:
+        newest = max((r.step for r in ready.values() if r.catching_up_from is None), default=None)
+        if newest is None:
             return ready
-        ahead = [rid for rid, r in ready.items() if r.catching_up_from is not None and r.step > max(held)]
+        ahead = [rid for rid, r in ready.items() if r.catching_up_from is not None and r.step > newest]
         for rid in ahead:
             self._fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
-                       f"replica holding the state did (at step {max(held)}); it catches up again", "diverged")
+                       f"replica holding the state did (at step {newest}); it catches up again", "diverged")
         return {rid: r for rid, r in ready.items() if rid not in ahead}
 
     def failed_grace_s(self, ready: dict[int, QuorumRequest], missing: list[int]) -> float:
