@@ -418,8 +418,10 @@ class Membership:
         ready ones could not train without it, and cutting it loses the job's progress.
         """
         assert self.current is not None
-        holders = {m.replica_id for m in self.current.members} - set(self.current.recovering)
-        if holders & set(missing) and not holders & set(ready):
+        # Incarnations, not replica ids: a holder's restarted incarnation holds nothing yet.
+        holders = {(m.replica_id, m.key()) for m in self.current.members if m.replica_id not in self.current.recovering}
+        absent = {(r, self.replicas[r].identity.key()) for r in missing}
+        if holders & absent and not holders & {(rid, req.identity.key()) for rid, req in ready.items()}:
             return self.settings.round_timeout_s
         grace = self.settings.failed_grace_s
         if self.round_seconds:
