@@ -42,18 +42,24 @@ def _draw(ax, panel: dashboard.Panel, scrapes: list[dashboard.Scrape], span: tup
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
     ax.set_xlim(0, max(t1 - t0, 1.0))  # one time axis for every panel, as on the dashboard
-    drawn = []
+    drawn, named = [], []
     for query in panel.queries:
         for name, points in dashboard.evaluate(query, scrapes, rate_window_s).items():
-            ax.plot([t - t0 for t, _ in points], [v for _, v in points], label=name, linewidth=1.2,
-                    marker="." if len(points) < 3 else None)
+            # A series that stays at zero (a failure reason that never happened) is drawn
+            # faint and left out of the legend, as Grafana's "hide zeros": a panel with
+            # twenty reasons would otherwise repeat the ten colours of the cycle.
+            zero = all(v == 0 for _, v in points)
+            ax.plot([t - t0 for t, _ in points], [v for _, v in points], label=None if zero else name,
+                    linewidth=0.8 if zero else 1.2, color="lightgrey" if zero else None,
+                    marker="." if len(points) < 3 else None, zorder=1 if zero else 2)
             drawn.append(name)
+            named += [] if zero else [name]
     if not drawn:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey", fontsize=12)
         return
     bottom, top = ax.get_ylim()
     ax.set_ylim(panel.min if panel.min is not None else bottom, panel.max * 1.05 if panel.max is not None else top)
-    if drawn != ["value"]:  # a lone unnamed series needs no legend
+    if named and named != ["value"]:  # a lone unnamed series needs no legend
         ax.legend(fontsize=7, loc="best")
 
 

@@ -17,9 +17,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_gpt.py"
 
 
 def start_launcher(coordinator_url: str, token: str, num_replicas: int, stats_dir: Path, steps: int,
-                   **env: str) -> subprocess.Popen:
-    """One single-process replica's launcher running the tiny GPT example; `env` adds the
-    replica's (or spare's) identity. Output is captured (stdout, with stderr merged)."""
+                   script: Path = EXAMPLE, args: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+    """One single-process replica's launcher running `script` (the tiny GPT example) with
+    `--steps steps` and `args`; `env` adds the replica's (or spare's) identity and settings.
+    Output is captured (stdout, with stderr merged)."""
     environ = dict(os.environ, OMP_NUM_THREADS="1", **{
         contract.ENV_NUM_REPLICAS: str(num_replicas),
         contract.ENV_COORDINATOR_URL: coordinator_url,
@@ -27,5 +28,5 @@ def start_launcher(coordinator_url: str, token: str, num_replicas: int, stats_di
         contract.ENV_STATS_DIR: str(stats_dir),
     }, **env)
     cmd = [sys.executable, "-m", "transom", "launch", "--nproc-per-node", "1", "--",
-           sys.executable, str(EXAMPLE), "--steps", str(steps)]
+           sys.executable, str(script), "--steps", str(steps), *args]
     return subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -325,6 +325,21 @@ def test_render_writes_a_png_with_every_key_panel(tmp_path):
     assert len(renderer.key_panels()) == 9
 
 
+def test_the_legend_names_only_the_series_that_left_zero():
+    import matplotlib.pyplot as plt
+
+    renderer = _load_renderer()
+    (panel,) = [p for p in renderer.key_panels() if p.title == "Replica failures by reason"]
+    s = scrapes()
+    fig, ax = plt.subplots()
+    try:
+        renderer._draw(ax, panel, s, (s[0].t, s[-1].t), 25.0)
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["declared reported"]
+        assert len(ax.get_lines()) == 2  # the heartbeat series is still drawn, faint
+    finally:
+        plt.close(fig)
+
+
 def test_render_of_an_empty_recording_says_no_data(tmp_path):
     renderer = _load_renderer()
     out = tmp_path / "empty.png"

@@ -14,7 +14,8 @@ from membership_world import ident, make, register, round_all
 from transom.coordinator.detection import Detection
 from transom.coordinator.models import QuorumRequest, SignalBatch, SignalRow
 from transom.detect.detectors import Detectors
-from transom.detect.rebalance import (MAX_SLOWNESS, BatchShares, ShareSchedule, exchange_weight, samples_per_rank,
+from transom.detect.rebalance import (MAX_SLOWNESS, BatchShares, ShareSchedule, exchange_weight, newest_held,
+                                      samples_per_rank,
                                       share_vector)
 from transom.detect.signals import DetectionSettings, Signal
 
@@ -219,3 +220,65 @@ def test_the_balance_moves_the_estimate_only_so_far_from_the_verdicts_measure():
     for _ in range(20):
         b.balance(1, 0.5)
     assert b.slowness[1] == pytest.approx(2.0 / 1.5)
+
+
+def test_of_the_schedules_the_replicas_hold_the_newest_announcement_is_carried_on():
+    v1, v2 = [1.125, 0.75, 1.125], [1.2, 0.6, 1.2]
+    assert newest_held({0: (None, 0), 1: (None, 0)}) is None  # never rebalanced
+    # The old coordinator stopped while its last answers went out: replica 2 heard v2 from
+    # step 8 (and may have drawn step 8's batch by it), the others still hold v1.
+    assert newest_held({0: (v1, 5), 1: (v1, 5), 2: (v2, 8)}) == (v2, 8, [2])
+    assert newest_held({0: (None, 9), 1: (v1, 5), 2: (None, 9)}) == (None, 9, [0, 2])  # withdrawn at 9
+
+
+def _restarted(held, gens=(0, 0, 0)):
+    """A fresh coordinator's first round, the replicas holding `held` (replica -> (vector, from))."""
+    m = make(3)
+    for r in range(3):
+        register(m, r, gen=gens[r])
+    reqs = [QuorumRequest(identity=ident(r, gens[r]), step=7, commit_quorum_id=4, last_round=-1, follows_shares=True,
+                          shares_held=held[r][0], shares_held_from=held[r][1]) for r in range(3)]
+    return m, round_all(m, reqs, now=1.0)
+
+
+def test_a_restarted_coordinator_keeps_the_shares_the_replicas_follow():
+    before = make(3)
+    for r in range(3):
+        register(before, r)
+    before.shares.slow(1, 1.5)
+    old = _quorum(before, 0)
+    v = list(old.shares)
+    m, decision = _restarted({r: (v, old.shares_from) for r in range(3)})
+    # The same vector from the same step: no step is weighted by shares its batches did not follow.
+    assert decision.shares == old.shares and decision.shares_from == old.shares_from == 1
+    assert [e.message for e in m.events if e.kind == "rebalance"] == [
+        "kept from before the restart, from step 1: shares of the global batch replica 0 1.12, replica 1 0.75, "
+        "replica 2 1.12"]
+    assert m.shares.slowness == {1: pytest.approx(1.5)}  # so the detector's balance and restore go on from it
+    # The replicas' first signals to the new coordinator are not a new incarnation's.
+    d = Detection(DetectionSettings(warmup_steps=5, slow_steps=4, slow_action="Rebalance"), m)
+    d.observe(SignalBatch(identity=ident(1), rows=[SignalRow(step=8, rank=0, step_seconds=0.5, tokens=1.0)]), 1.5)
+    assert m.shares.slowness == {1: pytest.approx(1.5)}
+    # ... but a later incarnation of the slow replica is new hardware, maybe: nominal again.
+    register(m, 1, now=2.0, gen=1)
+    d.observe(SignalBatch(identity=ident(1, 1), rows=[SignalRow(step=9, rank=0, step_seconds=0.5, tokens=1.0)]), 2.0)
+    assert m.shares.slowness == {}
+
+
+def test_a_slow_replica_restarted_with_the_coordinator_gets_its_nominal_share_at_the_next_step():
+    v = [1.125, 0.75, 1.125]
+    # Replica 1 is a new incarnation: it was never told the vector, the other two were.
+    m, decision = _restarted({0: (v, 5), 1: (None, 0), 2: (v, 5)}, gens=(0, 1, 0))
+    assert decision.shares is None and decision.shares_from == 8  # v stays in force for step 7, drawn by it
+    assert m.shares.slowness == {}
+
+
+def test_a_held_vector_that_does_not_fit_the_job_is_not_adopted():
+    shares = BatchShares(3)
+    assert not shares.adopt([1.5, 0.5], 5, [0, 1])  # the job was scaled from two replicas
+    assert not shares.adopt([3.0, 3.0, 3.0], 5, [0, 1, 2])  # does not keep the global batch
+    assert shares.published is None and shares.slowness == {}
+    with pytest.raises(ValueError):
+        QuorumRequest(identity=ident(0), step=1, commit_quorum_id=0, last_round=0, shares_held=[float("nan"), 1.0])
+    with pytest.raises(ValueError):
+        QuorumRequest(identity=ident(0), step=1, commit_quorum_id=0, last_round=0, shares_held=[-1.0, 3.0])

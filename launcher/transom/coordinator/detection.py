@@ -50,10 +50,12 @@ class Detection:
         self.membership._live(batch.identity)
         if not self.settings.enabled:
             return []
-        if self._incarnation.get(replica) != batch.identity.key():
+        known = self._incarnation.get(replica)
+        if known != batch.identity.key():
             self.detectors.forget(replica)  # a new incarnation: new history (maybe new hardware)
             self._incarnation[replica] = batch.identity.key()
-            self._restore(replica, now, "restarted")
+            if known is not None:  # not merely new to a restarted coordinator, which kept its share
+                self._restore(replica, now, "restarted")
         if batch.stacks:
             self._stacks[replica] = batch.stacks
         signals = []

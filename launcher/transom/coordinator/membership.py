@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from transom.coordinator.goodput import GoodputClock, as_decimal
-from transom.detect.rebalance import BatchShares
+from transom.detect.rebalance import BatchShares, describe, newest_held
 from transom.coordinator.models import (
     CheckpointReport,
     Event,
@@ -472,11 +472,12 @@ class Membership:
         if self.paused:
             self.paused = False
             self._event(now, "resumed", f"{len(ids)} replicas ready")
+        if self.next_round == 0:  # a restarted coordinator: the shares under which batches were drawn
+            held = newest_held({i: (ready[i].shares_held, ready[i].shares_held_from) for i in ids})
+            if held is not None and self.shares.adopt(*held):
+                self._event(now, "rebalance", f"kept from before the restart, from step {held[1]}: {describe(held[0])}")
         if self.shares.publish(all(ready[i].follows_shares for i in ids), max_step):
-            vector = self.shares.published
-            self._event(now, "rebalance", f"from step {max_step + 1}: " + (
-                "every replica takes its nominal share of the global batch" if vector is None else
-                "shares of the global batch " + ", ".join(f"replica {r} {v:.2f}" for r, v in enumerate(vector))))
+            self._event(now, "rebalance", f"from step {max_step + 1}: {describe(self.shares.published)}")
         decision = Decision(
             round=self.next_round,
             quorum_id=quorum_id,

@@ -8,7 +8,7 @@ in. Field names are snake_case on the wire (this is an internal API, not a Kuber
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -135,6 +135,12 @@ class QuorumRequest(_Msg):
         default=False, description="the replica takes its batches from the share schedule (trainer.batches): "
                                    "it can be rebalanced (transom/detect/rebalance.py)",
     )
+    shares_held: list[Annotated[float, Field(gt=0, le=MAX_REPLICAS, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_REPLICAS,
+        description="the newest share vector this replica was told (its schedule): a restarted coordinator "
+                    "carries on with it instead of changing the shares under a step already drawn",
+    )
+    shares_held_from: int = Field(default=0, ge=0, le=MAX_STEP, description="the step from which `shares_held` apply")
 
     @model_validator(mode="after")
     def _catching_up_from_the_past(self) -> "QuorumRequest":

@@ -32,6 +32,7 @@ all finish together, instead of replacing it:
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -81,6 +82,27 @@ def exchange_weight(counts: list[int], contributors: list[int], me: int) -> floa
     return counts[me] / sum(counts[c] for c in contributors)
 
 
+def describe(vector: list[float] | None) -> str:
+    if vector is None:
+        return "every replica takes its nominal share of the global batch"
+    return "shares of the global batch " + ", ".join(f"replica {r} {v:.2f}" for r, v in enumerate(vector))
+
+
+def newest_held(held: dict[int, tuple[list[float] | None, int]]) -> tuple[list[float] | None, int, list[int]] | None:
+    """Of the schedules the replicas hold (replica -> (vector, from); from 0: never told one),
+    the newest announcement, and the replicas that hold it; None if none was ever made.
+    Replicas can differ only when the old coordinator stopped while its last answers went
+    out: some heard the newest vector (and may have drawn a batch by it), the others will."""
+    told = {r: (tuple(v) if v is not None else None, start) for r, (v, start) in held.items() if start > 0}
+    if not told:
+        return None
+    start = max(s for _, s in told.values())
+    newest = collections.Counter(v for v, s in told.values() if s == start)
+    vector = max(newest, key=lambda v: (newest[v], v or ()))  # one per round; a tie only from a confused client
+    return (list(vector) if vector is not None else None, start,
+            sorted(r for r, h in told.items() if h == (vector, start)))
+
+
 @dataclass
 class BatchShares:
     """The coordinator's policy: who is slow by how much, and the vector that follows."""
@@ -115,6 +137,23 @@ class BatchShares:
 
     def wanted(self) -> list[float] | None:
         return share_vector(self.slowness, self.replicas)
+
+    def adopt(self, vector: list[float] | None, start: int, holders: list[int]) -> bool:
+        """A restarted coordinator carries on with the schedule the replicas hold: `vector`
+        from `start`, as the last decision before the restart published it (and some member
+        may already have drawn a batch by it). The slowness it implies is taken back for the
+        `holders`, the replicas that were told it (the incarnations that were measured);
+        another replica, a new incarnation, gets its nominal share at the next decision.
+        False, adopting nothing, for a vector that does not fit this job (a scaled job)."""
+        if vector is not None:
+            if len(vector) != self.replicas or abs(sum(vector) - self.replicas) > 0.01 * self.replicas:
+                return False
+            top = max(vector)
+            for r in holders:
+                if vector[r] < top:
+                    self.slowness[r] = self.measured[r] = min(top / vector[r], MAX_SLOWNESS)
+        self.published, self.published_from = vector, start
+        return True
 
     def publish(self, all_follow: bool, step: int) -> bool:
         """The vector for a round decided at `step` (applied from step + 1). Only when every

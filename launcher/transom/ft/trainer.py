@@ -288,6 +288,8 @@ class FaultTolerant:
                 last_step_seconds=self._last_seconds,
                 catching_up_from=self._rejoin.need_from,
                 follows_shares=self.shares.following,
+                shares_held=self.shares.schedule.pending,
+                shares_held_from=self.shares.schedule.pending_from,
             )
             self._future = self._link.ask(req)
 

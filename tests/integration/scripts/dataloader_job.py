@@ -6,7 +6,8 @@ too, so its skip path runs), logging which samples each committed step trained o
         [--inf-at REPLICA:STEP] [--sample-seconds S]
 
 Every rank appends one JSON line per step to D/<replica>-<rank>-<pid>.jsonl:
-{"replica", "rank", "step", "committed", "updated", "scale", "indices"}, and at the end
+{"replica", "rank", "step", "committed", "updated", "scale", "indices", "params"} (the
+parameters after the step), and at the end
 D/final-<replica>-<rank>.json with the model's parameters; the test checks them.
 `--inf-at` makes that replica's loss infinite at that step (an AMP overflow);
 `--sample-seconds` makes a step's compute proportional to its batch (a sleep per sample).
@@ -73,7 +74,9 @@ def main() -> None:
             committed = trainer.last_batch_trained  # this replica's batch went into a committed step
             log.write(json.dumps({"replica": ctx.replica_id, "rank": ctx.rank, "step": step, "committed": committed,
                                   "updated": not torch.equal(before, model.weight), "scale": scaler.get_scale(),
-                                  "indices": index.tolist()}) + "\n")
+                                  "indices": index.tolist(),
+                                  "params": model.weight.detach().flatten().tolist() + model.bias.detach().tolist()})
+                      + "\n")
             log.flush()
     final = {"weight": model.weight.detach().flatten().tolist(), "bias": model.bias.detach().tolist()}
     (args.log_dir / f"final-{ctx.replica_id}-{ctx.rank}.json").write_text(json.dumps(final))
