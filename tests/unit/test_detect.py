@@ -39,6 +39,29 @@ def test_a_slow_rank_is_named_within_twenty_steps(factor):
     assert found[0].blame == "Node"
 
 
+def test_a_rank_slow_from_its_first_step_is_named_against_the_other_ranks():
+    # A replacement placed on a degraded device: its own history has no normal speed to
+    # compare with, so the pool of every rank's normal steps is the measure.
+    rows = list(generate(TraceSpec(steps=300, seed=1, injections=[Injection("slow", 2, 3, 0, 1.3)])))
+    found = verdicts(rows)
+    assert [(v.replica, v.rank, v.kind) for v in found] == [(2, 3, "slow")]
+    settings = DetectionSettings()
+    assert found[0].reached_step <= settings.warmup_steps + settings.slow_steps
+    assert found[0].slowdown == pytest.approx(1.3, rel=0.05)
+
+
+def test_a_new_incarnation_slow_from_its_start_is_named_too():
+    # Replica 1 is replaced at step 150 (its history forgotten) and the new one is 1.5x slow.
+    rows = list(generate(TraceSpec(steps=300, seed=2, injections=[Injection("slow", 1, 0, 150, 1.5)])))
+    d = Detectors(DetectionSettings())
+    found = []
+    for row in rows:
+        if row.step == 150 and (row.replica, row.rank) == (0, 0):
+            d.forget(1)
+        found += d.observe(row)
+    assert [(v.replica, v.rank, v.kind) for v in found + d.flush()] == [(1, 0, "slow")]
+
+
 def test_a_replica_whose_every_rank_is_slow_is_named_as_a_whole():
     inj = [Injection("slow", 1, k, 150, 1.5) for k in range(4)]
     found = verdicts(list(generate(TraceSpec(steps=300, seed=2, injections=inj))))

@@ -11,7 +11,14 @@ its running level, `c`), and a step's *ratio* is its busy time over the predicti
 A step is slow when its rank's ratio exceeds `slow_factor` times the median ratio of the
 other ranks of the same step: a change that slows everybody (a bigger model phase, a shared
 filesystem) is nobody's fault. `slow_steps` slow steps in a row make a verdict. A slow step
-does not train the predictor, so a slowdown is not learnt as the new normal. Steps in which
+does not train the predictor, so a slowdown is not learnt as the new normal.
+A rank's own predictor cannot see a rank that was slow from its first step (a replacement
+placed on a degraded GPU, or any rank after the coordinator restarted): it learns that speed
+as its normal. So each step is also judged against the *pool*, one predictor fitted on the
+normal steps of every rank: the rank's time over what the pool predicts for its workload,
+relative to the other ranks' same ratio, is the second measure, and the larger of the two
+counts (data-parallel ranks do the same work; a rank that is always slower than its peers
+for the same workload is slow). Steps in which
 the rank also worked on a catch-up (serving or fetching state) are left out. When every
 rank of a replica is slow the verdict names the replica (rank None): its node or its
 network, not one GPU. A verdict carries the slowdown (the median relative ratio of the run
@@ -71,13 +78,20 @@ class StepTimeModel:
             self._scale = (tokens or 1.0, sum_len_sq or 1.0)
         return [(tokens or 0.0) / self._scale[0], (sum_len_sq or 0.0) / self._scale[1], 1.0]
 
-    def add(self, tokens: float | None, sum_len_sq: float | None, seconds: float) -> None:
+    def add(self, tokens: float | None, sum_len_sq: float | None, seconds: float, forget: float = FORGET) -> None:
         x = self._x(tokens, sum_len_sq)
         for i in range(3):
-            self._xy[i] = FORGET * self._xy[i] + x[i] * seconds
+            self._xy[i] = forget * self._xy[i] + x[i] * seconds
             for j in range(3):
-                self._xx[i][j] = FORGET * self._xx[i][j] + x[i] * x[j]
+                self._xx[i][j] = forget * self._xx[i][j] + x[i] * x[j]
         self.n += 1
+        self._theta = None
+
+    def age(self, forget: float = FORGET) -> None:
+        """Forget once for a whole step's rows (the pool adds them with `forget=1`), so its
+        memory is counted in steps whatever the number of ranks."""
+        self._xy = [forget * v for v in self._xy]
+        self._xx = [[forget * v for v in row] for row in self._xx]
         self._theta = None
 
     def predict(self, tokens: float | None, sum_len_sq: float | None) -> float:
@@ -98,6 +112,14 @@ def _per_nominal_batch(s: Signal) -> Signal:
                    sum_len_sq=None if s.sum_len_sq is None else s.sum_len_sq * k)
 
 
+def _relative(key: tuple[int, int], ratios: dict[tuple[int, int], float]) -> float:
+    """The rank's ratio over the median of the other ranks' (0 when it has none)."""
+    if key not in ratios:
+        return 0.0
+    others = [v for k, v in ratios.items() if k != key]
+    return ratios[key] / (statistics.median(others) if others else 1.0)
+
+
 @dataclass
 class _Rank:
     model: StepTimeModel = field(default_factory=StepTimeModel)
@@ -115,6 +137,8 @@ class FailSlow:
         self.recovered: list[int] = []  # replicas found at normal speed again, for the caller to take
         self.updates: dict[int, float] = {}  # flagged replica -> its busy time over the others', for the caller
         self._balance: dict[int, tuple[float, list[float]]] = {}  # flagged replica -> (its share, that ratio by step)
+        self.pool = StepTimeModel()  # every rank's normal steps: what a rank of this job takes for a workload
+        self.pool_steps = 0
 
     def forget(self, replica: int) -> None:
         """A new incarnation of `replica` (new hardware, maybe): start its ranks over."""
@@ -132,20 +156,24 @@ class FailSlow:
         signals = [s for s in signals if not s.recovery]
         self._measure_balance(signals)
         signals = [_per_nominal_batch(s) for s in signals]
-        ratios: dict[tuple[int, int], float] = {}
+        ratios: dict[tuple[int, int], float] = {}  # time over the rank's own prediction
+        pooled: dict[tuple[int, int], float] = {}  # time over the pool's prediction
+        pool_warm = self.pool_steps >= self.settings.warmup_steps
         for s in signals:
             r = self.ranks.setdefault((s.replica, s.rank), _Rank())
             if r.model.n >= self.settings.warmup_steps:
                 ratios[(s.replica, s.rank)] = s.step_seconds / max(r.model.predict(s.tokens, s.sum_len_sq), 1e-9)
-        found = []
+                if pool_warm:
+                    pooled[(s.replica, s.rank)] = s.step_seconds / max(self.pool.predict(s.tokens, s.sum_len_sq), 1e-9)
+        found, normal = [], []
         for s in signals:
             key = (s.replica, s.rank)
             r = self.ranks[key]
             if key not in ratios:
                 r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
+                normal.append(s)
                 continue
-            others = [v for k, v in ratios.items() if k != key]
-            relative = ratios[key] / (statistics.median(others) if others else 1.0)
+            relative = max(_relative(key, ratios), _relative(key, pooled))
             if relative > self.settings.slow_factor:
                 r.run_from, r.run_ratios = (step, []) if r.run == 0 else (r.run_from, r.run_ratios)
                 r.run += 1
@@ -161,6 +189,12 @@ class FailSlow:
                 r.run = 0
                 r.normal_run += 1
                 r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
+                normal.append(s)
+        if normal:
+            self.pool.age()
+            for s in normal:
+                self.pool.add(s.tokens, s.sum_len_sq, s.step_seconds, forget=1.0)
+            self.pool_steps += 1
         self._find_recovered()
         out = self._whole_replicas(found)
         self.flagged.update(f[0] for f in out)
