@@ -32,6 +32,8 @@ from transom.coordinator.models import (
     QuorumResponse,
     RegisterRequest,
     RendezvousInfo,
+    SignalBatch,
+    SignalRow,
 )
 from transom.coordinator.server import CoordinatorThread
 
@@ -580,3 +582,12 @@ def test_checkpoint_reports_keep_the_newest_and_need_a_live_replica(coord):
     assert r.status_code == 400 and "step" in r.json()["error"]
     r = post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": 300, "uri": ""})
     assert r.status_code == 400
+
+
+def test_signal_posts_are_answered_with_the_pace_to_keep(coord):
+    c = client(coord)
+    c.register(reg_req(0))
+    row = SignalRow(step=0, rank=0, step_seconds=0.5)
+    assert c.report_signals(SignalBatch(identity=ident(0), node_rank=0, rows=[row])) == 1.0  # a small job
+    r = post(coord, "/v1/signals", {"identity": ident(0).model_dump(), "node_rank": 0, "rows": []})
+    assert r.status_code == 200 and r.json() == {"verdicts": 0, "next_post_s": 1.0}

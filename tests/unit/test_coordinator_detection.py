@@ -7,7 +7,7 @@ import pytest
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
-from transom.detect.signals import DetectionSettings
+from transom.detect.signals import DetectionSettings, post_interval
 from transom.errors import Evicted
 
 
@@ -62,3 +62,17 @@ def test_a_replica_speaks_only_for_itself_and_only_while_live():
 def test_disabled_detection_judges_nothing():
     m, d = world(DetectionSettings(enabled=False))
     assert fingerprints(d, 49, odd_one=2) == [] and m.replicas[2].state == "healthy"
+
+
+def test_launchers_are_paced_so_that_many_post_no_more_often_in_all():
+    assert post_interval(1) == post_interval(1000) == 1.0  # a small job: a verdict within seconds
+    assert post_interval(12_500) == 12.5  # 100,000 GPUs, 8 per node: 1,000 posts a second in all
+    assert post_interval(10**6) == 30.0  # bounded: a verdict is never minutes late
+    m, d = world(DetectionSettings(), replicas=3)
+    for node in range(2000):  # replica 0 with 2,000 nodes
+        d.observe(SignalBatch(identity=Identity(replica_id=0, generation=0, attempt=0), node_rank=node, rows=[]),
+                  now=1.0)
+    assert d.post_interval(1.0) == 2.0
+    # A launcher not heard from for two of the longest intervals no longer counts.
+    d.observe(SignalBatch(identity=Identity(replica_id=1, generation=0, attempt=0), node_rank=0, rows=[]), now=62.0)
+    assert d.post_interval(62.0) == 1.0

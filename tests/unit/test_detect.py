@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from transom.detect.detectors import Detectors
 from transom.detect.sdc import minority
 from transom.detect.signals import DetectionSettings, Signal, read_trace, write_trace
+from transom.detect.slow import _relative
 from transom.detect.synthetic import Injection, TraceSpec, generate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +52,15 @@ def test_a_rank_slow_from_its_first_step_is_named_against_the_other_ranks():
     settings = DetectionSettings()
     assert found[0].reached_step <= settings.warmup_steps + settings.slow_steps
     assert found[0].slowdown == pytest.approx(1.3, rel=0.05)
+
+
+@given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=40))
+def test_each_ranks_relative_ratio_is_over_the_median_of_the_others(values):
+    ratios = {(i // 4, i % 4): v for i, v in enumerate(values)}
+    got = _relative(ratios)
+    for key, v in ratios.items():
+        others = [x for k, x in ratios.items() if k != key]
+        assert got[key] == pytest.approx(v / (statistics.median(others) if others else 1.0))
 
 
 def test_a_new_incarnation_slow_from_its_start_is_named_too():

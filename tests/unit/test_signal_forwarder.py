@@ -15,13 +15,14 @@ FILE = "signals-r1-g2-a0-k0.csv"
 
 
 class FakeClient:
-    def __init__(self, fail: int | None = None):
-        self.batches, self.fail = [], fail
+    def __init__(self, fail: int | None = None, pace: float | None = None):
+        self.batches, self.fail, self.pace = [], fail, pace
 
-    def report_signals(self, batch, timeout_s: float) -> None:
+    def report_signals(self, batch, timeout_s: float) -> float | None:
         if self.fail is not None:
             raise CoordinatorError("refused", self.fail)
         self.batches.append(batch)
+        return self.pace
 
 
 def rows(*steps: int, header: bool = False) -> str:
@@ -71,3 +72,20 @@ def test_rows_of_an_incarnation_the_coordinator_dropped_are_discarded_others_kep
     fw.client = FakeClient(fail=409)
     fw.flush()
     assert fw._buffer == []  # evicted: nobody will judge these rows
+
+
+def test_the_forwarder_keeps_the_pace_the_coordinator_asks_for_within_bounds(tmp_path):
+    client = FakeClient(pace=12.5)
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings())
+    write(tmp_path / FILE, rows(0, header=True))
+    fw.poll(100.0)
+    write(tmp_path / FILE, rows(1))
+    fw.poll(105.0)  # asked to wait 12.5 s
+    assert [[r.step for r in b.rows] for b in client.batches] == [[0]]
+    fw.poll(112.6)
+    assert [[r.step for r in b.rows] for b in client.batches] == [[0], [1]]
+    for asked, kept in ((0.01, 1.0), (1e9, 30.0), (None, 30.0)):  # bounded; no answer keeps the last pace
+        client.pace = asked
+        write(tmp_path / FILE, rows(2))
+        fw.poll(1000.0 + len(client.batches) * 100)
+        assert fw.interval_s == kept

@@ -9,6 +9,7 @@ the quorum long-poll's 408 which means "ask again".
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -115,9 +116,12 @@ class CoordinatorClient:
         status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "checkpoint").get("accepted"))
 
-    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> None:
+    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> float | None:
+        """Post a pod's rows; returns the seconds the coordinator asks to wait before the next
+        post (None if it did not say)."""
         status, payload = self._call("POST", "/v1/signals", req, timeout_s=timeout_s)
-        self._expect(status, payload, "signals")
+        asked = self._expect(status, payload, "signals").get("next_post_s")
+        return float(asked) if isinstance(asked, (int, float)) and math.isfinite(asked) else None
 
     def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)

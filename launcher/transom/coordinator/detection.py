@@ -14,6 +14,10 @@ for another), then run through the detectors (transom/detect). A verdict:
   returns to nominal when the detectors find the replica at normal speed again, or with
   its next incarnation.
 
+It also paces the launchers: each answer says how long to wait before the next post, so
+that all of them together post about `SIGNAL_POSTS_PER_S` times a second
+(transom/detect/signals.py `post_interval`, over the posters heard from lately).
+
 Pure bookkeeping over `Membership`, under the server's lock; no I/O.
 """
 
@@ -25,12 +29,13 @@ import time
 from transom.coordinator.membership import Membership
 from transom.coordinator.models import SignalBatch
 from transom.detect.detectors import Detectors, Verdict
-from transom.detect.signals import DetectionSettings, Signal
+from transom.detect.signals import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 
 # The CRD's reason for each kind (status.training.verdicts[].reason, one CamelCase word).
 REASONS = {"slow": "FailSlow", "hang": "Hang", "nan": "NonFinite", "loss_spike": "LossSpike",
            "sdc": "SilentDataCorruption"}
 MAX_MESSAGE = 1024
+POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for this long is no longer counted
 
 
 class Detection:
@@ -43,11 +48,14 @@ class Detection:
         self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
         self._stacks: dict[int, str] = {}  # replica -> a hang's stacks, for its verdict
         self._status: dict[int, dict] = {}  # replica -> its verdict in status.training
+        self._posters: dict[tuple[int, int], float] = {}  # (replica, node rank) -> when it last posted
+        self._pruned_at = 0.0
 
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
         """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
         replica = batch.identity.replica_id
         self.membership._live(batch.identity)
+        self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []
         known = self._incarnation.get(replica)
@@ -79,6 +87,13 @@ class Detection:
         for r in self.detectors.take_recovered():
             self._restore(r, now, "at normal speed again")
         return verdicts
+
+    def post_interval(self, now: float) -> float:
+        """Seconds every launcher should wait before its next post."""
+        if now - self._pruned_at > MAX_FORWARD_INTERVAL_S:
+            self._posters = {k: t for k, t in self._posters.items() if now - t <= POSTER_MEMORY_S}
+            self._pruned_at = now
+        return post_interval(len(self._posters))
 
     def _restore(self, replica: int, now: float, why: str) -> None:
         if self.membership.shares.restore(replica):

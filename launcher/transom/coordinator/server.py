@@ -13,7 +13,7 @@ Endpoints (bearer token required on everything under /v1/):
                                                      410 = the job already completed)
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
-    POST /v1/signals             SignalBatch      -> {"verdicts": n} (anomaly detection)
+    POST /v1/signals             SignalBatch      -> {"verdicts": n, "next_post_s": s} (anomaly detection)
     GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
                                                      `known`, a long-poll: answered when the
                                                      state is no longer S, or after W <= 60 s)
@@ -306,9 +306,10 @@ class CoordinatorServer:
                 self.membership.try_decide(self.clock())
                 self._changed.notify_all()
                 self._status_due.set()
+            next_post_s = self.detection.post_interval(self.clock())
         for v in verdicts:
             log.warning("replica %d: %s from step %d: %s", v.replica, v.kind, v.first_step, v.message[:300])
-        return _ok({"verdicts": len(verdicts)})
+        return _ok({"verdicts": len(verdicts), "next_post_s": next_post_s})
 
     async def _quorum(self, request: web.Request) -> web.Response:
         req = await _parse(request, QuorumRequest)

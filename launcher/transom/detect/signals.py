@@ -20,6 +20,21 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, TextIO
 
+# How often a launcher posts its pod's rows: once a second, or less often when many post.
+# The coordinator takes about SIGNAL_POSTS_PER_S posts a second in all and tells every
+# launcher in its answer how long to wait (`post_interval`): a 100,000-GPU job's 12,500
+# launchers post every 12.5 s instead of sending 12,500 requests a second, while a small
+# job keeps its once-a-second verdicts.
+FORWARD_INTERVAL_S = 1.0
+MAX_FORWARD_INTERVAL_S = 30.0
+SIGNAL_POSTS_PER_S = 1000.0
+
+
+def post_interval(posters: int) -> float:
+    """Seconds between a launcher's posts when `posters` launchers post."""
+    return min(max(FORWARD_INTERVAL_S, posters / SIGNAL_POSTS_PER_S), MAX_FORWARD_INTERVAL_S)
+
+
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
 OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery", "batch_share")
 Action = Literal["Replace", "Report"]

@@ -112,12 +112,23 @@ def _per_nominal_batch(s: Signal) -> Signal:
                    sum_len_sq=None if s.sum_len_sq is None else s.sum_len_sq * k)
 
 
-def _relative(key: tuple[int, int], ratios: dict[tuple[int, int], float]) -> float:
-    """The rank's ratio over the median of the other ranks' (0 when it has none)."""
-    if key not in ratios:
-        return 0.0
-    others = [v for k, v in ratios.items() if k != key]
-    return ratios[key] / (statistics.median(others) if others else 1.0)
+def _relative(ratios: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Each rank's ratio over the median of the other ranks' ratios (its own when alone),
+    for all of them in one sort: a job's step has as many ranks as it has GPUs, and the
+    median of the others taken anew for each rank would cost n^2 per step."""
+    keys = sorted(ratios, key=ratios.__getitem__)
+    values = [ratios[k] for k in keys]
+    n = len(values)
+    if n == 1:
+        return {keys[0]: values[0]}
+    out = {}
+    for p, key in enumerate(keys):
+        def at(i: int) -> float:  # the i-th of the others, in order
+            return values[i] if i < p else values[i + 1]
+        m = n - 1
+        median = at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+        out[key] = values[p] / median
+    return out
 
 
 @dataclass
@@ -165,6 +176,7 @@ class FailSlow:
                 ratios[(s.replica, s.rank)] = s.step_seconds / max(r.model.predict(s.tokens, s.sum_len_sq), 1e-9)
                 if pool_warm:
                     pooled[(s.replica, s.rank)] = s.step_seconds / max(self.pool.predict(s.tokens, s.sum_len_sq), 1e-9)
+        relative_own, relative_pool = _relative(ratios), _relative(pooled)
         found, normal = [], []
         for s in signals:
             key = (s.replica, s.rank)
@@ -173,7 +185,7 @@ class FailSlow:
                 r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
                 normal.append(s)
                 continue
-            relative = max(_relative(key, ratios), _relative(key, pooled))
+            relative = max(relative_own[key], relative_pool.get(key, 0.0))
             if relative > self.settings.slow_factor:
                 r.run_from, r.run_ratios = (step, []) if r.run == 0 else (r.run_from, r.run_ratios)
                 r.run += 1

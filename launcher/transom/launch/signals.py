@@ -3,7 +3,8 @@
 Each worker appends one CSV row per committed step to its file in the launcher's signals
 directory (ft/guard.py). `SignalForwarder.poll`, called from the launcher's watch loop,
 reads what is new, and at most once a second posts it to the coordinator as one batch for
-the pod (`POST /v1/signals`), where the detectors run. Rows wait in a bounded buffer while
+the pod (`POST /v1/signals`), where the detectors run; less often when the coordinator's
+answer says so (a job with thousands of pods: transom/detect/signals.py `post_interval`). Rows wait in a bounded buffer while
 the coordinator is away (the oldest are dropped first: the detectors judge recent steps).
 
 The hang watchdog: a worker that has reported a step, and then reports none for
@@ -30,10 +31,10 @@ from pathlib import Path
 from transom.coordinator.client import CoordinatorClient
 from transom.errors import CoordinatorError
 from transom.coordinator.models import Identity, SignalBatch, SignalRow
-from transom.detect.signals import OPTIONAL_COLUMNS, TRACE_COLUMNS, DetectionSettings
+from transom.detect.signals import (FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S, OPTIONAL_COLUMNS, TRACE_COLUMNS,
+                                    DetectionSettings)
 
 log = logging.getLogger("transom.launch")
-FORWARD_INTERVAL_S = 1.0
 MAX_BUFFERED_ROWS = 20_000
 MAX_BATCH_ROWS = 4096
 STACKS_WAIT_S = 3.0
@@ -85,6 +86,7 @@ class SignalForwarder:
         self._workers = {k: _Worker(k) for k in ranks}
         self._buffer: list[SignalRow] = []
         self._next_post = 0.0
+        self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
 
     def _name(self, rank: int) -> str:
@@ -95,8 +97,8 @@ class SignalForwarder:
         for w in self._workers.values():
             self._read(w, now)
         if now >= self._next_post and self._buffer:
-            self._next_post = now + FORWARD_INTERVAL_S
-            self.flush()
+            self.flush()  # its answer may set the pace
+            self._next_post = now + self.interval_s
         return self._hung(now) if self.settings.enabled else None
 
     def _read(self, w: _Worker, now: float) -> None:
@@ -144,8 +146,8 @@ class SignalForwarder:
         while self._buffer or stacks:
             rows = self._buffer[:MAX_BATCH_ROWS]
             try:
-                self.client.report_signals(SignalBatch(identity=self.identity, node_rank=self.node_rank,
-                                                       rows=rows, stacks=stacks), timeout_s=2.0)
+                asked = self.client.report_signals(SignalBatch(identity=self.identity, node_rank=self.node_rank,
+                                                               rows=rows, stacks=stacks), timeout_s=2.0)
             except CoordinatorError as e:
                 if e.status not in (404, 409, 410):  # else: the coordinator will not judge this incarnation
                     log.warning("could not forward %d signal rows: %s", len(rows), e)
@@ -157,6 +159,8 @@ class SignalForwarder:
                 return
             del self._buffer[: len(rows)]
             stacks = None
+            if asked is not None:
+                self.interval_s = min(max(asked, FORWARD_INTERVAL_S), MAX_FORWARD_INTERVAL_S)
 
     def report_hang(self, hang: Hang, workers: list[subprocess.Popen]) -> str:
         """Have every worker write its stacks, log and forward them; returns them."""
