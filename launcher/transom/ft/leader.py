@@ -79,8 +79,12 @@ class CoordinatorLink:
 
     def _quorum_call(self, req: QuorumRequest) -> QuorumResponse:
         stopped = self._stop.is_set
+        # The share schedule a replica holds matters only to a restarted coordinator's first
+        # round, which every request reaches with last_round -1 (below); the others leave it
+        # out (a 250-replica job's vector would be 3 KB a step from every leader).
+        lean = req if req.last_round < 0 else req.model_copy(update={"shares_held": None, "shares_held_from": 0})
         try:
-            return self.client.quorum(req, self.quorum_timeout_s, stopped=stopped)
+            return self.client.quorum(lean, self.quorum_timeout_s, stopped=stopped)
         except NotRegistered:
             # The coordinator restarted and lost its memory: introduce ourselves again; the
             # new coordinator's first round gathers everyone at the steps they hold.
