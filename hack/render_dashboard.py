@@ -58,6 +58,8 @@ def _draw(ax, panel: dashboard.Panel, scrapes: list[dashboard.Scrape], span: tup
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey", fontsize=12)
         return
     bottom, top = ax.get_ylim()
+    if not named:  # every series at zero: a plain 0..1 axis, not matplotlib's +-0.05 around the line
+        bottom, top = 0.0, 1.0
     ax.set_ylim(panel.min if panel.min is not None else bottom, panel.max * 1.05 if panel.max is not None else top)
     if named and named != ["value"]:  # a lone unnamed series needs no legend
         ax.legend(fontsize=7, loc="best")

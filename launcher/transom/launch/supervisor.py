@@ -8,7 +8,8 @@ starts them all again as a new attempt, up to `max_restarts`. It also watches th
 coordinator (a long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
 verdict) is killed and restarted the same way. It forwards the workers' step signals to the
 coordinator's detectors and restarts a replica whose workers stopped making progress, with
-their stacks in the log (launch/signals.py). SIGTERM/SIGINT are forwarded to the workers. Each worker is
+their stacks in the log (launch/signals.py). SIGTERM/SIGINT (the pod is going) are reported
+to the coordinator as the replica's failure, then forwarded to the workers. Each worker is
 the leader of a process group of its own, and signals go to the whole group: whatever a
 worker started is stopped with it, and after every attempt (however it ended) nothing of
 its groups is left running (processes.py). Workers also die with the launcher itself.
@@ -352,6 +353,10 @@ class Launcher:
                     return contract.EXIT_OK
                 if outcome == "signal":
                     assert self._signal is not None
+                    # The pod is going (deleted, preempted, drained): say so at once, so that
+                    # the other replicas' next round need not wait for this one to be missed.
+                    if self.workers:
+                        self._report(attempt, f"{reason} (pod terminating)", 128 + self._signal)
                     self._stop_workers(self._signal, self.config.term_grace_s)
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
