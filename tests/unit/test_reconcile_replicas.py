@@ -51,6 +51,9 @@ FAILURES = [
     # what happens to replica 1's pod of rank 0, the failure reason, whether its node is excluded
     ("exit code", dict(phase="Failed", exit_code=1, reason="Error"), reasons.POD_FAILED, None),
     ("deleted", dict(deleting=True), reasons.POD_DELETED, None),
+    # deleted, and the operator's pass sees it only after its container exited on the SIGTERM
+    ("deleted, then exited", dict(deleting=True, phase="Failed", exit_code=143, reason="Error"),
+     reasons.POD_DELETED, None),
     ("kubelet eviction", dict(phase="Failed", reason="Evicted"), reasons.POD_EVICTED, None),
     ("node lost", dict(phase="Failed", reason="NodeLost"), reasons.NODE_LOST, reasons.NODE_LOST),
     # verdicts come from the coordinator's part of status, about generation 0 of replica 1

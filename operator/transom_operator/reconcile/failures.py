@@ -98,6 +98,10 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
                                pod.node_name, reasons.NODE_LOST if pod.node_name else None))
             elif pod.reason == "Evicted":
                 causes.append((reasons.POD_EVICTED, f"pod {pod.name}{where} evicted", pod.node_name, None))
+            elif pod.deleting:
+                # Deleted (by a user, a drain), and its containers' exit on the way out (143:
+                # the SIGTERM) says nothing about the node: a deletion, not a pod failure.
+                causes.append((reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None))
             else:
                 code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
                 repeated = pod.node_name is not None and any(
