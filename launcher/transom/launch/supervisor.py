@@ -356,7 +356,7 @@ class Launcher:
                     # The pod is going (deleted, preempted, drained): say so at once, so that
                     # the other replicas' next round need not wait for this one to be missed.
                     if self.workers:
-                        self._report(attempt, f"{reason} (pod terminating)", 128 + self._signal)
+                        self._report(attempt, f"{reason}: the launcher is stopping", 128 + self._signal)
                     self._stop_workers(self._signal, self.config.term_grace_s)
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
