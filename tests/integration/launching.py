@@ -30,3 +30,11 @@ def start_launcher(coordinator_url: str, token: str, num_replicas: int, stats_di
     cmd = [sys.executable, "-m", "transom", "launch", "--nproc-per-node", "1", "--",
            sys.executable, str(script), "--steps", str(steps), *args]
     return subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_all(launchers: list[subprocess.Popen]) -> None:
+    """The end of a test: kill the launchers still running (their workers die with them)."""
+    for p in launchers:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)

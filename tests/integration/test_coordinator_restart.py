@@ -17,7 +17,7 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
-from launching import start_launcher
+from launching import kill_all, start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -40,9 +40,7 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
         outputs = [p.communicate(timeout=150)[0] for p in launchers]
         assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
+        kill_all(launchers)
         coordinator.stop()
     # Each replica ran as one incarnation (nothing restarted) and they ended identical.
     assert sorted(f.name for f in tmp_path.glob("steps-*.jsonl")) == ["steps-r0-g0-a0.jsonl", "steps-r1-g0-a0.jsonl"]

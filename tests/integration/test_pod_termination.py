@@ -18,7 +18,7 @@ from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.supervisor import free_port
-from launching import start_launcher
+from launching import kill_all, start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -45,8 +45,6 @@ def test_a_terminated_pod_reports_its_replica_at_once(tmp_path):
         out0 = launchers[0].communicate(timeout=120)[0]  # replica 0 finishes alone, well within the grace
         assert launchers[0].returncode == 0, out0[-2000:]
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
+        kill_all(launchers)
         coordinator.stop()
     assert json.loads((tmp_path / "final-r0-k0.json").read_text())["step"] == 60

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from dataloader_job import BATCH, SAMPLES, dataset  # noqa: E402
-from launching import start_launcher  # noqa: E402
+from launching import kill_all, start_launcher  # noqa: E402
 from test_dataloader import JOB, _committed  # noqa: E402
 from test_fault_tolerance import assert_consistent_finish  # noqa: E402
 from transom import contract  # noqa: E402
@@ -140,9 +140,7 @@ def test_a_coordinator_restart_keeps_the_shares_and_the_update_exact(tmp_path):
         assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-2000:] for o in outputs)
         events = coordinator.call(lambda: [f"{e.kind}: {e.message}" for e in coordinator.server.membership.events])
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
+        kill_all(launchers)
         coordinator.stop()
     assert sorted(f.name for f in logs.glob("final-*.json")) == ["final-0-0.json", "final-1-0.json"]
     sizes = _assert_exact(logs, steps)

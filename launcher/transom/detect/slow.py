@@ -121,14 +121,12 @@ def _relative(ratios: dict[tuple[int, int], float]) -> dict[tuple[int, int], flo
     n = len(values)
     if n == 1:
         return {keys[0]: values[0]}
-    out = {}
-    for p, key in enumerate(keys):
-        def at(i: int) -> float:  # the i-th of the others, in order
-            return values[i] if i < p else values[i + 1]
-        m = n - 1
-        median = at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
-        out[key] = values[p] / median
-    return out
+    lo, hi = (n - 2) // 2, (n - 1) // 2  # the middle of the n - 1 others (one index when n - 1 is odd)
+
+    def other(i: int, p: int) -> float:  # the i-th smallest of the values without the p-th
+        return values[i] if i < p else values[i + 1]
+
+    return {key: values[p] / ((other(lo, p) + other(hi, p)) / 2) for p, key in enumerate(keys)}
 
 
 @dataclass
