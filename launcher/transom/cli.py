@@ -8,7 +8,6 @@ environments where only the workers have it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import math
 import os
@@ -23,36 +22,52 @@ if TYPE_CHECKING:
     from transom.coordinator.membership import Settings
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a finite, positive number of seconds (no nan, no inf, no 0)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
-    return value
+MAX_SECONDS = 30 * 86400.0  # a month: a longer wait is a typo (and past ~1e10 s, waits overflow time_t)
+MAX_COUNT = 2**31 - 1  # any count; the settings that own a count bound it tighter (RunConfig, LaunchConfig)
+MAX_STEPS = 10_000_000  # the CRD's bound of checkpoint.intervalSteps
+MAX_KEEP = 1000  # the CRD's bound of checkpoint.keep
+MAX_LAUNCH_RESTARTS = 10_000  # in-place restarts: as many as the CRD allows a replica (maxReplicaRestarts)
+MAX_WAIT_S = 3600.0  # the CRD's bound of the heartbeat and collective timeouts
 
 
-def seconds_or_zero(text: str) -> float:
-    """Like `seconds`, but 0 is allowed."""
-    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
+def _seconds(high: float, zero: bool = False):
+    """An argparse type: a finite number of seconds up to `high`, above 0 (or 0 too)."""
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not (math.isfinite(value) and (value > 0 or zero and value == 0)):
+            raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds{' or 0' if zero else ''}, "
+                                             f"got {text!r}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,.0f} seconds, got {text!r}")
         return value
     return parse
 
 
-count = _at_least(1)  # argparse types: integers of at least 1, and of at least 0
-non_negative = _at_least(0)
+seconds = _seconds(MAX_SECONDS)  # argparse types: no nan, no inf, no 0, nothing past a month
+seconds_or_zero = _seconds(MAX_SECONDS, zero=True)
+wait_seconds = _seconds(MAX_WAIT_S)
+
+
+def between(low: int, high: int):
+    """An argparse type: an integer from `low` to `high`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also past int()'s 4,300 digits
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+    return parse
+
+
+count = between(1, MAX_COUNT)  # argparse types: integers of at least 1, and of at least 0
+non_negative = between(0, MAX_COUNT)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -62,82 +77,11 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _coordinator(args: argparse.Namespace) -> int:
-    from transom.coordinator.server import CoordinatorServer
-    from transom.detect.signals import DetectionSettings
-
-    token = os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    if not token:
-        print(f"transom coordinator: a token is required ({contract.ENV_COORDINATOR_TOKEN} or --token-file)", file=sys.stderr)
-        return contract.EXIT_USAGE
-    try:
-        settings = coordinator_settings(args)
-    except ValueError as e:
-        print(f"transom coordinator: {e}", file=sys.stderr)
-        return contract.EXIT_USAGE
-
-    writer = None
-    if args.kube_status or args.kube_api:
-        from pathlib import Path
-
-        from transom.coordinator.kube_status import StatusWriter
-
-        namespace = args.namespace or os.environ.get(contract.ENV_NAMESPACE, "")
-        if not namespace:
-            print(f"transom coordinator: --namespace (or {contract.ENV_NAMESPACE}) is needed to write status",
-                  file=sys.stderr)
-            return contract.EXIT_USAGE
-        try:
-            if args.kube_api:
-                writer = StatusWriter(args.kube_api, namespace, args.job, Path(args.kube_token_file),
-                                      Path(args.kube_ca_file), args.status_interval)
-            else:
-                writer = StatusWriter.in_cluster(namespace, args.job, args.status_interval)
-        except (ValueError, TypeError) as e:
-            print(f"transom coordinator: {e}", file=sys.stderr)
-            return contract.EXIT_USAGE
-
-    try:
-        detection = DetectionSettings.from_spec(args.detection)
-    except ValueError as e:
-        print(f"transom coordinator: {e}", file=sys.stderr)
-        return contract.EXIT_USAGE
-
-    async def serve() -> None:
-        server = CoordinatorServer(settings, token, status_writer=writer, detection=detection)
-        await server.start(args.host, args.port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for s in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(s, stop.set)
-        await stop.wait()
-        await server.stop()
-
-    asyncio.run(serve())
-    return contract.EXIT_OK
-
-
 def coordinator_settings(args: argparse.Namespace) -> "Settings":
-    """The coordinator's Settings from its flags; ValueError names a contradiction."""
-    from transom.coordinator.membership import Settings
-    from transom.defaults import heartbeat_interval_s
+    """The coordinator's Settings from its flags (coordinator/cli.py)."""
+    from transom.coordinator import cli as coordinator_cli
 
-    interval = args.heartbeat_interval
-    if interval is None:  # follows the timeout, so any timeout the CRD allows works
-        interval = heartbeat_interval_s(args.heartbeat_timeout)
-    return Settings(
-        job=args.job,
-        num_replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        heartbeat_interval_s=interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        failed_grace_s=args.failed_grace,
-        round_timeout_s=args.round_timeout,
-        startup_wait_s=args.startup_wait,
-    )
+    return coordinator_cli.settings_of(args)
 
 
 def _launch(args: argparse.Namespace, command: list[str]) -> int:
@@ -233,32 +177,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)")
-    c.add_argument("--host", default="0.0.0.0")
-    c.add_argument("--port", type=int, default=8080)
-    c.add_argument("--job", default=os.environ.get(contract.ENV_JOB, "local"))
-    c.add_argument("--replicas", type=count, required=True, help="spec.replicas of the job")
-    c.add_argument("--min-replicas", type=count, default=1, help="training pauses below this many")
-    c.add_argument("--heartbeat-interval", type=seconds, default=None,
-                   help="seconds between a replica's heartbeats (default: min(1, timeout/3))")
-    c.add_argument("--heartbeat-timeout", type=seconds, default=LOCAL.heartbeat_timeout_s)
-    c.add_argument("--failed-grace", type=seconds_or_zero, default=LOCAL.failed_grace_s)
-    c.add_argument("--round-timeout", type=seconds, default=LOCAL.round_timeout_s)
-    c.add_argument("--startup-wait", type=seconds_or_zero, default=LOCAL.startup_wait_s)
-    c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
-    c.add_argument("--kube-status", action="store_true",
-                   help="write status.training of the TrainingJob (in-cluster ServiceAccount)")
-    c.add_argument("--namespace", default=None, help=f"the job's namespace (default: ${contract.ENV_NAMESPACE})")
-    c.add_argument("--status-interval", type=seconds, default=LOCAL.status_interval_s, help="seconds between status writes")
-    c.add_argument("--kube-api", help="API server URL, to write status from outside a cluster (tests)")
-    c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
-    c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")
-    c.add_argument("--detection", default=os.environ.get(contract.ENV_DETECTION),
-                   help=f"spec.detection as JSON (default: ${contract.ENV_DETECTION}, else the CRD's defaults)")
+    from transom.coordinator import cli as coordinator_cli
+    coordinator_cli.add_arguments(sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)"))
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
     la.add_argument("--nproc-per-node", type=count, default=None)
-    la.add_argument("--max-restarts", type=non_negative, default=3)
+    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS), default=3)
 
     r = sub.add_parser("run", help="run a whole fault-tolerant job locally")
     r.add_argument("--replicas", type=count, required=True)
@@ -273,17 +197,18 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--summary-json", help="write the end summary here")
     r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
-    r.add_argument("--collective-timeout", type=seconds, default=LOCAL.collective_timeout_s)
-    r.add_argument("--heartbeat-timeout", type=seconds, default=LOCAL.heartbeat_timeout_s)
-    r.add_argument("--max-restarts", type=non_negative, default=3, help="in-place restarts per launcher")
+    r.add_argument("--collective-timeout", type=wait_seconds, default=LOCAL.collective_timeout_s)
+    r.add_argument("--heartbeat-timeout", type=wait_seconds, default=LOCAL.heartbeat_timeout_s)
+    r.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS), default=3,
+                   help="in-place restarts per launcher")
     r.add_argument("--timeout", type=seconds, default=3600.0, help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--log-dir", help="write each replica's launcher and worker output to DIR/replica-<i>.log and the "
                                      "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
     r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
-    r.add_argument("--checkpoint-interval", type=non_negative,
+    r.add_argument("--checkpoint-interval", type=between(0, MAX_STEPS),
                    help="committed steps between checkpoints (the script may override)")
-    r.add_argument("--checkpoint-keep", type=count, help="committed checkpoints to keep")
+    r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")
     r.add_argument("--detection", metavar="JSON",
                    help='anomaly detection settings, as spec.detection (e.g. \'{"hangTimeoutSeconds": 60}\')')
     r.add_argument("--trace-out", metavar="FILE",
@@ -308,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     if args.cmd == "coordinator":
-        return _coordinator(args)
+        from transom.coordinator import cli as coordinator_cli
+        return coordinator_cli.main(args)
     if args.cmd == "launch":
         return _launch(args, command)
     if args.cmd == "simulate":

@@ -21,9 +21,28 @@ ENV_NODE_RANK = "TRANSOM_NODE_RANK"
 ENV_NNODES = "TRANSOM_NNODES"
 ENV_NPROC_PER_NODE = "TRANSOM_NPROC_PER_NODE"
 ENV_COORDINATOR_URL = "TRANSOM_COORDINATOR_URL"
-# The per-job bearer token; in Kubernetes it comes from the job's Secret (secretKeyRef),
-# never from a literal in the pod spec.
+# The job's own (admin) token: the coordinator reads it; it may act for any replica, so
+# neither the operator nor `transom run` gives it to a replica's pod or launcher (a
+# launcher uses it only where no identity file is set: tests, tools run by hand).
 ENV_COORDINATOR_TOKEN = "TRANSOM_COORDINATOR_TOKEN"
+# The file holding this pod's (launcher's) own credential towards the coordinator, which
+# speaks for its replica only (coordinator/identity.py): in Kubernetes the pod's projected,
+# audience-bound ServiceAccount token (IDENTITY_TOKEN_DIR); `transom run` writes a replica
+# key per launcher. Read again whenever it changes (the kubelet rotates the token).
+ENV_IDENTITY_TOKEN_FILE = "TRANSOM_IDENTITY_TOKEN_FILE"
+IDENTITY_TOKEN_DIR = "/var/run/secrets/transom.io/identity"  # the projected volume in worker pods
+IDENTITY_TOKEN_NAME = "token"
+# The bearer token of the replicas' state servers (peer recovery), shared by the job's
+# pods: every replica may read the state every replica holds. In Kubernetes from the
+# Secret `<job>-peer-token`; without it, the job's token (tests, tools).
+ENV_PEER_TOKEN = "TRANSOM_PEER_TOKEN"
+
+
+def identity_audience(namespace: str, job: str) -> str:
+    """The audience of a job's identity tokens: a token for one job's coordinator is nothing
+    to another's, nor to the API server."""
+    return f"transom.io/{namespace}/{job}"
+
 ENV_CHECKPOINT_URI = "TRANSOM_CHECKPOINT_URI"
 ENV_CHECKPOINT_INTERVAL = "TRANSOM_CHECKPOINT_INTERVAL_STEPS"  # spec.checkpoint.intervalSteps
 ENV_CHECKPOINT_KEEP = "TRANSOM_CHECKPOINT_KEEP"  # spec.checkpoint.keep
@@ -105,6 +124,8 @@ class ReplicaEnv:
     checkpoint_uri: str
     advertise_addr: str
     spare_id: int | None = None  # a hot spare's pod: replica_id is UNASSIGNED until promoted
+    identity_token_file: str = ""  # this pod's own credential towards the coordinator
+    peer_token: str = ""  # the state servers' token (the job's token where unset)
 
     @property
     def is_spare(self) -> bool:
@@ -148,4 +169,6 @@ class ReplicaEnv:
             checkpoint_uri=env.get(ENV_CHECKPOINT_URI, ""),
             advertise_addr=env.get(ENV_ADVERTISE_ADDR, "127.0.0.1"),
             spare_id=spare_id,
+            identity_token_file=env.get(ENV_IDENTITY_TOKEN_FILE, ""),
+            peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
         )

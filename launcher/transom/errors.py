@@ -5,6 +5,8 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     ├── CoordinatorError          the coordinator refused a request, or stayed unreachable
     │   ├── Evicted               409: this incarnation was declared dead or superseded: exit
     │   ├── NotRegistered         404: the coordinator does not know this replica: register again
+    │   ├── Forbidden             403: the caller's credential does not speak for that replica
+    │   ├── TooManyRequests       429: signals posted faster than the coordinator takes them: later
     │   └── JobCompleted          410: the job is complete: there is nothing left to join
     ├── NoQuorum                  no quorum formed within `quorum_timeout_s`
     ├── TooManyFailedSteps        the replica failed `max_failed_steps` steps in a row
@@ -21,7 +23,7 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
         ├── WireError             a peer's replica state
         └── BlobError             a tensor blob in a checkpoint
 
-The coordinator raises the same three CoordinatorError classes that its client raises (it
+The coordinator raises the same CoordinatorError classes that its client raises (it
 maps each to its HTTP status), so one name means one thing on both ends. Each class also
 derives from the builtin its callers caught before it existed (RuntimeError, ValueError,
 LookupError, TimeoutError), so older `except ValueError:` code still works. Imports nothing heavy.
@@ -55,6 +57,20 @@ class NotRegistered(CoordinatorError):
     """404: the coordinator does not know this replica (it restarted): register again."""
 
     default_status = 404
+
+
+class Forbidden(CoordinatorError):
+    """403: the caller's credential names another replica (or node, or no replica at all):
+    a replica's code speaks only for its own replica (coordinator/identity.py)."""
+
+    default_status = 403
+
+
+class TooManyRequests(CoordinatorError):
+    """429: the coordinator takes no more signals from this poster now (its rate or the
+    detectors' time budget is spent); post the same rows again later."""
+
+    default_status = 429
 
 
 class JobCompleted(CoordinatorError):

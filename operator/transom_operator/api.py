@@ -7,8 +7,9 @@ camelCase through the alias generator, so `TrainingJob.model_validate(obj)` take
 API server returns and `model_dump(by_alias=True, exclude_none=True, mode="json")` gives
 back what it accepts.
 
-The building blocks (names, bounds, enums, `Rule`, base models) are in api_base.py and the
-status in api_status.py; everything is re-exported here, so `api.X` is the one way in.
+The building blocks (names, bounds, enums, `Rule`, base models) are in api_base.py, the pod
+template in api_template.py and the status in api_status.py; everything is re-exported
+here, so `api.X` is the one way in.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema, field_validator
 
-from transom.contract import DEFAULT_BACKEND, RESERVED_DOMAIN, is_reserved_key
+from transom.contract import DEFAULT_BACKEND
 from transom.defaults import CLUSTER
 from transom.detect.signals import DetectionSettings
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
@@ -61,6 +62,16 @@ from transom_operator.api_base import (  # noqa: F401  (api.X is the public name
     NodeName,
     NodeNameItem,
 )
+from transom_operator.api_template import (  # noqa: F401  (api.X is the public name of each)
+    MAX_TEMPLATE_KEYS,
+    MAX_TEMPLATE_DEPTH,
+    TEMPLATE_HAS_CONTAINER,
+    TEMPLATE_NO_RESERVED_KEYS_MESSAGE,
+    NO_SERVICE_ACCOUNT_RULES,
+    POD_TEMPLATE_SCHEMA,
+    PodTemplate,
+    check_template,
+)
 from transom_operator.api_status import (  # noqa: F401  (api.X is the public name of each)
     Condition,
     Failure,
@@ -76,87 +87,6 @@ from transom_operator.api_status import (  # noqa: F401  (api.X is the public na
 )
 
 # --- spec -----------------------------------------------------------------------------
-
-def _pod_template_has_container(template: dict[str, Any]) -> bool:
-    pod_spec = template.get("spec")
-    containers = pod_spec.get("containers") if isinstance(pod_spec, dict) else None
-    return isinstance(containers, list) and len(containers) > 0
-
-
-TEMPLATE_HAS_CONTAINER = Rule(
-    cel="has(self.spec) && has(self.spec.containers) && size(self.spec.containers) > 0",
-    message="template.spec.containers must list at least one container (the one that runs the training script)",
-    check=_pod_template_has_container,
-)
-
-_PASSTHROUGH = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-MAX_TEMPLATE_KEYS = 256  # labels or annotations of the pod template (bounds the CEL cost)
-
-
-def _reserved_keys(template: dict[str, Any]) -> list[str]:
-    meta = template.get("metadata")
-    if not isinstance(meta, dict):
-        return []
-    return [f"{kind}: {key}" for kind in ("labels", "annotations")
-            if isinstance(meta.get(kind), dict) for key in meta[kind] if is_reserved_key(str(key))]
-
-
-TEMPLATE_NO_RESERVED_KEYS_MESSAGE = (
-    f"template.metadata labels and annotations must not use the {RESERVED_DOMAIN}/ prefix: the operator "
-    "sets those keys, and a template must not pose as it"
-)
-
-
-def _string_map(what: str) -> dict[str, Any]:
-    """A labels or annotations map of the template, whose keys must not be reserved."""
-    return {
-        "type": "object",
-        "maxProperties": MAX_TEMPLATE_KEYS,
-        "additionalProperties": {"type": "string"},
-        "description": f"{what} of the worker pods. Keys under {RESERVED_DOMAIN}/ are reserved for the operator.",
-        "x-kubernetes-validations": [{
-            "rule": f"self.all(k, !k.startsWith('{RESERVED_DOMAIN}/') && !k.contains('.{RESERVED_DOMAIN}/'))",
-            "message": TEMPLATE_NO_RESERVED_KEYS_MESSAGE,
-        }],
-    }
-
-
-# The pod template is passed through unchecked (the API server validates it when the
-# operator creates the pods); only what CEL must see is declared: spec.containers, and the
-# labels and annotations, whose reserved keys are refused.
-_POD_TEMPLATE_SCHEMA = {
-    **_PASSTHROUGH,
-    "x-kubernetes-embedded-resource": False,
-    "description": (
-        "Pod template (a core/v1 PodTemplateSpec) of every worker pod. It is kept as an "
-        "object passthrough: its fields are not listed here and are validated when the "
-        "operator creates the pods. The operator adds the transom.io labels, the TRANSOM_* "
-        "environment of the launcher, a node anti-affinity for excluded nodes and, where the "
-        "template leaves them unset, a restricted security context."
-    ),
-    "properties": {
-        "metadata": {
-            **_PASSTHROUGH,
-            "description": "Labels and annotations for the worker pods.",
-            "properties": {"labels": _string_map("Labels"), "annotations": _string_map("Annotations")},
-        },
-        "spec": {
-            **_PASSTHROUGH,
-            "description": "The worker pod's spec (core/v1 PodSpec).",
-            "properties": {
-                "containers": {
-                    "type": "array",
-                    "maxItems": MAX_CONTAINERS,
-                    "description": "The pod's containers; the first one runs the Transom launcher.",
-                    "items": {**_PASSTHROUGH, "description": "A core/v1 Container."},
-                },
-            },
-        },
-    },
-    "x-kubernetes-validations": [TEMPLATE_HAS_CONTAINER.schema()],
-}
-PodTemplate = Annotated[dict[str, Any], WithJsonSchema(_POD_TEMPLATE_SCHEMA)]
-
 
 class SecretReference(ApiModel):
     """A Secret in the job's namespace."""
@@ -403,7 +333,7 @@ class TrainingJobSpec(ApiModel):
             "the last checkpoint."
         ),
     )
-    template: PodTemplate = Field(description=_POD_TEMPLATE_SCHEMA["description"])
+    template: PodTemplate = Field(description=POD_TEMPLATE_SCHEMA["description"])
     checkpoint: Checkpoint | None = Field(
         None, description="Checkpointing; without it a job that loses every replica starts over.",
     )
@@ -412,17 +342,8 @@ class TrainingJobSpec(ApiModel):
 
     @field_validator("template")
     @classmethod
-    def _template_has_container(cls, template: dict[str, Any]) -> dict[str, Any]:
-        if not TEMPLATE_HAS_CONTAINER.check(template):
-            raise ValueError(TEMPLATE_HAS_CONTAINER.message)
-        meta = template.get("metadata")
-        for kind in ("labels", "annotations"):
-            value = meta.get(kind) if isinstance(meta, dict) else None
-            if value is not None and (not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KEYS
-                                      or not all(isinstance(v, str) for v in value.values())):
-                raise ValueError(f"template.metadata.{kind} must map at most {MAX_TEMPLATE_KEYS} keys to strings")
-        if _reserved_keys(template):
-            raise ValueError(f"{TEMPLATE_NO_RESERVED_KEYS_MESSAGE} (found {', '.join(_reserved_keys(template))})")
+    def _template_is_buildable(cls, template: dict[str, Any]) -> dict[str, Any]:
+        check_template(template)
         return template
 
 

@@ -18,12 +18,14 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from pydantic import ValidationError
+
 from transom import contract
 
 from transom_operator import api, metrics, naming, reasons, resources
 from transom_operator.cache import WatchCache
 from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
-from transom_operator.reconcile import failures, replicas
+from transom_operator.reconcile import failures, job_status, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
 from transom_operator.reconcile.status_diff import status_ops
 
@@ -33,6 +35,7 @@ DEFAULT_REQUEUE_S = 10.0
 # round trip instead of one after another (the kubernetes client pools 10+ connections).
 WRITE_CONCURRENCY = 16
 COORDINATOR_RECHECK_S = 30.0
+SWEEP_EVERY_S = 600.0
 # Past any write's own end: kube.REQUEST_TIMEOUT_S per attempt, and urllib3 tries an idempotent
 # request (a delete) up to four times.
 WRITE_TIMEOUT_S = 4 * sum(REQUEST_TIMEOUT_S) + 5.0
@@ -45,12 +48,18 @@ class Controller:
     # What the cluster admin allows beyond excluding a node for one job (failures.NODE_ACTIONS).
     node_actions: frozenset[str] = frozenset()
     network_policy: bool = True  # give every job a NetworkPolicy that admits only its own pods
+    # The chart's ClusterRole that lets a coordinator create TokenReviews (its pods' identities).
+    token_reviewer_role: str = "transom-operator-token-reviewer"
     cache: WatchCache = field(default_factory=WatchCache)  # fed by the pod and node watches (handlers.py)
     # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
     _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
     _states: dict[tuple[str, str], str] = field(default_factory=dict)
     # Per job: (metadata.generation, when) the coordinator was last checked against the spec.
     _coordinator_checked: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    # Jobs whose worker ServiceAccount, peer Secret and token review binding this process
+    # created or found (once per job and process).
+    _worker_accounts: set[tuple[str, str]] = field(default_factory=set)
+    _swept_at: float | None = None  # when token review bindings of deleted jobs were last looked for
     _writers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(WRITE_CONCURRENCY, thread_name_prefix="transom-write"))
 
@@ -73,8 +82,16 @@ class Controller:
             self._set_state(namespace, name, None)
             self.cache.forget_job(namespace, name)
             self._coordinator_checked.pop((namespace, name), None)
-            return None  # owned objects go with it (ownerReferences)
-        job = api.TrainingJob.model_validate(raw)
+            self._worker_accounts.discard((namespace, name))
+            # Owned objects go with it (ownerReferences); the one cluster-wide object cannot be owned.
+            self.kube.delete_cluster_role_binding(naming.token_review_binding(namespace, name))
+            return None
+        self._sweep_bindings()
+        try:
+            job = api.TrainingJob.model_validate(raw)
+        except ValidationError as e:
+            self._refuse(namespace, name, raw, spec_error(e))
+            return DEFAULT_REQUEUE_S
         self._ensure_coordinator(namespace, job)
         # From the watches' cache (cache.py): a pass lists nothing, whatever the job's size, and
         # observes again only the pods that changed.
@@ -118,6 +135,24 @@ class Controller:
         self._set_state(namespace, name, plan.status.state)
         return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
 
+    def _refuse(self, namespace: str, name: str, raw: dict, message: str) -> None:
+        """A job whose spec the models refuse (what the API server cannot check, such as the
+        template's depth, or a spec stored before a rule existed): Ready False with reason
+        InvalidSpec and a Warning Event, once per spec generation; nothing else is touched
+        until the spec is changed, which wakes the daemon."""
+        generation = raw["metadata"].get("generation")
+        wanted = job_status.refused(raw.get("status"), message, generation, datetime.now(timezone.utc))
+        ops = status_ops(raw.get("status") if isinstance(raw.get("status"), dict) else None, wanted)
+        if not ops:
+            return  # reported already
+        try:
+            self.cache.wrote_job(self.kube.patch_job_status(namespace, name, ops))
+        except Exception:
+            self.cache.drop_job(namespace, name)
+            raise
+        self.kube.event(raw, reasons.WARNING, reasons.INVALID_SPEC, message)
+        log.warning("%s/%s: %s", namespace, name, message)
+
     def _act(self, namespace: str, pods: list, plan: replicas.Plan) -> None:
         """The plan's relabels and deletes (once its status is written), all at once: they touch
         distinct pods, so none waits for another. The first failure is raised after every write
@@ -149,6 +184,14 @@ class Controller:
     def _ensure_coordinator_now(self, namespace: str, job: api.TrainingJob) -> None:
         name = job.metadata["name"]
         deployment = self.kube.get_deployment(namespace, naming.coordinator(name))
+        if deployment is not None and (namespace, name) not in self._worker_accounts:
+            # A job from before the workers had a ServiceAccount, a peer Secret and an
+            # identity of their own: their pods would be refused or unknown without them (a
+            # 409 means it is there). Its coordinator rolls below: its command changed.
+            for manifest in (resources.worker_service_account(job), resources.peer_secret(job, secrets.token_urlsafe(32))):
+                self.kube.create(namespace, manifest)
+            self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
+            self._worker_accounts.add((namespace, name))
         if deployment is not None:
             # A spec change the coordinator must know (replicas, minReplicas, heartbeat
             # timeout) rolls it; the replicas register again with the new one on their own.
@@ -162,9 +205,29 @@ class Controller:
         # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
         # The policy comes first, so no pod of the job is ever reachable from outside it.
         manifests = [resources.network_policy(job)] if self.network_policy else []
-        manifests += resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image)
+        manifests += resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image,
+                                                     peer_token=secrets.token_urlsafe(32))
+        # Before the Deployment: a coordinator that cannot review tokens refuses every replica.
+        self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
         for manifest in manifests:
             self.kube.create(namespace, manifest)
+        self._worker_accounts.add((namespace, name))
+
+    def _sweep_bindings(self) -> None:
+        """Delete the token review bindings of jobs that are gone: a job deleted while no
+        operator ran left its binding behind (it has no owner to be collected with). At most
+        every SWEEP_EVERY_S, from whichever job's pass comes first."""
+        now = time.monotonic()
+        if self._swept_at is not None and now - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = now
+        selector = f"{resources.LABEL_COMPONENT}={resources.COMPONENT_TOKEN_REVIEW}"
+        for binding in self.kube.list_cluster_role_bindings(selector):
+            labels = binding["metadata"].get("labels") or {}
+            namespace, job = labels.get(resources.LABEL_NAMESPACE), labels.get(contract.LABEL_JOB)
+            if namespace and job and self.kube.get_job(namespace, job) is None:
+                log.info("deleting %s: job %s/%s is gone", binding["metadata"]["name"], namespace, job)
+                self.kube.delete_cluster_role_binding(binding["metadata"]["name"])
 
     def _observe(self, namespace: str, name: str, job: api.TrainingJob, plan: replicas.Plan) -> None:
         before = {r.id: r for r in (job.status.replicas if job.status and job.status.replicas else [])}
@@ -185,6 +248,13 @@ class Controller:
             self._states[(namespace, name)] = state
         for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
+
+
+def spec_error(error: ValidationError, limit: int = 5) -> str:
+    """What is wrong with a job, for its condition and Event: each error's place and message."""
+    parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in error.errors()]
+    more = f" (and {len(parts) - limit} more)" if len(parts) > limit else ""
+    return "the operator cannot use this spec: " + "; ".join(parts[:limit]) + more
 
 
 def _first_error(futures: list[Future]) -> None:

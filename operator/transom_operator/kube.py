@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.parse
 from datetime import datetime, timezone
 from typing import Any
 
@@ -45,7 +46,7 @@ def _list_rv(resp: dict) -> int:
 _PLURALS = {
     "Pod": "pods", "Secret": "secrets", "ServiceAccount": "serviceaccounts", "Service": "services",
     "Event": "events", "Node": "nodes", "Deployment": "deployments", "NetworkPolicy": "networkpolicies",
-    "Role": "roles", "RoleBinding": "rolebindings", "TrainingJob": PLURAL,
+    "Role": "roles", "RoleBinding": "rolebindings", "ClusterRoleBinding": "clusterrolebindings", "TrainingJob": PLURAL,
 }
 
 
@@ -133,8 +134,9 @@ class Kube:
                    "application/strategic-merge-patch+json")
 
     # --- writes --------------------------------------------------------------------------
-    def create(self, namespace: str, manifest: dict) -> bool:
-        """Create any of the kinds the operator makes; False if it already existed."""
+    def create(self, namespace: str | None, manifest: dict) -> bool:
+        """Create any of the kinds the operator makes (`namespace` None: a cluster-wide one);
+        False if it already existed."""
         try:
             self._send("POST", _path(manifest["apiVersion"], manifest["kind"], namespace), manifest)
             return True
@@ -147,6 +149,19 @@ class Kube:
                           manifest["metadata"].get("name"), namespace)
                 return False
             raise
+
+    def list_cluster_role_bindings(self, selector: str) -> list[dict]:
+        """The ClusterRoleBindings with labels matching `selector` (one page: the operator's own
+        are one per job)."""
+        return self._send("GET", _path("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")
+                          + f"?labelSelector={urllib.parse.quote(selector)}", None)["items"]
+
+    def delete_cluster_role_binding(self, name: str) -> None:
+        try:
+            self._send("DELETE", _path("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", name=name), None)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def delete_pod(self, namespace: str, name: str, force: bool = False) -> None:
         self._count()

@@ -12,6 +12,8 @@ import argparse
 import logging
 import os
 import socket
+import sys
+import threading
 import uuid
 
 import kopf
@@ -26,6 +28,24 @@ from transom_operator.leader import LeaderElector
 
 # The coordinator needs Python, transom and its light dependencies only: the operator's image.
 DEFAULT_IMAGE = "ghcr.io/transom-io/transom-operator:0.1.0"
+
+# The API server stores objects nested up to 10,000 levels (its JSON decoder's limit), and a
+# pod template's unknown fields nest as deep as its author likes: a structural schema cannot
+# bound them. With Python's default recursion limit (1,000), one such TrainingJob made the
+# JSON parse of kopf's watch raise and the operator exit (every job unmanaged, again after
+# each restart), and kopf's copy of it fail from ~500 levels on. With these the operator
+# reads it, and the models refuse it (InvalidSpec, api_template.MAX_TEMPLATE_DEPTH).
+MAX_OBJECT_DEPTH = 10_100  # the API server's limit, with a watch event's or list's envelope
+RECURSION_LIMIT = 3 * MAX_OBJECT_DEPTH  # copy.deepcopy (kopf's diff base) takes 2 frames a level
+# The C stack of every thread started from now on: parsing or comparing 10,000 levels takes
+# about 2 MiB of it (measured on CPython 3.11), and a thread's default may be as small.
+THREAD_STACK_BYTES = 16 * 2**20
+
+
+def allow_deep_objects() -> None:
+    """Let this process parse, copy and compare any object the API server can store."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
+    threading.stack_size(THREAD_STACK_BYTES)
 
 
 def _api_client() -> client.ApiClient:
@@ -52,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="carry out nodeExclusionPolicy Cordon (else a job's blamed node is excluded for it only)")
     p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
                    help="give every job a NetworkPolicy that admits only the job's own pods (default: on)")
+    p.add_argument("--token-reviewer-role", default="transom-operator-token-reviewer",
+                   help="ClusterRole that lets a job's coordinator create TokenReviews (bound per job): how it "
+                        "checks which replica a worker pod's token speaks for")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -59,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # kopf logs every handler run at INFO: one line per pod event
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
+    allow_deep_objects()  # before any thread starts
     api = _api_client()
     identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
     leader = LeaderElector(api, args.lease_namespace, args.lease_name, identity)
     node_actions = frozenset(a for a, on in (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon)) if on)
-    controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy)
+    controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy,
+                            token_reviewer_role=args.token_reviewer_role)
     memo = kopf.Memo(controller=controller, leader=leader, wakeups={}, resync_s=args.resync_seconds)
 
     @kopf.on.startup()

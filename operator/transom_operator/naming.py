@@ -44,9 +44,25 @@ def coordinator(job: str) -> str:
     return _label(f"{job}-coordinator")
 
 
+def worker_service_account(job: str) -> str:
+    """The ServiceAccount every worker and spare pod runs as: no Role, no token mounted."""
+    return _label(f"{job}-worker")
+
+
 def coordinator_token_secret(job: str) -> str:
     """The Secret holding the job's bearer token (key `TOKEN_KEY`)."""
     return _label(f"{job}-coordinator-token")
+
+
+def peer_token_secret(job: str) -> str:
+    """The Secret holding the token of the replicas' state servers (key `TOKEN_KEY`)."""
+    return _label(f"{job}-peer-token")
+
+
+def token_review_binding(namespace: str, job: str) -> str:
+    """The ClusterRoleBinding that lets the job's coordinator review its pods' tokens; a
+    cluster-wide name, so it carries the namespace (at most 63 + 40 + 23 characters)."""
+    return f"transom-{namespace}-{job}-token-review"
 
 
 def network_policy(job: str) -> str:

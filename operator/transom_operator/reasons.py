@@ -37,6 +37,7 @@ NOT_COMPLETE = "NotComplete"
 TOO_MANY_RESTARTS = "TooManyRestarts"
 NOT_FAILED = "NotFailed"
 SUSPENDED = "Suspended"
+INVALID_SPEC = "InvalidSpec"  # the operator cannot use the spec (also the Event): it acts on nothing
 SLOW_REPLICA_REBALANCED = "SlowReplicaRebalanced"  # spec.detection.slowAction Rebalance in force
 NOMINAL_SHARES = "NominalShares"
 

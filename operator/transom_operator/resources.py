@@ -7,12 +7,14 @@ the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 
 - `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
   the pod environment of DESIGN.md (the token only through a secretKeyRef), a node
-  affinity keeping it off the job's excluded nodes, and a restricted security context and
-  no ServiceAccount token wherever the template does not ask otherwise.
+  affinity keeping it off the job's excluded nodes, the job's `<job>-worker`
+  ServiceAccount with no token mounted, and a restricted security context wherever the
+  template does not ask otherwise.
 - `spare_pod`: a hot spare's pod, which waits to be promoted to a replica by relabelling.
 - `network_policy`: only the job's own pods may connect to the job's pods.
-- `coordinator_resources`: the per-job coordinator: token Secret, ServiceAccount, a Role
-  limited to this job, RoleBinding, ClusterIP Service and a locked-down Deployment.
+- `coordinator_resources`: the per-job objects: token Secret, the workers' ServiceAccount
+  (no Role), the coordinator's ServiceAccount, a Role limited to this job, RoleBinding,
+  ClusterIP Service and a locked-down Deployment.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ MANAGED_BY = "transom-operator"
 COMPONENT_WORKER = "worker"
 COMPONENT_COORDINATOR = "coordinator"
 COMPONENT_NETWORK = "network-policy"
+COMPONENT_TOKEN_REVIEW = "token-review"
+LABEL_NAMESPACE = "transom.io/namespace"  # on the one cluster-wide object per job: whose it is
+IDENTITY_VOLUME = "transom-identity"
+IDENTITY_TOKEN_SECONDS = 3600  # the kubelet renews a projected token at 80% of its life
 
 # The coordinator is a small asyncio HTTP server; these hold a few thousand replicas.
 COORDINATOR_RESOURCES = {
@@ -116,16 +122,26 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
     if spec.checkpoint:
         plain[contract.ENV_CHECKPOINT_INTERVAL] = str(spec.checkpoint.interval_steps)
         plain[contract.ENV_CHECKPOINT_KEEP] = str(spec.checkpoint.keep)
+    plain[contract.ENV_IDENTITY_TOKEN_FILE] = f"{contract.IDENTITY_TOKEN_DIR}/{contract.IDENTITY_TOKEN_NAME}"
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    # Not the job's token, which may act for any replica: the pod's own identity (the
+    # projected token above) and the state servers' token.
     env.append({
-        "name": contract.ENV_COORDINATOR_TOKEN,
-        "valueFrom": {"secretKeyRef": {"name": naming.coordinator_token_secret(job_name(job)), "key": naming.TOKEN_KEY}},
+        "name": contract.ENV_PEER_TOKEN,
+        "valueFrom": {"secretKeyRef": {"name": naming.peer_token_secret(job_name(job)), "key": naming.TOKEN_KEY}},
     })
     env.append({
         "name": contract.ENV_ADVERTISE_ADDR,
         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
     })
     return env
+
+
+def _member(obj: dict[str, Any], key: str, empty: type[dict] | type[list]) -> Any:
+    """obj[key], made an empty dict or list where it is absent or null (the schema types it)."""
+    if obj.get(key) is None:
+        obj[key] = empty()
+    return obj[key]
 
 
 def _with_env(container: dict[str, Any], env: list[dict[str, Any]], env_from: list[dict[str, Any]]) -> None:
@@ -147,8 +163,7 @@ def exclude_nodes(affinity: dict[str, Any] | None, excluded: Iterable[str]) -> d
     if not names:
         return affinity
     out = copy.deepcopy(affinity) if affinity else {}
-    node_affinity = out.setdefault("nodeAffinity", {})
-    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    required = _member(_member(out, "nodeAffinity", dict), "requiredDuringSchedulingIgnoredDuringExecution", dict)
     terms = required.get("nodeSelectorTerms") or [{}]
     expression = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}
     for term in terms:
@@ -165,28 +180,52 @@ def prefer_other_nodes(affinity: dict[str, Any] | None, avoid: Iterable[str]) ->
     if not names:
         return affinity
     out = copy.deepcopy(affinity) if affinity else {}
-    preferred = out.setdefault("nodeAffinity", {}).setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    preferred = _member(_member(out, "nodeAffinity", dict), "preferredDuringSchedulingIgnoredDuringExecution", list)
     preferred.append({"weight": 100, "preference": {"matchExpressions": [
         {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": names}]}})
     return out
 
 
+def with_identity(job: api.TrainingJob, pod_spec: dict[str, Any]) -> None:
+    """The pod's identity towards the job's coordinator: a projected token of the worker
+    ServiceAccount, bound to this pod and to the job's audience (transom/coordinator/
+    kube_identity.py), mounted read-only into every container at IDENTITY_TOKEN_DIR."""
+    volume = {"name": IDENTITY_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+        "audience": contract.identity_audience(job_namespace(job), job_name(job)),
+        "expirationSeconds": IDENTITY_TOKEN_SECONDS, "path": contract.IDENTITY_TOKEN_NAME}}]}}
+    volumes = [v for v in _member(pod_spec, "volumes", list) if v.get("name") != IDENTITY_VOLUME]
+    pod_spec["volumes"] = [*volumes, volume]
+    for key in ("initContainers", "containers"):
+        for container in pod_spec.get(key) or []:
+            mounts = [m for m in _member(container, "volumeMounts", list) if m.get("name") != IDENTITY_VOLUME]
+            container["volumeMounts"] = [*mounts, {"name": IDENTITY_VOLUME, "mountPath": contract.IDENTITY_TOKEN_DIR,
+                                                   "readOnly": True}]
+
+
+def run_as_worker(job: api.TrainingJob, pod_spec: dict[str, Any]) -> None:
+    """The pod runs as the job's `<job>-worker` ServiceAccount, which has no Role, and with no
+    API token mounted: the workers never call the API server. The schema refuses a template
+    that sets either (api_template.NO_SERVICE_ACCOUNT_RULES); this holds even for a job
+    stored before it did."""
+    pod_spec.pop("serviceAccount", None)  # the deprecated alias, which could disagree
+    pod_spec["serviceAccountName"] = naming.worker_service_account(job_name(job))
+    pod_spec["automountServiceAccountToken"] = False
+
+
 def harden(pod_spec: dict[str, Any]) -> None:
     """Restricted defaults (Kubernetes' "restricted" Pod Security Standard) for whatever the
-    template leaves unset: no ServiceAccount token (the workers never call the API server),
-    non-root, the RuntimeDefault seccomp profile, no privilege escalation, no capabilities.
-    A template that sets a field keeps its value, and a default that would contradict it (a
-    root user, a privileged container) is not added."""
-    pod_spec.setdefault("automountServiceAccountToken", False)
+    template leaves unset: non-root, the RuntimeDefault seccomp profile, no privilege
+    escalation, no capabilities. A template that sets a field keeps its value, and a default
+    that would contradict it (a root user, a privileged container) is not added."""
     containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
-    pod_sc = pod_spec.setdefault("securityContext", {})
+    pod_sc = _member(pod_spec, "securityContext", dict)
     runs_as_root = pod_sc.get("runAsUser") == 0 or any(
         (c.get("securityContext") or {}).get("runAsUser") == 0 for c in containers)
     if not runs_as_root:
         pod_sc.setdefault("runAsNonRoot", True)
     pod_sc.setdefault("seccompProfile", {"type": "RuntimeDefault"})
     for container in containers:
-        sc = container.setdefault("securityContext", {})
+        sc = _member(container, "securityContext", dict)
         if not sc.get("privileged"):
             sc.setdefault("allowPrivilegeEscalation", False)
             sc.setdefault("capabilities", {"drop": ["ALL"]})
@@ -214,6 +253,8 @@ def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict
     # A replica's pod that exits is done: the launcher already restarted its processes in
     # place; anything further is the operator's replacement of the whole replica.
     pod_spec["restartPolicy"] = "Never"
+    run_as_worker(job, pod_spec)
+    with_identity(job, pod_spec)
     harden(pod_spec)
     affinity = prefer_other_nodes(exclude_nodes(pod_spec.get("affinity"), excluded_nodes), avoid_nodes)
     if affinity is not None:
@@ -287,13 +328,34 @@ def coordinator_labels(job: api.TrainingJob) -> dict[str, str]:
 
 
 def coordinator_secret(job: api.TrainingJob, token: str) -> dict[str, Any]:
-    """The job's bearer token; workers and the coordinator read it through secretKeyRef."""
+    """The job's own token, which may act for any replica: only the coordinator reads it
+    (secretKeyRef), and an administrator who may read Secrets."""
+    return _token_secret(job, naming.coordinator_token_secret(job_name(job)), token, COMPONENT_COORDINATOR)
+
+
+def peer_secret(job: api.TrainingJob, token: str) -> dict[str, Any]:
+    """The token of the replicas' state servers (peer recovery), which every worker holds."""
+    return _token_secret(job, naming.peer_token_secret(job_name(job)), token, COMPONENT_WORKER)
+
+
+def _token_secret(job: api.TrainingJob, name: str, token: str, component: str) -> dict[str, Any]:
     if not token:
-        raise ValueError("the coordinator token must not be empty")
+        raise ValueError(f"the token of Secret {name} must not be empty")
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": _metadata(job, naming.coordinator_token_secret(job_name(job)), COMPONENT_COORDINATOR),
+        "metadata": _metadata(job, name, component),
         "stringData": {naming.TOKEN_KEY: token},
+    }
+
+
+def worker_service_account(job: api.TrainingJob) -> dict[str, Any]:
+    """The ServiceAccount of the job's worker and spare pods. Nothing grants it anything, and
+    it mounts no token: a pod's own identity, not a key to the API server. The pods must not
+    run as `default`, to which an admin may have bound rights, nor as the coordinator's."""
+    return {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": _metadata(job, naming.worker_service_account(job_name(job)), COMPONENT_WORKER),
+        "automountServiceAccountToken": False,
     }
 
 
@@ -322,7 +384,8 @@ def network_policy(job: api.TrainingJob) -> dict[str, Any]:
 
 def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
     """Only what the coordinator does: write its job's status.training (progress, completion,
-    verdicts) and Events."""
+    verdicts) and Events, and read a pod whose token a caller presents (its labels say which
+    replica it is: kube_identity.py). RBAC cannot narrow `get` to the job's pods by label."""
     name = job_name(job)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -332,7 +395,23 @@ def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
             {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/status"], "resourceNames": [name],
              "verbs": ["get", "patch"]},
             {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         ],
+    }
+
+
+def token_review_binding(job: api.TrainingJob, cluster_role: str) -> dict[str, Any]:
+    """Lets the job's coordinator create TokenReviews (the chart's ClusterRole `cluster_role`
+    grants that alone): it checks its pods' tokens with them. Cluster-wide, so it cannot be
+    owned by the job: the operator deletes it when the job is gone (controller.py)."""
+    namespace, name = job_namespace(job), job_name(job)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": naming.token_review_binding(namespace, name), "labels": {
+            contract.LABEL_JOB: name, LABEL_NAMESPACE: namespace, LABEL_COMPONENT: COMPONENT_TOKEN_REVIEW,
+            LABEL_MANAGED_BY: MANAGED_BY}},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [{"kind": "ServiceAccount", "name": naming.coordinator(name), "namespace": namespace}],
     }
 
 
@@ -375,6 +454,8 @@ def coordinator_command(job: api.TrainingJob) -> list[str]:
         "--heartbeat-timeout", str(spec.fault_tolerance.heartbeat_timeout_seconds),
         "--detection", detection_json(job),
         "--kube-status",  # the coordinator writes status.training (its Role allows just that)
+        # A worker pod's projected token is its replica's identity (kube_identity.py).
+        "--worker-service-account", naming.worker_service_account(job_name(job)),
     ]
 
 
@@ -437,10 +518,16 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
 
 
 def coordinator_resources(job: api.TrainingJob, token: str, image: str,
-                          image_pull_policy: str | None = None) -> list[dict[str, Any]]:
-    """Everything the job's coordinator needs, in an order in which creating them works."""
+                          image_pull_policy: str | None = None, peer_token: str | None = None) -> list[dict[str, Any]]:
+    """Everything the job's coordinator and its workers need but their pods and the token
+    review binding, in an order in which creating them works. The workers' ServiceAccount
+    and Secret come before the Deployment, whose existence tells a pass that all of them are
+    there (controller.py): the API server refuses a pod whose ServiceAccount does not exist,
+    and the kubelet does not start one whose Secret is missing."""
     return [
         coordinator_secret(job, token),
+        peer_secret(job, peer_token or token + "-peer"),
+        worker_service_account(job),
         coordinator_service_account(job),
         coordinator_role(job),
         coordinator_role_binding(job),

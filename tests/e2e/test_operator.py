@@ -143,12 +143,58 @@ def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operato
     assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert not any(v["name"] == "kube-api-access" or "projected" in v for v in pod.get("volumes", []))
+    # They run as the job's own ServiceAccount, which mounts no token and may do nothing with the job.
+    assert pod["serviceAccountName"] == "tiny-gpt-worker"
+    account = json.loads(kubectl("get", "serviceaccount", "tiny-gpt-worker", "-n", namespace, "-o", "json").stdout)
+    assert account["automountServiceAccountToken"] is False
+    assert account["metadata"]["ownerReferences"][0]["name"] == "tiny-gpt"
+    worker = f"--as=system:serviceaccount:{namespace}:tiny-gpt-worker"
+    for question in (("patch", "trainingjobs.transom.io/tiny-gpt", "--subresource=status"),
+                     ("get", "trainingjobs.transom.io/tiny-gpt"), ("list", "pods"), ("create", "events")):
+        can = kubectl("auth", "can-i", *question, "-n", namespace, worker, check=False)
+        assert can.stdout.strip() == "no", (question, can.stdout, can.stderr)
     assert kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace).returncode == 0
     policy = json.loads(kubectl("get", "networkpolicy", "tiny-gpt-isolation", "-n", namespace, "-o", "json").stdout)
     mine = {"matchLabels": {"transom.io/job": "tiny-gpt"}}
     assert policy["spec"]["podSelector"] == mine and policy["spec"]["ingress"] == [{"from": [{"podSelector": mine}]}]
     header = kubectl("get", "tj", "-n", namespace).stdout.splitlines()
     assert "3/3" in header[1]
+
+
+def test_a_template_as_deep_as_the_api_server_stores_is_reported_and_the_fixed_spec_runs(
+        kubectl, namespace, operator, tmp_path):
+    """A structural schema cannot bound the depth of a passthrough: the API server stores a
+    template nested up to its JSON decoder's limit (10,000 levels). Such a job once made the
+    operator exit (kopf's watch could not parse it; at 500 levels kopf could not copy it, and
+    building its pods raised RecursionError). Now the job says why it is not run (Ready False,
+    InvalidSpec, one Event), nothing is built from it, and the fixed spec runs."""
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"]["template"]["spec"]["nested"] = "DEEP"
+    depth = 9_990  # with the levels above it, as deep as the API server takes
+    body = tmp_path / "deep.json"
+    body.write_text(json.dumps(manifest).replace('"DEEP"', '{"a":' * depth + "1" + "}" * depth))
+    # --raw: sent as it is (the test's own json would not parse it back either)
+    kubectl("create", "--raw", f"/apis/transom.io/v1alpha1/namespaces/{namespace}/trainingjobs", "-f", str(body),
+            timeout_s=120)
+
+    def ready():
+        out = kubectl("get", "tj", "tiny-gpt", "-n", namespace, "-o", "jsonpath={.status.conditions}").stdout
+        return next((c for c in json.loads(out or "[]") if c["type"] == "Ready"), None)
+
+    refused = wait_for(lambda: (r := ready()) and r["reason"] == "InvalidSpec" and r, 60, "Ready False, InvalidSpec")
+    assert refused["status"] == "False" and "more than 32 levels deep" in refused["message"], refused
+    time.sleep(6)  # more passes (--resync-seconds 5; pod and node events wake it too): nothing new
+    events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+    invalid = [e for e in events if e["reason"] == "InvalidSpec"]
+    assert len(invalid) == 1 and invalid[0]["type"] == "Warning", invalid
+    assert _pods(kubectl, namespace) == {}
+    assert kubectl("get", "deployment", "tiny-gpt-coordinator", "-n", namespace, check=False).returncode != 0
+    assert operator.proc.poll() is None
+    assert "RecursionError" not in Path(operator.log.name).read_text(errors="replace")
+
+    kubectl("patch", "tj", "tiny-gpt", "-n", namespace, "--type=json",
+            "-p", '[{"op": "remove", "path": "/spec/template/spec/nested"}]', timeout_s=120)
+    _wait_running(kubectl, namespace)
 
 
 def test_force_deleted_pod_replaces_only_its_replica(kubectl, namespace, operator):

@@ -19,7 +19,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import JSON
+from transom.coordinator.claims import SIGNAL_STEP_WINDOW, step_limit
+from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
+from transom.detect.signals import DetectionSettings
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
@@ -29,6 +32,8 @@ from transom.coordinator.models import (
     LeaveRequest,
     QuorumRequest,
     RegisterRequest,
+    SignalBatch,
+    SignalRow,
 )
 from transom.coordinator.server import CoordinatorThread
 
@@ -111,7 +116,8 @@ def test_no_sequence_of_calls_records_impossible_progress(started, calls):
         who = ident(rid, gen)
         try:
             if kind == "register":
-                m.register(RegisterRequest(identity=who, store_addr="127.0.0.1:1", state_endpoints=["http://x"]), now)
+                m.register(RegisterRequest(identity=who, store_addr="127.0.0.1:1", state_endpoints=["http://x"],
+                                           step=step), now)
             elif kind == "heartbeat":
                 m.heartbeat(HeartbeatRequest(identity=who, step=step), now)
             elif kind == "quorum":
@@ -139,3 +145,31 @@ def test_no_sequence_of_calls_records_impossible_progress(started, calls):
         # ...and every decision counts its participants among its members.
         for d in m.answers.values():
             assert 1 <= d.participants <= len(d.members)
+
+
+ROW = st.builds(SignalRow, step=st.integers(0, 2**62) | st.integers(0, 40), rank=st.integers(0, (1 << 20) - 1),
+                step_seconds=st.floats(0, 1e9), tokens=st.none() | st.floats(0, 1e15),
+                loss=st.none() | st.floats(allow_nan=True, allow_infinity=True), finite=st.booleans(),
+                fingerprint=st.none() | st.integers(-(2**63), 2**63 - 1), recovery=st.booleans(),
+                batch_share=st.none() | st.floats(0.01, 1e3))
+POST = st.tuples(st.integers(0, 2), st.integers(0, 3), st.lists(ROW, max_size=30))
+
+
+@given(held=st.lists(st.integers(0, 30), min_size=3, max_size=3), posts=st.lists(POST, max_size=25))
+def test_no_signal_post_moves_the_detectors_past_what_its_replica_can_have(held, posts):
+    """Whatever rows a replica posts, the detectors never hold more ranks than the replicas
+    have, nor judge past a step some replica could have trained (a row at 2^62 once blinded
+    them for the rest of the job), and nothing but the protocol's own refusals is raised."""
+    m = Membership(Settings(job="fuzz", num_replicas=3, heartbeat_timeout_s=3600.0))
+    for rid in range(3):
+        m.register(RegisterRequest(identity=ident(rid, 0), store_addr="h:1", state_endpoints=["x"] * (rid + 1),
+                                   step=held[rid]), 0.0)
+    d = Detection(DetectionSettings(warmup_steps=2, slow_steps=2), m)
+    for rid, node, rows in posts:
+        try:
+            d.observe(SignalBatch(identity=ident(rid, 0), node_rank=node, rows=rows), 1.0)
+        except (Evicted, NotRegistered):
+            pass  # a replica a verdict declared failed
+        newest = max(step_limit(m, r)[0] for r in range(3)) + SIGNAL_STEP_WINDOW
+        assert d.detectors._newest <= newest and d.detectors._judged <= newest
+        assert all(rank <= replica for replica, rank in d.detectors._ranks_seen)

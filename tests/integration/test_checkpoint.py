@@ -3,9 +3,9 @@
 Round trip bit-identical (model, Adam state, RNG, step), two replicas writing one part
 each, a step whose part never arrives (no manifest), a part left by another attempt at the
 same step (never mixed in), corrupted and truncated shards and hostile files (skipped, the
-previous checkpoint restored, nothing unpickled), a writer SIGKILLed mid-persist,
-retention, the skip policy while a persist is in flight, and DCP's own `dcp.load` reading a
-Transom checkpoint.
+previous checkpoint restored, nothing unpickled, a FIFO in a file's place never waited on),
+a writer SIGKILLed mid-persist, retention, the skip policy while a persist is in flight,
+and DCP's own `dcp.load` reading a Transom checkpoint.
 """
 
 from __future__ import annotations
@@ -240,6 +240,22 @@ def test_a_bad_manifest_is_a_bad_checkpoint_not_a_crash(tmp_path, case):
     path.write_text("{not json" if case == "not-json" else json.dumps(_break(json.loads(path.read_text()), case)))
     restored = load_latest(str(tmp_path))
     assert restored.step == 10 and [s for s, _ in restored.skipped] == [20]
+    assert_same(state, restored.state)
+
+
+@pytest.mark.timeout(20)  # before reads refused FIFOs, opening the manifest waited forever for a writer
+@pytest.mark.parametrize("fifos", [("manifest",), ("data",), ("manifest", "data")], ids="+".join)
+def test_a_fifo_in_place_of_a_file_is_a_bad_checkpoint_not_a_hang(tmp_path, fifos):
+    state = _steps_10_and_20(tmp_path)
+    paths = {"manifest": tmp_path / layout.step_dir(20) / layout.MANIFEST, "data": _newest_shard(tmp_path, 20)}
+    for name in fifos:
+        paths[name].unlink()
+        os.mkfifo(paths[name])
+    start = time.monotonic()
+    restored = load_latest(str(tmp_path))
+    assert restored.step == 10 and [s for s, _ in restored.skipped] == [20]
+    assert "not a regular file" in restored.skipped[0][1]
+    assert time.monotonic() - start < 5
     assert_same(state, restored.state)
 
 

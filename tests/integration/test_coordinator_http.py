@@ -67,11 +67,12 @@ def ident(rid: int, gen: int = 0, att: int = 0) -> Identity:
     return Identity(replica_id=rid, generation=gen, attempt=att)
 
 
-def reg_req(rid: int, gen: int = 0, att: int = 0) -> RegisterRequest:
+def reg_req(rid: int, gen: int = 0, att: int = 0, step: int = 0) -> RegisterRequest:
     return RegisterRequest(
         identity=ident(rid, gen, att),
         store_addr=f"127.0.0.1:{29500 + rid}",
         state_endpoints=[f"http://127.0.0.1/{rid}"],
+        step=step,
     )
 
 
@@ -382,7 +383,7 @@ def test_heartbeat_timeout_marks_replica_failed(start_coordinator):
     c = client(ct)
     reg = c.register(reg_req(0))
     assert (reg.heartbeat_interval_s, reg.heartbeat_timeout_s) == (0.1, 0.5)
-    c.register(reg_req(1))
+    c.register(reg_req(1, step=3))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0:  # replica 1 beats, replica 0 stays silent
         c.heartbeat(HeartbeatRequest(identity=ident(1), step=3))
@@ -572,7 +573,7 @@ def test_stop_does_not_hang_on_an_open_long_poll():
 
 def test_checkpoint_reports_keep_the_newest_and_need_a_live_replica(coord):
     c = client(coord)
-    c.register(reg_req(0))
+    c.register(reg_req(0, step=100))  # e.g. restored from a checkpoint of step 100
     assert c.report_checkpoint(CheckpointReport(identity=ident(0), step=100, uri="file:///ck/step-100"))
     assert not c.report_checkpoint(CheckpointReport(identity=ident(0), step=50, uri="file:///ck/step-50"))
     assert c.status().last_checkpoint == 100

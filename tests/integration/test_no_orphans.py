@@ -2,8 +2,10 @@
 
 Real process trees: `transom run` -> one `transom launch` per replica -> workers, and each
 worker starts a long-running child of its own (as a DataLoader worker or a helper tool
-would). The run is stopped with SIGTERM or SIGKILL, or a worker is killed and its replica
-restarted, and the test then looks through /proc for anything of the tree that still runs.
+would), in its process group or outside it (a child that calls `os.setsid()`, as a daemon
+does). The run is stopped with SIGTERM or SIGKILL, completes, or a worker fails or a
+launcher is SIGKILLed and its replica restarted, and the test then looks through /proc for
+anything of the tree that still runs.
 """
 
 from __future__ import annotations
@@ -60,22 +62,103 @@ def started_children(pid_dir: Path) -> list[int]:
     return [int(f.name.split("-")[1]) for f in pid_dir.iterdir()]
 
 
+def setsid_children(pid_dir: Path) -> list[int]:
+    """The running children that workers started with `--setsid-child-dir pid_dir`, found by
+    their command line (a pid alone could be reused)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if b"import os, time; os.setsid(); time.sleep(600)" in cmdline and str(pid_dir).encode() in cmdline \
+                and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def setsid_dir(tmp_path):
+    """Where the workers record their setsid children; any left running are killed at the end."""
+    d = tmp_path / "setsid"
+    d.mkdir()
+    yield d
+    for pid in setsid_children(d):
+        os.kill(pid, signal.SIGKILL)
+
+
+def start_run(replicas: int, pids: Path, setsid_dir: Path, *run_args: str) -> subprocess.Popen:
+    """`transom run` of SMALL_JOB for as long as it is let run, each worker with both kinds of child."""
+    cmd = [sys.executable, "-m", "transom", "run", "--replicas", str(replicas), "--quiet", *run_args, "--",
+           sys.executable, str(SMALL_JOB), "--steps", "100000", "--step-seconds", "0.02", "--child-pid-dir", str(pids),
+           "--setsid-child-dir", str(setsid_dir)]
+    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_stopping_transom_run_stops_every_launcher_worker_and_child(tmp_path, sig):
+def test_stopping_transom_run_stops_every_launcher_worker_and_child(tmp_path, setsid_dir, sig):
     pids = tmp_path / "pids"
     pids.mkdir()
-    cmd = [sys.executable, "-m", "transom", "run", "--replicas", "2", "--quiet", "--",
-           sys.executable, str(SMALL_JOB), "--steps", "100000", "--step-seconds", "0.02", "--child-pid-dir", str(pids)]
-    runner = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    runner = start_run(2, pids, setsid_dir)
     try:
-        wait_until(lambda: len(list(pids.iterdir())) == 2, 90, "both workers started their children")
+        wait_until(lambda: len(list(pids.iterdir())) == 2 and len(setsid_children(setsid_dir)) == 2, 90,
+                   "both workers started their children")
         tree = descendants(runner.pid)
-        assert set(started_children(pids)) <= tree and len(tree) >= 6  # 2 launchers, 2 workers, 2 children
+        # 2 launchers, 2 workers, 2 children in their groups and 2 outside them
+        assert set(started_children(pids)) | set(setsid_children(setsid_dir)) <= tree and len(tree) >= 8
         runner.send_signal(sig)
         code = runner.wait(timeout=60)
         assert code == (128 + sig if sig == signal.SIGTERM else -sig)
         wait_until(lambda: not any(alive(p) for p in tree), 30, "every process of the run to end")
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+
+
+def test_a_setsid_child_of_a_worker_does_not_outlive_a_completed_run(transom_run, setsid_dir):
+    result = transom_run(["--replicas", "2"], ["--steps", "30", "--setsid-child-dir", str(setsid_dir)],
+                         script=SMALL_JOB)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(list(setsid_dir.iterdir())) == 2
+    assert setsid_children(setsid_dir) == [], "a worker's setsid child outlived the run"
+
+
+def test_a_failed_attempts_setsid_child_is_stopped_when_the_attempt_ends(tmp_path, setsid_dir):
+    """The launcher stops what left its workers' groups at the end of each attempt, not only
+    at its own end: the failed attempt's child is gone while the restarted replica trains."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    runner = start_run(2, pids, setsid_dir, "--inject", "raise:replica=1,step=5")
+    try:  # replica 0's worker, replica 1's failed attempt and its restart each started one
+        wait_until(lambda: len(list(setsid_dir.iterdir())) == 3, 120, "the restarted worker's child")
+        wait_until(lambda: len(setsid_children(setsid_dir)) == 2, 10, "the failed attempt's setsid child to end")
+        assert runner.poll() is None
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert setsid_children(setsid_dir) == [], "a worker's setsid child outlived the run"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+
+
+def test_what_a_sigkilled_launcher_left_is_stopped_by_transom_run(tmp_path, setsid_dir):
+    """A SIGKILLed launcher cannot stop its worker's setsid child (the worker dies with the
+    launcher, PR_SET_PDEATHSIG): the child is re-parented to `transom run`, a subreaper,
+    which stops it when the run ends."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    runner = start_run(1, pids, setsid_dir)
+    try:
+        wait_until(lambda: len(setsid_children(setsid_dir)) == 1, 90, "the worker's setsid child")
+        (first,) = setsid_children(setsid_dir)
+        (launcher,) = [pid for pid in descendants(runner.pid) if (_stat(pid) or [0, 0])[1] == str(runner.pid)]
+        os.kill(launcher, signal.SIGKILL)
+        wait_until(lambda: (_stat(first) or [0, 0])[1] == str(runner.pid), 10, "transom run to adopt the child")
+        wait_until(lambda: len(list(setsid_dir.iterdir())) == 2, 90, "the replica's next generation")
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert setsid_children(setsid_dir) == [], "a setsid child of a SIGKILLed launcher's worker outlived the run"
     finally:
         if runner.poll() is None:
             runner.kill()

@@ -16,12 +16,14 @@ def make(num: int = 3, min_replicas: int = 1, **kw) -> Membership:
     return Membership(Settings(job="t", num_replicas=num, min_replicas=min_replicas, **kw))
 
 
-def register(m: Membership, rid: int, now: float = 0.0, gen: int = 0, att: int = 0):
+def register(m: Membership, rid: int, now: float = 0.0, gen: int = 0, att: int = 0, step: int = 0):
+    """`step`: the committed steps the replica holds as it registers (a restore, a restart)."""
     return m.register(
         RegisterRequest(
             identity=ident(rid, gen, att),
             store_addr=f"10.0.0.{rid}:29500",
             state_endpoints=[f"http://10.0.0.{rid}:{8000 + gen}/r{rid}g{gen}a{att}"],
+            step=step,
         ),
         now,
     )

@@ -187,8 +187,7 @@ def test_files_read_in_ranges_on_several_streams_are_whole_and_checksummed_on_ar
         store.read_files({"step-1/b.distcp": 1200}, streams=2)
 
 
-def test_a_read_storage_never_answers_fails_the_restore_after_the_stall_timeout(tmp_path):
-    import os
+def test_a_read_storage_never_answers_fails_the_restore_after_the_stall_timeout(tmp_path, monkeypatch):
     import threading
     import time
 
@@ -197,14 +196,22 @@ def test_a_read_storage_never_answers_fails_the_restore_after_the_stall_timeout(
 
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-1" / "a").write_bytes(b"x" * 100)
-    stuck = tmp_path / "step-1" / "stuck"
-    os.mkfifo(stuck)  # opening it to read blocks until a writer comes: storage that never answers
+    (tmp_path / "step-1" / "stuck").write_bytes(b"y" * 100)
+    release = threading.Event()
+    opened = storage_module._open_regular
+
+    def hanging_open(path):  # storage that never answers this file (a hung mount), until released
+        if path.endswith("stuck"):
+            release.wait(30)
+        return opened(path)
+
+    monkeypatch.setattr(storage_module, "_open_regular", hanging_open)
     store = storage_module.Storage(str(tmp_path))
     t0 = time.monotonic()
     with pytest.raises(StorageStalled, match="none of 1 reads in 1s"):
         store.read_files({"step-1/a": 100, "step-1/stuck": 100}, streams=2, stall_s=1.0)
     assert time.monotonic() - t0 < 5.0
-    os.close(os.open(stuck, os.O_WRONLY | os.O_NONBLOCK))  # the stuck read ends (empty), and its thread
+    release.set()  # the stuck read ends, and its thread
     deadline = time.monotonic() + 5
     while any(t.name.startswith("transom-read") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,11 +11,13 @@ from transom.detect.signals import DetectionSettings, post_interval
 from transom.errors import Evicted
 
 
-def world(settings: DetectionSettings, replicas: int = 3) -> tuple[Membership, Detection]:
+def world(settings: DetectionSettings, replicas: int = 3, step: int = 100,
+          ranks: int = 1) -> tuple[Membership, Detection]:
+    """Replicas registered holding `step` committed steps (rows of earlier steps are possible)."""
     m = Membership(Settings(job="t", num_replicas=replicas))
     for r in range(replicas):
         m.register(RegisterRequest(identity=Identity(replica_id=r, generation=0, attempt=0), store_addr="h:1",
-                                   state_endpoints=["http://h"]), now=0.0)
+                                   state_endpoints=["http://h"] * ranks, step=step), now=0.0)
     return m, Detection(settings, m)
 
 
@@ -76,3 +78,32 @@ def test_launchers_are_paced_so_that_many_post_no_more_often_in_all():
     # A launcher not heard from for two of the longest intervals no longer counts.
     d.observe(SignalBatch(identity=Identity(replica_id=1, generation=0, attempt=0), node_rank=0, rows=[]), now=62.0)
     assert d.post_interval(62.0) == 1.0
+
+
+def _nan_rows(d: Detection, replica: int, steps: range) -> list:
+    rows = [SignalRow(step=step, rank=0, step_seconds=0.5, loss=float("nan"), finite=False) for step in steps]
+    return d.observe(SignalBatch(identity=Identity(replica_id=replica, generation=0, attempt=0), rows=rows), now=1.0)
+
+
+def test_a_row_past_what_its_replica_can_have_committed_is_refused_and_blinds_no_one():
+    # One row at step 2^62 used to move the judged-up-to mark there: every later row was
+    # "late" and a replica training on NaN was never flagged.
+    m, d = world(DetectionSettings(), step=10)
+    far = SignalBatch(identity=Identity(replica_id=2, generation=0, attempt=0),
+                      rows=[SignalRow(step=2**62, rank=0, step_seconds=0.5)])
+    assert d.observe(far, now=1.0) == [] and d.rows_refused == 1
+    for r in (0, 2):  # the others' normal rows of steps 0..9
+        for step in range(10):
+            d.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0),
+                                  rows=[SignalRow(step=step, rank=0, step_seconds=0.5, loss=1.0)]), now=1.0)
+    verdicts = _nan_rows(d, 1, range(10))
+    assert [(v.replica, v.kind) for v in verdicts] == [(1, "nan")]
+
+
+def test_rows_of_ranks_a_replica_does_not_have_are_refused():
+    # Rank ids up to 2^20 grew the detectors' per-rank state with every post.
+    m, d = world(DetectionSettings(), ranks=2)
+    rows = [SignalRow(step=5, rank=k, step_seconds=0.5) for k in range(4096)]
+    d.observe(SignalBatch(identity=Identity(replica_id=0, generation=0, attempt=0), rows=rows), now=1.0)
+    assert d.rows_refused == 4094
+    assert {k for (r, k) in d.detectors._ranks_seen if r == 0} == {0, 1}

@@ -179,6 +179,32 @@ def test_pod_template_is_a_passthrough():
     assert template["x-kubernetes-preserve-unknown-fields"] is True
     assert template["x-kubernetes-embedded-resource"] is False
     assert "passthrough" in template["description"]
+    # What it declares is typed, and nothing it does not declare is pruned.
+    for path, node in walk(template, ".spec.template"):
+        if node["type"] == "object" and "additionalProperties" not in node:
+            assert node["x-kubernetes-preserve-unknown-fields"] is True, path
+
+
+def test_the_template_may_not_choose_the_pods_service_account_or_token():
+    rules = {r["fieldPath"]: r for r in rules_at(".spec.template.spec")}
+    assert rules[".serviceAccountName"]["rule"] == "!has(self.serviceAccountName)"
+    assert rules[".serviceAccount"]["rule"] == "!has(self.serviceAccount)"
+    assert rules[".automountServiceAccountToken"]["rule"] == (
+        "!has(self.automountServiceAccountToken) || !self.automountServiceAccountToken")
+    # CEL sees only declared members of an object that preserves unknown fields.
+    declared = node_at(".spec.template.spec")["properties"]
+    assert declared["serviceAccountName"]["type"] == declared["serviceAccount"]["type"] == "string"
+    assert declared["automountServiceAccountToken"]["type"] == "boolean"
+    # false is what the operator sets anyway, so a template may say it.
+    spec = cases.with_changes(spec__template__spec__automountServiceAccountToken=False)
+    api.TrainingJob.model_validate(spec)
+
+
+def test_the_models_check_the_template_against_the_schema_the_crd_carries():
+    assert node_at(".spec.template") == crdgen.structural(api.POD_TEMPLATE_SCHEMA, {})
+    containers = node_at(".spec.template.spec.containers")
+    assert containers["items"]["required"] == ["name"] and containers["items"]["type"] == "object"
+    assert f"deeper than {api.MAX_TEMPLATE_DEPTH} levels" in node_at(".spec.template")["description"]
 
 
 def test_generator_refuses_what_is_not_structural():
@@ -274,7 +300,14 @@ MODEL_ERRORS = {
     "template-label-reserved": "must not use the transom.io/ prefix",
     "template-annotation-reserved": "must not use the transom.io/ prefix",
     "template-annotation-reserved-subdomain": "must not use the transom.io/ prefix",
-    "template-label-not-a-string": "must map at most 256 keys to strings",
+    "template-label-not-a-string": "template.metadata.labels.team must be of type string",
+    "template-metadata-not-an-object": "template.metadata must be of type object",
+    "template-container-not-an-object": "template.spec.containers[0] must be of type object",
+    "template-container-without-name": "template.spec.containers[0].name: Required value",
+    "template-env-not-a-list": "template.spec.containers[0].env must be of type array",
+    "template-service-account-name": "template.spec.serviceAccountName must not be set",
+    "template-service-account-deprecated-alias": "template.spec.serviceAccount (the deprecated serviceAccountName)",
+    "template-automount-service-account-token": "template.spec.automountServiceAccountToken must not be true",
     "checkpoint-keep-zero": "greater than or equal to 1",
     "checkpoint-relative-uri": "should match pattern",
     "checkpoint-secret-bad-name": "should match pattern",

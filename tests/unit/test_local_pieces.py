@@ -121,6 +121,22 @@ def test_summarize_bit_identity_needs_every_replica_at_the_same_state(tmp_path):
     assert summarize(tmp_path, 2, {}, 1.0)["replicas_bit_identical"] is False
 
 
+def test_the_summary_of_a_run_that_diverged_is_json_with_null_for_nan(tmp_path):
+    from transom.launch.summary import finite_json
+
+    nan = {"committed": True, "quorum_changed": False, "seconds": 0.1, "loss": math.nan}
+    _write(tmp_path, "steps-r0-g0-a0.jsonl", [nan] * 3)
+    summary = {**summarize(tmp_path, 1, {}, 1.0), "events": [{"t": math.inf, "what": "x"}]}
+    assert math.isnan(summary["final_loss"])
+
+    def strict(token: str):
+        raise AssertionError(f"{token} is not JSON")
+
+    again = json.loads(finite_json(summary, indent=2), parse_constant=strict)
+    assert again["final_loss"] is None and again["events"] == [{"t": None, "what": "x"}]
+    assert again["steps_committed"] == summary["steps_committed"]
+
+
 def test_replica_env_errors_name_the_variable():
     with pytest.raises(ValueError, match=contract.ENV_COORDINATOR_URL):
         contract.ReplicaEnv.from_environ({contract.ENV_REPLICA_ID: "0", contract.ENV_NUM_REPLICAS: "1"})
@@ -145,6 +161,7 @@ def test_the_first_restart_is_immediate_and_later_ones_back_off():
 
     assert [restart_delay_s(a, 0.5) for a in (1, 2, 3, 4)] == [0.0, 0.5, 1.0, 2.0]
     assert restart_delay_s(20, 0.5) == 30.0
+    assert restart_delay_s(5000, 0.5) == 30.0  # 2**4998 is past a float: no OverflowError after 1,026 restarts
 
 
 def test_a_transfer_waits_for_the_link_while_the_exchange_holds_it_but_not_forever():

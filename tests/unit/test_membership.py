@@ -317,8 +317,8 @@ def test_a_joiner_that_committed_a_step_no_holder_did_restarts_alone():
 @pytest.mark.parametrize("age,expired", [(0.0, False), (2.9, False), (3.0, False), (3.01, True), (50.0, True)])
 def test_heartbeat_expiry_marks_replica_failed(age, expired):
     m = make(2, heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0)
-    register(m, 0, 0.0)
-    register(m, 1, 0.0)
+    register(m, 0, 0.0, step=8)
+    register(m, 1, 0.0, step=7)
     m.heartbeat(HeartbeatRequest(identity=ident(0), step=7), 10.0)
     m.heartbeat(HeartbeatRequest(identity=ident(1), step=7), 10.0 + age)  # 1 keeps beating
     assert m.expire(10.0 + age) is expired
@@ -410,8 +410,8 @@ def test_catching_up_from_a_step_not_reached_is_refused():
 )
 def test_canonical_state_and_recovery_sources(state, recovering, participants):
     m = make(len(state))
-    for rid in range(len(state)):
-        register(m, rid)
+    for rid, (step, _) in enumerate(state):
+        register(m, rid, step=step)
     d = round_all(m, [qreq(rid, step, commit) for rid, (step, commit) in enumerate(state)], 0.0)
     assert d.recovering == recovering
     assert d.participants == participants
@@ -518,8 +518,8 @@ def test_register_beyond_num_replicas_is_rejected(rid):
 # --- responses ------------------------------------------------------------------------------------------------
 def test_response_rank_is_index_in_members_and_only_sources_serve():
     m = make(4, heartbeat_timeout_s=1e6, startup_wait_s=60.0)
-    for rid in (0, 1, 3):  # replica 2 never shows up
-        register(m, rid)
+    for rid, step in ((0, 8), (1, 2), (3, 8)):  # replica 2 never shows up
+        register(m, rid, step=step)
     for rid, step, commit in [(3, 8, 2), (0, 8, 2), (1, 2, 1)]:
         assert m.request_quorum(qreq(rid, step, commit), 0.0) is None
     d = m.try_decide(60.0)

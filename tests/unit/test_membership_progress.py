@@ -74,18 +74,49 @@ def test_progress_is_bounded_by_the_rounds_a_replica_was_in():
     d1 = next_round(m, d0, [0, 1], 1.0, 1)
     m.heartbeat(HeartbeatRequest(identity=ident(0), step=2), 1.5)  # committed under d1: fine
     assert m.max_step() == 2
-    # A newer incarnation was in no round: it holds at most what some replica committed (2).
-    register(m, 1, 2.0, att=1)
+    # A newer incarnation was in no round: it holds at most what some replica committed (2),
+    # and then only what it registered with.
+    with pytest.raises(ValueError, match="registration"):
+        register(m, 1, 2.0, att=1, step=3)
+    register(m, 1, 2.0, att=1, step=2)  # e.g. restored from a checkpoint
     with pytest.raises(ValueError):
         m.request_quorum(qreq(1, 3, att=1), 2.0)
-    assert m.request_quorum(qreq(1, 2, att=1), 2.0) is None  # e.g. restored from a checkpoint
+    assert m.request_quorum(qreq(1, 2, att=1), 2.0) is None
     d2 = m.request_quorum(qreq(0, 2, d1.quorum_id, d1.round), 2.0)
     assert d2 is not None and d2.max_step == 2
 
 
-def test_before_the_first_round_any_step_is_taken():
-    # A restarted coordinator knows nothing yet: the first round gathers replicas where they are.
+def test_before_the_first_round_a_replica_claims_only_what_it_registered_with():
+    # A restarted coordinator knows nothing yet: the first round gathers replicas where they
+    # are, and what each registered with is all it can hold until a round answers it.
     m = make(2)
-    register(m, 0)
+    register(m, 0, step=500)
     m.heartbeat(HeartbeatRequest(identity=ident(0), step=500), 0.5)
     assert m.request_quorum(qreq(0, 500, 17), 1.0) is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.heartbeat(HeartbeatRequest(identity=ident(0), step=10**6), 1.0),
+    lambda m: m.record_checkpoint(CheckpointReport(identity=ident(0), step=10**6, uri="s3://b/x"), 0.0, 1.0),
+    lambda m: m.leave(LeaveRequest(identity=ident(0), step=10**6, completed=True), 1.0),
+    lambda m: m.request_quorum(qreq(0, 10**6), 1.0),
+], ids=["heartbeat", "checkpoint", "leave", "quorum"])
+def test_before_the_first_round_claims_past_the_registration_are_refused(call):
+    m = make(2)
+    register(m, 0, step=10)
+    with pytest.raises(ValueError, match="registered with"):
+        call(m)
+    assert m.max_step() == 10 and m.completed_step is None and m.last_checkpoint is None
+
+
+def test_only_a_replica_a_round_answered_can_complete_the_job():
+    m = make(2)
+    register(m, 0, step=10)
+    with pytest.raises(ValueError, match="no round has answered it"):
+        m.leave(LeaveRequest(identity=ident(0), step=10, completed=True), 1.0)
+    assert m.completed_step is None and m.replicas[0].state == "healthy"
+    register(m, 1, step=10)
+    d = m.request_quorum(qreq(0, 10), 2.0) or m.request_quorum(qreq(1, 10), 2.0)
+    assert d is not None and d.max_step == 10  # a job restored at its target takes one round ...
+    m.leave(LeaveRequest(identity=ident(0), step=10, completed=True), 3.0)  # ... and then completes
+    assert m.completed_step == 10

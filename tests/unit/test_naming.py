@@ -16,6 +16,8 @@ JOB40 = "j" * api.MAX_JOB_NAME
     (naming.spare_pod, ("demo", 1, 2, 3), "demo-s1-n2-g3"),
     (naming.coordinator, ("demo",), "demo-coordinator"),
     (naming.coordinator_token_secret, ("demo",), "demo-coordinator-token"),
+    (naming.worker_service_account, ("demo",), "demo-worker"),
+    (naming.worker_service_account, (JOB40,), f"{JOB40}-worker"),
     (naming.coordinator_token_secret, (JOB40,), f"{JOB40}-coordinator-token"),
     (naming.coordinator_url, ("demo", "ml"), "http://demo-coordinator.ml.svc:8080"),
 ])

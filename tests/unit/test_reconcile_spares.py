@@ -180,7 +180,10 @@ def test_spare_pod_manifest():
     assert env[contract.ENV_PODINFO_DIR] == contract.PODINFO_DIR
     assert env[contract.ENV_CHECKPOINT_URI] == "s3://b/ckpt"
     assert container["volumeMounts"] == [
+        {"name": resources.IDENTITY_VOLUME, "mountPath": contract.IDENTITY_TOKEN_DIR, "readOnly": True},
         {"name": resources.PODINFO_VOLUME, "mountPath": contract.PODINFO_DIR, "readOnly": True}]
-    (volume,) = pod["spec"]["volumes"]
-    assert volume["downwardAPI"]["items"] == [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert set(volumes) == {resources.IDENTITY_VOLUME, resources.PODINFO_VOLUME}  # its identity follows its labels
+    assert volumes[resources.PODINFO_VOLUME]["downwardAPI"]["items"] == [
+        {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
     assert pod["spec"]["restartPolicy"] == "Never"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from pydantic import ValidationError
 
 from transom import contract
 from transom_operator import api, naming, resources
@@ -66,11 +67,14 @@ def test_worker_pod_environment():
         contract.ENV_CHECKPOINT_INTERVAL: "500", contract.ENV_CHECKPOINT_KEEP: "3",  # the CRD's defaults
         contract.ENV_COLLECTIVE_TIMEOUT: "60", contract.ENV_BACKEND: "auto",
         contract.ENV_DETECTION: resources.detection_json(make_job()),
+        contract.ENV_IDENTITY_TOKEN_FILE: "/var/run/secrets/transom.io/identity/token",
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
-    token = env[contract.ENV_COORDINATOR_TOKEN]
+    # Not the job's token, which may act for any replica: the state servers' token only.
+    assert contract.ENV_COORDINATOR_TOKEN not in env
+    token = env[contract.ENV_PEER_TOKEN]
     assert "value" not in token
-    assert token["valueFrom"] == {"secretKeyRef": {"name": "demo-coordinator-token", "key": "token"}}
+    assert token["valueFrom"] == {"secretKeyRef": {"name": "demo-peer-token", "key": "token"}}
     assert env[contract.ENV_ADVERTISE_ADDR]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
 
@@ -144,16 +148,128 @@ def by_kind(objs):
 
 def test_coordinator_resources_are_owned_and_named():
     objs = resources.coordinator_resources(make_job(), token="s3cret", image="transom:1")
-    assert [o["kind"] for o in objs] == ["Secret", "ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"]
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("Secret", "demo-coordinator-token"), ("Secret", "demo-peer-token"), ("ServiceAccount", "demo-worker"),
+        ("ServiceAccount", "demo-coordinator"),
+        ("Role", "demo-coordinator"), ("RoleBinding", "demo-coordinator"), ("Service", "demo-coordinator"),
+        ("Deployment", "demo-coordinator")]
     for o in objs:
         assert o["metadata"]["namespace"] == "ml"
         assert o["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert o["metadata"]["labels"][contract.LABEL_JOB] == "demo"
-    k = by_kind(objs)
-    assert k["Secret"]["metadata"]["name"] == "demo-coordinator-token"
-    assert k["Secret"]["stringData"] == {"token": "s3cret"}
-    assert {k[x]["metadata"]["name"] for x in ("ServiceAccount", "Role", "RoleBinding", "Service", "Deployment")} == {
-        "demo-coordinator"}
+    secrets = {o["metadata"]["name"]: o["stringData"] for o in objs if o["kind"] == "Secret"}
+    assert secrets["demo-coordinator-token"] == {"token": "s3cret"}
+    assert secrets["demo-peer-token"]["token"] and secrets["demo-peer-token"]["token"] != "s3cret"
+
+
+def test_workers_have_a_service_account_of_their_own_with_no_token_and_no_role():
+    objs = resources.coordinator_resources(make_job(), token="s3cret", image="transom:1")
+    (account,) = [o for o in objs if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "demo-worker"]
+    assert account == resources.worker_service_account(make_job())
+    assert account["automountServiceAccountToken"] is False
+    meta = account["metadata"]
+    assert meta["namespace"] == "ml" and meta["ownerReferences"][0]["uid"] == "uid-1"
+    assert meta["labels"] == {contract.LABEL_JOB: "demo", resources.LABEL_COMPONENT: "worker",
+                              resources.LABEL_MANAGED_BY: "transom-operator"}
+    # No binding names it: it can do nothing in the API but what every ServiceAccount can.
+    subjects = [s for o in objs if o["kind"] == "RoleBinding" for s in o["subjects"]]
+    assert subjects and all(s["name"] != "demo-worker" for s in subjects)
+    # It is created before the Deployment, which tells a pass that everything is there.
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert kinds.index(("ServiceAccount", "demo-worker")) < kinds.index(("Deployment", "demo-coordinator"))
+
+
+@pytest.mark.parametrize("build", [
+    lambda job: resources.worker_pod(job, replica=1, node_rank=0, generation=2),
+    lambda job: resources.spare_pod(job, spare=0, node_rank=1, generation=0),
+], ids=["worker", "spare"])
+def test_worker_and_spare_pods_run_as_the_worker_service_account_without_a_token(build):
+    pod = build(make_job())["spec"]
+    assert pod["serviceAccountName"] == naming.worker_service_account("demo") == "demo-worker"
+    assert pod["automountServiceAccountToken"] is False and "serviceAccount" not in pod
+
+
+def test_a_stored_template_that_names_a_service_account_is_overridden():
+    # A job stored before the schema refused it: its pods still run as the worker account.
+    job = make_job()
+    job.spec.template["spec"].update(serviceAccountName="demo-coordinator", serviceAccount="demo-coordinator",
+                                     automountServiceAccountToken=True)
+    pod = resources.worker_pod(job, replica=0, node_rank=0, generation=0)["spec"]
+    assert pod["serviceAccountName"] == "demo-worker"
+    assert pod["automountServiceAccountToken"] is False and "serviceAccount" not in pod
+
+
+def _nested(depth: int) -> dict:
+    """A dict `depth` levels deep, built without recursion."""
+    root: dict = {}
+    node = root
+    for _ in range(depth - 1):
+        node["a"] = {}
+        node = node["a"]
+    return root
+
+
+@pytest.mark.parametrize("depth", [600, 100_000])
+def test_a_deeply_nested_template_is_refused_with_a_message_not_a_recursion_error(depth):
+    template = {"spec": {"containers": [{"name": "t", "image": "t", "x": _nested(depth)}]}}
+    with pytest.raises(ValidationError, match="must not nest objects and lists more than 32 levels deep"):
+        make_job(template=template)
+
+
+def test_the_deepest_pod_template_path_is_accepted_and_built():
+    # spec.volumes[].projected.sources[].clusterTrustBundle.labelSelector.matchExpressions[].values
+    selector = {"matchExpressions": [{"key": "k", "operator": "In", "values": ["v"]}]}
+    volume = {"name": "trust", "projected": {"sources": [{"clusterTrustBundle": {"labelSelector": selector}}]}}
+    template = {"spec": {"containers": [{"name": "t", "image": "t"}], "volumes": [volume]}}
+    api.check_template(template)  # raises nothing
+    pod = resources.worker_pod(make_job(template=template), 0, 0, 0)
+    assert [v for v in pod["spec"]["volumes"] if v["name"] != resources.IDENTITY_VOLUME] == [volume]
+
+
+@pytest.mark.parametrize("template, error", [
+    ({"metadata": "x", "spec": {"containers": [{"name": "t"}]}}, "template.metadata must be of type object"),
+    ({"metadata": {"annotations": ["a"]}, "spec": {"containers": [{"name": "t"}]}},
+     "template.metadata.annotations must be of type object"),
+    ({"spec": "x"}, "template.spec must be of type object"),
+    ({"spec": {"containers": "t"}}, "template.spec.containers must be of type array"),
+    ({"spec": {"containers": ["t"]}}, "template.spec.containers[0] must be of type object"),
+    ({"spec": {"containers": [{"image": "t"}]}}, "template.spec.containers[0].name: Required value"),
+    ({"spec": {"containers": [{"name": "t", "env": {"A": "1"}}]}}, "template.spec.containers[0].env must be of type"),
+    ({"spec": {"containers": [{"name": "t", "env": ["A=1"]}]}}, "template.spec.containers[0].env[0] must be of type"),
+    ({"spec": {"containers": [{"name": "t", "envFrom": "s"}]}}, "template.spec.containers[0].envFrom must be of type"),
+    ({"spec": {"containers": [{"name": "t", "securityContext": "root"}]}},
+     "template.spec.containers[0].securityContext must be of type object"),
+    ({"spec": {"containers": [{"name": "t", "securityContext": {"privileged": "false"}}]}},
+     "template.spec.containers[0].securityContext.privileged must be of type boolean"),
+    ({"spec": {"initContainers": [{"name": "i", "volumeMounts": [{"mountPath": "/x"}]}],
+               "containers": [{"name": "t"}]}}, "template.spec.initContainers[0].volumeMounts[0].name: Required value"),
+    ({"spec": {"containers": [{"name": "t"}], "securityContext": {"runAsUser": "0"}}},
+     "template.spec.securityContext.runAsUser must be of type integer"),
+    ({"spec": {"containers": [{"name": "t"}], "affinity": {"nodeAffinity": "gpu"}}},
+     "template.spec.affinity.nodeAffinity must be of type object"),
+    ({"spec": {"containers": [{"name": "t"}], "affinity": {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": {"weight": 1}}}}},
+     "preferredDuringSchedulingIgnoredDuringExecution must be of type array"),
+    ({"spec": {"containers": [{"name": "t"}], "affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [[]]}}}}},
+     "nodeSelectorTerms[0] must be of type object"),
+    ({"spec": {"containers": [{"name": "t"}], "volumes": [{"emptyDir": {}}]}},
+     "template.spec.volumes[0].name: Required value"),
+])
+def test_template_type_errors_in_what_the_operator_reads_are_refused(template, error):
+    with pytest.raises(ValidationError) as info:
+        make_job(template=template)
+    assert error in str(info.value)
+
+
+def test_null_members_count_as_absent_as_the_api_server_prunes_them():
+    template = {"metadata": {"labels": None}, "spec": {
+        "containers": [{"name": "t", "image": "t", "securityContext": None, "env": None}],
+        "securityContext": None, "affinity": {"nodeAffinity": None}}}
+    pod = resources.worker_pod(make_job(template=template), 0, 0, 0, excluded_nodes=["a"], avoid_nodes=["b"])["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 
 
 def test_coordinator_role_is_least_privilege():
@@ -162,8 +278,11 @@ def test_coordinator_role_is_least_privilege():
     status = rules[(("transom.io",), ("trainingjobs/status",))]
     assert status["resourceNames"] == ["demo"] and sorted(status["verbs"]) == ["get", "patch"]
     assert rules[(("transom.io",), ("trainingjobs",))]["resourceNames"] == ["demo"]
-    # It writes status.training (verdicts included) and Events; it never touches pods.
-    assert {res for r in role["rules"] for res in r["resources"]} == {"trainingjobs", "trainingjobs/status", "events"}
+    # It writes status.training (verdicts included) and Events, and reads a pod whose token a
+    # caller presents (which replica it is); it never changes a pod.
+    assert {res for r in role["rules"] for res in r["resources"]} == {"trainingjobs", "trainingjobs/status", "events",
+                                                                      "pods"}
+    assert [r["verbs"] for r in role["rules"] if r["resources"] == ["pods"]] == [["get"]]
     for r in role["rules"]:
         assert not {"*", "delete", "create", "list", "watch", "update"} & set(r["verbs"]) or r["resources"] == ["events"]
         assert "*" not in r["resources"] and "*" not in r["apiGroups"]
@@ -182,14 +301,12 @@ def test_worker_pod_is_restricted_where_the_template_is_silent():
 
 def test_worker_pod_keeps_what_the_template_asks_for():
     template = {"spec": {
-        "automountServiceAccountToken": True,
         "securityContext": {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}},
         "initContainers": [{"name": "setup", "image": "i", "securityContext": {"privileged": True}}],
         "containers": [{"name": "trainer", "image": "t", "securityContext": {
             "capabilities": {"add": ["IPC_LOCK"]}, "allowPrivilegeEscalation": True}}],
     }}
     pod = resources.worker_pod(make_job(template=template), replica=0, node_rank=0, generation=0)["spec"]
-    assert pod["automountServiceAccountToken"] is True
     assert pod["securityContext"] == {"runAsUser": 0, "seccompProfile": {"type": "Unconfined"}}  # no runAsNonRoot
     assert pod["initContainers"][0]["securityContext"] == {"privileged": True}  # no contradicting default
     assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]},
@@ -227,7 +344,8 @@ def test_coordinator_deployment_is_locked_down():
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert c["command"] == ["transom", "coordinator", "--port", "8080", "--job", "demo", "--replicas", "3",
                             "--min-replicas", "2", "--heartbeat-timeout", "30",
-                            "--detection", resources.detection_json(make_job()), "--kube-status"]
+                            "--detection", resources.detection_json(make_job()), "--kube-status",
+                            "--worker-service-account", "demo-worker"]
     token = env_of(c)[contract.ENV_COORDINATOR_TOKEN]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "demo-coordinator-token", "key": "token"}
 
@@ -266,3 +384,29 @@ def test_spec_detection_reaches_the_coordinator_and_every_worker_as_the_detector
     assert DetectionSettings.from_spec(env[contract.ENV_DETECTION]["value"]) == wanted
     command = resources.coordinator_command(job)
     assert DetectionSettings.from_spec(command[command.index("--detection") + 1]) == wanted
+
+
+def test_every_container_gets_the_pods_own_audience_bound_identity_token():
+    pod = resources.worker_pod(make_job(), replica=2, node_rank=1, generation=3)
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == resources.IDENTITY_VOLUME]
+    (source,) = volume["projected"]["sources"]
+    assert source == {"serviceAccountToken": {"audience": "transom.io/ml/demo", "expirationSeconds": 3600,
+                                              "path": "token"}}
+    for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+        mounts = [m for m in c["volumeMounts"] if m["name"] == resources.IDENTITY_VOLUME]
+        assert mounts == [{"name": resources.IDENTITY_VOLUME, "mountPath": contract.IDENTITY_TOKEN_DIR,
+                           "readOnly": True}]
+    assert pod["spec"]["serviceAccountName"] == "demo-worker"  # the token is the worker account's
+
+
+def test_the_coordinator_reviews_its_pods_tokens_and_nothing_more():
+    job = make_job()
+    binding = resources.token_review_binding(job, "transom-operator-token-reviewer")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "transom-operator-token-reviewer"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-coordinator", "namespace": "ml"}]
+    assert binding["metadata"]["name"] == "transom-ml-demo-token-review"
+    assert binding["metadata"]["labels"][resources.LABEL_NAMESPACE] == "ml"
+    assert "ownerReferences" not in binding["metadata"]  # cluster-wide: the operator deletes it
+    command = resources.coordinator_command(job)
+    assert command[command.index("--worker-service-account") + 1] == "demo-worker"

@@ -8,13 +8,17 @@ must fail before anything starts (no coordinator, no process), as exit code 2.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
 
 from transom import cli, contract
 from transom.coordinator.membership import Settings
+from transom.detect.signals import SPEC_BOUNDS, SPEC_NAMES, DetectionSettings
 
 RUN = ["run", "--replicas", "2", "--quiet"]
 SCRIPT = ["--", "python", __file__]
@@ -34,6 +38,16 @@ SCRIPT = ["--", "python", __file__]
     (["coordinator", "--replicas", "0"], "must be at least 1"),
     (RUN + ["--backend", "mpi"] + SCRIPT, "invalid choice: 'mpi'"),
     (["launch", "--nproc-per-node", "0", "--", "python", __file__], "must be at least 1"),
+    # Bounded above too: a huge value is a typo that would overflow a wait or a loop later.
+    (RUN + ["--timeout", "1e300"] + SCRIPT, "must be at most 2,592,000 seconds"),
+    (RUN + ["--heartbeat-timeout", "86400"] + SCRIPT, "must be at most 3,600 seconds"),
+    (RUN + ["--max-restarts", "100000000000000000000"] + SCRIPT, "must be at most 10000"),
+    (RUN + ["--checkpoint-keep", "1001"] + SCRIPT, "must be at most 1000"),
+    (RUN + ["--checkpoint-interval", "99999999999"] + SCRIPT, "must be at most 10000000"),
+    (RUN + ["--replicas", "9" * 5000] + SCRIPT, "is not an integer"),
+    (["coordinator", "--replicas", "5000"], "must be at most 4096"),
+    (["coordinator", "--replicas", "2", "--port", "70000"], "must be at most 65535"),
+    (["coordinator", "--replicas", "2", "--startup-wait", "inf"], "finite number of seconds or 0"),
 ])
 def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -51,6 +65,9 @@ def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
     (RUN + ["--", "no-such-program-7f3a"], "command not found"),
     (RUN, "a command to run is required"),
     (RUN + ["--backend", "nccl"] + SCRIPT, "--backend nccl needs a GPU per worker"),
+    (RUN + ["--detection", '{"lossWindow": 100000000000000000000}'] + SCRIPT,
+     "lossWindow must be between 2 and 100000"),
+    (RUN + ["--detection", '{"lossSpikeZ": NaN}'] + SCRIPT, "lossSpikeZ must be between 1 and 1000000"),
 ])
 def test_runs_that_could_only_fail_later_are_refused_now(argv, message, capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, also on a GPU machine
@@ -64,6 +81,8 @@ def test_runs_that_could_only_fail_later_are_refused_now(argv, message, capsys, 
     (["--heartbeat-interval", "5", "--heartbeat-timeout", "3"], "larger than heartbeat_interval_s"),
     (["--round-timeout", "1", "--failed-grace", "1"], "round_timeout_s must be larger than failed_grace_s"),
     (["--min-replicas", "3"], "min_replicas must be between 1 and num_replicas"),
+    (["--detection", '{"hangTimeoutSeconds": 100000000000000000000}'],
+     "hangTimeoutSeconds must be between 1 and 86400"),
 ])
 def test_contradicting_coordinator_settings_end_in_a_message_not_a_traceback(flags, message, capsys, monkeypatch):
     monkeypatch.setenv(contract.ENV_COORDINATOR_TOKEN, "t")
@@ -97,3 +116,60 @@ def test_worker_configs_refuse_nan_timeouts():
             FTConfig(**{field: math.nan})
     with pytest.raises(ValueError, match="finite"):
         CheckpointConfig(uri="/tmp/x", commit_timeout_s=math.nan)
+
+
+def test_a_detection_setting_out_of_range_ends_transom_run_at_once_in_one_line(tmp_path):
+    """It used to start every worker, each of which died of an OverflowError (a deque of 1e20),
+    and the launchers restarted them until they gave up."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the workers must not start')\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "transom", "run", "--replicas", "2", "--quiet",
+                          "--detection", '{"lossWindow": 100000000000000000000}', "--", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == contract.EXIT_USAGE
+    assert time.monotonic() - t0 < 10
+    assert out.stderr.strip().splitlines() == [
+        "transom run: detection setting lossWindow must be between 2 and 100000, got 100000000000000000000"]
+
+
+@pytest.mark.parametrize("key", sorted(SPEC_BOUNDS))
+def test_detection_settings_refuse_what_the_crd_refuses_naming_the_setting(key):
+    low, high = SPEC_BOUNDS[key]
+    for value in (low - 1, high + 1, 10**20):
+        with pytest.raises(ValueError, match=f"detection setting {key} must be between {low} and {high}"):
+            DetectionSettings.from_spec(json.dumps({key: value}))
+    for value in (math.nan, math.inf):  # JSON's NaN and Infinity: not a number of steps either
+        with pytest.raises(ValueError, match=f"detection setting {key} (must be between|has the wrong type)"):
+            DetectionSettings.from_spec(json.dumps({key: value}))
+    name = SPEC_NAMES[key]
+    with pytest.raises(ValueError, match=f"{name} must be between"):
+        DetectionSettings(**{name: high * 1000})
+    for value in (low, high):  # the ends are in
+        DetectionSettings.from_spec(json.dumps({key: value}))
+
+
+def test_the_crd_and_the_detectors_bound_each_detection_setting_alike():
+    from transom_operator import api
+
+    for key, (low, high) in SPEC_BOUNDS.items():
+        field = next(f for f in api.Detection.model_fields.values() if f.alias == key)
+        bounds = [(getattr(m, "ge", None), getattr(m, "le", None)) for m in field.metadata]
+        ge = next(b for b, _ in bounds if b is not None)
+        le = next(b for _, b in bounds if b is not None)
+        assert (ge, le) == (low, high), key
+
+
+def test_a_pods_launcher_refuses_detection_settings_out_of_range_before_starting_workers(capsys, monkeypatch):
+    # In a pod the settings come from the environment (the operator writes spec.detection there).
+    for name, value in {contract.ENV_COORDINATOR_URL: "http://127.0.0.1:9", contract.ENV_REPLICA_ID: "0",
+                        contract.ENV_NUM_REPLICAS: "1", contract.ENV_COORDINATOR_TOKEN: "t",
+                        contract.ENV_DETECTION: '{"lossWindow": 100000000000000000000}'}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(contract.ENV_OWNER_PID, raising=False)
+    monkeypatch.delenv(contract.ENV_SPARE_ID, raising=False)
+    t0 = time.monotonic()
+    assert cli.main(["launch", "--", sys.executable, __file__]) == contract.EXIT_USAGE
+    assert capsys.readouterr().err.strip() == (
+        "transom launch: detection setting lossWindow must be between 2 and 100000, got 100000000000000000000")
+    assert time.monotonic() - t0 < 5

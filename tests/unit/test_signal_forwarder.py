@@ -89,3 +89,24 @@ def test_the_forwarder_keeps_the_pace_the_coordinator_asks_for_within_bounds(tmp
         write(tmp_path / FILE, rows(2))
         fw.poll(1000.0 + len(client.batches) * 100)
         assert fw.interval_s == kept
+
+
+def test_any_bytes_in_a_workers_file_are_skipped_counted_and_warned_about_once_a_minute(tmp_path, caplog):
+    """The launcher used to die (exit 1: a new generation instead of an in-place restart) on
+    bytes that are not UTF-8 or on a cell past csv's 128 KiB limit in its worker's file."""
+    client = FakeClient()
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings())
+    garbage = [b"\xff\xfe not utf-8\n", b"1,1,0,0.5," + b"9" * 200_000 + b",,,,,,,\n", b"1,1,0,0.5,nan,,,,,,,\n",
+               b"1,1,-1,0.5,,,,,,,,\n", b"1,1,2097152,0.5,,,,,,,,\n",  # a rank id past what the coordinator takes
+               b"1,1,0\n"]
+    with open(tmp_path / FILE, "ab") as f:
+        f.write(rows(0, header=True).encode() + b"".join(garbage) + rows(1).encode())
+    with caplog.at_level("WARNING", logger="transom.launch"):
+        fw.poll(100.0)
+        write(tmp_path / FILE, "\x00garbage again\n" + rows(2))
+        fw.poll(110.0)  # within the minute: counted, not logged again
+        fw.poll(161.0)
+    assert [[r.step for r in b.rows] for b in client.batches] == [[0, 1], [2]]
+    warnings = [r.getMessage() for r in caplog.records if "malformed signal row" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert "skipped 6 malformed signal row(s)" in warnings[0] and "(7 in all" in warnings[1]

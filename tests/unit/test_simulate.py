@@ -68,3 +68,29 @@ def test_plot_is_a_png(tmp_path):
     subprocess.run([sys.executable, "-m", "transom", "simulate", "--preset", "llama3-16k", "--days", "2",
                     "--plot", str(png)], capture_output=True, text=True, timeout=300, check=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _simulate(*flags: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transom", "simulate", "--preset", "ft-hsdp-100k", *flags],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "99999999999999999999999"], "--gpus: must be at most 10000000"),  # ran for ever
+    (["--gpus", "10000000", "--days", "3650"], "at most 1,000,000 are simulated"),
+    (["--days", "nan"], "--days: must be above 0"),
+    (["--days", "inf"], "--days: must be above 0"),
+    (["--seed", "-1"], "--seed: must be at least 0"),
+])
+def test_inputs_that_would_run_for_ever_are_refused_at_once(flags, message):
+    out = _simulate(*flags)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("where, message", [("/nonexistent/x.png", "no directory /nonexistent"),
+                                            (".", "is a directory")])
+def test_an_unwritable_plot_is_refused_before_the_simulation_runs(where, message):
+    # It used to simulate every strategy, then fail with a traceback.
+    out = _simulate("--plot", where)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""  # nothing simulated

@@ -8,6 +8,12 @@ which the operator passes in from `checkpoint.credentialsSecret`.
 A small file that marks completion (a part's checksums, the manifest) must never be seen
 half written: on a local file system it is written to a temporary name, fsynced and
 renamed; an S3 PUT is atomic by itself.
+
+What storage holds is not trusted to be a file: a FIFO, a device or a directory where a
+checkpoint's file belongs is refused before it is opened (opening a FIFO waits for a writer
+that never comes). Reading a file's bytes is bounded in time (`read_text` by a deadline,
+`read_files` by READ_STALL_S without progress), so a bad checkpoint or a hung mount fails
+the read instead of stalling a restore.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import contextlib
 import logging
 import os
 import random
+import stat
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -60,18 +68,33 @@ class Storage:
     def exists(self, *parts: str) -> bool:
         return self.fs.exists(self.path(*parts))
 
-    def read_text(self, *parts: str, limit: int = 1 << 30) -> str:
-        """A small file's text; ValueError if it is larger than `limit` (it is not ours)."""
-        size = self.size(*parts)
+    def read_text(self, *parts: str, limit: int = 1 << 30, timeout_s: float = READ_STALL_S) -> str:
+        """A small file's text; ValueError if it is larger than `limit` or not a regular file
+        (it is not ours), StorageStalled if it did not arrive within `timeout_s`."""
+        path = self.path(*parts)
+        return _within(timeout_s, path, lambda: self._read_small(path, limit)).decode()
+
+    def _read_small(self, path: str, limit: int) -> bytes:
+        size = self._file_size(path)  # before anything is opened or fetched
         if size > limit:
-            raise ValueError(f"{'/'.join(parts)} is {size} bytes, more than {limit}")
-        with self.fs.open(self.path(*parts), "rb") as f:
-            return f.read(limit + 1).decode()
+            raise ValueError(f"{path} is {size} bytes, more than {limit}")
+        with _open_regular(path) if self.local else self.fs.open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:  # it grew meanwhile
+            raise ValueError(f"{path} is more than {limit} bytes")
+        return data
 
     def size(self, *parts: str) -> int:
-        """Bytes of one file as storage reports it (FileNotFoundError if absent)."""
-        self.fs.invalidate_cache(self.path(*parts))
-        return int(self.fs.info(self.path(*parts))["size"])
+        """Bytes of one regular file as storage reports it (FileNotFoundError if absent,
+        ValueError if it is something else: a directory, a FIFO, a device)."""
+        return self._file_size(self.path(*parts))
+
+    def _file_size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            raise ValueError(f"{path} is not a regular file ({info.get('type')})")
+        return int(info["size"])
 
     def read_files(self, sizes: dict[str, int], streams: int | None = None, checksums: bool = True,
                    stall_s: float = READ_STALL_S) -> dict[str, tuple[memoryview, int | None]]:
@@ -95,7 +118,7 @@ class Storage:
             path, start, end = r
             target = memoryview(out[path])[start:end]
             if self.local:  # straight into the buffer: no intermediate bytes object to fill and copy
-                with open(self.path(path), "rb") as f:
+                with _open_regular(self.path(path)) as f:
                     f.seek(start)
                     got = f.readinto(target)
             else:
@@ -196,6 +219,44 @@ class Storage:
 # Errors that say the code or the data is wrong, not that storage is away: waiting cannot
 # fix them, so they fail at once with their message.
 PERMANENT_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, ImportError)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """A local regular file open for reading; ValueError for anything else. Checked before
+    the open (opening a device can act on it) and again on what was opened, which is opened
+    non-blocking so that a FIFO swapped in meanwhile cannot hold the open either."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)  # a regular file: reads as usual (a FUSE file system may honour the flag)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _within(timeout_s: float, what: str, fn: Callable[[], T]) -> T:
+    """fn()'s result (or its exception); StorageStalled once it has taken `timeout_s`. A read
+    stuck in storage (a hung mount, a stalled connection) cannot be interrupted: it is left
+    to a daemon thread, which ends when the read does or with the process, never holding
+    the process's exit."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as is
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="transom-read", daemon=True).start()
+    try:
+        future.exception(timeout=timeout_s)  # waits; raises TimeoutError only if fn has not finished
+    except concurrent.futures.TimeoutError:
+        raise StorageStalled(f"storage did not return {what} in {timeout_s:g}s") from None
+    return future.result()
 
 
 def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -> Iterator[T]:

@@ -4,12 +4,18 @@ Standard library only (urllib), so the launcher needs nothing but pydantic. Ever
 a deadline; connection errors and 5xx answers are retried with backoff until it passes
 (the coordinator may be restarting), 4xx answers raise `CoordinatorError` at once, except
 the quorum long-poll's 408 which means "ask again".
+
+The credential a client presents says which replica it speaks for (coordinator/identity.py):
+a replica's own identity token, read from `TRANSOM_IDENTITY_TOKEN_FILE` again whenever the
+file changes (a projected ServiceAccount token rotates; `transom run` writes a promoted
+spare's), or the job's token where no identity file is given (tests, tools).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -21,8 +27,10 @@ from pydantic import BaseModel
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
+    FingerprintRecord,
     HeartbeatRequest,
     Identity,
+    JobProgress,
     JobStatus,
     LeaveRequest,
     QuorumRequest,
@@ -33,7 +41,14 @@ from transom.coordinator.models import (
     SignalBatch,
     ReplicaState,
 )
-from transom.errors import CoordinatorError, Evicted, JobCompleted, NotRegistered  # noqa: F401  (the family lives in errors.py)
+from transom.errors import (  # noqa: F401  (the family lives in errors.py)
+    CoordinatorError,
+    Evicted,
+    Forbidden,
+    JobCompleted,
+    NotRegistered,
+    TooManyRequests,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -44,10 +59,36 @@ def replica_state_path(identity: Identity, known: str | None = None, wait_s: flo
     return path + (f"&known={known}&wait_s={wait_s:g}" if known is not None else "")
 
 
+class TokenFile:
+    """A bearer token kept in a file, read again when the file changes (by mtime and size)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seen: tuple[int, int] | None = None
+        self._token = ""
+
+    def __call__(self) -> str:
+        try:
+            st = os.stat(self.path)
+            if (st.st_mtime_ns, st.st_size) != self._seen:
+                with open(self.path, encoding="ascii", errors="replace") as f:
+                    self._token = f.read(16384).strip()
+                self._seen = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            pass  # not there (yet): the last token read, or none; the coordinator answers 401
+        return self._token
+
+
+def credential(identity_token_file: str, token: str) -> str | Callable[[], str]:
+    """What a launcher or worker presents: its own identity file if it has one, else `token`."""
+    return TokenFile(identity_token_file) if identity_token_file else token
+
+
 class CoordinatorClient:
-    def __init__(self, url: str, token: str, timeout_s: float = 30.0):
+    def __init__(self, url: str, token: str | Callable[[], str], timeout_s: float = 30.0):
+        """`token`: the bearer credential, or a function that returns the current one (TokenFile)."""
         self.url = url.rstrip("/")
-        self.token = token
+        self.credential: Callable[[], str] = token if callable(token) else (lambda: token)
         self.timeout_s = timeout_s
 
     def _call(
@@ -67,7 +108,7 @@ class CoordinatorClient:
             if stopped is not None and stopped():
                 raise CoordinatorError(f"{method} {path}: stopped")
             req = urllib.request.Request(self.url + path, data=data, method=method)
-            req.add_header("Authorization", f"Bearer {self.token}")
+            req.add_header("Authorization", f"Bearer {self.credential()}")
             if data is not None:
                 req.add_header("Content-Type", "application/json")
             per_try = request_timeout_s or max(0.1, min(10.0, deadline - time.monotonic()))
@@ -95,6 +136,10 @@ class CoordinatorClient:
     def _expect(self, status: int, payload: dict, what: str) -> dict:
         if status == 404 and what in ("heartbeat", "quorum", "leave"):
             raise NotRegistered(f"{what}: {payload.get('error', 'not registered')}", 404)
+        if status == 403:
+            raise Forbidden(f"{what}: {payload.get('error', 'forbidden')}")
+        if status == 429:
+            raise TooManyRequests(f"{what}: {payload.get('error', 'not now')}")
         if status >= 400:
             raise CoordinatorError(f"{what}: {status} {payload.get('error', '')}", status)
         return payload
@@ -149,7 +194,18 @@ class CoordinatorClient:
         status, payload = self._call("GET", replica_state_path(identity), timeout_s=timeout_s)
         return ReplicaState.model_validate(self._expect(status, payload, "replica state"))
 
+    def progress(self, timeout_s: float = 5.0) -> JobProgress:
+        """What a starting replica needs: the newest step of a healthy peer, the newest checkpoint."""
+        status, payload = self._call("GET", "/v1/progress", timeout_s=timeout_s)
+        return JobProgress.model_validate(self._expect(status, payload, "progress"))
+
+    def fingerprint(self, committed: int, rank: int, timeout_s: float = 5.0) -> FingerprintRecord:
+        """The replicas' record of `rank`'s parameters after `committed` steps."""
+        status, payload = self._call("GET", f"/v1/fingerprints/{committed}/{rank}", timeout_s=timeout_s)
+        return FingerprintRecord.model_validate(self._expect(status, payload, "fingerprint"))
+
     def status(self, timeout_s: float = 5.0) -> JobStatus:
+        """The whole job's state (the job's token only)."""
         status, payload = self._call("GET", "/v1/status", timeout_s=timeout_s)
         return JobStatus.model_validate(self._expect(status, payload, "status"))
 

@@ -18,16 +18,28 @@ It also paces the launchers: each answer says how long to wait before the next p
 that all of them together post about `SIGNAL_POSTS_PER_S` times a second
 (transom/detect/signals.py `post_interval`, over the posters heard from lately).
 
+What a post may claim is bounded like progress (claims.py): a row's step at most one past
+what its replica can have committed, its rank below the replica's size (the ranks it
+registered); other rows are dropped and counted, so that one replica can neither move the
+detectors' judged-up-to mark past the real steps nor grow their per-rank state. The
+detectors' statistics are made so that one replica's figures cannot condemn another
+(detect/slow.py, detect/sdc.py). `SignalGate` keeps detection from crowding out
+heartbeats and quorum requests on the server's one event loop.
+
 Pure bookkeeping over `Membership`, under the server's lock; no I/O.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
+from collections.abc import Iterator
 
+from transom.coordinator import claims
 from transom.coordinator.membership import Membership
-from transom.coordinator.models import SignalBatch
+from transom.coordinator.models import FingerprintRecord, SignalBatch
+from transom.errors import TooManyRequests
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.signals import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 
@@ -36,6 +48,62 @@ REASONS = {"slow": "FailSlow", "hang": "Hang", "nan": "NonFinite", "loss_spike":
            "sdc": "SilentDataCorruption"}
 MAX_MESSAGE = 1024
 POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for this long is no longer counted
+# The detectors may use at most this share of each second of the server's one event loop:
+# heartbeats and quorum requests, which decide whether replicas live, get the rest.
+DETECTION_SHARE = 0.5
+# Each launcher (replica, node) has a bucket of POST_BURST posts, refilled at twice the pace
+# it was given (its timing jitters, and an attempt's last rows leave at once); past that a
+# post is 429. A post that carries a hang's stacks may come at any time, once every STACKS_GAP_S.
+POST_BURST = 3.0
+STACKS_GAP_S = 10.0
+
+
+class SignalGate:
+    """Which signal posts the server takes now (TooManyRequests: the launcher keeps its rows
+    and posts them later): each poster at its pace, and the detectors within their share of
+    the loop's time, so that a flood of posts delays detection, never a heartbeat."""
+
+    def __init__(self, share: float = DETECTION_SHARE, window_s: float = 1.0):
+        self.share, self.window_s = share, window_s
+        self._buckets: dict[tuple[int, int], tuple[float, float]] = {}  # poster -> (posts left, when)
+        self._last_stacks: dict[tuple[int, int], float] = {}
+        self._spent: collections.deque[tuple[float, float]] = collections.deque()  # (when, seconds)
+        self._pruned_at = 0.0
+        self.deferred = 0
+
+    def admit(self, poster: tuple[int, int], stacks: bool, pace_s: float, now: float) -> None:
+        while self._spent and self._spent[0][0] < now - self.window_s:
+            self._spent.popleft()
+        if sum(cost for _, cost in self._spent) >= self.share * self.window_s:
+            self._defer("the detectors have used their share of the last second")
+        if stacks:
+            if now - self._last_stacks.get(poster, float("-inf")) < STACKS_GAP_S:
+                self._defer(f"a hang's stacks at most every {STACKS_GAP_S:g}s")
+            self._last_stacks[poster] = now
+        else:
+            left, at = self._buckets.get(poster, (POST_BURST, now))
+            left = min(POST_BURST, left + (now - at) * 2.0 / pace_s)
+            if left < 1.0:
+                self._buckets[poster] = (left, now)
+                self._defer(f"posts come faster than one every {pace_s:.3g}s")
+            self._buckets[poster] = (left - 1.0, now)
+        if now - self._pruned_at > POSTER_MEMORY_S:
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] <= POSTER_MEMORY_S}
+            self._last_stacks = {k: t for k, t in self._last_stacks.items() if now - t <= POSTER_MEMORY_S}
+            self._pruned_at = now
+
+    def _defer(self, why: str) -> None:
+        self.deferred += 1
+        raise TooManyRequests(f"signals not taken now: {why}")
+
+    @contextlib.contextmanager
+    def timed(self, now: float) -> Iterator[None]:
+        """Count the time the block takes against the detectors' share."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._spent.append((now, time.perf_counter() - t0))
 
 
 class Detection:
@@ -50,11 +118,12 @@ class Detection:
         self._status: dict[int, dict] = {}  # replica -> its verdict in status.training
         self._posters: dict[tuple[int, int], float] = {}  # (replica, node rank) -> when it last posted
         self._pruned_at = 0.0
+        self.rows_refused = 0  # rows of steps or ranks their replica cannot have (claims.py)
 
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
         """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
         replica = batch.identity.replica_id
-        self.membership._live(batch.identity)
+        rep = self.membership._live(batch.identity)
         self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []
@@ -68,6 +137,9 @@ class Detection:
             self._stacks[replica] = batch.stacks
         signals = []
         for r in batch.rows:
+            if r.rank >= len(rep.state_endpoints) or not claims.signal_step_ok(self.membership, replica, r.step):
+                self.rows_refused += 1  # a rank it does not have, a step it cannot have trained
+                continue
             self._node_of[(replica, r.rank)] = batch.node_rank
             signals.append(Signal(step=r.step, replica=replica, rank=r.rank, step_seconds=r.step_seconds,
                                   tokens=r.tokens, sum_len_sq=r.sum_len_sq, loss=r.loss, grad_norm=r.grad_norm,
@@ -87,6 +159,16 @@ class Detection:
         for r in self.detectors.take_recovered():
             self._restore(r, now, "at normal speed again")
         return verdicts
+
+    def fingerprint(self, committed: int, rank: int) -> FingerprintRecord:
+        """What the rows said about `rank`'s parameters holding `committed` steps (the row of
+        step `committed - 1`, whose update made them): a joiner checks a snapshot against it."""
+        record = self.detectors.fingerprint(committed - 1, rank) if committed > 0 else None
+        if record is None:
+            return FingerprintRecord(state="unknown")
+        if record.voters < 2:
+            return FingerprintRecord(state="single", value=record.value)
+        return FingerprintRecord(state="agreed" if record.value is not None else "disputed", value=record.value)
 
     def post_interval(self, now: float) -> float:
         """Seconds every launcher should wait before its next post."""

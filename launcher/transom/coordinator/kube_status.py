@@ -13,49 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
+from transom.coordinator.kube_api import REQUEST_TIMEOUT_S, KubeApi
+
 log = logging.getLogger("transom.coordinator")
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 @dataclass
 class StatusWriter:
-    api_url: str  # https://host:port of the API server
+    api: KubeApi
     namespace: str
     job: str
-    token_file: Path  # re-read on every write: projected tokens rotate
-    ca_file: Path
     interval_s: float = 5.0
-
-    @classmethod
-    def in_cluster(cls, namespace: str, job: str, interval_s: float = 5.0) -> "StatusWriter":
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise ValueError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset)")
-        host = f"[{host}]" if ":" in host else host
-        return cls(f"https://{host}:{port}", namespace, job, SA_DIR / "token", SA_DIR / "ca.crt", interval_s)
 
     @property
     def url(self) -> str:
-        return (f"{self.api_url.rstrip('/')}/apis/transom.io/v1alpha1/namespaces/{self.namespace}"
-                f"/trainingjobs/{self.job}/status")
+        return self.api.path(f"/apis/transom.io/v1alpha1/namespaces/{self.namespace}/trainingjobs/{self.job}/status")
 
     async def patch(self, session: aiohttp.ClientSession, training: dict) -> None:
-        headers = {
-            "Authorization": f"Bearer {self.token_file.read_text().strip()}",
-            "Content-Type": "application/merge-patch+json",
-        }
         body = {"status": {"training": training}}
-        async with session.patch(self.url, json=body, headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with session.patch(self.url, json=body, headers=self.api.headers("application/merge-patch+json"),
+                                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
             if resp.status >= 300:
                 # The body may quote the request; the token is in a header, never in it.
                 raise RuntimeError(f"{resp.status} {(await resp.text())[:300]}")
@@ -65,7 +48,7 @@ class StatusWriter:
         cancelled. Setting `wake` makes the next check happen at once rather than after interval_s
         (the operator waits for `completedStep` to call the job done)."""
         wake = wake or asyncio.Event()
-        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx = self.api.ssl_context()
         written: dict | None = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
             while True:

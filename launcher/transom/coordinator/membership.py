@@ -27,24 +27,20 @@ The protocol, one *round* per training step:
 Because one process decides and every member of a round gets the same answer, two groups
 of replicas can never train apart (no split brain).
 
-Progress that cannot have happened is refused (ValueError, HTTP 400): a member of a round
-commits at most one step under it, so no replica can hold more than one step past the
-newest round it was answered, nor anyone more than one past the highest step any round
-decided. That bounds what a quorum request, heartbeat, leave or checkpoint report may
-claim once this coordinator has decided a round (before its first round, after a restart,
-it has nothing to compare with).
+Progress that cannot have happened is refused (ValueError, HTTP 400): the bounds are
+claims.py's.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from transom.coordinator import claims
 from transom.coordinator.goodput import GoodputClock, as_decimal
 from transom.detect.rebalance import BatchShares, describe, newest_held
 from transom.coordinator.models import (
@@ -53,6 +49,7 @@ from transom.coordinator.models import (
     FailureReport,
     HeartbeatRequest,
     Identity,
+    JobProgress,
     JobStatus,
     LeaveRequest,
     QuorumRequest,
@@ -64,52 +61,13 @@ from transom.coordinator.models import (
     ReplicaStatus,
 )
 from transom.errors import Evicted, JobCompleted, NotRegistered
-from transom.defaults import LOCAL
-from transom.defaults import heartbeat_interval_s as interval_for
+from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 
 # A failed round waits for an absent member at least this many of the job's recent rounds:
 # a member still computing its step meets the failed exchange only at the step's end, and
 # on a loaded machine that can be well past `failed_grace_s`.
 FAILED_GRACE_ROUNDS = 3
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
-
-
-@dataclass(frozen=True)
-class Settings:
-    job: str = "local"
-    num_replicas: int = 1
-    min_replicas: int = 1
-    heartbeat_interval_s: float = interval_for(LOCAL.heartbeat_timeout_s)
-    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
-    # How long a round with a reported failure waits for members that did not ask again
-    # before deciding without them. Short: a live member asks within milliseconds of its
-    # failed collective; a dead one never does.
-    failed_grace_s: float = LOCAL.failed_grace_s
-    # A member of the current quorum that does not ask for its next quorum this long after
-    # another member did is declared hung (a stuck training thread keeps heartbeating).
-    round_timeout_s: float = LOCAL.round_timeout_s
-    # The first quorum waits for all replicas this long, then starts with minReplicas:
-    # otherwise the first replica to start would train alone and the others would only
-    # copy its state.
-    startup_wait_s: float = LOCAL.startup_wait_s
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s", "round_timeout_s",
-                     "startup_wait_s"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
-        if self.num_replicas < 1:
-            raise ValueError("num_replicas must be at least 1")
-        if not 1 <= self.min_replicas <= self.num_replicas:
-            raise ValueError("min_replicas must be between 1 and num_replicas")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat_interval_s must be positive")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must be larger than heartbeat_interval_s")
-        if self.failed_grace_s < 0 or self.startup_wait_s < 0:
-            raise ValueError("failed_grace_s and startup_wait_s must not be negative")
-        if self.round_timeout_s <= self.failed_grace_s:
-            raise ValueError("round_timeout_s must be larger than failed_grace_s")
 
 
 @dataclass
@@ -120,6 +78,7 @@ class Replica:
     state: Literal["healthy", "failed", "left"] = "healthy"
     last_heartbeat: float = 0.0
     step: int = 0
+    registered_step: int = 0  # what it held when it registered: its bound until a round answers it
     last_loss: float | None = None
     failures: int = 0  # over all incarnations of this replica id
     last_failure: str | None = None
@@ -201,18 +160,6 @@ class Membership:
             raise Evicted(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
         return rep
 
-    def _check_step(self, replica_id: int, step: int, what: str) -> None:
-        """ValueError if `step` is more than replica `replica_id` can have committed."""
-        if self.current is None:
-            return  # no round decided yet: nothing to compare with
-        answered = self.answers.get(replica_id)
-        limit = answered.max_step + 1 if answered is not None else self.step_limit
-        if step > limit:
-            where = f"one past round {answered.round} (step {answered.max_step})" if answered else \
-                "one past the newest step of any round"
-            raise ValueError(f"{what} of replica {replica_id} claims step {step}, but it can hold at most "
-                             f"{limit} committed steps ({where})")
-
     def _fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
         rep.state = "failed"
         rep.failures += 1
@@ -227,6 +174,7 @@ class Membership:
         rid = req.identity.replica_id
         if rid >= self.settings.num_replicas:
             raise ValueError(f"replica_id must be below num_replicas ({self.settings.num_replicas})")
+        claims.check_registration(self, rid, req.step)
         old = self.replicas.get(rid)
         if old is not None and old.identity.key() > req.identity.key():
             raise Evicted(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
@@ -234,6 +182,8 @@ class Membership:
             if old.state != "healthy":
                 raise Evicted(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
             old.store_addr, old.state_endpoints, old.last_heartbeat = req.store_addr, list(req.state_endpoints), now
+            if rid not in self.answers:
+                old.registered_step = req.step
         else:
             failures, last_failure = 0, None
             if old is not None:
@@ -245,6 +195,8 @@ class Membership:
                 store_addr=req.store_addr,
                 state_endpoints=list(req.state_endpoints),
                 last_heartbeat=now,
+                step=req.step,
+                registered_step=req.step,
                 failures=failures,
                 last_failure=last_failure,
             )
@@ -260,7 +212,7 @@ class Membership:
 
     def heartbeat(self, req: HeartbeatRequest, now: float) -> None:
         rep = self._live(req.identity)
-        self._check_step(req.identity.replica_id, req.step, "heartbeat")
+        claims.check(self, req.identity.replica_id, req.step, "heartbeat")
         rep.last_heartbeat = now
         rep.step = max(rep.step, req.step)
 
@@ -275,7 +227,9 @@ class Membership:
 
     def leave(self, req: LeaveRequest, now: float) -> None:
         rep = self._live(req.identity)
-        self._check_step(req.identity.replica_id, req.step, "leave")
+        claims.check(self, req.identity.replica_id, req.step, "leave")
+        if req.completed:
+            claims.check_completion(self, req.identity.replica_id, req.step)
         rep.state = "left"
         rep.step = max(rep.step, req.step)
         if req.completed and self.completed_step is None:
@@ -312,7 +266,7 @@ class Membership:
         """Enter the open round; return this replica's decision if one is ready now."""
         rep = self._live(req.identity)
         # A retry of an answered request passes too: the round that answered it included its step.
-        self._check_step(req.identity.replica_id, req.step, "quorum request")
+        claims.check(self, req.identity.replica_id, req.step, "quorum request")
         answered = self.answer_for(req)
         if answered is None and self.completed_step is not None:
             raise JobCompleted(f"the job completed at step {self.completed_step}")
@@ -534,7 +488,7 @@ class Membership:
     def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:
         """A replica committed the checkpoint of `req.step`; older reports are ignored."""
         self._live(req.identity)
-        self._check_step(req.identity.replica_id, req.step, "checkpoint report")
+        claims.check(self, req.identity.replica_id, req.step, "checkpoint report")
         if self.last_checkpoint is not None and req.step <= self.last_checkpoint[0]:
             return False
         self.last_checkpoint = (req.step, wall_time)
@@ -567,6 +521,12 @@ class Membership:
         elif self.shares.published_from > 0:  # rebalanced before: a merge patch's null removes it
             out["batchSharePercent"] = None
         return out
+
+    def progress(self, caller: int | None) -> JobProgress:
+        """What replica `caller` (None: the job's token holder) needs when it starts."""
+        peers = [r.step for r in self.replicas.values() if r.state == "healthy" and r.identity.replica_id != caller]
+        return JobProgress(peer_step=max(peers, default=None), completed_step=self.completed_step,
+                           last_checkpoint=self.last_checkpoint[0] if self.last_checkpoint else None)
 
     def status(self, now: float) -> JobStatus:
         cur = self.current

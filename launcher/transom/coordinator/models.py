@@ -42,8 +42,10 @@ class RegisterRequest(_Msg):
         min_length=3, max_length=256, description="host:port of this replica's TCPStore for group building"
     )
     state_endpoints: list[str] = Field(
-        min_length=1, max_length=1024, description="per local rank, the URL serving recovery state"
+        min_length=1, max_length=1024, description="per rank of the replica, the URL serving recovery state"
     )
+    step: int = Field(default=0, ge=0, le=MAX_STEP, description="the committed steps this replica holds now: until "
+                      "a round answers it, it can claim no more (it commits nothing without a round)")
 
 
 class RegisterResponse(_Msg):
@@ -189,6 +191,26 @@ class ReplicaStatus(_Msg):
     heartbeat_age_s: float | None
     failures: int
     last_failure: str | None
+
+
+class JobProgress(_Msg):
+    """Answer to GET /v1/progress: what a starting replica needs to choose between restoring
+    the checkpoint and catching up from a peer, and nothing about the other replicas'
+    identities (GET /v1/status, with every replica's generation, is the job token's)."""
+
+    peer_step: int | None = Field(description="the newest step a healthy replica other than the caller reported")
+    last_checkpoint: int | None = Field(description="the newest checkpoint a replica reported committed")
+    completed_step: int | None = None
+
+
+class FingerprintRecord(_Msg):
+    """Answer to GET /v1/fingerprints/{step}/{rank}: what the replicas' rows said about rank's
+    parameters after `step` committed steps (the detectors' record; detect/detectors.py)."""
+
+    state: Literal["agreed", "disputed", "single", "unknown"] = Field(
+        description="agreed: a strict majority of two or more replicas; disputed: no strict majority; single: "
+                    "one replica fingerprinted it (nothing to compare); unknown: not judged yet, or too long ago")
+    value: int | None = None
 
 
 class ReplicaState(_Msg):

@@ -13,15 +13,24 @@ Endpoints (bearer token required on everything under /v1/):
                                                      410 = the job already completed)
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
-    POST /v1/signals             SignalBatch      -> {"verdicts": n, "next_post_s": s} (anomaly detection)
+    POST /v1/signals             SignalBatch      -> {"verdicts": n, "next_post_s": s} (anomaly detection;
+                                                     429 = too soon or the detectors' budget is spent)
     GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
                                                      `known`, a long-poll: answered when the
                                                      state is no longer S, or after W <= 60 s)
     PUT  /v1/rendezvous          RendezvousInfo   -> {}
     GET  /v1/rendezvous/{id}?generation=G&attempt=A -> RendezvousInfo (404 until node 0 put it)
-    GET  /v1/status              -> JobStatus
+    GET  /v1/progress            -> JobProgress (what a starting replica needs)
+    GET  /v1/fingerprints/{step}/{rank} -> FingerprintRecord (a joiner checks its snapshot)
+    GET  /v1/status              -> JobStatus (the job token only: it names every replica's incarnation)
     GET  /metrics                Prometheus text (no token: it holds no secrets)
     GET  /healthz
+
+Who may say what (coordinator/identity.py): every call under /v1/ carries a credential that
+names its caller, and a call about another replica than the caller's own is refused (403).
+Heartbeats and quorum requests never wait behind detection: a launcher's signal posts are
+refused (429, the rows stay with it) when they come faster than its pace or when the
+detectors have used their share of the last second (`DETECTION_SHARE`).
 """
 
 from __future__ import annotations
@@ -33,20 +42,22 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
-from transom.coordinator.detection import Detection
+from transom.coordinator.detection import Detection, SignalGate
+from transom.coordinator.identity import ADMIN, Principal, ReplicaKeys, is_replica_key
 from transom.coordinator.kube_status import StatusWriter
 from transom.detect.detectors import KINDS
 from transom.detect.signals import DetectionSettings
 from transom.coordinator.membership import Membership, Settings
-from transom.errors import Evicted, JobCompleted, NotRegistered
+from transom.errors import CoordinatorError, Evicted, Forbidden, JobCompleted, NotRegistered, TooManyRequests
 from transom.coordinator.models import (
+    MAX_STEP,
     CheckpointReport,
     ErrorBody,
     FailureReport,
@@ -58,6 +69,9 @@ from transom.coordinator.models import (
     RendezvousInfo,
     SignalBatch,
 )
+
+if TYPE_CHECKING:
+    from transom.coordinator.kube_identity import KubeIdentity
 
 log = logging.getLogger("transom.coordinator")
 M = TypeVar("M", bound=BaseModel)
@@ -107,6 +121,14 @@ def _query_identity(request: web.Request, replica_id: str) -> Identity:
         raise BadRequest(f"replica id, generation and attempt must be small non-negative integers: {e}") from None
 
 
+# Where the auth middleware leaves the caller (a typed key where aiohttp has them, 3.12+).
+_PRINCIPAL = web.RequestKey("principal", Principal) if hasattr(web, "RequestKey") else "principal"
+
+
+def _principal(request: web.Request) -> Principal:
+    return request[_PRINCIPAL]
+
+
 class _MembershipCollector:
     """Reads the live membership at scrape time; labels are bounded (reason kinds only)."""
 
@@ -139,6 +161,14 @@ class _MembershipCollector:
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
         for kind in KINDS:
             c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
+        yield c
+        c = CounterMetricFamily("transom_coordinator_signal_rows_refused",
+                                "Signal rows refused: a step or rank its replica cannot have")
+        c.add_metric([], self.server.detection.rows_refused)
+        yield c
+        c = CounterMetricFamily("transom_coordinator_signal_posts_deferred",
+                                "Signal posts answered 429 (too soon, or the detectors' time budget spent)")
+        c.add_metric([], self.server.signal_gate.deferred)
         yield c
         g = GaugeMetricFamily("transom_coordinator_batch_share",
                               "A replica's share of the global batch (1 nominal), while Rebalance is in force",
@@ -181,7 +211,11 @@ class CoordinatorServer:
         clock: Callable[[], float] = time.monotonic,
         status_writer: "StatusWriter | None" = None,
         detection: DetectionSettings | None = None,
+        replica_keys: ReplicaKeys | None = None,
+        kube_identity: "KubeIdentity | None" = None,
     ):
+        """`token`: the job's (admin) token; `replica_keys` and `kube_identity`: how replicas
+        prove who they are (coordinator/identity.py, kube_identity.py)."""
         if not token:
             raise ValueError("a coordinator needs a non-empty token")
         self.settings = settings
@@ -189,6 +223,9 @@ class CoordinatorServer:
         self.detection = Detection(detection or DetectionSettings(), self.membership)
         self.clock = clock
         self._token = token.encode()
+        self._replica_keys = replica_keys
+        self._kube_identity = kube_identity
+        self.signal_gate = SignalGate()
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition(self._lock)
         # Replica-state long-polls wait for this event, which the tick sets (and replaces)
@@ -220,6 +257,8 @@ class CoordinatorServer:
         r.add_get("/v1/replicas/{id}", self._replica)
         r.add_put("/v1/rendezvous", self._put_rendezvous)
         r.add_get("/v1/rendezvous/{id}", self._get_rendezvous)
+        r.add_get("/v1/progress", self._progress)
+        r.add_get("/v1/fingerprints/{step}/{rank}", self._fingerprint)
         r.add_get("/v1/status", self._status)
         r.add_get("/metrics", self._metrics)
         r.add_get("/healthz", self._healthz)
@@ -237,12 +276,18 @@ class CoordinatorServer:
             return _error(400, str(e))
         except ValueError as e:
             return _error(400, str(e))
+        except Forbidden as e:
+            return _error(403, str(e))
+        except TooManyRequests as e:
+            return _error(429, str(e), retry=True)
         except Evicted as e:
             return _error(409, str(e))
         except NotRegistered as e:
             return _error(404, str(e))
         except JobCompleted as e:
             return _error(410, str(e))
+        except CoordinatorError as e:  # an identity provider that did not answer (TokenReview)
+            return _error(503, str(e), retry=True)
         except Exception:  # a bug of ours: answer 500, keep serving every other replica
             log.exception("internal error handling %s %s", request.method, request.path)
             return _error(500, "internal error", retry=True)
@@ -250,17 +295,49 @@ class CoordinatorServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if request.path.startswith("/v1/"):
-            header = request.headers.get("Authorization", "")
-            scheme, _, presented = header.partition(" ")
-            # Header bytes that are not UTF-8 arrive as surrogates: still just a wrong token.
-            given = presented.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
+            principal = await self._identify(request.headers.get("Authorization", ""))
+            if principal is None:
                 return _error(401, "missing or wrong bearer token")
+            request[_PRINCIPAL] = principal
         return await handler(request)
+
+    async def _authorize(self, request: web.Request, identity: Identity, node_rank: int | None = None,
+                         replica_only: bool = False) -> None:
+        """Forbidden unless the caller may speak for `identity` (only its replica, with
+        `replica_only`). A pod's labels are read again once before a refusal: a spare the
+        operator just relabelled as a replica speaks for it from that moment."""
+        principal = _principal(request)
+        check = (lambda p: p.check_replica(identity.replica_id)) if replica_only else \
+            (lambda p: p.check(identity, node_rank))
+        try:
+            check(principal)
+        except Forbidden:
+            if principal.pod is None or self._kube_identity is None:
+                raise
+            fresh = await self._kube_identity.refresh(principal)
+            if fresh is None:
+                raise
+            check(fresh)
+
+    async def _identify(self, header: str) -> Principal | None:
+        """The caller a bearer credential names, None if it names nobody."""
+        scheme, _, presented = header.partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented or len(presented) > 16384:
+            return None
+        # Header bytes that are not UTF-8 arrive as surrogates: still just a wrong token.
+        if hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), self._token):
+            return ADMIN
+        if self._replica_keys is not None and is_replica_key(presented):
+            return self._replica_keys.principal(presented)
+        if self._kube_identity is not None and presented.isascii():
+            return await self._kube_identity.principal(presented)
+        return None
 
     # --- handlers ----------------------------------------------------------------------------
     async def _register(self, request: web.Request) -> web.Response:
         req = await _parse(request, RegisterRequest)
+        await self._authorize(request, req.identity)
         async with self._changed:
             resp = self.membership.register(req, self.clock())
             self._changed.notify_all()
@@ -268,12 +345,14 @@ class CoordinatorServer:
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         req = await _parse(request, HeartbeatRequest)
+        await self._authorize(request, req.identity)
         async with self._lock:
             self.membership.heartbeat(req, self.clock())
         return _ok()
 
     async def _failure(self, request: web.Request) -> web.Response:
         req = await _parse(request, FailureReport)
+        await self._authorize(request, req.identity)
         async with self._changed:
             accepted = self.membership.report_failure(req, self.clock())
             self.membership.try_decide(self.clock())
@@ -284,6 +363,7 @@ class CoordinatorServer:
 
     async def _leave(self, request: web.Request) -> web.Response:
         req = await _parse(request, LeaveRequest)
+        await self._authorize(request, req.identity)
         async with self._changed:
             self.membership.leave(req, self.clock())
             self.membership.try_decide(self.clock())
@@ -294,25 +374,31 @@ class CoordinatorServer:
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
         req = await _parse(request, CheckpointReport)
+        await self._authorize(request, req.identity)
         async with self._lock:
             accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
         return _ok({"accepted": accepted})
 
     async def _signals(self, request: web.Request) -> web.Response:
         req = await _parse(request, SignalBatch)
+        await self._authorize(request, req.identity, node_rank=req.node_rank)
         async with self._changed:
-            verdicts = self.detection.observe(req, self.clock())
+            now = self.clock()
+            next_post_s = self.detection.post_interval(now)
+            self.signal_gate.admit((req.identity.replica_id, req.node_rank), req.stacks is not None, next_post_s, now)
+            with self.signal_gate.timed(now):
+                verdicts = self.detection.observe(req, now)
             if verdicts:
                 self.membership.try_decide(self.clock())
                 self._changed.notify_all()
                 self._status_due.set()
-            next_post_s = self.detection.post_interval(self.clock())
         for v in verdicts:
             log.warning("replica %d: %s from step %d: %s", v.replica, v.kind, v.first_step, v.message[:300])
         return _ok({"verdicts": len(verdicts), "next_post_s": next_post_s})
 
     async def _quorum(self, request: web.Request) -> web.Response:
         req = await _parse(request, QuorumRequest)
+        await self._authorize(request, req.identity)
         m = self.membership
         deadline = self.clock() + req.timeout_s
         async with self._changed:
@@ -335,6 +421,7 @@ class CoordinatorServer:
 
     async def _replica(self, request: web.Request) -> web.Response:
         identity = _query_identity(request, request.match_info["id"])
+        await self._authorize(request, identity, replica_only=True)
         known = request.query.get("known")
         try:
             wait_s = float(request.query.get("wait_s", "0"))
@@ -357,6 +444,7 @@ class CoordinatorServer:
 
     async def _put_rendezvous(self, request: web.Request) -> web.Response:
         info = await _parse(request, RendezvousInfo)
+        await self._authorize(request, info.identity, node_rank=0)  # node 0 publishes the replica's address
         i = info.identity
         async with self._lock:
             self._rendezvous[(i.replica_id, i.generation, i.attempt)] = info
@@ -367,12 +455,27 @@ class CoordinatorServer:
 
     async def _get_rendezvous(self, request: web.Request) -> web.Response:
         i = _query_identity(request, request.match_info["id"])
+        await self._authorize(request, i)
         info = self._rendezvous.get((i.replica_id, i.generation, i.attempt))
         if info is None:
             return _error(404, "node 0 of this replica has not published its address yet", retry=True)
         return _ok(info)
 
+    async def _progress(self, request: web.Request) -> web.Response:
+        principal = _principal(request)
+        return _ok(self.membership.progress(None if principal.admin else principal.replica_id))
+
+    async def _fingerprint(self, request: web.Request) -> web.Response:
+        try:
+            step, rank = int(request.match_info["step"]), int(request.match_info["rank"])
+        except ValueError:
+            raise BadRequest("step and rank must be integers") from None
+        if not (0 <= step <= MAX_STEP and 0 <= rank < 1 << 20):
+            raise BadRequest("step or rank out of range")
+        return _ok(self.detection.fingerprint(step, rank))
+
     async def _status(self, request: web.Request) -> web.Response:
+        _principal(request).require_admin("GET /v1/status")
         async with self._lock:
             return _ok(self.membership.status(self.clock()))
 
@@ -435,14 +538,16 @@ class CoordinatorServer:
                 pass
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._kube_identity is not None:
+            await self._kube_identity.close()
 
 
 class CoordinatorThread:
     """Runs a CoordinatorServer on its own event loop thread (local mode and tests)."""
 
     def __init__(self, settings: Settings, token: str, host: str = "127.0.0.1", port: int = 0,
-                 detection: DetectionSettings | None = None):
-        self.server = CoordinatorServer(settings, token, detection=detection)
+                 detection: DetectionSettings | None = None, replica_keys: ReplicaKeys | None = None):
+        self.server = CoordinatorServer(settings, token, detection=detection, replica_keys=replica_keys)
         self._host, self._port = host, port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="transom-coordinator", daemon=True)

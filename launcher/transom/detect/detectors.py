@@ -11,6 +11,8 @@ judges the step as a whole:
   `loss_window` steps; not when every replica's were (then it is the data or the model);
 - loss_spike: the same for spikes against the replica's own history (loss.py);
 - sdc: a replica whose parameter fingerprint differs from the majority's (sdc.py), at once;
+  the majority's value of each (step, rank) stays on record for a while (`fingerprint`):
+  a replica catching up checks the snapshot it was sent against it;
 - slow: fail-slow (slow.py).
 
 A verdict names the replica (and the rank, where one rank is to blame), the kind, the first
@@ -39,6 +41,15 @@ KINDS: tuple[str, ...] = ("slow", "hang", "nan", "loss_spike", "sdc")
 NODE_KINDS = ("slow", "sdc")  # hardware-class: the node is excluded
 LAG_STEPS = 64  # a rank that stopped reporting holds a step back this many steps at most
 MAX_PENDING_STEPS = 1024  # steps held at most (a silent rank cannot make memory grow)
+MAX_FINGERPRINTS = 4096  # (step, rank) fingerprints kept on record, the newest
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What the replicas' rows of one (step, rank) said about its parameters."""
+
+    voters: int  # replicas that fingerprinted it
+    value: int | None  # the strict majority's value; None when they disagree without one
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class Detectors:
         self._losses: dict[int, LossHistory] = {}
         self._bad: dict[tuple[int, str], collections.deque[int]] = {}
         self._reported: set[tuple[int, str]] = set()
+        self._prints: collections.OrderedDict[tuple[int, int], Fingerprint] = collections.OrderedDict()
 
     # --- input --------------------------------------------------------------------------------
     def observe(self, signal: Signal) -> list[Verdict]:
@@ -192,6 +204,10 @@ class Detectors:
         return Verdict(replica, None, kind, window[0],
                        f"{what} in {len(window)} steps within {self.settings.loss_window}")
 
+    def fingerprint(self, step: int, rank: int) -> Fingerprint | None:
+        """The record of (step, rank) once that step is judged; None before (or long after)."""
+        return self._prints.get((step, rank))
+
     def _fingerprints(self, step: int, signals: list[Signal]) -> list[Verdict]:
         by_rank: dict[int, dict[int, int]] = {}
         for sig in signals:
@@ -200,6 +216,10 @@ class Detectors:
         out = []
         for rank, prints in sorted(by_rank.items()):
             culprits, _ = minority(prints)
+            majority = {v for r, v in prints.items() if r not in culprits}
+            self._prints[(step, rank)] = Fingerprint(len(prints), majority.pop() if len(majority) == 1 else None)
+            while len(self._prints) > MAX_FINGERPRINTS:
+                self._prints.popitem(last=False)
             out += [Verdict(r, rank, "sdc", step, f"its parameters (rank {rank}) differ from the other replicas' "
                             f"at step {step}") for r in culprits]
         return out

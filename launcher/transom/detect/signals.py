@@ -8,6 +8,11 @@ the busy time tells which rank is slow.
 A trace is a CSV file with the columns of TRACE_COLUMNS, one row per rank and step (`transom
 run --trace-out FILE`); `finite`, `fingerprint`, `recovery` and `batch_share` may follow. Empty cells
 are unknown values; a non-finite loss is written `nan` or `inf`.
+
+A trace comes from a worker's script, and so does every worker's signals file the launcher
+reads: `TraceParser` takes any bytes. A line that is not a row (bad UTF-8, longer than
+MAX_LINE_BYTES, the wrong number of cells, a count that is negative, a workload that is not
+a finite number) is skipped and counted, and the rest is read on.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, TextIO
@@ -44,6 +50,17 @@ SPEC_NAMES = {"enabled": "enabled", "warmupSteps": "warmup_steps", "slowFactorPe
               "slowSteps": "slow_steps", "lossSpikeZ": "loss_spike_z", "lossWindow": "loss_window",
               "badSteps": "bad_steps", "fingerprintInterval": "fingerprint_interval",
               "hangTimeoutSeconds": "hang_timeout_s", "action": "action", "slowAction": "slow_action"}
+# The range of each numeric setting, in spec.detection's units: DetectionSettings refuses what
+# the CRD refuses (operator/transom_operator/api.py builds the CRD's spec.detection from these).
+SPEC_BOUNDS: dict[str, tuple[int, int]] = {
+    "warmupSteps": (0, 100_000), "slowFactorPercent": (101, 10_000), "slowSteps": (1, 100_000),
+    "lossSpikeZ": (1, 1_000_000), "lossWindow": (2, 100_000), "badSteps": (1, 100_000),
+    "fingerprintInterval": (0, 1_000_000), "hangTimeoutSeconds": (1, 86_400)}
+
+
+def _own_units(key: str, value: float) -> float:
+    """A spec.detection value in DetectionSettings' units (the API has no floats: a percentage)."""
+    return value / 100 if key == "slowFactorPercent" else value
 
 
 @dataclass(frozen=True)
@@ -94,16 +111,11 @@ class DetectionSettings:
     at normal speed again: transom/detect/rebalance.py)."""
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.slow_steps < 1 or self.bad_steps < 1 or self.loss_window < 2:
-            raise ValueError("warmup_steps >= 0, slow_steps >= 1, bad_steps >= 1 and loss_window >= 2 are required")
-        if not (math.isfinite(self.slow_factor) and self.slow_factor > 1):
-            raise ValueError(f"slow_factor must be a number above 1, got {self.slow_factor}")
-        if not (math.isfinite(self.loss_spike_z) and self.loss_spike_z > 0):
-            raise ValueError(f"loss_spike_z must be positive, got {self.loss_spike_z}")
-        if self.fingerprint_interval < 0:
-            raise ValueError("fingerprint_interval must not be negative")
-        if not (math.isfinite(self.hang_timeout_s) and self.hang_timeout_s > 0):
-            raise ValueError(f"hang_timeout_s must be a positive number of seconds, got {self.hang_timeout_s}")
+        for key, (low, high) in SPEC_BOUNDS.items():
+            name, value = SPEC_NAMES[key], getattr(self, SPEC_NAMES[key])
+            if not _own_units(key, low) <= value <= _own_units(key, high):  # nan is in no range
+                raise ValueError(f"{name} must be between {_own_units(key, low):.15g} and "
+                                 f"{_own_units(key, high):.15g}, got {value!r}")
         if self.action not in ("Replace", "Report"):
             raise ValueError(f"action must be Replace or Report, got {self.action}")
         if self.slow_action not in ("Replace", "Report", "Rebalance"):
@@ -134,7 +146,10 @@ class DetectionSettings:
             want = {"bool": bool, "int": int, "float": (int, float)}.get(str(kinds[name]), str)
             if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
                 raise ValueError(f"detection setting {key} has the wrong type: {value!r}")
-            values[name] = value / 100 if key == "slowFactorPercent" else value  # the API has no floats
+            if key in SPEC_BOUNDS and not SPEC_BOUNDS[key][0] <= value <= SPEC_BOUNDS[key][1]:
+                low, high = SPEC_BOUNDS[key]  # named as the user wrote it, in its units
+                raise ValueError(f"detection setting {key} must be between {low} and {high}, got {value!r}")
+            values[name] = _own_units(key, value)
         return replace(cls(), **values)
 
     def to_spec(self) -> str:
@@ -161,43 +176,145 @@ def write_trace(rows: Iterable[Signal], out: TextIO, header: bool = True) -> Non
         w.writerow([_cell(d[c]) for c in (*TRACE_COLUMNS, *OPTIONAL_COLUMNS)])
 
 
-def read_trace(path: Path) -> Iterator[Signal]:
-    """The signals of a trace file; ValueError (with the line) for a malformed row."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = set(TRACE_COLUMNS) - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: not a trace: columns {sorted(missing)} are missing")
-        for line, row in enumerate(reader, start=2):
-            try:
-                yield _row(row)
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"{path}:{line}: {e}") from None
+# --- reading: any bytes ------------------------------------------------------------------------------
+MAX_LINE_BYTES = 64 * 1024  # a row is ~150 bytes: a longer line is no row (and csv refuses cells over 128 KiB)
+MAX_INDEX = 2**62 - 1  # steps, replicas and ranks: below the coordinator's bound on steps, so the step after
+# the last one a rank reported is one too (the hang watchdog reports that one)
+_BINARY = ("", "0", "1")
+_INTEGER = re.compile(r"-?[0-9]{1,19}")  # up to int64's digits: int() of a longer cell is work for nothing
 
 
-def _row(row: dict[str, str]) -> Signal:
-    def num(name: str) -> float | None:
-        raw = (row.get(name) or "").strip()
-        return float(raw) if raw else None
+class TraceParser:
+    """The rows in a trace's bytes, fed as they come; a line that is no row is skipped and counted.
 
-    def whole(name: str) -> int:
-        raw = (row.get(name) or "").strip()
-        if not raw.lstrip("-").isdigit():
-            raise ValueError(f"{name} must be an integer, got {raw!r}")
-        return int(raw)
+    `columns` None: the first line is the header and names the columns (a `--trace-out` file);
+    otherwise every row has these columns and a header line (it starts with `step`) is passed
+    over (a worker's signals file, read while it grows)."""
 
-    seconds = num("step_seconds")
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"step_seconds must be a non-negative number, got {row.get('step_seconds')!r}")
-    loss = num("loss")
-    finite_cell = (row.get("finite") or "").strip()
-    finite = finite_cell != "0" if finite_cell else (loss is None or math.isfinite(loss))
-    fingerprint = (row.get("fingerprint") or "").strip()
-    recovery = (row.get("recovery") or "").strip() == "1"
-    share = num("batch_share")
+    def __init__(self, columns: Sequence[str] | None = None):
+        self.columns = tuple(columns) if columns is not None else None
+        self.skipped = 0
+        self.first_skipped: tuple[int, str] | None = None  # (line, why) of the first line skipped
+        self._line = 0
+        self._partial = b""
+        self._overlong = False  # the line under way passed MAX_LINE_BYTES: skipped when it ends
+
+    def feed(self, data: bytes) -> list[Signal]:
+        """The rows of the lines `data` completes; an unfinished last line waits for the rest.
+        ValueError only for a first line that is not a trace's header (`columns` None)."""
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        rows = []
+        for line in lines:
+            if self._overlong:  # the end of a line whose start was already dropped
+                self._overlong = False
+                self._line += 1
+                self.skip(f"longer than {MAX_LINE_BYTES} bytes")
+            elif (row := self._take(line)) is not None:
+                rows.append(row)
+        if len(self._partial) > MAX_LINE_BYTES:  # not kept: a writer without newlines must not fill memory
+            self._partial, self._overlong = b"", True
+        return rows
+
+    def end(self) -> list[Signal]:
+        """The row of a last line without a newline (the file is complete)."""
+        return self.feed(b"\n") if self._partial or self._overlong else []
+
+    def skip(self, why: str) -> None:
+        """Count a line as skipped (also one its reader refuses for reasons of its own)."""
+        self.skipped += 1
+        if self.first_skipped is None:
+            self.first_skipped = (self._line, why)
+
+    def _take(self, line: bytes) -> Signal | None:
+        self._line += 1
+        line = line.rstrip(b"\r")  # csv writes \r\n
+        if not line.strip():
+            return None
+        try:
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"longer than {MAX_LINE_BYTES} bytes")
+            cells = next(csv.reader([line.decode()]))  # UnicodeDecodeError is a ValueError
+        except (ValueError, csv.Error) as e:
+            if self.columns is None:
+                raise ValueError(f"not a trace: its first line is no header ({e})") from None
+            self.skip(str(e))
+            return None
+        if self.columns is None:
+            missing = set(TRACE_COLUMNS) - set(cells)
+            if missing:
+                raise ValueError(f"not a trace: columns {sorted(missing)} are missing")
+            self.columns = tuple(cells)
+            return None
+        if cells[:1] == ["step"]:
+            return None  # a header
+        try:
+            if len(cells) != len(self.columns):
+                raise ValueError(f"{len(cells)} cells, not {len(self.columns)}")
+            return _row(dict(zip(self.columns, cells)))
+        except ValueError as e:
+            self.skip(str(e))
+            return None
+
+
+def read_trace(path: Path, parser: TraceParser | None = None) -> Iterator[Signal]:
+    """The signals of a trace file; malformed rows are skipped and counted in `parser`.
+    ValueError: the file is no trace (its header lacks a column)."""
+    parser = parser if parser is not None else TraceParser()
+    with open(path, "rb") as f:
+        try:
+            while chunk := f.read(1 << 20):
+                yield from parser.feed(chunk)
+            yield from parser.end()
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _row(cell: dict[str, str]) -> Signal:
+    """A row's cells as a Signal; ValueError names the first bad cell."""
+    seconds = _number(cell, "step_seconds")
+    if seconds is None or not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"step_seconds must be a non-negative number, got {_shown(cell, 'step_seconds')}")
+    tokens, sum_len_sq = _number(cell, "tokens"), _number(cell, "sum_len_sq")
+    for name, value in (("tokens", tokens), ("sum_len_sq", sum_len_sq)):
+        if value is not None and not (math.isfinite(value) and value >= 0):  # a workload, not a verdict
+            raise ValueError(f"{name} must be a non-negative number, got {_shown(cell, name)}")
+    share = _number(cell, "batch_share")
     if share is not None and not (math.isfinite(share) and share > 0):
-        raise ValueError(f"batch_share must be a positive number, got {row.get('batch_share')!r}")
-    return Signal(step=whole("step"), replica=whole("replica"), rank=whole("rank"), step_seconds=seconds,
-                  tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=loss, grad_norm=num("grad_norm"),
-                  finite=finite, fingerprint=int(fingerprint) if fingerprint else None, recovery=recovery,
+        raise ValueError(f"batch_share must be a positive number, got {_shown(cell, 'batch_share')}")
+    for name in ("finite", "recovery"):
+        if _text(cell, name) not in _BINARY:
+            raise ValueError(f"{name} must be 0, 1 or empty, got {_shown(cell, name)}")
+    loss = _number(cell, "loss")  # nan and inf are what the detectors look for
+    finite = _text(cell, "finite") != "0" if _text(cell, "finite") else (loss is None or math.isfinite(loss))
+    fingerprint = _text(cell, "fingerprint")
+    if fingerprint and not (_INTEGER.fullmatch(fingerprint) and -(2**63) <= int(fingerprint) < 2**63):
+        raise ValueError(f"fingerprint must be a 64-bit integer, got {_shown(cell, 'fingerprint')}")
+    return Signal(step=_index(cell, "step"), replica=_index(cell, "replica"), rank=_index(cell, "rank"),
+                  step_seconds=seconds, tokens=tokens, sum_len_sq=sum_len_sq, loss=loss,
+                  grad_norm=_number(cell, "grad_norm"), finite=finite,
+                  fingerprint=int(fingerprint) if fingerprint else None, recovery=_text(cell, "recovery") == "1",
                   batch_share=share)
+
+
+def _text(cell: dict[str, str], name: str) -> str:
+    return (cell.get(name) or "").strip()
+
+
+def _shown(cell: dict[str, str], name: str) -> str:
+    return repr(_text(cell, name)[:40])  # a cell can be 64 KiB long: the log gets its start
+
+
+def _number(cell: dict[str, str], name: str) -> float | None:
+    raw = _text(cell, name)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {_shown(cell, name)}") from None
+
+
+def _index(cell: dict[str, str], name: str) -> int:
+    raw = _text(cell, name)
+    if not (_INTEGER.fullmatch(raw) and 0 <= int(raw) <= MAX_INDEX):
+        raise ValueError(f"{name} must be an integer from 0 to 2^62 - 1, got {_shown(cell, name)}")
+    return int(raw)

@@ -8,17 +8,26 @@ batch of long documents. Here each rank has a predictor, `time ~ a*tokens + b*su
 fitted online by least squares with forgetting (a rank that reports no workload falls back to
 its running level, `c`), and a step's *ratio* is its busy time over the prediction.
 
-A step is slow when its rank's ratio exceeds `slow_factor` times the median ratio of the
-other ranks of the same step: a change that slows everybody (a bigger model phase, a shared
-filesystem) is nobody's fault. `slow_steps` slow steps in a row make a verdict. A slow step
-does not train the predictor, so a slowdown is not learnt as the new normal.
+A step is slow when its rank's ratio exceeds `slow_factor` times the step's *reference*: the
+median over the replicas of each replica's median ratio. A change that slows everybody (a
+bigger model phase, a shared filesystem) is nobody's fault. Each replica counts once and
+the median needs at least MIN_REPLICAS of them, so that one replica's figures (a liar's, or
+a broken clock's) can move the reference only within the range of the others': a replica
+that reports a busy time of zero cannot make the rest look slow. With fewer replicas
+reporting, a rank is judged by its own history only (its ratio against its own predictor),
+and the others' figures can only excuse it (every replica slow at once), never condemn it.
+`slow_steps` slow steps in a row make a verdict. A slow step does not train the predictor,
+so a slowdown is not learnt as the new normal.
 A rank's own predictor cannot see a rank that was slow from its first step (a replacement
 placed on a degraded GPU, or any rank after the coordinator restarted): it learns that speed
 as its normal. So each step is also judged against the *pool*, one predictor fitted on the
 normal steps of every rank: the rank's time over what the pool predicts for its workload,
-relative to the other ranks' same ratio, is the second measure, and the larger of the two
-counts (data-parallel ranks do the same work; a rank that is always slower than its peers
-for the same workload is slow). Steps in which
+relative to the same reference of that ratio, is the second measure, and the larger of the
+two counts (data-parallel ranks do the same work; a rank that is always slower than its
+peers for the same workload is slow). The pool compares ranks with each other, so it is used
+only with MIN_REPLICAS replicas reporting, and a step trains it only when its ratio lies
+within `slow_factor` of the reference either way (a replica reporting absurd times does
+not teach it what a step takes). Steps in which
 the rank also worked on a catch-up (serving or fetching state) are left out. When every
 rank of a replica is slow the verdict names the replica (rank None): its node or its
 network, not one GPU. A verdict carries the slowdown (the median relative ratio of the run
@@ -41,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from transom.detect.signals import DetectionSettings, Signal
 
 FORGET = 0.995  # the predictor's memory: about the last 200 steps weigh
+MIN_REPLICAS = 3  # replicas reporting a step before the others' figures can make a rank slow
 RIDGE = 1e-6
 
 
@@ -112,21 +122,34 @@ def _per_nominal_batch(s: Signal) -> Signal:
                    sum_len_sq=None if s.sum_len_sq is None else s.sum_len_sq * k)
 
 
-def _relative(ratios: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """Each rank's ratio over the median of the other ranks' ratios (its own when alone),
-    for all of them in one sort: a job's step has as many ranks as it has GPUs, and the
-    median of the others taken anew for each rank would cost n^2 per step."""
-    keys = sorted(ratios, key=ratios.__getitem__)
-    values = [ratios[k] for k in keys]
-    n = len(values)
-    if n == 1:
-        return {keys[0]: values[0]}
-    lo, hi = (n - 2) // 2, (n - 1) // 2  # the middle of the n - 1 others (one index when n - 1 is odd)
+def _reference(ratios: dict[tuple[int, int], float]) -> float | None:
+    """The median over the replicas of each replica's median ratio; None with fewer than
+    MIN_REPLICAS replicas. One value per replica, so a replica's number of ranks (or of rows)
+    weighs nothing, and a median of at least three values lies between two of them: one
+    replica cannot move it outside the range of the others."""
+    by_replica: dict[int, list[float]] = {}
+    for (replica, _), v in ratios.items():
+        by_replica.setdefault(replica, []).append(v)
+    if len(by_replica) < MIN_REPLICAS:
+        return None
+    return statistics.median(statistics.median(v) for v in by_replica.values())
 
-    def other(i: int, p: int) -> float:  # the i-th smallest of the values without the p-th
-        return values[i] if i < p else values[i + 1]
 
-    return {key: values[p] / ((other(lo, p) + other(hi, p)) / 2) for p, key in enumerate(keys)}
+def _relative(ratios: dict[tuple[int, int], float], slow_factor: float) -> dict[tuple[int, int], float]:
+    """Each rank's ratio over the step's reference (`_reference`), in one pass: a job's step
+    has as many ranks as it has GPUs. With fewer replicas than MIN_REPLICAS the ratio stands
+    as it is (against the rank's own predictor), unless every replica is slow at once: that
+    is the job's step, not a replica's fault."""
+    if not ratios:
+        return {}
+    ref = _reference(ratios)
+    if ref is None:
+        medians: dict[int, list[float]] = {}
+        for (replica, _), v in ratios.items():
+            medians.setdefault(replica, []).append(v)
+        everyone = all(statistics.median(v) > slow_factor for v in medians.values())
+        ref = min(statistics.median(v) for v in medians.values()) if everyone else 1.0
+    return {key: v / max(ref, 1e-12) for key, v in ratios.items()}
 
 
 @dataclass
@@ -174,7 +197,10 @@ class FailSlow:
                 ratios[(s.replica, s.rank)] = s.step_seconds / max(r.model.predict(s.tokens, s.sum_len_sq), 1e-9)
                 if pool_warm:
                     pooled[(s.replica, s.rank)] = s.step_seconds / max(self.pool.predict(s.tokens, s.sum_len_sq), 1e-9)
-        relative_own, relative_pool = _relative(ratios), _relative(pooled)
+        factor = self.settings.slow_factor
+        relative_own = _relative(ratios, factor)
+        # The pool compares ranks with each other: only against a reference one replica cannot move.
+        relative_pool = _relative(pooled, factor) if _reference(pooled) is not None else {}
         found, normal = [], []
         for s in signals:
             key = (s.replica, s.rank)
@@ -200,6 +226,9 @@ class FailSlow:
                 r.normal_run += 1
                 r.model.add(s.tokens, s.sum_len_sq, s.step_seconds)
                 normal.append(s)
+        # A step teaches the pool only when it is near the reference: a replica that reports
+        # absurd times, fast or slow, must not set what a step of this job takes.
+        normal = [s for s in normal if 1 / factor <= relative_pool.get((s.replica, s.rank), 1.0) <= factor]
         if normal:
             self.pool.age()
             for s in normal:
@@ -211,20 +240,28 @@ class FailSlow:
         return out
 
     def _measure_balance(self, signals: Sequence[Signal]) -> None:
-        """For each flagged replica, its busy time over the other replicas' (as they are, not per
-        nominal batch: 1 when its share makes it finish with them); every `slow_steps` steps
-        at one share the median goes to `updates`, which Rebalance adjusts the shares by. Steps
-        before its share changed say nothing about the new one: they are not counted."""
+        """For each flagged replica, its busy time over the replicas' median (as they are, not
+        per nominal batch: 1 when its share makes it finish with them); every `slow_steps`
+        steps at one share the median goes to `updates`, which Rebalance adjusts the shares by.
+        Steps before its share changed say nothing about the new one: they are not counted.
+        Each replica's time is its slowest rank's (it waits for it), and the median over all
+        of them, itself included, needs MIN_REPLICAS replicas: one other replica's figures
+        alone cannot resize anyone's share."""
+        busiest: dict[int, float] = {}
+        for s in signals:
+            busiest[s.replica] = max(busiest.get(s.replica, 0.0), s.step_seconds)
+        if len(busiest) < MIN_REPLICAS or statistics.median(busiest.values()) <= 0:
+            return
+        middle = statistics.median(busiest.values())
         for replica in self.flagged:
             mine = [s for s in signals if s.replica == replica]
-            others = [s.step_seconds for s in signals if s.replica != replica]
-            if not mine or mine[0].batch_share is None or not others or statistics.median(others) <= 0:
+            if not mine or mine[0].batch_share is None:
                 continue
             share, seen = self._balance.get(replica, (None, []))
             if share != mine[0].batch_share:
                 share, seen = mine[0].batch_share, []
                 self._balance[replica] = (share, seen)
-            seen.append(max(s.step_seconds for s in mine) / statistics.median(others))  # it waits for its slowest rank
+            seen.append(busiest[replica] / middle)
             if len(seen) >= self.settings.slow_steps:
                 self.updates[replica] = statistics.median(seen)
                 seen.clear()

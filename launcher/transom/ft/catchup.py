@@ -12,10 +12,11 @@ consumed them, the hyperparameters, whether the scaler skipped the step (`Record
 
 Meanwhile, in a background thread (`Joiner`), it fetches a snapshot of a committed step
 S from its sources' host memory (ft/transfer.py: chunks with checksums, from every source
-in parallel, resumed on the others when one dies), builds a *shadow* copy of the
-parameters and of the optimizer from it, and replays the recorded updates S, S+1, ... on
-the shadow. When the shadow has reached the step the replica is committing, the main
-thread swaps it in (parameter storage and optimizer state, no copy) and commits that step
+in parallel, resumed on the others when one dies; ft/sources.py: only a snapshot that fits
+its own model and that a majority of its sources serve), builds a *shadow* copy of the
+parameters and of the optimizer from it, verifies it if asked to (`verify`), and replays
+the recorded updates S, S+1, ... on the shadow. When the shadow has reached the step the
+replica is committing, the main thread swaps it in (parameter storage and optimizer state, no copy) and commits that step
 normally: the replica is bit-identical to the others and contributes from the next round.
 A transfer that outlasts many steps only means more records to replay, whose memory is
 bounded (`max_record_bytes`): past it the joiner drops its records and asks for a newer
@@ -25,7 +26,9 @@ A source (`Source`) takes its snapshot after a commit, when the coordinator asks
 newer than what it keeps: the host copy runs in the background during the next forward
 and backward (checkpoint/snapshot.py) and is awaited before the next optimizer step, the
 hashing after it; so a source never stops its own step for the joiner. It keeps one
-snapshot while anyone is catching up and drops it when nobody is.
+snapshot while anyone is catching up and drops it when nobody is. The snapshot holds the
+step and the model's and optimizer's state (`snapshot_part`): the rest the joiner took
+with the small state.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from transom.checkpoint import structure
 from transom.checkpoint.snapshot import Snapshot
 from transom.errors import IncompatibleState, WireError
 from transom.ft import transfer
+from transom.ft.expected import ExpectedState
+from transom.ft.sources import Sources
 from transom.ft.state_server import StateServer
 
 log = logging.getLogger("transom.ft")
@@ -54,6 +59,12 @@ def small_part(state: dict[str, Any]) -> dict[str, Any]:
     """`state` (ReplicaState.capture) without the model's and the optimizer's tensors."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in state["optimizer"]["param_groups"]]
     return {**{k: v for k, v in state.items() if k not in TENSOR_PARTS}, "param_groups": groups}
+
+
+def snapshot_part(state: dict[str, Any]) -> dict[str, Any]:
+    """What a source's snapshot holds of `state` (ReplicaState.capture): the step and the
+    model's and optimizer's state, all a shadow is built from (ft/expected.py expects this)."""
+    return {"step": state["step"], **{k: state[k] for k in TENSOR_PARTS}}
 
 
 def apply_small(small: dict[str, Any], optimizer: torch.optim.Optimizer, load_rest: Callable[[dict], int]) -> int:
@@ -157,16 +168,27 @@ class Joiner:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, token: str,
                  device: torch.device, rebuild: Callable | None, need_from: int, sources: list[str],
-                 timeout_s: float, max_record_bytes: int, gate: transfer.LinkGate | None = None):
-        """`gate`: the trainer's; the transfer uses the link only while the exchange does not."""
+                 timeout_s: float, max_record_bytes: int, gate: transfer.LinkGate | None = None,
+                 verify: Callable[[transfer.Manifest, Shadow], bool] | None = None):
+        """Make it on the training thread, in the round whose small state it took: `need_from`
+        is that state's step, committed by the sources. `gate`: the trainer's; the transfer
+        uses the link only while the exchange does not. `verify(manifest, shadow)`: called
+        on this thread once a snapshot's shadow is built, before anything is replayed on it;
+        False means it is not to be trusted: the sources that served it are dropped and
+        another snapshot is sought. An exception from it is a failed attempt (the snapshot
+        is fetched again); it is bounded by `timeout_s` like the rest."""
         self.model, self.optimizer, self.token, self.device = model, optimizer, token, device
-        self.gate = gate
+        self.gate, self.verify = gate, verify
         self.rebuild, self.timeout_s, self.max_record_bytes = rebuild, timeout_s, max_record_bytes
         self.need_from = need_from  # the snapshot must be of this step or later
+        self._committed = need_from  # the newest step known committed: no snapshot can be newer
+        self._want_newer = False  # the sources disagree: ask them for a newer snapshot at the next commit
         self.error: str | None = None
         self.fetched: list[tuple[int, int, float]] = []  # (step, bytes, seconds) per completed transfer
         self.recorded: list[int] = []  # the steps recorded, for statistics and fault injection
         self._endpoints: list[str] = list(sources)
+        # Before anything is fetched: the joiner's own tensors are what a snapshot must hold.
+        self.sources = Sources(self._sources, token, timeout_s, ExpectedState.of(model, optimizer))
         self._records: dict[int, Record] = {}
         self._record_bytes = 0
         self._shadow: Shadow | None = None
@@ -185,6 +207,15 @@ class Joiner:
         with self._cond:
             return list(self._endpoints)
 
+    def _bounds(self) -> tuple[int, int]:
+        """(the oldest step a snapshot may be of, the newest committed step)."""
+        with self._cond:
+            return self.need_from, self._committed
+
+    def _ask_newer(self) -> None:
+        with self._cond:
+            self._want_newer = True
+
     def ready_at(self, step: int) -> bool:
         """The shadow holds the state after `step` committed steps: swap it in now."""
         with self._cond:
@@ -193,6 +224,13 @@ class Joiner:
     def record(self, r: Record) -> None:
         with self._cond:
             self.recorded.append(r.step)
+            self._committed = max(self._committed, r.step + 1)
+            if self._want_newer:
+                # need_from goes into the next quorum request (catching_up_from): every source
+                # that keeps an older snapshot takes one at the same commit, and the honest
+                # ones then serve the same.
+                self._want_newer = False
+                self.need_from = max(self.need_from, r.step + 1)
             self._records[r.step] = r
             self._record_bytes += r.nbytes
             if self._record_bytes > self.max_record_bytes:
@@ -229,9 +267,9 @@ class Joiner:
         last_progress = time.monotonic()
         while not self._stop.is_set():
             with self._cond:
-                generation, need_from = self._generation, self.need_from
+                generation = self._generation
             try:
-                shadow = self._build(need_from)
+                shadow = self._build()
             except transfer.SnapshotChanged as e:
                 log.info("catch-up: %s; fetching the newer one", e)
                 continue
@@ -247,20 +285,30 @@ class Joiner:
             last_progress = time.monotonic()
             self._replay(shadow, generation)
 
-    def _build(self, need_from: int) -> Shadow:
+    def _build(self) -> Shadow:
         stopped = self._stop.is_set
-        manifest, sources = transfer.find_snapshot(self._sources, need_from, self.token, self.timeout_s, stopped)
-        late = [ep for ep in self._sources() if ep not in sources]  # still copying or hashing theirs
+        chosen = self.sources.find(self._bounds, stopped, self._ask_newer, verified=self.verify is not None)
+        manifest = chosen.manifest
         t0 = time.monotonic()
-        data = transfer.fetch(manifest, sources, self.token, self.timeout_s, stopped, late=late, gate=self.gate)
+        data = transfer.fetch(manifest, chosen.serving, self.token, self.timeout_s, stopped, late=chosen.late,
+                              gate=self.gate, max_manifest_bytes=self.sources.expected.max_manifest_bytes)
         self.fetched.append((manifest.step, manifest.total_bytes, time.monotonic() - t0))
         log.info("catch-up: snapshot of step %d (%.1f MB) from %d source(s) in %.2fs", manifest.step,
-                 manifest.total_bytes / 1e6, len(sources) + len(late), time.monotonic() - t0)
+                 manifest.total_bytes / 1e6, len(chosen.serving) + len(chosen.late), time.monotonic() - t0)
         t1 = time.monotonic()
-        state = transfer.assemble(manifest, data, self.device, self.rebuild)
-        if not isinstance(state, dict) or not set(TENSOR_PARTS) <= state.keys() or state.get("step") != manifest.step:
-            raise WireError("the snapshot is not a replica state of its step")
+        try:
+            state = transfer.assemble(manifest, data, self.device, self.rebuild)
+            if not isinstance(state, dict) or not set(TENSOR_PARTS) <= state.keys() \
+                    or state.get("step") != manifest.step:
+                raise WireError("the snapshot is not a replica state of its step")
+        except WireError as e:
+            self.sources.refuse(manifest, chosen.serving, f"its snapshot of step {manifest.step}: {e}")
+            raise
         shadow = Shadow(state, self.model, self.optimizer)
+        if self.verify is not None and not self.verify(manifest, shadow):
+            why = f"the snapshot of step {manifest.step} failed the verification"
+            self.sources.refuse(manifest, chosen.serving, why)
+            raise WireError(why)
         log.info("catch-up: shadow of step %d built in %.2fs", manifest.step, time.monotonic() - t1)
         return shadow
 
@@ -318,7 +366,7 @@ class Source:
         if self._publisher is not None and self._publisher.is_alive():
             return  # the previous one is still being hashed: take this one at the next commit
         self._publisher = None
-        tensors, self._skeleton = structure.flatten(capture(step), torch.is_tensor, self.localize)
+        tensors, self._skeleton = structure.flatten(snapshot_part(capture(step)), torch.is_tensor, self.localize)
         self._copy, self._copy_step, self._want = Snapshot(), step, None
         self._copy.start(tensors)
         log.info("taking a snapshot of step %d for a replica that catches up", step)

@@ -36,6 +36,7 @@ from transom.coordinator.models import (
 )
 
 log = logging.getLogger("transom.ft")
+COMPLETION_ROUND_S = 180.0  # the most close() waits for the round a completion needs
 
 
 class CoordinatorLink:
@@ -90,9 +91,20 @@ class CoordinatorLink:
             # new coordinator's first round gathers everyone at the steps they hold.
             log.warning("replica %d: coordinator does not know us (restarted?); registering again",
                         self.identity.replica_id)
-            self.client.register(self.registration)
+            self.client.register(self.registration.model_copy(update={"step": req.step}))
             return self.client.quorum(req.model_copy(update={"last_round": -1}), self.quorum_timeout_s,
                                       stopped=stopped)
+
+    def take_one_round(self, step: int, commit_quorum_id: int) -> None:
+        """Be answered by one round before completing the job: the coordinator takes a
+        completion only from a replica a round answered (claims.py), and a replica that
+        restored the job's target step trains no step. Never raises: a completion it then
+        refuses is the launcher's to see."""
+        req = QuorumRequest(identity=self.identity, step=step, commit_quorum_id=commit_quorum_id, last_round=-1)
+        try:  # a first round waits for every replica up to the coordinator's startup wait (60 s)
+            self.ask(req).result(timeout=min(self.quorum_timeout_s, COMPLETION_ROUND_S))
+        except Exception as e:
+            log.warning("replica %d: no round before completing the job: %s", self.identity.replica_id, e)
 
     def report_checkpoint(self, step: int, uri: str, stall_s: float | None) -> None:
         self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri,
@@ -135,12 +147,11 @@ def coordinator_view(client: CoordinatorClient, replica_id: int) -> tuple[int | 
     """(the newest step a healthy peer reported, the newest checkpoint the coordinator
     recorded committed); None for what is unknown."""
     try:
-        status = client.status(timeout_s=5.0)
+        progress = client.progress(timeout_s=5.0)
     except Exception as e:  # no answer: restore, which is always correct
-        log.warning("replica %d: coordinator status unavailable (%s); restoring the checkpoint", replica_id, e)
+        log.warning("replica %d: coordinator progress unavailable (%s); restoring the checkpoint", replica_id, e)
         return None, None
-    steps = [r.step for r in status.replicas if r.state == "healthy" and r.replica_id != replica_id]
-    return max(steps, default=None), status.last_checkpoint
+    return progress.peer_step, progress.last_checkpoint
 
 
 def close_failure_reason(step: int, num_steps: int | None) -> str:

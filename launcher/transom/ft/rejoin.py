@@ -60,7 +60,7 @@ class Rejoin:
             return None
         small, error = None, ftar.error
         if not ftar.failed:
-            small, error = take_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.coordinator_token,
+            small, error = take_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.peer_token,
                                       self.config.recovery_timeout_s)
         # Every rank of the replica starts catching up, or none does (the step again).
         if not self.ctx.all_ok(small is not None):
@@ -68,7 +68,7 @@ class Rejoin:
             return None
         step = apply_small(small, self.optimizer, self.state.apply_small)
         rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
-        self.joiner = Joiner(self.model, self.optimizer, self.ctx.env.coordinator_token, self.device, rebuild,
+        self.joiner = Joiner(self.model, self.optimizer, self.ctx.env.peer_token, self.device, rebuild,
                              q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes,
                              self.gate)
         log.info("replica %d rank %d catching up from step %d", self.replica_id, self.ctx.rank, step)

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_DETECTION, ENV_STATS_DIR
 from transom.detect.signals import DetectionSettings
-from transom.coordinator.client import CoordinatorClient, Evicted
+from transom.coordinator.client import CoordinatorClient, Evicted, credential
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject
 from transom.checkpoint import sharding
@@ -126,7 +126,7 @@ class FaultTolerant:
         promoted_at = time.monotonic()
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
-        self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token)
+        self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
         self.fault = inject.from_environ(env.attempt)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=extra_state)
@@ -171,7 +171,7 @@ class FaultTolerant:
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
         on_chunk = (lambda n: self.fault.maybe_fire(n, self.ctx.rank, "serve")) if self.fault else None
-        self._state_server = StateServer(env.coordinator_token, bind, env.advertise_addr,
+        self._state_server = StateServer(env.peer_token, bind, env.advertise_addr,
                                          bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
         self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
         self._exchange_gate = LinkGate(self.config.recovery_yields)  # busy while gradients move
@@ -187,7 +187,7 @@ class FaultTolerant:
                 bind, 0, is_master=True, wait_for_workers=False, use_libuv=True,
                 timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
             )
-            registration = RegisterRequest(identity=self.identity, state_endpoints=endpoints,
+            registration = RegisterRequest(identity=self.identity, state_endpoints=endpoints, step=self.step,
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
             self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
@@ -526,6 +526,8 @@ class FaultTolerant:
             # A replica that fails saves nothing and does not wait for the checkpoint in flight.
             self.checkpoints.close(self.step if completed else None, self._writers, wait=not failed)
         if self._link is not None:
+            if completed and self._last_round < 0:  # e.g. restored at the target: no round answered it yet
+                self._link.take_one_round(self.step, self._commit_quorum_id)
             leave = None
             if completed or self.completed_elsewhere:
                 reason = "job completed elsewhere" if self.completed_elsewhere else \

@@ -13,7 +13,8 @@ replicas are bit-identical, so every source of one step serves the same bytes un
 same digests: the joiner fetches chunks from all of them in parallel, checks each against
 the manifest, and when a source dies or serves a bad chunk it takes the remaining chunks
 from the others (`fetch`). A snapshot replaced mid-transfer restarts the fetch on the new
-one (`SnapshotChanged`).
+one (`SnapshotChanged`). Which snapshot a joiner fetches, and from whom, ft/sources.py
+decides: a manifest is checked against the joiner's own state and served by a majority.
 """
 
 from __future__ import annotations
@@ -183,52 +184,35 @@ def assemble(manifest: Manifest, data: bytearray | memoryview, device: torch.dev
 
 
 # --- the joiner's side -----------------------------------------------------------------------------
-def http_get(endpoint: str, path: str, token: str, timeout_s: float) -> tuple[int, bytes]:
+def http_get(endpoint: str, path: str, token: str, timeout_s: float,
+             max_bytes: int | None = None) -> tuple[int, bytes]:
+    """(status, body); WireError for a body longer than `max_bytes`, which is not read."""
     url = urllib.parse.urlsplit(endpoint)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     try:
         conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
         resp = conn.getresponse()
-        return resp.status, resp.read()
+        if max_bytes is None:
+            return resp.status, resp.read()
+        if (resp.length or 0) > max_bytes:
+            raise WireError(f"{endpoint}{path}: an answer of {resp.length} bytes, more than the {max_bytes} expected")
+        body = resp.read(max_bytes + 1)
+        if len(body) > max_bytes:
+            raise WireError(f"{endpoint}{path}: an answer of more than the {max_bytes} bytes expected")
+        return resp.status, body
     finally:
         conn.close()
 
 
-def manifest_of(endpoint: str, token: str, timeout_s: float) -> Manifest | None:
+def manifest_of(endpoint: str, token: str, timeout_s: float,
+                max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest | None:
     """The snapshot `endpoint` serves now, None if it serves none (yet)."""
-    status, body = http_get(endpoint, "/snapshot", token, timeout_s)
+    status, body = http_get(endpoint, "/snapshot", token, timeout_s, max_bytes)
     if status == 404:
         return None
     if status != 200:
         raise WireError(f"{endpoint}/snapshot answered {status}: {body[:200]!r}")
     return parse_manifest(body)
-
-
-def find_snapshot(endpoints: Callable[[], Sequence[str]], need_from: int, token: str, timeout_s: float,
-                  stopped: Callable[[], bool] = lambda: False) -> tuple[Manifest, list[str]]:
-    """Poll the sources (`endpoints()`, asked again each time: they change as peers come and
-    go) until they serve a snapshot of a step >= `need_from`: its manifest and the endpoints
-    that serve exactly it (the most of them, if sources disagree)."""
-    deadline = time.monotonic() + timeout_s
-    last = "no source known"
-    while not stopped():
-        found: dict[tuple, tuple[Manifest, list[str]]] = {}
-        for ep in endpoints():
-            try:
-                m = manifest_of(ep, token, min(10.0, timeout_s))
-            except (OSError, WireError, http.client.HTTPException) as e:
-                last = f"{ep}: {e}"
-                continue
-            if m is None or m.step < need_from:
-                last = f"{ep}: no snapshot of step >= {need_from} yet"
-                continue
-            found.setdefault((m.step, tuple(m.digests)), (m, []))[1].append(ep)
-        if found:
-            return max(found.values(), key=lambda f: (len(f[1]), f[0].step))
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"no snapshot of step >= {need_from} within {timeout_s:g}s: {last}")
-        time.sleep(0.05)
-    raise InterruptedError("stopped")
 
 
 def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: float, view: memoryview) -> None:
@@ -254,11 +238,13 @@ def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: floa
         raise WireError(f"chunk {i}: checksum mismatch")
 
 
-def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
+def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: Callable[[], bool],
+            max_bytes: int) -> bool:
     """Wait until a source that had no snapshot yet serves this one (sources of one step
-    publish within a moment of each other); False if it serves another or gives up."""
+    publish within a moment of each other); False if it serves another or gives up. Only
+    its chunks are taken, checked against `manifest`'s digests."""
     while not give_up():
-        m = manifest_of(ep, token, timeout_s)
+        m = manifest_of(ep, token, timeout_s, max_bytes)
         if m is not None:
             return m.step == manifest.step and m.digests == manifest.digests
         time.sleep(0.05)
@@ -291,10 +277,12 @@ class LinkGate:
 
 def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: float,
           stopped: Callable[[], bool] = lambda: False, per_source: int = 2,
-          late: Sequence[str] = (), gate: LinkGate | None = None) -> bytearray:
+          late: Sequence[str] = (), gate: LinkGate | None = None,
+          max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> bytearray:
     """Every chunk of `manifest`, each from whichever source is free, checked against its digest.
 
-    `late` sources had no snapshot yet: they join the transfer once they serve this one. A
+    `late` sources had no snapshot yet: they join the transfer once they serve this one
+    (a manifest of at most `max_manifest_bytes`). A
     source that fails (connection, status, digest) is dropped and its chunk goes back to
     the queue for the others. `gate`: each chunk is asked for only while the link is free.
     SnapshotChanged when the sources answer that the step is gone; TimeoutError when no
@@ -315,7 +303,8 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
 
     def worker(ep: str, is_late: bool) -> None:
         try:
-            if is_late and not _serves(ep, manifest, token, timeout_s, lambda: done.is_set() or stopped()):
+            if is_late and not _serves(ep, manifest, token, timeout_s, lambda: done.is_set() or stopped(),
+                                       max_manifest_bytes):
                 return
         except (OSError, WireError, http.client.HTTPException) as e:
             log.warning("state transfer: source %s dropped before it served: %s", ep, e)

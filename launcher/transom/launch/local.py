@@ -21,6 +21,11 @@ starts on that recovery path. The new spare is started once the replica it repla
 caught up (or after REFILL_WAIT_S): on one machine its start-up (imports, the model's build)
 would take the cores the catch-up and the healthy replicas need; on Kubernetes the
 operator refills at once, on other nodes.
+
+Nothing the run started outlives it. Each launcher stops its workers and whatever they
+started (launch/processes.py); the runner is the subreaper of every process below it, so
+what a launcher that was SIGKILLed could not stop (a worker's `setsid` child) is
+re-parented to the runner and stopped when the run ends.
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
+from transom.coordinator.identity import ReplicaKeys
 from transom.coordinator.membership import Settings
 from transom.defaults import LOCAL, heartbeat_interval_s
 from transom.detect.signals import DetectionSettings, read_trace, write_trace
 from transom.inject import Fault
-from transom.launch import gpus
+from transom.launch import gpus, processes
 from transom.launch.supervisor import check_command
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.display import Display, closing_table, progress_line
-from transom.launch.summary import replica_rows, summarize
+from transom.launch.summary import finite_json, replica_rows, summarize
 
 REFILL_WAIT_S = 60.0  # the longest a used spare waits to be replaced while a replica catches up
 
@@ -128,7 +134,12 @@ class LocalRun:
             heartbeat_interval_s=heartbeat_interval_s(config.heartbeat_timeout_s),
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
-        self.coordinator = CoordinatorThread(settings, self.token,
+        # Each launcher gets a key that speaks for its own replica only (coordinator/identity.py);
+        # the job's token stays in this process. The keys live in a directory of their own.
+        self.keys = ReplicaKeys("local")
+        self.peer_token = secrets.token_urlsafe(24)
+        self._identity_dir = Path(tempfile.mkdtemp(prefix="transom-identity-"))
+        self.coordinator = CoordinatorThread(settings, self.token, replica_keys=self.keys,
                                              detection=DetectionSettings.from_spec(config.detection))
         self.launchers: dict[int, subprocess.Popen] = {}
         self.generation: dict[int, int] = {}
@@ -178,7 +189,7 @@ class LocalRun:
                 contract.ENV_NNODES: "1",
                 contract.ENV_NPROC_PER_NODE: str(self.config.nproc_per_replica),
                 contract.ENV_COORDINATOR_URL: self.coordinator.url,
-                contract.ENV_COORDINATOR_TOKEN: self.token,
+                contract.ENV_PEER_TOKEN: self.peer_token,
                 contract.ENV_STATS_DIR: str(self.stats_dir),
                 contract.ENV_SIGNALS_DIR: str(self.stats_dir / "signals"),
                 contract.ENV_COLLECTIVE_TIMEOUT: str(self.config.collective_timeout_s),
@@ -189,7 +200,7 @@ class LocalRun:
             }
         )
         for var in (contract.ENV_REPLICA_ID, contract.ENV_REPLICA_GENERATION, contract.ENV_SPARE_ID,
-                    contract.ENV_PODINFO_DIR, contract.ENV_FAULT):
+                    contract.ENV_PODINFO_DIR, contract.ENV_FAULT, contract.ENV_COORDINATOR_TOKEN):
             env.pop(var, None)
         if self.config.devices[slot] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
@@ -217,6 +228,9 @@ class LocalRun:
         env = self._pod_env(replica)
         env[contract.ENV_REPLICA_ID] = str(replica)
         env[contract.ENV_REPLICA_GENERATION] = str(generation)
+        key_file = self._identity_dir / f"replica-{replica}-g{generation}"
+        self._write_key(key_file, replica, generation)
+        env[contract.ENV_IDENTITY_TOKEN_FILE] = str(key_file)
         faults = self.faults.get(replica, []) if generation == 0 else []
         env[contract.ENV_FAULT] = ";".join(faults)
         self.launchers[replica] = self._launch(env, replica)
@@ -233,6 +247,8 @@ class LocalRun:
         env = self._pod_env(self.config.replicas + spare_id)
         env[contract.ENV_SPARE_ID] = str(spare_id)
         env[contract.ENV_PODINFO_DIR] = str(podinfo)
+        # Empty until promotion, as a spare pod's token names no replica until its relabel.
+        env[contract.ENV_IDENTITY_TOKEN_FILE] = str(self._identity_dir / f"spare-{spare_id}-g{generation}")
         self.spares[spare_id] = (self._launch(env, f"spare-{spare_id}-g{generation}"), podinfo)
 
     def _promote_for_failures(self) -> bool:
@@ -278,6 +294,8 @@ class LocalRun:
             return True
         spare_id = min(self.spares)
         proc, podinfo = self.spares.pop(spare_id)
+        # Its key first: the labels are what make it act as the replica.
+        self._write_key(self._identity_dir / f"spare-{spare_id}-g{self._spare_generation[spare_id]}", replica, gen)
         _write_labels(podinfo, {contract.LABEL_JOB: "local", contract.LABEL_REPLICA: str(replica),
                                 contract.LABEL_GENERATION: str(gen)})
         self.launchers[replica], self.generation[replica] = proc, gen
@@ -286,6 +304,15 @@ class LocalRun:
         self.say(f"replica {replica} {why}; spare {spare_id} takes over as generation {gen}")
         self._refills[spare_id] = (time.monotonic(), replica)
         return True
+
+    def _write_key(self, path: Path, replica: int, generation: int) -> None:
+        """The replica key of (`replica`, `generation`) at `path`, readable by its owner only,
+        replaced at once (a launcher reads it again when it changes)."""
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.keys.mint(replica, generation))
+        tmp.rename(path)
 
     def _refill_spares(self) -> None:
         """Start the spares used up, once the replica each took over has caught up (a member
@@ -382,6 +409,10 @@ class LocalRun:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:  # stuck in the kernel: the others still get stopped
                     self.say(f"launcher pid {proc.pid} did not end after SIGKILL")
+        # A launcher SIGKILLed (here or by anyone) could not stop what its workers started outside
+        # their process groups: this process adopted it (a subreaper) and stops it now.
+        if not processes.kill_descendants():
+            self.say("processes the replicas started survive SIGKILL")
 
     def run(self) -> int:
         handler = None
@@ -398,6 +429,7 @@ class LocalRun:
                 handler.close()
             for f in self._log_files:
                 f.close()
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
 
     @staticmethod
     def _log_to_file(path: Path) -> logging.Handler:
@@ -410,6 +442,7 @@ class LocalRun:
         return handler
 
     def _run(self) -> int:
+        processes.adopt_orphans()  # so that _stop_launchers finds what a killed launcher left
         self.coordinator.start()
         self.say(
             f"coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
@@ -450,9 +483,9 @@ class LocalRun:
         self.display.end_live()
         for line in closing_table(rows):
             self.display.write(line)
-        self.say("summary " + json.dumps({k: v for k, v in summary.items() if k not in ("events", "logs")}))
+        self.say("summary " + finite_json({k: v for k, v in summary.items() if k not in ("events", "logs")}))
         if self.config.summary_json:
-            Path(self.config.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+            Path(self.config.summary_json).write_text(finite_json(summary, indent=2) + "\n")
         return exit_code
 
 

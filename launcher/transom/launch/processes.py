@@ -5,7 +5,13 @@ the launcher signals the whole group: whatever the worker started (DataLoader wo
 shell it ran) goes with it, also when the worker itself is already gone. On Linux a child
 also asks the kernel to signal it when its parent dies (`PR_SET_PDEATHSIG`), so that a
 launcher or a `transom run` that is SIGKILLed (nothing of its own can run then) does not
-leave workers training for nobody. Pure standard library, no torch.
+leave workers training for nobody.
+
+A worker's child can leave its process group (`setsid`, a daemonizing double fork), and the
+group's signals then miss it. So the launcher and `transom run` make themselves child
+subreapers (`PR_SET_CHILD_SUBREAPER`): a process that loses its parent is re-parented to
+them rather than to PID 1, and stays their descendant, and `kill_descendants` stops every
+descendant found by walking the parent pids in /proc. Pure standard library, no torch.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -51,6 +58,13 @@ def follow_parent(expected_parent: int, sig: int = signal.SIGTERM) -> bool:
     return os.getppid() == expected_parent  # after prctl: a parent that died before is seen here
 
 
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants: one whose parent dies is
+    re-parented here, not to PID 1, so `kill_descendants` still finds it. False off Linux."""
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to every process of group `pgid`; False if the group is empty."""
     try:
@@ -62,17 +76,24 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def _stat(pid: int) -> tuple[int, int, str, str] | None:
+    """(parent pid, process group, state, start time) of `pid`, from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[2]), fields[0], fields[19]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """`_stat` of every process (Linux)."""
+    found = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
+    return {pid: info for pid, info in found.items() if info is not None}
+
+
 def group_members(pgid: int) -> list[tuple[int, int, str]]:
     """(pid, parent pid, state) of every process in group `pgid`, from /proc (Linux)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid:
-            out.append((int(stat.parent.name), int(fields[1]), fields[0]))
-    return out
+    return [(pid, parent, state) for pid, (parent, group, state, _) in _processes().items() if group == pgid]
 
 
 def group_alive(pgid: int) -> bool:
@@ -102,3 +123,70 @@ def kill_group(pgid: int, timeout_s: float = 5.0) -> bool:
             except ChildProcessError:
                 pass
     return True
+
+
+def descendants(root: int, table: dict[int, tuple[int, int, str, str]] | None = None) -> set[int]:
+    """Every process whose chain of parents leads to `root` (not `root` itself)."""
+    table = _processes() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (parent, *_) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    frontier = [root]
+    while frontier:
+        new = [c for pid in frontier for c in children.get(pid, ()) if c not in found]
+        found.update(new)
+        frontier = new
+    return found
+
+
+def kill_descendants(timeout_s: float = 5.0) -> bool:
+    """SIGKILL every descendant of this process and wait until none runs; False if one
+    outlived timeout_s. Call it once the children it waits for itself (Popen) have been
+    waited for: the zombies among its children, orphans it adopted, are reaped here.
+    Nothing on a system without /proc."""
+    if not Path("/proc").is_dir():
+        return True
+    me, deadline = os.getpid(), time.monotonic() + timeout_s
+    while True:
+        table = _processes()
+        running = [pid for pid in descendants(me, table) if table[pid][2] != "Z"]
+        if not running:
+            break
+        if time.monotonic() > deadline:
+            return False
+        for pid in running:  # a process forked meanwhile is found on the next pass
+            _kill_exact(pid, table[pid][3])
+        time.sleep(0.02)
+    for pid, (parent, _, state, _) in _processes().items():
+        if parent == me and state == "Z":
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return True
+
+
+def _kill_exact(pid: int, start: str) -> None:
+    """SIGKILL `pid` if it is still the process that started at `start`: the pid of one that
+    ended meanwhile may already be someone else's. A pidfd makes the check and the kill one
+    process; without one (Linux before 5.3) only a moment is left between them."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:
+        fd = None
+    try:
+        info = _stat(pid)
+        if info is None or info[3] != start:
+            return
+        if fd is None:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:  # gone meanwhile, or not ours to signal (another user's)
+        pass
+    finally:
+        if fd is not None:
+            os.close(fd)

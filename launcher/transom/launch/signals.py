@@ -6,6 +6,8 @@ reads what is new, and at most once a second posts it to the coordinator as one 
 the pod (`POST /v1/signals`), where the detectors run; less often when the coordinator's
 answer says so (a job with thousands of pods: transom/detect/signals.py `post_interval`). Rows wait in a bounded buffer while
 the coordinator is away (the oldest are dropped first: the detectors judge recent steps).
+The file is the worker's script's to write: a line that is no row (any bytes) is skipped,
+counted, and reported in a warning at most once a minute; the launcher goes on.
 
 The hang watchdog: a worker that has reported a step, and then reports none for
 `hang_timeout_s` while not waiting for others (its quorum, the exchange, the votes: each wait
@@ -18,8 +20,6 @@ replica like any failure.
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import os
 import signal
@@ -29,16 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.coordinator.client import CoordinatorClient
-from transom.errors import CoordinatorError
+from transom.errors import CoordinatorError, TooManyRequests
 from transom.coordinator.models import Identity, SignalBatch, SignalRow
 from transom.detect.signals import (FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S, OPTIONAL_COLUMNS, TRACE_COLUMNS,
-                                    DetectionSettings)
+                                    DetectionSettings, Signal, TraceParser)
 
 log = logging.getLogger("transom.launch")
 MAX_BUFFERED_ROWS = 20_000
 MAX_BATCH_ROWS = 4096
+LATER_S = 0.5  # after a 429, the last flush of an attempt tries again this much later
+LAST_FLUSH_PATIENCE_S = 3.0
 STACKS_WAIT_S = 3.0
 MAX_STACKS_CHARS = 16_000
+MAX_READ_BYTES = 1 << 20  # of one worker's file per poll
+SKIPPED_WARNING_INTERVAL_S = 60.0  # a script that writes garbage every step gets a line a minute, not one a step
 COLUMNS = (*TRACE_COLUMNS, *OPTIONAL_COLUMNS)
 
 
@@ -46,9 +50,20 @@ COLUMNS = (*TRACE_COLUMNS, *OPTIONAL_COLUMNS)
 class _Worker:
     rank: int
     offset: int = 0
-    partial: str = ""
     last_step: int = -1
     progress_at: float | None = None  # when it last reported a step (None: not yet)
+
+    def __post_init__(self) -> None:
+        self.parser = TraceParser(COLUMNS)  # holds an unfinished last line until the rest comes
+        self.skipped_reported = 0  # of parser.skipped, in a warning
+
+
+def _row(signal: Signal) -> SignalRow:
+    """What the coordinator takes (ValueError: out of its bounds, e.g. a rank id past 2^20)."""
+    return SignalRow(step=signal.step, rank=signal.rank, step_seconds=signal.step_seconds, tokens=signal.tokens,
+                     sum_len_sq=signal.sum_len_sq, loss=signal.loss, grad_norm=signal.grad_norm,
+                     finite=signal.finite, fingerprint=signal.fingerprint, recovery=signal.recovery,
+                     batch_share=signal.batch_share)
 
 
 @dataclass(frozen=True)
@@ -56,24 +71,6 @@ class Hang:
     rank: int
     step: int  # the step it did not finish
     stalled_s: float
-
-
-def _row(line: str) -> SignalRow | None:
-    values = next(csv.reader(io.StringIO(line)))
-    if values[:1] == ["step"]:
-        return None  # the header
-    if len(values) != len(COLUMNS):
-        raise ValueError(f"{len(values)} columns, not {len(COLUMNS)}")
-    cell = dict(zip(COLUMNS, values))
-
-    def num(name: str) -> float | None:
-        return float(cell[name]) if cell[name] else None
-
-    return SignalRow(step=int(cell["step"]), rank=int(cell["rank"]), step_seconds=float(cell["step_seconds"]),
-                     tokens=num("tokens"), sum_len_sq=num("sum_len_sq"), loss=num("loss"),
-                     grad_norm=num("grad_norm"), finite=cell["finite"] != "0",
-                     fingerprint=int(cell["fingerprint"]) if cell["fingerprint"] else None,
-                     recovery=cell["recovery"] == "1", batch_share=num("batch_share"))
 
 
 class SignalForwarder:
@@ -88,6 +85,7 @@ class SignalForwarder:
         self._next_post = 0.0
         self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
+        self._next_skipped_warning = 0.0
 
     def _name(self, rank: int) -> str:
         i = self.identity
@@ -104,26 +102,33 @@ class SignalForwarder:
     def _read(self, w: _Worker, now: float) -> None:
         path = self.dir / f"signals-{self._name(w.rank)}.csv"
         try:
-            with open(path, newline="") as f:
+            with open(path, "rb") as f:  # bytes: the script may have written anything
                 f.seek(w.offset)
-                chunk = f.read(1 << 20)
+                chunk = f.read(MAX_READ_BYTES)
                 w.offset = f.tell()
         except OSError:
             return  # not started yet
-        lines = (w.partial + chunk).split("\n")
-        w.partial = lines.pop()  # an unfinished last line waits for the rest
-        for line in filter(None, (x.strip("\r") for x in lines)):
+        for parsed in w.parser.feed(chunk):
             try:
-                row = _row(line)
-            except (ValueError, StopIteration) as e:
-                log.warning("rank %d wrote a malformed signal row (%s): %r", w.rank, e, line[:200])
+                row = _row(parsed)
+            except ValueError as e:  # a row, but not one the coordinator takes
+                w.parser.skip(" ".join(str(e).split()))
                 continue
-            if row is not None:
-                w.last_step, w.progress_at = row.step, now
-                self._buffer.append(row)
+            w.last_step, w.progress_at = row.step, now
+            self._buffer.append(row)
+        self._report_skipped(w, now)
         if len(self._buffer) > MAX_BUFFERED_ROWS:
             self._dropped += len(self._buffer) - MAX_BUFFERED_ROWS
             del self._buffer[: len(self._buffer) - MAX_BUFFERED_ROWS]
+
+    def _report_skipped(self, w: _Worker, now: float) -> None:
+        new = w.parser.skipped - w.skipped_reported
+        if new and now >= self._next_skipped_warning:
+            _, why = w.parser.first_skipped or (0, "")
+            log.warning("rank %d: skipped %d malformed signal row(s) of its signals file (%d in all; the first: %s)",
+                        w.rank, new, w.parser.skipped, why[:200])
+            w.skipped_reported = w.parser.skipped
+            self._next_skipped_warning = now + SKIPPED_WARNING_INTERVAL_S
 
     def _waiting(self, rank: int) -> bool:
         try:
@@ -141,13 +146,20 @@ class SignalForwarder:
                 return Hang(w.rank, w.last_step + 1, now - w.progress_at)
         return None
 
-    def flush(self, stacks: str | None = None) -> None:
-        """Post what is buffered (and `stacks`); rows stay buffered if the coordinator is away."""
+    def flush(self, stacks: str | None = None, patience_s: float = 0.0) -> None:
+        """Post what is buffered (and `stacks`); rows stay buffered if the coordinator is away
+        or asks for them later (429), which an attempt's last flush waits out for `patience_s`."""
+        deadline = time.monotonic() + patience_s
         while self._buffer or stacks:
             rows = self._buffer[:MAX_BATCH_ROWS]
             try:
                 asked = self.client.report_signals(SignalBatch(identity=self.identity, node_rank=self.node_rank,
                                                                rows=rows, stacks=stacks), timeout_s=2.0)
+            except TooManyRequests:
+                if time.monotonic() + LATER_S > deadline:
+                    return  # its pace: the rows go with the next post
+                time.sleep(LATER_S)
+                continue
             except CoordinatorError as e:
                 if e.status not in (404, 409, 410):  # else: the coordinator will not judge this incarnation
                     log.warning("could not forward %d signal rows: %s", len(rows), e)

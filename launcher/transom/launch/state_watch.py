@@ -25,6 +25,7 @@ import logging
 import random
 import socket
 import threading
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from transom.coordinator.client import replica_state_path
@@ -37,12 +38,14 @@ CONNECT_TIMEOUT_S = 5.0  # beyond the poll's own wait
 
 
 class StateWatch:
-    def __init__(self, url: str, token: str, identity: Identity, wait_s: float = WAIT_S):
+    def __init__(self, url: str, token: str | Callable[[], str], identity: Identity, wait_s: float = WAIT_S):
+        """`token`: the bearer credential, or a function that returns the current one."""
         split = urlsplit(url)
         self._https = split.scheme == "https"
         self._host, self._port = split.hostname or "127.0.0.1", split.port
         self._base = split.path.rstrip("/")
-        self._token, self._identity, self._wait_s = token, identity, wait_s
+        self._token = token if callable(token) else (lambda: token)
+        self._identity, self._wait_s = identity, wait_s
         self._stopped = threading.Event()
         self._conn: http.client.HTTPConnection | None = None
         self.latest: ReplicaState | None = None
@@ -94,7 +97,7 @@ class StateWatch:
                 return None
             wait_s = random.uniform(self._wait_s / 2, self._wait_s) if known else 0.0
             path = self._base + replica_state_path(self._identity, known, round(wait_s, 1))
-            conn.request("GET", path, headers={"Authorization": f"Bearer {self._token}"})
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self._token()}"})
             resp = conn.getresponse()
             body = resp.read()
             if resp.status != 200:

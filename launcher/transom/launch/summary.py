@@ -8,12 +8,14 @@ the failures of others: for each such replica, the excess over its normal step t
 every step that was disrupted (run under a changed quorum, discarded, or run again after a
 discarded one), not counting its first step (start-up); the figure is the largest over
 those replicas. `final_loss` is the mean training loss of the last 10 committed steps,
-averaged over replicas.
+averaged over replicas. A figure that is not finite (the loss of a run that diverged) is
+written null: NaN and Infinity are not JSON (`finite_json`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -104,6 +106,21 @@ def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, 
         "wall_seconds": round(wall_seconds, 3),
         "replicas_finished": len(finished),
     }
+
+
+def finite_json(value: object, indent: int | None = None) -> str:
+    """`value` as JSON, every non-finite float in it as null."""
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ their stacks in the log (launch/signals.py). SIGTERM/SIGINT (the pod is going) a
 to the coordinator as the replica's failure, then forwarded to the workers. Each worker is
 the leader of a process group of its own, and signals go to the whole group: whatever a
 worker started is stopped with it, and after every attempt (however it ended) nothing of
-its groups is left running (processes.py). Workers also die with the launcher itself.
+its groups is left running, nor anything that left them (a `setsid` child: the launcher is
+the subreaper of its workers' descendants; processes.py). Workers also die with the
+launcher itself.
 
 Workers that all exit 0 have finished only if the job is complete: the launcher asks the
 coordinator, and workers that stopped before a replica completed the job (a script that
@@ -44,11 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
-from transom.coordinator.client import CoordinatorClient
+from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
 from transom.detect.signals import DetectionSettings
 from transom.launch import processes, spare
-from transom.launch.signals import SignalForwarder
+from transom.launch.signals import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
 
 log = logging.getLogger("transom.launch")
@@ -117,7 +119,7 @@ def restart_delay_s(attempt: int, backoff_s: float) -> float:
     """How long to wait before starting `attempt`: the first restart at once (it is on the
     recovery path, and nothing says yet that restarting fails), then `backoff_s` doubling
     per attempt up to 30 s, so that a script that crashes at once does not spin."""
-    return 0.0 if attempt <= 1 else min(backoff_s * 2 ** (attempt - 2), 30.0)
+    return 0.0 if attempt <= 1 else min(backoff_s * 2.0 ** min(attempt - 2, 64), 30.0)  # 2**1024: OverflowError
 
 
 def describe_exit(code: int) -> str:
@@ -139,7 +141,8 @@ class Launcher:
         # What every worker starts with; a promotion sets its identity.
         self._environ = dict(os.environ if environ is None else environ)
         self._podinfo = spare.podinfo_dir(self._environ) if env.is_spare else None  # while a spare
-        self.client = CoordinatorClient(env.coordinator_url, env.coordinator_token, timeout_s=10)
+        self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token),
+                                        timeout_s=10)
         self.workers: list[subprocess.Popen] = []
         self._signal: int | None = None
         # Where the workers write their step signals (ft/guard.py); ours unless given.
@@ -226,7 +229,8 @@ class Launcher:
 
     def _stop_workers(self, first: int, grace_s: float) -> None:
         """Send `first` to every worker's process group, then SIGKILL whatever of the groups
-        still runs after grace_s (at once for workers that already exited)."""
+        still runs after grace_s (at once for workers that already exited), and every other
+        descendant of the launcher."""
         for w in self.workers:
             if w.poll() is None:
                 processes.signal_group(w.pid, first)
@@ -240,6 +244,9 @@ class Launcher:
                 log.error("%s: processes of worker %d's group survive SIGKILL", self.who, w.pid)
             w.wait(timeout=10)
         self.workers = []
+        # What left the groups (setsid, a daemon's double fork) is still below this process.
+        if not processes.kill_descendants():
+            log.error("%s: processes the workers started survive SIGKILL", self.who)
 
     def _report(self, attempt: int, reason: str, exit_code: int | None) -> None:
         if self.env.is_spare:
@@ -289,7 +296,7 @@ class Launcher:
                         return "failed", hung
                 if not self.env.is_spare:  # a spare has no identity until it is promoted
                     if watch is None:
-                        watch = StateWatch(self.client.url, self.client.token, self.identity(attempt))
+                        watch = StateWatch(self.client.url, self.client.credential, self.identity(attempt))
                     state = watch.latest  # None: not answered yet, or the coordinator is unreachable
                     if state is not None and state.state == "failed":
                         return "failed", f"coordinator declared the replica failed: {state.reason}"
@@ -339,6 +346,7 @@ class Launcher:
             self._signal = signum
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        processes.adopt_orphans()  # so that _stop_workers finds what left the workers' groups
         try:
             attempt = 0
             while True:
@@ -346,7 +354,7 @@ class Launcher:
                 outcome, reason = self._watch(attempt)
                 if self._forwarder is not None:  # the attempt's last rows
                     self._forwarder.poll(time.monotonic())
-                    self._forwarder.flush()
+                    self._forwarder.flush(patience_s=LAST_FLUSH_PATIENCE_S)
                     self._forwarder = None
                 if outcome == "ok":
                     self._stop_workers(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left

@@ -6,6 +6,8 @@ replicas, and the job's failure rate) changes.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 from transom.simulate.engine import simulate
@@ -26,11 +28,28 @@ def curves(scenario: Scenario, seed: int, days: float) -> dict[str, list[tuple[i
     return out
 
 
+def check_writable(path: Path) -> None:
+    """ValueError if a PNG could not be written at `path`: checked before the simulation runs,
+    so that a typo in the path does not cost the whole run."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(_NO_MATPLOTLIB)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a directory, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path}: not writable")
+
+
+_NO_MATPLOTLIB = "the plot needs matplotlib: .venv/bin/pip install 'matplotlib>=3.8'"
+
+
 def write_png(path: Path, scenario: Scenario, seed: int, days: float) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("the plot needs matplotlib: .venv/bin/pip install 'matplotlib>=3.8'") from None
+        raise RuntimeError(_NO_MATPLOTLIB) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from transom_operator import api, reasons
 
@@ -117,3 +118,25 @@ def transition_event(state: str, previous: str | None, v: JobView,
         "Succeeded": (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
         "Suspended": (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
     }.get(state)
+
+
+def refused(current: Mapping[str, Any] | None, message: str, generation: int | None,
+            now: datetime) -> dict[str, Any]:
+    """The operator's part of status for a job whose spec it cannot use (`message` says why):
+    Ready False with reason InvalidSpec, for that generation of the spec. The rest of the
+    status is left as it was: the operator acts on nothing until the spec is changed. Works
+    on the raw status, which need not parse (it may be what is wrong)."""
+    current = current if isinstance(current, Mapping) else {}
+    conditions = [c for c in current.get("conditions") or [] if isinstance(c, dict)]
+    old = next((c for c in conditions if c.get("type") == "Ready"), None)
+    since = old.get("lastTransitionTime") if old is not None and old.get("status") == "False" else None
+    ready = api.Condition(type="Ready", status="False", reason=reasons.INVALID_SPEC, message=message[:1024],
+                          last_transition_time=now, observed_generation=generation)
+    ready_json = ready.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if since:
+        ready_json["lastTransitionTime"] = since  # False before: the status did not change
+    out: dict[str, Any] = {"conditions": [ready_json if c is old else c for c in conditions] if old is not None
+                           else [ready_json, *conditions]}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out

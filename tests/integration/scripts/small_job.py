@@ -7,7 +7,8 @@ purpose with `trainer.close(end_job=True)`, the documented way to stop early (wi
 `--with-form`, the loop runs in `with ft.FaultTolerant(...) as trainer:` and just breaks). `--child-pid-dir
 D`: each worker starts a long-running child process of its own (as a DataLoader worker or a
 helper tool would) and writes its own and the child's pid under D, so a test can check that
-nothing outlives a stop.
+nothing outlives a stop. `--setsid-child-dir D`: the same, but the child leaves the worker's
+process group (it calls `os.setsid()`, as a daemon does) and carries D in its command line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--end-at", type=int, default=None)
     p.add_argument("--child-pid-dir", type=Path, default=None)
+    p.add_argument("--setsid-child-dir", type=Path, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
     p.add_argument("--with-form", action="store_true", help="use `with FaultTolerant(...)` instead of close()")
     p.add_argument("--raise-at", type=int, default=None, help="(with --with-form) raise after committing this step")
@@ -36,6 +39,10 @@ def main() -> None:
     if args.child_pid_dir is not None:
         child = subprocess.Popen(["sleep", "600"])
         (args.child_pid_dir / f"{os.getpid()}-{child.pid}").touch()
+    if args.setsid_child_dir is not None:
+        child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(600)",
+                                  str(args.setsid_child_dir)])
+        (args.setsid_child_dir / f"{os.getpid()}-{child.pid}").touch()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)

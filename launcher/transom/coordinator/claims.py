@@ -1,0 +1,78 @@
+"""What a replica may claim about its progress: only steps it could have committed.
+
+A member of a round commits at most one step under it, and nothing without a round. So the
+coordinator bounds every step a replica states (in a quorum request, heartbeat, leave,
+checkpoint report, registration or signal row) by what its rounds allow:
+
+- answered by a round whose `max_step` was m: at most m + 1;
+- registered but not answered yet: at most the step it registered with (it holds that
+  state, restored or kept, and commits nothing before a round answers it);
+- a registration, once this coordinator decided a round: at most one past the newest step
+  any round decided (`step_limit`).
+
+A claim past its bound is refused with a ValueError (HTTP 400) and changes nothing. Without
+this one replica could claim a huge step and become every joiner's recovery source, ratchet
+the job's step, complete the job, or move the detectors' judged-up-to mark past every real
+step. Completing the job needs an answered round as well: a replica that no round answered
+has trained nothing under this coordinator.
+
+What stays trusted is the step a replica registers with before this coordinator decided
+any round (a new job, or one whose coordinator restarted): there is nothing to compare it
+with, and an honest replica that alone kept its state through a coordinator restart looks
+the same as one that lies (docs/architecture.md, "Known limits").
+
+Pure functions over `Membership`'s records, called under the server's lock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transom.coordinator.membership import Membership
+
+# A signal row describes a step already committed; rows a little ahead of the bound are
+# tolerated only because a launcher's rows and its leader's quorum requests travel apart.
+SIGNAL_STEP_WINDOW = 1
+
+
+def step_limit(m: "Membership", replica_id: int) -> tuple[int, str] | None:
+    """The most committed steps replica `replica_id`'s live incarnation can hold, and why;
+    None when nothing bounds it (registered before this coordinator's first round)."""
+    answered = m.answers.get(replica_id)
+    if answered is not None:
+        return answered.max_step + 1, f"one past round {answered.round} (step {answered.max_step})"
+    rep = m.replicas.get(replica_id)
+    if rep is not None:
+        return rep.registered_step, "the step it registered with: no round has answered it yet"
+    if m.current is not None:
+        return m.step_limit, "one past the newest step of any round"
+    return None
+
+
+def check(m: "Membership", replica_id: int, step: int, what: str) -> None:
+    """ValueError if `step` is more than replica `replica_id` can have committed."""
+    bound = step_limit(m, replica_id)
+    if bound is not None and step > bound[0]:
+        raise ValueError(f"{what} of replica {replica_id} claims step {step}, but it can hold at most "
+                         f"{bound[0]} committed steps ({bound[1]})")
+
+
+def check_registration(m: "Membership", replica_id: int, step: int) -> None:
+    """ValueError if a new registration claims more than any round allowed."""
+    if m.current is not None and step > m.step_limit:
+        raise ValueError(f"registration of replica {replica_id} claims step {step}, but no replica can hold more "
+                         f"than {m.step_limit} committed steps (one past the newest step of any round)")
+
+
+def check_completion(m: "Membership", replica_id: int, step: int) -> None:
+    """ValueError unless replica `replica_id` may say the job completed at `step`."""
+    if replica_id not in m.answers:
+        raise ValueError(f"replica {replica_id} cannot complete the job at step {step}: no round has answered it "
+                         "(a replica commits steps only in rounds)")
+
+
+def signal_step_ok(m: "Membership", replica_id: int, step: int) -> bool:
+    """A signal row of `step` describes a step replica `replica_id` could have trained."""
+    bound = step_limit(m, replica_id)
+    return bound is None or step <= bound[0] + SIGNAL_STEP_WINDOW

@@ -1,0 +1,173 @@
+"""One reconcile pass against an in-memory API (controller.py): a spec the operator cannot
+use is reported on the job (Ready False, InvalidSpec, a Warning Event, once) instead of
+raising on every pass, and the workers' ServiceAccount exists before any worker pod."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from transom_operator import api, controller, reasons, resources
+
+TEMPLATE = {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}
+
+
+def raw_job(**spec_changes) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION, "kind": api.KIND,
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
+        "spec": {"replicas": 2, "template": copy.deepcopy(TEMPLATE), **spec_changes},
+    }
+
+
+def nested(depth: int) -> dict:
+    """A dict `depth` levels deep, built without recursion."""
+    root: dict = {}
+    node = root
+    for _ in range(depth - 1):
+        node["a"] = {}
+        node = node["a"]
+    return root
+
+
+def _copy(obj: Any) -> Any:
+    """As the job comes from the API server: parsed JSON (deeper than copy.deepcopy goes)."""
+    return json.loads(json.dumps(obj))
+
+
+class MemoryKube:
+    """The part of kube.Kube a pass uses, on dicts in memory; records every write."""
+
+    def __init__(self, job: dict[str, Any], deployment: dict[str, Any] | None = None):
+        self.job = job
+        self.deployment = deployment
+        self.created: list[tuple[str, str]] = []  # (kind, name) in order
+        self.events: list[tuple[str, str, str]] = []
+        self.status_writes = 0
+
+    def get_job(self, namespace: str, name: str) -> dict:
+        return _copy(self.job)
+
+    def list_pods(self, namespace: str, job: str) -> tuple[list[dict], int]:
+        return [], 1
+
+    def list_nodes(self) -> tuple[list[dict], int]:
+        return [], 1
+
+    def get_deployment(self, namespace: str, name: str) -> dict | None:
+        return self.deployment
+
+    def create(self, namespace: str, manifest: dict) -> bool:
+        self.created.append((manifest["kind"], manifest["metadata"]["name"]))
+        return True
+
+    def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> dict:
+        for op in ops:
+            assert op["op"] in ("add", "replace", "test"), op
+            if op["op"] == "test":
+                continue
+            path = op["path"].split("/")[1:]
+            target = self.job
+            for key in path[:-1]:
+                target = target[int(key)] if isinstance(target, list) else target[key]
+            target[path[-1]] = _copy(op["value"])
+        self.status_writes += 1
+        meta = self.job["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
+        return _copy(self.job)
+
+    def event(self, job: dict, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+    def list_cluster_role_bindings(self, selector: str) -> list[dict]:
+        return []
+
+    def delete_cluster_role_binding(self, name: str) -> None:
+        self.created.append(("deleted ClusterRoleBinding", name))
+
+
+@pytest.fixture
+def make_controller():
+    made = []
+
+    def make(kube: MemoryKube) -> controller.Controller:
+        made.append(controller.Controller(kube=kube, coordinator_image="transom:1"))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.mark.parametrize("template, says", [
+    # The API server stores it (it cannot bound the depth of a passthrough); copying it would
+    # raise RecursionError in every pass.
+    ({"spec": {"containers": [{"name": "t", "image": "t", "args": [nested(600)]}]}},
+     "spec.template: template must not nest objects and lists more than 32 levels deep"),
+    # Stored before the schema refused it (a CEL rule is not applied to objects already stored).
+    ({"spec": {"containers": [{"name": "t", "image": "t"}], "serviceAccountName": "demo-coordinator"}},
+     "template.spec.serviceAccountName must not be set"),
+], ids=["nested-600-deep", "service-account-name"])
+def test_a_spec_the_operator_cannot_use_is_reported_once_and_nothing_is_built(make_controller, template, says):
+    kube = MemoryKube(raw_job(template=template))
+    ctl = make_controller(kube)
+    assert ctl.reconcile("ml", "demo") == controller.DEFAULT_REQUEUE_S  # no exception, no retry loop
+    assert kube.created == []  # no coordinator, no ServiceAccount, no pod
+    ((type_, reason, message),) = kube.events
+    assert (type_, reason) == (reasons.WARNING, reasons.INVALID_SPEC) and says in message
+    assert message.startswith("the operator cannot use this spec: ")
+    status = kube.job["status"]
+    (ready,) = status["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", reasons.INVALID_SPEC)
+    assert says in ready["message"] and ready["observedGeneration"] == 1 == status["observedGeneration"]
+
+    # The next passes have nothing new to say: no write, no Event.
+    ctl.cache.drop_job("ml", "demo")  # read it afresh, as a resync would
+    ctl.reconcile("ml", "demo")
+    assert kube.status_writes == 1 and len(kube.events) == 1
+
+    # A new spec that is still wrong is reported again, for its generation.
+    kube.job["metadata"].update(generation=2, resourceVersion="9")
+    ctl.cache.drop_job("ml", "demo")
+    ctl.reconcile("ml", "demo")
+    assert len(kube.events) == 2 and kube.job["status"]["conditions"][0]["observedGeneration"] == 2
+    assert kube.job["status"]["conditions"][0]["lastTransitionTime"] == ready["lastTransitionTime"]
+
+
+def test_a_fixed_spec_is_acted_on_again(make_controller):
+    bad = raw_job(template={"metadata": {"labels": {"x": "y"}}, "spec": {
+        "containers": [{"name": "t", "image": "t", "args": [nested(40)]}]}})
+    kube = MemoryKube(bad)
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    assert kube.created == [] and kube.job["status"]["conditions"][0]["reason"] == reasons.INVALID_SPEC
+    kube.job["spec"] = raw_job()["spec"]
+    kube.job["metadata"].update(generation=2, resourceVersion="9")
+    ctl.cache.drop_job("ml", "demo")
+    ctl.reconcile("ml", "demo")
+    assert ("Deployment", "demo-coordinator") in kube.created and ("Pod", "demo-r0-n0-g0") in kube.created
+    ready = next(c for c in kube.job["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] != reasons.INVALID_SPEC
+
+
+def test_the_worker_service_account_is_created_before_any_worker_pod(make_controller):
+    kube = MemoryKube(raw_job())
+    make_controller(kube).reconcile("ml", "demo")
+    first_pod = next(i for i, (kind, _) in enumerate(kube.created) if kind == "Pod")
+    assert kube.created.index(("ServiceAccount", "demo-worker")) < first_pod
+
+
+def test_a_job_from_before_the_worker_service_account_gets_one_once(make_controller):
+    job = api.TrainingJob.model_validate(raw_job())
+    deployment = resources.coordinator_deployment(job, "transom:1")  # its coordinator is there
+    kube = MemoryKube(raw_job(), deployment=deployment)
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    assert kube.created[0] == ("ServiceAccount", "demo-worker")
+    assert ("Deployment", "demo-coordinator") not in kube.created
+    ctl._coordinator_checked.clear()  # the next check of the coordinator (30 s later)
+    ctl.reconcile("ml", "demo")
+    assert kube.created.count(("ServiceAccount", "demo-worker")) == 1
