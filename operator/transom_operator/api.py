@@ -21,6 +21,7 @@ from pydantic import Field, WithJsonSchema, field_validator
 
 from transom.contract import DEFAULT_BACKEND
 from transom.defaults import CLUSTER
+from transom.detect.signals import SPEC_BOUNDS as _BOUNDS  # the ranges are the detectors' own too
 from transom.detect.signals import DetectionSettings
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
     GROUP,
@@ -196,43 +197,44 @@ class Detection(ApiModel):
         description="Run the detectors and the step guard. false: only crashes and lost heartbeats are failures.",
     )
     warmup_steps: int = Field(
-        _DETECT.warmup_steps, ge=0, le=100_000,
+        _DETECT.warmup_steps, ge=_BOUNDS["warmupSteps"][0], le=_BOUNDS["warmupSteps"][1],
         description="Steps each rank is observed (its step-time predictor fitted) before it can be called slow.",
     )
     slow_factor_percent: int = Field(
-        round(_DETECT.slow_factor * 100), ge=101, le=10_000,
+        round(_DETECT.slow_factor * 100), ge=_BOUNDS["slowFactorPercent"][0], le=_BOUNDS["slowFactorPercent"][1],
         description=(
             "A rank's step is slow when its busy time exceeds what its workload predicts by this factor, in "
-            "percent (115: 1.15x), relative to the other ranks of the same step."
+            "percent (115: 1.15x), relative to the median of the replicas in the same step (with three or more "
+            "replicas; with fewer, relative to the rank's own history)."
         ),
     )
     slow_steps: int = Field(
-        _DETECT.slow_steps, ge=1, le=100_000, description="Slow steps in a row before a FailSlow verdict.",
+        _DETECT.slow_steps, ge=_BOUNDS["slowSteps"][0], le=_BOUNDS["slowSteps"][1], description="Slow steps in a row before a FailSlow verdict.",
     )
     loss_spike_z: int = Field(
-        round(_DETECT.loss_spike_z), ge=1, le=1_000_000,
+        round(_DETECT.loss_spike_z), ge=_BOUNDS["lossSpikeZ"][0], le=_BOUNDS["lossSpikeZ"][1],
         description=(
             "A loss this many robust standard deviations above the median of the replica's recent losses "
             "(and at least twice it) is a spike: that step is applied on no replica."
         ),
     )
     loss_window: int = Field(
-        _DETECT.loss_window, ge=2, le=100_000,
+        _DETECT.loss_window, ge=_BOUNDS["lossWindow"][0], le=_BOUNDS["lossWindow"][1],
         description="Recent losses the median is taken over; also the window in which badSteps are counted.",
     )
     bad_steps: int = Field(
-        _DETECT.bad_steps, ge=1, le=100_000,
+        _DETECT.bad_steps, ge=_BOUNDS["badSteps"][0], le=_BOUNDS["badSteps"][1],
         description="Non-finite or spiking steps of one replica within lossWindow steps before a verdict.",
     )
     fingerprint_interval: int = Field(
-        _DETECT.fingerprint_interval, ge=0, le=1_000_000,
+        _DETECT.fingerprint_interval, ge=_BOUNDS["fingerprintInterval"][0], le=_BOUNDS["fingerprintInterval"][1],
         description=(
             "Every this many steps each rank fingerprints its parameters; a replica whose fingerprint differs "
             "from the majority's is corrupt (SilentDataCorruption). 0: never."
         ),
     )
     hang_timeout_seconds: int = Field(
-        int(_DETECT.hang_timeout_s), ge=1, le=86400,
+        int(_DETECT.hang_timeout_s), ge=_BOUNDS["hangTimeoutSeconds"][0], le=_BOUNDS["hangTimeoutSeconds"][1],
         description=(
             "A worker that makes no step progress for this long (not counting waits for other replicas) is hung: "
             "every worker's stacks go to the launcher's log and the verdict, and the replica restarts."

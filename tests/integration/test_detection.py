@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from test_fault_tolerance import assert_consistent_finish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -93,3 +94,19 @@ def test_a_flipped_bit_is_caught_at_the_next_fingerprint_and_the_replica_replace
     found = verdicts(result)
     assert len(found) == 1 and "replica 0: SilentDataCorruption from step 19" in found[0], found
     assert result.incarnations(0) == 2
+
+
+def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_else(transom_run, tmp_path):
+    """Issue 28, findings 1 and 3 in a real run: replica 2's script says every one of its steps
+    took 10 us (before, with three replicas, that made the other two "2x slow, blame Node"
+    and, with slowAction Replace, restarted them), and with its own credential tries to post a
+    failure in replica 0's name and to read the job's status."""
+    script = ROOT / "tests" / "integration" / "scripts" / "hostile_replica.py"
+    detection = {"warmupSteps": 5, "slowSteps": 5, "slowAction": "Replace"}
+    result = transom_run(["--replicas", "3", "--detection", json.dumps(detection)],
+                         ["--steps", "60", "--liar", "2", "--out", str(tmp_path)], script=script)
+    assert result.returncode == 0, result.output[-3000:]
+    assert json.loads((tmp_path / "attempts.json").read_text()) == {"status": 403, "failure_as_replica_0": 403}
+    framed = [e for e in result.summary["events"] if e.startswith(("verdict:", "failed:")) and "replica 2" not in e]
+    assert framed == [], framed
+    assert result.incarnations(0) == result.incarnations(1) == 1

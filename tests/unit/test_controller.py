@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from test_resources import nested
 from transom_operator import api, controller, reasons, resources
 
 TEMPLATE = {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}
@@ -21,16 +22,6 @@ def raw_job(**spec_changes) -> dict[str, Any]:
         "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
         "spec": {"replicas": 2, "template": copy.deepcopy(TEMPLATE), **spec_changes},
     }
-
-
-def nested(depth: int) -> dict:
-    """A dict `depth` levels deep, built without recursion."""
-    root: dict = {}
-    node = root
-    for _ in range(depth - 1):
-        node["a"] = {}
-        node = node["a"]
-    return root
 
 
 def _copy(obj: Any) -> Any:

@@ -226,3 +226,19 @@ def test_write_trace_writes_non_finite_losses_readably():
     buf = io.StringIO()
     write_trace([Signal(step=1, replica=0, rank=0, step_seconds=0.5, loss=float("nan"), finite=False)], buf)
     assert ",nan," in buf.getvalue()
+
+
+def test_a_restarted_replica_is_not_waited_for_in_the_steps_it_missed():
+    # Replica 1 dies after step 13 and its next incarnation reports from step 38 on: steps
+    # 14..37 are judged as soon as it reports (before, they waited 64 steps, and with them the
+    # fingerprints a joiner checks its snapshot against).
+    d = Detectors(DetectionSettings())
+    for step in range(14):
+        d.observe_all([Signal(step=step, replica=r, rank=0, step_seconds=0.1) for r in range(3)])
+    for step in range(14, 38):
+        d.observe_all([Signal(step=step, replica=r, rank=0, step_seconds=0.1) for r in (0, 2)])
+    assert d._judged == 13
+    d.forget(1)  # its new incarnation posts
+    d.observe_all([Signal(step=38, replica=r, rank=0, step_seconds=0.1, fingerprint=5 if r != 1 else None)
+                   for r in range(3)])
+    assert d._judged == 38 and d.fingerprint(38, 0).value == 5

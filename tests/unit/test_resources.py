@@ -199,7 +199,7 @@ def test_a_stored_template_that_names_a_service_account_is_overridden():
     assert pod["automountServiceAccountToken"] is False and "serviceAccount" not in pod
 
 
-def _nested(depth: int) -> dict:
+def nested(depth: int) -> dict:
     """A dict `depth` levels deep, built without recursion."""
     root: dict = {}
     node = root
@@ -211,7 +211,7 @@ def _nested(depth: int) -> dict:
 
 @pytest.mark.parametrize("depth", [600, 100_000])
 def test_a_deeply_nested_template_is_refused_with_a_message_not_a_recursion_error(depth):
-    template = {"spec": {"containers": [{"name": "t", "image": "t", "x": _nested(depth)}]}}
+    template = {"spec": {"containers": [{"name": "t", "image": "t", "x": nested(depth)}]}}
     with pytest.raises(ValidationError, match="must not nest objects and lists more than 32 levels deep"):
         make_job(template=template)
 

@@ -76,6 +76,9 @@ class Detectors:
         self.slow = FailSlow(settings)
         self._pending: dict[int, list[Signal]] = {}
         self._ranks_seen: dict[tuple[int, int], int] = {}  # (replica, rank) -> last step reported
+        # (replica, rank) -> the first step its incarnation reported: a replica that restarted
+        # is not waited for in the steps before it came back (it never reports them).
+        self._first_seen: dict[tuple[int, int], int] = {}
         self._newest = -1
         self._judged = -1  # steps up to here are judged; later signals of them are dropped
         self._losses: dict[int, LossHistory] = {}
@@ -104,6 +107,7 @@ class Detectors:
     def _add(self, signal: Signal) -> None:
         key = (signal.replica, signal.rank)
         self._ranks_seen[key] = max(signal.step, self._ranks_seen.get(key, -1))
+        self._first_seen[key] = min(signal.step, self._first_seen.get(key, signal.step))
         if signal.step <= self._judged:
             return  # judged already without it (it came too late)
         self._pending.setdefault(signal.step, []).append(signal)
@@ -113,6 +117,7 @@ class Detectors:
         """Wait for (replica, rank)'s report of `step` and later ones (up to `lag_steps`) before
         judging them, though it has reported nothing yet (a replica known to train)."""
         self._ranks_seen.setdefault((replica, rank), step)
+        self._first_seen.setdefault((replica, rank), step)
 
     def flush(self) -> list[Verdict]:
         """Judge every step still held (the end of a trace)."""
@@ -126,10 +131,12 @@ class Detectors:
             del self._bad[key]
         self._reported = {k for k in self._reported if k[0] != replica}
         self._ranks_seen = {k: v for k, v in self._ranks_seen.items() if k[0] != replica}
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k[0] != replica}
 
     # --- judging ------------------------------------------------------------------------------
     def _complete(self, step: int) -> bool:
-        recent = {k for k, last in self._ranks_seen.items() if last >= step - self.lag_steps}
+        recent = {k for k, last in self._ranks_seen.items()
+                  if last >= step - self.lag_steps and self._first_seen.get(k, step) <= step}
         return recent <= {(s.replica, s.rank) for s in self._pending[step]}
 
     def _judge_ready(self, final: bool) -> list[Verdict]:

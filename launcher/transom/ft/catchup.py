@@ -123,6 +123,7 @@ class Shadow:
                 raise IncompatibleState(f"{name}: the snapshot's {t.dtype}{list(t.shape)} does not fit "
                                         f"{p.dtype}{list(p.shape)}")
             by_id[id(p)] = t.detach().requires_grad_(p.requires_grad)
+        self.model_params = list(by_id.values())  # what a source's fingerprint sums (ft/snapshot_check.py)
         self.buffers = {name: sd[name] for name, _ in model.named_buffers() if name in sd}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
@@ -370,6 +371,11 @@ class Source:
         self._copy, self._copy_step, self._want = Snapshot(), step, None
         self._copy.start(tensors)
         log.info("taking a snapshot of step %d for a replica that catches up", step)
+
+    def snapshot_taken_at(self, step: int) -> bool:
+        """A snapshot of `step` was started at its commit: its row carries a fingerprint, which
+        the joiners check the snapshot against (ft/snapshot_check.py)."""
+        return self._copy is not None and self._copy_step == step
 
     def before_update(self, timeout_s: float = 300.0) -> None:
         """Before the optimizer changes the parameters: the copy must be complete. Hashing and

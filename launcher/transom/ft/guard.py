@@ -138,14 +138,16 @@ class Guard:
 
     # --- after the step ------------------------------------------------------------------------
     def committed(self, step: int, busy_s: float, loss: float | None, norm: float | None, recovering: bool,
-                  serving: bool, skipped: bool, model: torch.nn.Module | None, batch_share: float | None) -> None:
+                  serving: bool, skipped: bool, model: torch.nn.Module | None, batch_share: float | None,
+                  snapshot: bool = False) -> None:
         """This rank's row of a committed step: its busy time, workload, loss, norm, and every
-        `fingerprint_interval` steps the fingerprint of `model`'s parameters (None: it still
-        catches up, its parameters are not the job's)."""
+        `fingerprint_interval` steps, or when a snapshot of the state is taken for a joiner
+        (`snapshot`), the fingerprint of `model`'s parameters (None: it still catches up, its
+        parameters are not the job's)."""
         if not skipped:
             self.learn(loss)
         print_ = None
-        if model is not None and self.fingerprint_due(step):
+        if model is not None and (self.fingerprint_due(step) or snapshot):
             print_ = int(fingerprint(list(model.parameters())).item())
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.

@@ -34,9 +34,12 @@ class Rejoin:
     """The trainer's handle on this replica's catch-up; `active` while it catches up."""
 
     def __init__(self, ctx: ReplicaContext, replica_id: int, config: FTConfig, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, state: ReplicaState, device: torch.device, gate: LinkGate):
+                 optimizer: torch.optim.Optimizer, state: ReplicaState, device: torch.device, gate: LinkGate,
+                 verify: Callable | None = None):
+        """`verify`: the joiner's check of a snapshot before it is used (ft/snapshot_check.py)."""
         self.ctx, self.replica_id, self.config = ctx, replica_id, config
         self.model, self.optimizer, self.state, self.device, self.gate = model, optimizer, state, device, gate
+        self.verify = verify
         self.joiner: Joiner | None = None
 
     @property
@@ -70,7 +73,7 @@ class Rejoin:
         rebuild = sharding.rebuilder(sharding.mesh_of(self.model))
         self.joiner = Joiner(self.model, self.optimizer, self.ctx.env.peer_token, self.device, rebuild,
                              q.max_step, mine, self.config.recovery_timeout_s, self.config.catchup_buffer_bytes,
-                             self.gate)
+                             self.gate, verify=self.verify)
         log.info("replica %d rank %d catching up from step %d", self.replica_id, self.ctx.rank, step)
         return step
 

@@ -71,6 +71,7 @@ from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
 from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, hand_outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.rejoin import Rejoin
+from transom.ft.snapshot_check import SnapshotCheck
 from transom.ft.state_server import StateServer
 from transom.ft.transfer import LinkGate
 from transom.ft.stats import StatsWriter
@@ -176,7 +177,7 @@ class FaultTolerant:
         self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
         self._exchange_gate = LinkGate(self.config.recovery_yields)  # busy while gradients move
         self._rejoin = Rejoin(self.ctx, self.replica_id, self.config, model, optimizer, self.state, self.device,
-                              self._exchange_gate)
+                              self._exchange_gate, SnapshotCheck(self.client, self.ctx.rank, self.detection.enabled))
         endpoints = self.ctx.gather(self._state_server.url)
         self._store: dist.TCPStore | None = None
         self._link: CoordinatorLink | None = None
@@ -463,7 +464,8 @@ class FaultTolerant:
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
         if self._guard is not None:
             self._guard.committed(step, self._clock.busy(), loss, norm, recovering, serving, skipped,
-                                  self.model if not self._rejoin.active else None, self.shares.batch_share())
+                                  self.model if not self._rejoin.active else None, self.shares.batch_share(),
+                                  snapshot=self._source.snapshot_taken_at(step + 1))
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
