@@ -13,10 +13,10 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from test_fault_tolerance import assert_consistent_finish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -101,7 +101,7 @@ def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_
     took 10 us (before, with three replicas, that made the other two "2x slow, blame Node"
     and, with slowAction Replace, restarted them), and with its own credential tries to post a
     failure in replica 0's name and to read the job's status."""
-    script = ROOT / "tests" / "integration" / "scripts" / "hostile_replica.py"
+    script = Path(__file__).parent / "scripts" / "hostile_replica.py"
     detection = {"warmupSteps": 5, "slowSteps": 5, "slowAction": "Replace"}
     result = transom_run(["--replicas", "3", "--detection", json.dumps(detection)],
                          ["--steps", "60", "--liar", "2", "--out", str(tmp_path)], script=script)
