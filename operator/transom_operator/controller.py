@@ -225,7 +225,14 @@ class Controller:
         for binding in self.kube.list_cluster_role_bindings(selector):
             labels = binding["metadata"].get("labels") or {}
             namespace, job = labels.get(resources.LABEL_NAMESPACE), labels.get(contract.LABEL_JOB)
-            if namespace and job and self.kube.get_job(namespace, job) is None:
+            if not (namespace and job):
+                continue
+            try:
+                gone = self.kube.get_job(namespace, job) is None
+            except Exception as e:  # a namespace this operator does not watch: another one's to sweep
+                log.debug("not sweeping %s: %s", binding["metadata"]["name"], e)
+                continue
+            if gone:
                 log.info("deleting %s: job %s/%s is gone", binding["metadata"]["name"], namespace, job)
                 self.kube.delete_cluster_role_binding(binding["metadata"]["name"])
 

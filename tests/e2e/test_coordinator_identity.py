@@ -33,10 +33,12 @@ REVIEWER = "transom-operator-token-reviewer"
 pytestmark = pytest.mark.timeout(240)
 
 
-def _reviewer_role(helm) -> dict:
-    """The chart's token reviewer ClusterRole, as `helm install` would create it."""
+def _reviewer_role(helm, name: str) -> dict:
+    """The chart's token reviewer ClusterRole, as `helm install` would create it, under `name`
+    (a cluster-wide name of this test's own: other tests install the chart itself)."""
     out = helm("template", "transom", str(ROOT / "charts" / "transom"), "--show-only", "templates/rbac.yaml").stdout
     (role,) = [d for d in yaml.safe_load_all(out) if d and d["metadata"]["name"] == REVIEWER]
+    role["metadata"]["name"] = name
     return role
 
 
@@ -54,8 +56,9 @@ def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(
     kubectl("create", "-f", "-", input=json.dumps(manifest))
     job = api.TrainingJob.model_validate(json.loads(kubectl("get", "tj", "tiny-gpt", "-n", namespace, "-o",
                                                             "json").stdout))
-    kubectl("apply", "-f", "-", input=json.dumps(_reviewer_role(helm)))
-    binding = resources.token_review_binding(job, REVIEWER)
+    reviewer = f"{REVIEWER}-{namespace}"
+    kubectl("apply", "-f", "-", input=json.dumps(_reviewer_role(helm, reviewer)))
+    binding = resources.token_review_binding(job, reviewer)
     kubectl("create", "-f", "-", input=json.dumps(binding))
     pods = {"r0": resources.worker_pod(job, 0, 0, 0), "r1": resources.worker_pod(job, 1, 0, 0),
             "spare": resources.spare_pod(job, 0, 0, 0)}
@@ -126,6 +129,7 @@ def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
         kubectl("delete", "clusterrolebinding", binding["metadata"]["name"], "--ignore-not-found", check=False)
+        kubectl("delete", "clusterrole", reviewer, "--ignore-not-found", check=False)
     assert "Traceback" not in out, out[-3000:]
 
 

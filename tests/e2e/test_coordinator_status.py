@@ -64,7 +64,8 @@ def test_coordinator_reports_the_committed_step_into_status_training(kubectl, na
     try:
         client = CoordinatorClient(f"http://127.0.0.1:{port}", token, timeout_s=30)
         me = Identity(replica_id=0, generation=0, attempt=0)
-        client.register(RegisterRequest(identity=me, store_addr="127.0.0.1:1", state_endpoints=["http://x"]))
+        client.register(RegisterRequest(identity=me, store_addr="127.0.0.1:1", state_endpoints=["http://x"],
+                                        step=41))  # restored from a checkpoint of step 41
         first = client.quorum(QuorumRequest(identity=me, step=41, commit_quorum_id=-1, last_round=-1), timeout_s=30)
         client.quorum(QuorumRequest(identity=me, step=42, commit_quorum_id=first.quorum_id, last_round=first.round),
                       timeout_s=30)

@@ -138,11 +138,16 @@ def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operato
     assert len({p["spec"]["nodeName"] for p in pods.values()}) == 3
     pod = next(iter(pods.values()))["spec"]
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
-    assert "secretKeyRef" in env["TRANSOM_COORDINATOR_TOKEN"]["valueFrom"]  # never a literal
-    # The API server took the restricted defaults: no token mounted, non-root, nothing extra.
+    assert "secretKeyRef" in env["TRANSOM_PEER_TOKEN"]["valueFrom"]  # never a literal
+    assert "TRANSOM_COORDINATOR_TOKEN" not in env  # the job's token, which may act for any replica
+    # The API server took the restricted defaults: no API token mounted, non-root, nothing
+    # extra; the one projected volume is the pod's identity towards its coordinator only.
     assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert not any(v["name"] == "kube-api-access" or "projected" in v for v in pod.get("volumes", []))
+    assert not any(v["name"] == "kube-api-access" for v in pod.get("volumes", []))
+    (identity,) = [v for v in pod.get("volumes", []) if "projected" in v]
+    (source,) = identity["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == f"transom.io/{namespace}/tiny-gpt"
     # They run as the job's own ServiceAccount, which mounts no token and may do nothing with the job.
     assert pod["serviceAccountName"] == "tiny-gpt-worker"
     account = json.loads(kubectl("get", "serviceaccount", "tiny-gpt-worker", "-n", namespace, "-o", "json").stdout)
@@ -430,7 +435,7 @@ def test_a_detector_verdict_that_blames_the_node_replaces_the_replica_and_exclud
     for r in range(3):
         identity = Identity(replica_id=r, generation=0, attempt=0)
         membership.register(RegisterRequest(identity=identity, store_addr="127.0.0.1:1",
-                                            state_endpoints=["http://127.0.0.1:1"]), now=0.0)
+                                            state_endpoints=["http://127.0.0.1:1"], step=50), now=0.0)
     for r in range(3):
         row = SignalRow(step=49, rank=0, step_seconds=0.5, fingerprint=1234 + (r == 1))
         detection.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0), rows=[row]), now=1.0)

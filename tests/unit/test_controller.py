@@ -157,8 +157,35 @@ def test_a_job_from_before_the_worker_service_account_gets_one_once(make_control
     kube = MemoryKube(raw_job(), deployment=deployment)
     ctl = make_controller(kube)
     ctl.reconcile("ml", "demo")
-    assert kube.created[0] == ("ServiceAccount", "demo-worker")
+    assert kube.created[:3] == [("ServiceAccount", "demo-worker"), ("Secret", "demo-peer-token"),
+                                ("ClusterRoleBinding", "transom-ml-demo-token-review")]
     assert ("Deployment", "demo-coordinator") not in kube.created
     ctl._coordinator_checked.clear()  # the next check of the coordinator (30 s later)
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("ServiceAccount", "demo-worker")) == 1
+
+
+class SweptKube(MemoryKube):
+    """Three token review bindings: of this job, of a job that is gone, of a namespace this
+    operator may not read."""
+
+    def list_cluster_role_bindings(self, selector: str) -> list[dict]:
+        assert selector == "app.kubernetes.io/component=token-review"
+        return [{"metadata": {"name": f"transom-{ns}-{job}-token-review",
+                              "labels": {"transom.io/namespace": ns, "transom.io/job": job}}}
+                for ns, job in (("ml", "demo"), ("ml", "gone"), ("other", "x"))]
+
+    def get_job(self, namespace: str, name: str) -> dict | None:
+        if namespace == "other":
+            raise PermissionError("403")
+        return super().get_job(namespace, name) if name == "demo" else None
+
+
+def test_bindings_of_jobs_that_are_gone_are_swept_and_no_others(make_controller):
+    kube = SweptKube(raw_job())
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    assert [c for c in kube.created if c[0].startswith("deleted")] == [
+        ("deleted ClusterRoleBinding", "transom-ml-gone-token-review")]
+    ctl.reconcile("ml", "demo")  # not again before SWEEP_EVERY_S
+    assert len([c for c in kube.created if c[0].startswith("deleted")]) == 1
