@@ -16,14 +16,19 @@ healthy rank's step time varies several-fold with its batch. Measured:
   "before" to compare with, only the other ranks);
 - hangs, non-finite losses (3 steps) and a flipped bit (caught at the next fingerprint).
 
+- one replica that lies about its busy time (x1e-5 to x1e4), in jobs of 3 and 4 replicas:
+  the verdicts against the others, and the delay for a replica really 1.5x slow beside it.
+
 Targets: 0 false alarms where the naive detector raises many; 1.3x within 20 steps; a bit
-flip caught at the next fingerprint. Ends with one JSON line.
+flip caught at the next fingerprint; no verdict against an honest replica from a liar's
+figures. Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import sys
@@ -118,6 +123,30 @@ def fault_delays(seed: int, settings: DetectionSettings) -> dict[str, int | None
                                         (("hang", 2), ("nan", 3), ("sdc", 0))])}
 
 
+LIES = (1e-5, 0.5, 2.0, 1e4)  # what a lying replica multiplies its busy times by
+
+
+def liars(seed: int, settings: DetectionSettings) -> dict[str, int | None]:
+    """One replica that reports its busy time times each of LIES (issue 28's probe: 1e-5 made
+    the two honest replicas of three "2x slow"), in jobs of 3 and 4 replicas of one rank each
+    (with several ranks a replica's own ranks outvoted the liar's even before): the verdicts
+    against any other replica; and beside such a liar (1e-5), a replica really 1.5x slow
+    from step INJECT_AT: how long until it is named."""
+    against = 0
+    for replicas in (3, 4):
+        for lie in LIES:
+            rows = generate(TraceSpec(replicas=replicas, ranks=1, steps=INJECT_AT + 200, seed=seed + 3))
+            rows = [dataclasses.replace(r, step_seconds=r.step_seconds * lie) if r.replica == replicas - 1 else r
+                    for r in rows]
+            against += len([v for v in transom_verdicts(rows, settings) if v.replica != replicas - 1])
+    rows = generate(TraceSpec(replicas=3, ranks=1, steps=INJECT_AT + 200, seed=seed + 3,
+                              injections=[Injection("slow", 0, 0, INJECT_AT, 1.5)]))
+    rows = [dataclasses.replace(r, step_seconds=r.step_seconds * 1e-5) if r.replica == 2 else r for r in rows]
+    found = [v for v in transom_verdicts(rows, settings) if v.kind == "slow" and v.replica == 0]
+    return {"liar_cases": 2 * len(LIES), "liar_verdicts_against_others": against,
+            "slow_beside_liar_delay_steps": found[0].reached_step - INJECT_AT if found else None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clean-steps", type=int, default=10_000)
@@ -143,6 +172,10 @@ def main() -> int:
     print(f"hang: {faults['hang_delay_steps']} steps; nan (3 steps): {faults['nan_delay_steps']}; bit flip: "
           f"{faults['sdc_delay_steps']} (next fingerprint {faults['sdc_next_fingerprint_delay']}); unexpected "
           f"verdicts {faults['unexpected_verdicts']}")
+    lying = liars(args.seed, settings)
+    print(f"one replica lying about its busy time (x{', x'.join(f'{x:g}' for x in LIES)}; 3 and 4 replicas of 1 rank): "
+          f"{lying['liar_verdicts_against_others']} verdicts against the others in {lying['liar_cases']} traces; "
+          f"a 1.5x slow replica beside a liar: transom delay {lying['slow_beside_liar_delay_steps']} steps")
     result = {
         "benchmark": "detect_eval", "clean_steps": spec.steps, "replicas": spec.replicas, "ranks": spec.ranks,
         "false_alarms_per_10k": per_10k(len(false_t), spec),
@@ -151,13 +184,15 @@ def main() -> int:
         **{f"delay_steps_{_key(k)}": v["delay_steps"] for k, v in slow.items()},
         **{f"naive_delay_steps_{_key(k)}": v["naive_delay_steps"] for k, v in slow.items()},
         **faults,
+        **lying,
         "sdc_caught": faults["sdc_delay_steps"] is not None
         and faults["sdc_delay_steps"] <= faults["sdc_next_fingerprint_delay"],
         "seconds": round(time.monotonic() - started, 1),
     }
     result["ok"] = (result["false_alarms_per_10k"] == 0 and result["delay_steps_1_3x"] is not None
                     and result["delay_steps_1_3x"] <= 20 and result["sdc_caught"]
-                    and result["delay_steps_1_3x_from_start"] is not None)
+                    and result["delay_steps_1_3x_from_start"] is not None
+                    and result["liar_verdicts_against_others"] == 0)
     print(json.dumps(result))
     return 0
 

@@ -52,10 +52,9 @@ POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for th
 # heartbeats and quorum requests, which decide whether replicas live, get the rest.
 DETECTION_SHARE = 0.5
 # Each launcher (replica, node) has a bucket of POST_BURST posts, refilled at twice the pace
-# it was given (its timing jitters, and an attempt's last rows leave at once); past that a
-# post is 429. A post that carries a hang's stacks may come at any time, once every STACKS_GAP_S.
+# it was given (its timing jitters, and an attempt's last rows or a hang's stacks leave at
+# once: a launcher at its pace always has a post in hand); past that a post is 429.
 POST_BURST = 3.0
-STACKS_GAP_S = 10.0
 
 
 class SignalGate:
@@ -66,30 +65,25 @@ class SignalGate:
     def __init__(self, share: float = DETECTION_SHARE, window_s: float = 1.0):
         self.share, self.window_s = share, window_s
         self._buckets: dict[tuple[int, int], tuple[float, float]] = {}  # poster -> (posts left, when)
-        self._last_stacks: dict[tuple[int, int], float] = {}
         self._spent: collections.deque[tuple[float, float]] = collections.deque()  # (when, seconds)
         self._pruned_at = 0.0
         self.deferred = 0
 
-    def admit(self, poster: tuple[int, int], stacks: bool, pace_s: float, now: float) -> None:
+    def admit(self, poster: tuple[int, int], pace_s: float, now: float) -> None:
+        """TooManyRequests unless `poster` may post now (the server asks before it reads the
+        body where the credential names the poster: a flood costs it almost nothing)."""
         while self._spent and self._spent[0][0] < now - self.window_s:
             self._spent.popleft()
         if sum(cost for _, cost in self._spent) >= self.share * self.window_s:
             self._defer("the detectors have used their share of the last second")
-        if stacks:
-            if now - self._last_stacks.get(poster, float("-inf")) < STACKS_GAP_S:
-                self._defer(f"a hang's stacks at most every {STACKS_GAP_S:g}s")
-            self._last_stacks[poster] = now
-        else:
-            left, at = self._buckets.get(poster, (POST_BURST, now))
-            left = min(POST_BURST, left + (now - at) * 2.0 / pace_s)
-            if left < 1.0:
-                self._buckets[poster] = (left, now)
-                self._defer(f"posts come faster than one every {pace_s:.3g}s")
-            self._buckets[poster] = (left - 1.0, now)
+        left, at = self._buckets.get(poster, (POST_BURST, now))
+        left = min(POST_BURST, left + (now - at) * 2.0 / pace_s)
+        if left < 1.0:
+            self._buckets[poster] = (left, now)
+            self._defer(f"posts come faster than one every {pace_s:.3g}s")
+        self._buckets[poster] = (left - 1.0, now)
         if now - self._pruned_at > POSTER_MEMORY_S:
             self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] <= POSTER_MEMORY_S}
-            self._last_stacks = {k: t for k, t in self._last_stacks.items() if now - t <= POSTER_MEMORY_S}
             self._pruned_at = now
 
     def _defer(self, why: str) -> None:

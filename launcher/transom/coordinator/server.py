@@ -380,12 +380,16 @@ class CoordinatorServer:
         return _ok({"accepted": accepted})
 
     async def _signals(self, request: web.Request) -> web.Response:
+        principal, now = _principal(request), self.clock()
+        next_post_s = self.detection.post_interval(now)
+        if principal.replica_id is not None:  # a replica's post: refused before its body is even read
+            self.signal_gate.admit((principal.replica_id, principal.node_rank or 0), next_post_s, now)
         req = await _parse(request, SignalBatch)
         await self._authorize(request, req.identity, node_rank=req.node_rank)
+        if principal.replica_id is None:  # the job's token: the body says whose post it is
+            self.signal_gate.admit((req.identity.replica_id, req.node_rank), next_post_s, now)
         async with self._changed:
             now = self.clock()
-            next_post_s = self.detection.post_interval(now)
-            self.signal_gate.admit((req.identity.replica_id, req.node_rank), req.stacks is not None, next_post_s, now)
             with self.signal_gate.timed(now):
                 verdicts = self.detection.observe(req, now)
             if verdicts:

@@ -191,7 +191,7 @@ class SignalForwarder:
         log.error("replica %d rank %d made no progress for %.0fs after step %d; every worker's stacks:\n%s",
                   self.identity.replica_id, hang.rank, hang.stalled_s, hang.step - 1, stacks)
         self._buffer.append(SignalRow(step=hang.step, rank=hang.rank, step_seconds=round(hang.stalled_s, 3)))
-        self.flush(stacks=stacks[-MAX_STACKS_CHARS:])
+        self.flush(stacks=stacks[-MAX_STACKS_CHARS:], patience_s=LAST_FLUSH_PATIENCE_S)
         return stacks
 
 
