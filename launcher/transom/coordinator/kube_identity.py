@@ -42,6 +42,7 @@ REVIEW_TTL_S = 120.0  # as the API server's own webhook token cache
 POD_TTL_S = 30.0
 REFRESH_GAP_S = 1.0  # a pod is read again at most this often
 MAX_CACHED = 100_000
+API_CONCURRENCY = 16
 POD_NAME = "authentication.kubernetes.io/pod-name"
 POD_UID = "authentication.kubernetes.io/pod-uid"
 
@@ -70,7 +71,9 @@ class KubeIdentity:
         self._reviews: dict[str, _Review] = {}
         self._pods: dict[str, _Pod] = {}  # uid -> what its labels said
         self._session: aiohttp.ClientSession | None = None
-        self._lock = asyncio.Lock()  # one API read at a time: a burst of registrations queues here
+        # A bounded number of API reads at once: a job's pods registering together (thousands at
+        # its start) queue here rather than all at the API server.
+        self._api_slots = asyncio.Semaphore(API_CONCURRENCY)
 
     async def principal(self, token: str) -> Principal | None:
         """The pod `token` speaks for, None if it is no token of this job's worker pods."""
@@ -78,7 +81,7 @@ class KubeIdentity:
         now = self.clock()
         review = self._reviews.get(key)
         if review is None or now - review.at > REVIEW_TTL_S:
-            async with self._lock:
+            async with self._api_slots:
                 review = await self._review(token, now)
             if review is None:
                 return None
@@ -136,7 +139,7 @@ class KubeIdentity:
         cached = self._pods.get(review.uid)
         if cached is not None and not refresh and now - cached.at <= POD_TTL_S:
             return cached.principal
-        async with self._lock:
+        async with self._api_slots:
             status, pod = await self._call("GET", f"/api/v1/namespaces/{self.namespace}/pods/{review.pod}")
         if status == 404:
             return None  # deleted: its token speaks for nobody any more
