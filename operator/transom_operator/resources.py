@@ -20,6 +20,7 @@ the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 from __future__ import annotations
 
 import copy
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -526,7 +527,8 @@ def coordinator_resources(job: api.TrainingJob, token: str, image: str,
     and the kubelet does not start one whose Secret is missing."""
     return [
         coordinator_secret(job, token),
-        peer_secret(job, peer_token or token + "-peer"),
+        # Random, never derived from `token`: every worker holds the peer token.
+        peer_secret(job, peer_token or secrets.token_urlsafe(32)),
         worker_service_account(job),
         coordinator_service_account(job),
         coordinator_role(job),
