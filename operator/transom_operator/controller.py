@@ -162,12 +162,20 @@ class Controller:
         writes: list[Callable[[], object]] = [
             # A spare's pods become the replica's by their labels; a pod gone meanwhile leaves a
             # rank missing, which the next pass creates like any replacement pod.
-            *(lambda pod=pod, labels=labels: self.kube.patch_pod_labels(namespace, pod, labels)
-              for pod, labels in plan.relabel),
+            *(lambda pod=pod, labels=labels: self._relabel(namespace, pod, labels) for pod, labels in plan.relabel),
             *(lambda pod=pod: self.kube.delete_pod(namespace, pod, force=pod in on_dead_node) for pod in plan.delete),
         ]
         _first_error([self._writers.submit(w) for w in writes])
         metrics.SPARE_PROMOTIONS.inc(len({labels[contract.LABEL_REPLICA] for _, labels in plan.relabel}))
+
+    def _relabel(self, namespace: str, pod: str, labels: dict[str, str | None]) -> None:
+        """Relabel a pod and put the answer in the cache at once. The next pass must see the
+        promoted spare's pods as the replica's: from the watch alone, a pass that ran before
+        the event arrived took them for stale spare pods, deleted them and started the
+        replica afresh (the race that once cost a hot spare its takeover)."""
+        patched = self.kube.patch_pod_labels(namespace, pod, labels)
+        if patched is not None:
+            self.cache.pod_event("MODIFIED", patched)
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
         """Create the job's coordinator, or roll it when the spec changed what it runs with. Read

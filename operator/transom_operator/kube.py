@@ -173,15 +173,14 @@ class Kube:
             if e.status != 404:
                 raise
 
-    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> bool:
-        """Merge-patch a pod's labels (None removes one); False if the pod is gone."""
+    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> dict | None:
+        """Merge-patch a pod's labels (None removes one); the pod as patched, or None if it is gone."""
         try:
-            self._send("PATCH", _path("v1", "Pod", namespace, name), {"metadata": {"labels": labels}},
-                       "application/merge-patch+json")
-            return True
+            return self._send("PATCH", _path("v1", "Pod", namespace, name), {"metadata": {"labels": labels}},
+                              "application/merge-patch+json")
         except ApiException as e:
             if e.status == 404:
-                return False
+                return None
             raise
 
     def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> dict:

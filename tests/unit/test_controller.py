@@ -1,6 +1,7 @@
 """One reconcile pass against an in-memory API (controller.py): a spec the operator cannot
 use is reported on the job (Ready False, InvalidSpec, a Warning Event, once) instead of
-raising on every pass, and the workers' ServiceAccount exists before any worker pod."""
+raising on every pass, the workers' ServiceAccount exists before any worker pod, and a
+promoted spare's relabel is in the cache before the next pass (not only once the watch says so)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from test_resources import nested
+from transom import contract
 from transom_operator import api, controller, reasons, resources
 
 TEMPLATE = {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}
@@ -64,7 +66,13 @@ class MemoryKube:
             target = self.job
             for key in path[:-1]:
                 target = target[int(key)] if isinstance(target, list) else target[key]
-            target[path[-1]] = _copy(op["value"])
+            last, value = path[-1], _copy(op["value"])
+            if not isinstance(target, list):
+                target[last] = value
+            elif op["op"] == "add":
+                target.insert(len(target) if last == "-" else int(last), value)
+            else:
+                target[int(last)] = value
         self.status_writes += 1
         meta = self.job["metadata"]
         meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)
@@ -189,3 +197,66 @@ def test_bindings_of_jobs_that_are_gone_are_swept_and_no_others(make_controller)
         ("deleted ClusterRoleBinding", "transom-ml-gone-token-review")]
     ctl.reconcile("ml", "demo")  # not again before SWEEP_EVERY_S
     assert len([c for c in kube.created if c[0].startswith("deleted")]) == 1
+
+
+class PodKube(MemoryKube):
+    """MemoryKube with pods and nodes that a pass reads once (the watch never reports)."""
+
+    def __init__(self, job: dict[str, Any], pods: list[dict], nodes: list[dict]):
+        super().__init__(job, deployment={"spec": {"template": {"spec": {"containers": []}}}})
+        self.pods = {p["metadata"]["name"]: p for p in pods}
+        self.nodes = nodes
+        self.deleted: list[str] = []
+
+    def list_pods(self, namespace: str, job: str) -> tuple[list[dict], int]:
+        return [_copy(p) for p in self.pods.values()], 10
+
+    def list_nodes(self) -> tuple[list[dict], int]:
+        return _copy(self.nodes), 10
+
+    def create(self, namespace: str, manifest: dict) -> bool:
+        super().create(namespace, manifest)
+        if manifest["kind"] == "Pod":
+            self.pods[manifest["metadata"]["name"]] = _copy(manifest)
+        return True
+
+    def delete_pod(self, namespace: str, name: str, force: bool = False) -> None:
+        self.deleted.append(name)
+
+    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str | None]) -> dict | None:
+        pod = self.pods[name]
+        for key, value in labels.items():
+            if value is None:
+                pod["metadata"]["labels"].pop(key, None)
+            else:
+                pod["metadata"]["labels"][key] = value
+        pod["metadata"]["resourceVersion"] = str(int(pod["metadata"]["resourceVersion"]) + 1)
+        return _copy(pod)
+
+
+def _running(manifest: dict, node: str, phase: str = "Running") -> dict:
+    pod = _copy(manifest)
+    pod["metadata"]["resourceVersion"] = "5"
+    pod["spec"]["nodeName"] = node
+    pod["status"] = {"phase": phase}
+    return pod
+
+
+def test_a_promoted_spare_is_kept_by_the_next_pass_before_the_watch_reports_its_labels(make_controller):
+    raw = raw_job(spareReplicas=1)
+    job = api.TrainingJob.model_validate(raw)
+    pods = [_running(resources.worker_pod(job, 0, 0, 0), "n0"),
+            _running(resources.worker_pod(job, 1, 0, 0), "n1", phase="Failed"),
+            _running(resources.spare_pod(job, 0, 0, 0), "n2")]
+    nodes = [{"metadata": {"name": n, "resourceVersion": "1"},
+              "status": {"conditions": [{"type": "Ready", "status": "True"}]}} for n in ("n0", "n1", "n2")]
+    kube = PodKube(raw, pods, nodes)
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")  # replica 1 failed: spare 0 takes over by its labels
+    promoted = kube.pods["demo-s0-n0-g0"]["metadata"]["labels"]
+    assert promoted[contract.LABEL_REPLICA] == "1" and promoted[contract.LABEL_GENERATION] == "1"
+    ctl.reconcile("ml", "demo")  # at once: no watch event has told the cache about the relabel
+    assert "demo-s0-n0-g0" not in kube.deleted
+    assert not [name for kind, name in kube.created if name.startswith("demo-r1-")]
+    replica = next(r for r in kube.job["status"]["replicas"] if r["id"] == 1)
+    assert replica["generation"] == 1

@@ -63,7 +63,7 @@ def test_a_create_and_a_status_patch_that_succeed(kube):
     ops = [{"op": "add", "path": "/status", "value": {"state": "Running"}}]
     _Refusing.answer = (200, "OK")
     assert kube.patch_job_status("ns", "demo", ops) == {"echo": ops}  # the job as the server has it
-    assert kube.patch_pod_labels("ns", "p", {"a": None}) is True
+    assert kube.patch_pod_labels("ns", "p", {"a": None}) == {"echo": {"metadata": {"labels": {"a": None}}}}
     assert _Refusing.seen == [
         ("POST", "/api/v1/namespaces/ns/pods", "application/json", POD),
         ("PATCH", "/apis/transom.io/v1alpha1/namespaces/ns/trainingjobs/demo/status", "application/json-patch+json", ops),
