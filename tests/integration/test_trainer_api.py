@@ -41,9 +41,11 @@ def _model() -> torch.nn.Module:
 
 def run_replicas(replicas: int, body: Callable[[int, FaultTolerant, torch.nn.Module], object],
                  optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), bucket_bytes: int = 25 << 20,
+                 min_replicas: int | None = None, collective_timeout_s: float = 20,
                  **trainer_kwargs) -> list[object]:
     """`body(replica, trainer, model)` on every replica at once; their results."""
-    coordinator = CoordinatorThread(Settings(job="api", num_replicas=replicas, min_replicas=replicas), TOKEN)
+    settings = Settings(job="api", num_replicas=replicas, min_replicas=min_replicas or replicas)
+    coordinator = CoordinatorThread(settings, TOKEN)
     url = coordinator.start()
     results: list[object] = [None] * replicas
     errors: list[BaseException] = []
@@ -54,7 +56,7 @@ def run_replicas(replicas: int, body: Callable[[int, FaultTolerant, torch.nn.Mod
             model = models[r]
             kwargs = {k: v[r] if isinstance(v, list) else v for k, v in trainer_kwargs.items()}
             trainer = FaultTolerant(model, optimizer(model), _ctx(url, r, replicas), checkpoint=None,
-                                    config=FTConfig(collective_timeout_s=20, quorum_timeout_s=30,
+                                    config=FTConfig(collective_timeout_s=collective_timeout_s, quorum_timeout_s=30,
                                                     bucket_bytes=bucket_bytes), **kwargs)
             try:
                 results[r] = body(r, trainer, model)

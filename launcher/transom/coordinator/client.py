@@ -25,6 +25,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from transom.coordinator.models import (
+    AsideRequest,
     CheckpointReport,
     FailureReport,
     FingerprintRecord,
@@ -167,6 +168,11 @@ class CoordinatorClient:
         status, payload = self._call("POST", "/v1/signals", req, timeout_s=timeout_s)
         asked = self._expect(status, payload, "signals").get("next_post_s")
         return float(asked) if isinstance(asked, (int, float)) and math.isfinite(asked) else None
+
+    def step_aside(self, req: AsideRequest, timeout_s: float = 5.0) -> None:
+        """Tell the coordinator not to wait for this replica until its next quorum request."""
+        status, payload = self._call("POST", "/v1/aside", req, timeout_s=timeout_s)
+        self._expect(status, payload, "aside")
 
     def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)

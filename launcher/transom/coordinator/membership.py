@@ -14,7 +14,9 @@ The protocol, one *round* per training step:
   waited for only a short grace once some member reported a failed step (`failed_grace_s`
   or three recent rounds; never while it alone holds the state the others need), and at
   most `round_timeout_s` otherwise; a member left behind so is declared failed (hung), so
-  its launcher restarts it even if its heartbeat thread still runs. A joiner that
+  its launcher restarts it even if its heartbeat thread still runs. A member that stepped
+  aside (`trainer.aside()`: an evaluation between steps) is not waited for and not taken
+  for hung until it asks again, behind the others, unless it alone holds the state. A joiner that
   committed a step no holder of the state committed is declared failed (diverged).
 * The decision is the same for every member: the quorum id changes exactly when the
   membership changes or a step failed (then groups are rebuilt under a fresh prefix);
@@ -44,6 +46,7 @@ from transom.coordinator import claims
 from transom.coordinator.goodput import GoodputClock, as_decimal
 from transom.detect.rebalance import BatchShares, describe, newest_held
 from transom.coordinator.models import (
+    AsideRequest,
     CheckpointReport,
     Event,
     FailureReport,
@@ -82,6 +85,7 @@ class Replica:
     last_loss: float | None = None
     failures: int = 0  # over all incarnations of this replica id
     last_failure: str | None = None
+    aside: bool = False  # stepped out of the rounds between two steps (trainer.aside()); its next request ends it
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,16 @@ class Membership:
         rep.last_heartbeat = now
         rep.step = max(rep.step, req.step)
 
+    def step_aside(self, req: AsideRequest, now: float) -> None:
+        """The replica works outside the steps for a while: rounds go on without it (not
+        counted as hung) until it asks for a quorum again, behind the others."""
+        rep = self._live(req.identity)
+        claims.check(self, req.identity.replica_id, req.step, "aside")
+        rep.last_heartbeat = now
+        if not rep.aside:
+            rep.aside = True
+            self._event(now, "aside", f"replica {req.identity.replica_id} stepped aside at step {req.step}")
+
     def report_failure(self, req: FailureReport, now: float) -> bool:
         """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
         rep = self.replicas.get(req.identity.replica_id)
@@ -272,6 +286,7 @@ class Membership:
             raise JobCompleted(f"the job completed at step {self.completed_step}")
         rep.last_heartbeat = now  # asking proves liveness as well as a heartbeat does
         rep.step = req.step
+        rep.aside = False
         if req.last_loss is not None:
             rep.last_loss = req.last_loss
         if answered is not None:
@@ -309,7 +324,7 @@ class Membership:
             if len(ready) < self.settings.num_replicas and now - opened < self.settings.startup_wait_s:
                 return None
         else:
-            missing = [
+            absent = [
                 m.replica_id
                 for m in self.current.members
                 if m.replica_id not in ready
@@ -317,6 +332,9 @@ class Membership:
                 and rep.state == "healthy"
                 and rep.identity.key() == m.key()
             ]
+            missing = [rid for rid in absent if not self.replicas[rid].aside]
+            if len(missing) < len(absent) and not self._holder_in(ready):
+                return None  # the state's only holders stepped aside: without them the step is lost
             if missing:
                 # The round timeout runs from the first *member* that asked: a replacement
                 # may ask in the middle of the members' step, which proves nothing.
@@ -346,6 +364,12 @@ class Membership:
                 )
             return None
         return self._decide(ready, now)
+
+    def _holder_in(self, ready: dict[int, QuorumRequest]) -> bool:
+        """Whether a ready replica holds the current round's state (a member not catching up)."""
+        assert self.current is not None
+        return any(m.replica_id in ready and ready[m.replica_id].identity.key() == m.key()
+                   for m in self.current.members if m.replica_id not in self.current.recovering)
 
     def _without_diverged(self, ready: dict[int, QuorumRequest], now: float) -> dict[int, QuorumRequest]:
         """`ready` without the members catching up that committed a step no member holding

@@ -60,6 +60,15 @@ class HeartbeatRequest(_Msg):
     step: int = Step
 
 
+class AsideRequest(_Msg):
+    """A replica that steps out of the rounds between two steps (`trainer.aside()`: an eval,
+    sampling, saving a file): the rounds stop waiting for it, and it is not taken for hung.
+    Its next quorum request brings it back, behind the others, to catch up like a joiner."""
+
+    identity: Identity
+    step: int = Step
+
+
 class FailureReport(_Msg):
     identity: Identity
     reason: str = Field(min_length=1, max_length=1024)

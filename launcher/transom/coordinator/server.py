@@ -58,6 +58,7 @@ from transom.coordinator.membership import Membership, Settings
 from transom.errors import CoordinatorError, Evicted, Forbidden, JobCompleted, NotRegistered, TooManyRequests
 from transom.coordinator.models import (
     MAX_STEP,
+    AsideRequest,
     CheckpointReport,
     ErrorBody,
     FailureReport,
@@ -252,6 +253,7 @@ class CoordinatorServer:
         r.add_post("/v1/quorum", self._quorum)
         r.add_post("/v1/failure", self._failure)
         r.add_post("/v1/leave", self._leave)
+        r.add_post("/v1/aside", self._aside)
         r.add_post("/v1/checkpoint", self._checkpoint)
         r.add_post("/v1/signals", self._signals)
         r.add_get("/v1/replicas/{id}", self._replica)
@@ -370,6 +372,15 @@ class CoordinatorServer:
             self._changed.notify_all()
         if req.completed:
             self._status_due.set()
+        return _ok()
+
+    async def _aside(self, request: web.Request) -> web.Response:
+        req = await _parse(request, AsideRequest)
+        await self._authorize(request, req.identity)
+        async with self._changed:
+            self.membership.step_aside(req, self.clock())
+            self.membership.try_decide(self.clock())  # a round that waited only for it goes on now
+            self._changed.notify_all()
         return _ok()
 
     async def _checkpoint(self, request: web.Request) -> web.Response:

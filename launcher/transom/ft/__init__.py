@@ -1,6 +1,7 @@
 """Fault tolerance across data-parallel replicas (needs torch): quorum client, FTAR, vote.
 
-The public API is `init()`, `FaultTolerant`, `FTConfig` and `CheckpointConfig`; see trainer.py for a complete
+The public API is `init()`, `FaultTolerant`, `ReplicaSampler`, `ScriptState`, `FTConfig` and
+`CheckpointConfig`; see trainer.py for a complete
 example loop and docs/training-api.md for the guide. The exceptions a script may catch are
 transom.errors' (the ones a loop meets most are re-exported here).
 """
@@ -11,6 +12,7 @@ from transom.ft.data import ReplicaSampler
 from transom.ft.config import FTConfig, lr_factor, state_digest
 from transom.ft.trainer import FaultTolerant
 from transom.ft.replica import ReplicaContext, init
+from transom.ft.script_state import ScriptState
 
 __all__ = ["CheckpointConfig", "Evicted", "FaultTolerant", "FTConfig", "JobCompleted", "NoQuorum", "ReplicaContext", "ReplicaSampler",
-           "TooManyFailedSteps", "TransomError", "init", "lr_factor", "state_digest"]
+           "ScriptState", "TooManyFailedSteps", "TransomError", "init", "lr_factor", "state_digest"]

@@ -25,6 +25,7 @@ from typing import Any
 
 from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
+    AsideRequest,
     CheckpointReport,
     FailureReport,
     HeartbeatRequest,
@@ -105,6 +106,12 @@ class CoordinatorLink:
             self.ask(req).result(timeout=min(self.quorum_timeout_s, COMPLETION_ROUND_S))
         except Exception as e:
             log.warning("replica %d: no round before completing the job: %s", self.identity.replica_id, e)
+
+    def step_aside(self, step: int) -> None:
+        """Rounds stop waiting for this replica until it asks for its next quorum
+        (trainer.aside()). Raises what the coordinator answers: a replica that stays on
+        the rounds' list unannounced would be taken for hung."""
+        self.client.step_aside(AsideRequest(identity=self.identity, step=step))
 
     def report_checkpoint(self, step: int, uri: str, stall_s: float | None) -> None:
         self.client.report_checkpoint(CheckpointReport(identity=self.identity, step=step, uri=uri,

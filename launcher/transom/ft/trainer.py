@@ -13,8 +13,8 @@
             optimizer.step()                         # the vote; steps only a committed step
             optimizer.zero_grad()
 
-One step, as the replica's leader sees it: the quorum request leaves when the step begins
-(overlapping the forward pass) and is awaited at the end of the backward pass
+One step, as the replica's leader sees it: the quorum request leaves with the step's first
+forward pass (and overlaps it) and is awaited at the end of the backward pass
 (ft/backward.py), where a changed quorum rebuilds the cross-replica group and the
 gradients are averaged over the participants. A replica that joins sends zeros, takes a
 source's small state and catches up in the background while it trains in step; nobody
@@ -36,7 +36,6 @@ next optimizer step), and saves the final step in `close()` (ft/checkpointing.py
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import datetime
 import logging
 import os
@@ -68,6 +67,8 @@ from transom.ft.process_group import QuorumGroups
 from transom.ft.shares import BatchShares
 from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
+from transom.ft.loop_aids import LoopAids
+from transom.ft.script_state import bundle
 from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, hand_outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.rejoin import Rejoin
@@ -92,7 +93,7 @@ class _Exchanged:
     ftar: StepAllReduce | None = None
 
 
-class FaultTolerant:
+class FaultTolerant(LoopAids):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -104,13 +105,19 @@ class FaultTolerant:
         extra_state: Stateful | None = None,
         config: FTConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
+        start_step: int = 0,
     ):
         """`scaler`: the AMP GradScaler, if the script uses one (its scale is replica state);
         `sampler`: the ft.ReplicaSampler (`batches()` adds its loader's); `extra_state`:
-        anything else with state_dict()/load_state_dict() (an LR scheduler).
-        `checkpoint` None: from the pod environment (no checkpoints without a URI there)."""
+        anything else with state_dict()/load_state_dict() (an LR scheduler), or a dict of
+        such objects and `ft.ScriptState`s. `checkpoint` None: from the pod environment (no
+        checkpoints without a URI there). `start_step`: the step of the state the script
+        loaded itself (its own checkpoint), where the job starts if no Transom checkpoint is
+        restored."""
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise UsageError(f"start_step must be a non-negative integer, got {start_step!r}")
         self.ctx = ctx or init()
-        self.model, self.extra_state = model, extra_state
+        self.model, self.extra_state = model, bundle(extra_state)
         self._optimizer = optimizer
         self.optimizer = FTOptimizer(optimizer, self._finish)
         """The script's optimizer, wrapped: its step() ends the fault-tolerant step (ft/optimizer.py)."""
@@ -130,7 +137,7 @@ class FaultTolerant:
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
         self.fault = inject.from_environ(env.attempt)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
-        self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=extra_state)
+        self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
         # Anomaly detection (spec.detection): the step guard and this rank's signals (ft/guard.py).
         self.detection = DetectionSettings.from_spec(os.environ.get(ENV_DETECTION))
         self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
@@ -154,6 +161,9 @@ class FaultTolerant:
         self._groups = QuorumGroups(self._backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
         self._future: concurrent.futures.Future | None = None
         self._in_step = False
+        self._request: QuorumRequest | None = None  # this step's, until the forward pass sends it
+        self._asked = False  # this step's quorum request left (on the leader; the flag on every rank)
+        self._aside = False  # in trainer.aside()
         self._opened: _Exchanged | None = None  # this step's, once its quorum is in
         self._exchanged: _Exchanged | None = None  # this step's, once the gradients are averaged
         self._loss: Any = None  # this step's, from report() or finish_step()
@@ -168,7 +178,7 @@ class FaultTolerant:
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint)
             self.restored_step = self.checkpoints.restore(lambda: coordinator_view(self.client, self.replica_id))
-            self.step = self.restored_step or 0
+        self.step = self.restored_step if self.restored_step is not None else start_step
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
         on_chunk = (lambda n: self.fault.maybe_fire(n, self.ctx.rank, "serve")) if self.fault else None
@@ -191,7 +201,10 @@ class FaultTolerant:
             registration = RegisterRequest(identity=self.identity, state_endpoints=endpoints, step=self.step,
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
             self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
-        self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
+        self._backward = GradientsReady(model, self._exchange_at_backward_end, self._exchanges_at_backward)
+        # The step's quorum request leaves with its first forward pass: work before it (an
+        # evaluation at the top of the loop, trainer.aside()) keeps the others from waiting.
+        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
         # Buckets in the order backward produces gradients (roughly the reverse of the
         # parameters'); each is exchanged as soon as it is ready, except under DDP, whose own
         # reduction follows our hooks: there the exchange waits for the end of the pass.
@@ -242,32 +255,6 @@ class FaultTolerant:
             self.state.sampler = loader.sampler
         return data.batches(self, loader, num_steps)
 
-    def report(self, loss: torch.Tensor | float | None = None, *, tokens: float | None = None,
-               sum_len_sq: float | None = None) -> None:
-        """The step's loss, for the anomaly detectors, the coordinator (status, metrics) and the
-        step statistics; and its workload: `tokens` in this rank's batch and the sum of its
-        sequences' squared lengths, which attention's cost follows (for packed sequences: the
-        documents' lengths). The fail-slow detector predicts a step's time from them. Call it
-        before `optimizer.step()`; optional."""
-        if not self._in_step:
-            raise UsageError("report() belongs inside a step, before optimizer.step()")
-        self._loss = loss
-        if self._guard is not None:
-            self._guard.workload(tokens, sum_len_sq)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradient accumulation: backward passes inside accumulate locally, without the
-        cross-replica exchange (and without DDP's, if the model is a DDP module); the step's
-        last backward pass, outside, exchanges the sum."""
-        inner = self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
-        self._no_sync = True
-        try:
-            with inner:
-                yield
-        finally:
-            self._no_sync = False
-
     def begin_step(self) -> None:
         self._evicted = self._evicted or (self._link.evicted if self._link is not None else None)
         if self._evicted:
@@ -292,7 +279,18 @@ class FaultTolerant:
                 shares_held=self.shares.schedule.pending,
                 shares_held_from=self.shares.schedule.pending_from,
             )
-            self._future = self._link.ask(req)
+            self._request = req
+        self._asked = False
+
+    def _on_forward(self, _module, _args) -> None:
+        if self._in_step and not self._asked and not self._aside and torch.is_grad_enabled():
+            self._ask()
+
+    def _ask(self) -> None:
+        """Send the step's quorum request (once); the leader alone talks to the coordinator."""
+        self._asked = True
+        if self._request is not None and self._link is not None:
+            self._future, self._request = self._link.ask(self._request), None
 
     def finish_step(
         self, loss: torch.Tensor | float | None = None, before_optimizer: Callable[[], None] | None = None
@@ -373,7 +371,8 @@ class FaultTolerant:
     def _exchange_at_backward_end(self) -> None:
         if self._exchanged is not None:  # the gradients of this step were averaged already
             raise UsageError("a second backward pass in one step: wrap all but the step's last one in "
-                             "`with trainer.no_sync():` (gradient accumulation)")
+                             "`with trainer.no_sync():` (gradient accumulation), or set DDP's "
+                             "`model.require_backward_grad_sync = False` for them")
         self._exchange_now()
 
     def _bucket_ready(self, index: int) -> None:
@@ -539,6 +538,7 @@ class FaultTolerant:
         self._rejoin.close()
         self._source.close()
         self._backward.remove()
+        self._forward_hook.remove()
         self._step_guard.remove()
         self._groups.drop()
         self._state_server.close()
@@ -559,6 +559,7 @@ class FaultTolerant:
 
     def _await_quorum(self) -> QuorumResponse | None:
         # Only the leader asked; it tells the other ranks.
+        self._ask()  # no forward pass went through the model (e.g. it called a submodule)
         answer = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
         self._future = None
         if isinstance(answer, dict):

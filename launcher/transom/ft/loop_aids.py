@@ -1,0 +1,153 @@
+"""What a training loop asks of its trainer besides the step itself: its data's coordinates,
+random numbers that a retried step sees again, gradient accumulation, work outside the
+steps, one writer for the script's own files, and which steps are worth a log line.
+
+`LoopAids` is mixed into `FaultTolerant` (ft/trainer.py), which owns the attributes named
+in its docstring; everything here is the script-facing half of those attributes.
+
+- **Data coordinates.** Each replica is a world of its own (`ctx.rank` runs 0..world_size-1
+  in every replica), so a sampler seeded by `ctx.rank` alone gives every replica the same
+  batches. `data_rank` / `data_world_size` number the ranks of all replicas together, as
+  `DistributedSampler`'s rank and world size number torchrun's processes.
+- **Random numbers of a step.** `generator(micro_step)` is a `torch.Generator` seeded from
+  (seed, step, micro step, data rank): different on every rank of every replica, and the
+  same when a failed step runs again, so random-offset batches (nanoGPT's `torch.randint`
+  into a memmap) follow the step as rule 2 of training-api.md asks.
+- **Work outside the steps** (`aside()`): an evaluation or a sample on one replica. The
+  rounds go on without the replica meanwhile (the coordinator does not wait for it and
+  does not take it for hung); when it asks for its next quorum it is behind, and catches up
+  from a peer while it trains in step, like a replica that rejoins. Nobody waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+from typing import Any
+
+import torch
+
+from transom.errors import UsageError
+
+
+def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
+    """A 63-bit seed from the four numbers, the same in every process and Python version
+    (not `hash()`, which is salted per process)."""
+    digest = hashlib.blake2b(struct.pack("<4q", seed, step, micro_step, data_rank), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class LoopAids:
+    """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
+    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, last_step_committed,
+    last_batch_trained."""
+
+    ctx: Any
+    model: torch.nn.Module
+    step: int
+
+    # --- data ---------------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the ranks of all replicas: replica_id * world_size + rank."""
+        return self.ctx.replica_id * self.ctx.world_size + self.ctx.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """The ranks of all replicas: num_replicas * world_size (DistributedSampler's world size)."""
+        return self.ctx.num_replicas * self.ctx.world_size
+
+    def generator(self, micro_step: int = 0, *, seed: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator for the current step's `micro_step`-th batch on this rank, seeded from
+        (seed, step, micro_step, data_rank): a retried step draws the same numbers, every
+        rank of every replica different ones. Create it inside the step, before the batch."""
+        for name, value in (("micro_step", micro_step), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+                raise UsageError(f"trainer.generator(): {name} must be a non-negative integer, got {value!r}")
+        g = torch.Generator(device=device)
+        g.manual_seed(step_seed(seed, self.step, micro_step, self.data_rank))
+        return g
+
+    # --- the step -----------------------------------------------------------------------------
+    def report(self, loss: torch.Tensor | float | None = None, *, tokens: float | None = None,
+               sum_len_sq: float | None = None) -> None:
+        """The step's loss, for the anomaly detectors, the coordinator (status, metrics) and the
+        step statistics; and its workload: `tokens` in this rank's batch and the sum of its
+        sequences' squared lengths, which attention's cost follows (for packed sequences: the
+        documents' lengths). The fail-slow detector predicts a step's time from them. Call it
+        before `optimizer.step()`; optional."""
+        if not self._in_step:
+            raise UsageError("report() belongs inside a step, before optimizer.step()")
+        self._loss = loss
+        if self._guard is not None:
+            self._guard.workload(tokens, sum_len_sq)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside accumulate locally, without the
+        cross-replica exchange (and without DDP's, if the model is a DDP module); the step's
+        last backward pass, outside, exchanges the sum. DDP's own switches (`model.no_sync()`,
+        `model.require_backward_grad_sync = False`) do the same."""
+        inner = self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
+        self._no_sync = True
+        try:
+            with inner:
+                yield
+        finally:
+            self._no_sync = False
+
+    def _exchanges_at_backward(self) -> bool:
+        """Whether this backward pass ends with the cross-replica exchange: inside a step, and
+        neither trainer.no_sync() nor DDP's switch says the pass only accumulates."""
+        return self._in_step and not self._no_sync and getattr(self.model, "require_backward_grad_sync", True)
+
+    # --- outside the steps --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def aside(self):
+        """Work outside the steps on this replica (evaluation, sampling, saving a file) for as
+        long as it takes: the other replicas go on without it, and it catches up afterwards.
+        Use it between steps, or in a step before its forward pass (nanoGPT evaluates at the
+        top of the loop); every rank of the replica enters it."""
+        if self._in_step and self._asked:
+            raise UsageError("trainer.aside() after the step's forward pass: the other replicas are waiting for "
+                             "this step's gradients. Enter it before the forward pass, or after optimizer.step()")
+        if self._aside:
+            raise UsageError("trainer.aside() inside trainer.aside()")
+        self._aside = True
+        if self._link is not None:
+            self._link.step_aside(self.step)
+        if self._guard is not None:
+            self._guard.waiting(True)  # the launcher's hang watchdog: this is no hang
+        timed = self._clock.waiting() if self._in_step else contextlib.nullcontext()
+        try:
+            with timed:  # not this step's busy time (the fail-slow detector would see a slow step)
+                yield
+        finally:
+            self._aside = False
+            if self._guard is not None:
+                self._guard.waiting(False)
+
+    # --- the script's own files and logs --------------------------------------------------------
+    @property
+    def is_writer_replica(self) -> bool:
+        """True on every rank of one replica of the job: the first that holds the state of the
+        step just committed (not one catching up); False everywhere before the first commit.
+        Evaluate there (all of its ranks, in `trainer.aside()`); it can move to another
+        replica after a failure."""
+        return self._writers is not None and self._writers.replica_rank == 0
+
+    @property
+    def is_writer(self) -> bool:
+        """True on one rank of the whole job: rank 0 of the writer replica. Write the script's
+        own files (a `ckpt.pt`, a log of its own) and its log lines only where this is true."""
+        return self.ctx.rank == 0 and self.is_writer_replica
+
+    def log_due(self, every: int = 1) -> bool:
+        """Whether the step just committed is worth a log line: it trained this replica's own
+        batch on the job's weights (not a failed attempt that runs again, not a step of a
+        replica catching up, whose loss came from stale weights), and `trainer.step` is a
+        multiple of `every`. With `trainer.is_writer`, one line per step for the job."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UsageError(f"trainer.log_due(): every must be a positive integer, got {every!r}")
+        return self.last_step_committed and self.last_batch_trained and self.step % every == 0
