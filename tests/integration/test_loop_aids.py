@@ -9,6 +9,7 @@ one writer; a start step from the script's own checkpoint; script values as repl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from test_trainer_api import _batch, run_replicas
 from transom import contract
+from transom.launch import summary
 from transom.errors import UsageError
 from transom.ft import ScriptState
 from transom.ft.loop_aids import step_seed
@@ -157,3 +159,24 @@ def test_script_values_and_several_objects_are_one_replica_state():
         script["model"] = model
     with pytest.raises(UsageError, match="state_dict"):
         bundle({"value": 3})
+
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_switches_inside_a_replica_of_two_processes_train_alike(transom_run):
+    """Real DDP inside each replica (two processes): DDP's require_backward_grad_sync
+    accumulates exactly as trainer.no_sync() does, on every replica alike."""
+    digests = {}
+    # (DDP's model.no_sync() sets the same attribute; ddp_accumulate.py --switch ddp-no-sync runs it.)
+    for switch in ("ddp-attribute", "trainer-no-sync"):
+        result = transom_run(["--replicas", "2", "--nproc-per-replica", "2"], ["--switch", switch],
+                             script=SCRIPTS / "ddp_accumulate.py", timeout_s=120)
+        assert result.returncode == 0, result.output[-3000:]
+        assert result.summary["replicas_bit_identical"] is True
+        _, finals = summary.load(result.stats_dir)
+        digests[switch] = {(f["rank"], f["digest"]) for f in finals}
+    assert digests["ddp-attribute"] == digests["trainer-no-sync"]
+    assert len(digests["ddp-attribute"]) == 2  # one per rank, the same on both replicas
