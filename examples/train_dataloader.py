@@ -79,7 +79,7 @@ def main() -> None:
             optimizer.zero_grad()
             if trainer.last_step_committed:
                 scheduler.step()  # the schedule follows committed steps only
-            if ctx.rank == 0 and trainer.step % 20 == 0 and trainer.last_step_committed:
+            if ctx.rank == 0 and trainer.log_due(20):  # committed, and trained on the job's weights
                 print(f"replica {trainer.replica_id}: step {trainer.step} loss {loss.item():.4f} "
                       f"lr {scheduler.get_last_lr()[0]:.5f}", flush=True)
 

@@ -132,11 +132,13 @@ def main() -> None:
             loss = model(x.to(device), y.to(device))
             loss.backward()
             trainer.finish_step(loss)
-            if ctx.rank == 0 and args.log_every and step % args.log_every == 0:
-                print(f"replica {trainer.replica_id}: step {step} loss {loss.item():.4f}", flush=True)
+            # Only committed steps this replica trained on the job's weights: no failed attempt
+            # that runs again, no stale loss of a replica catching up.
+            if ctx.rank == 0 and args.log_every and trainer.log_due(args.log_every):
+                print(f"replica {trainer.replica_id}: step {trainer.step} loss {loss.item():.4f}", flush=True)
     finally:
         trainer.close()  # completes the job after the last step; before it, reports a failure
-    if ctx.rank == 0 and loss is not None:
+    if ctx.rank == 0 and trainer.last_batch_trained:
         print(f"replica {trainer.replica_id}: {trainer.step} steps, last loss {loss.item():.4f}", flush=True)
 
 
