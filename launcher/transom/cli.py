@@ -1,5 +1,5 @@
-"""The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode), `detect replay`
-and `simulate`.
+"""The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode), `detect replay`,
+`simulate` and `checkpoint export`.
 
 Importing this module needs no torch: the launcher and coordinator run in images or
 environments where only the workers have it.
@@ -222,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
     replay.add_arguments(dsub.add_parser("replay", help="run the detectors over a trace and print the verdicts"))
     from transom.simulate import cli as simulate_cli
     simulate_cli.add_arguments(sub.add_parser("simulate", help="goodput of large jobs under failures, by strategy"))
+    from transom.checkpoint import cli as checkpoint_cli
+    checkpoint_cli.add_arguments(sub.add_parser("checkpoint", help="committed checkpoints: export one as a plain "
+                                                                  "PyTorch file"))
     return p
 
 
@@ -243,4 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "detect":
         from transom.detect import replay
         return replay.main(args)
+    if args.cmd == "checkpoint":
+        from transom.checkpoint import cli as checkpoint_cli
+        return checkpoint_cli.main(args)
     return _run(args, command)
