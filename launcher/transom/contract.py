@@ -58,6 +58,9 @@ ENV_PODINFO_DIR = "TRANSOM_PODINFO_DIR"  # overrides PODINFO_DIR (tests, local r
 PODINFO_DIR = "/etc/transom/podinfo"  # downward-API volume of spare pods; holds `labels`
 
 # --- set by the launcher for each worker --------------------------------------------
+# A file of this worker's own: where a ScriptError that escapes the script is written
+# (transom/script_errors.py), so that the launcher ends the job rather than restarting.
+ENV_SCRIPT_ERROR_FILE = "TRANSOM_SCRIPT_ERROR_FILE"
 # Besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 # (all of the worker's own replica), the launcher adds its restart count: a replica's
 # identity towards the coordinator is (generation, attempt).
@@ -79,6 +82,11 @@ ENV_DETECTION = "TRANSOM_DETECTION"
 ENV_SIGNALS_DIR = "TRANSOM_SIGNALS_DIR"
 # Set by `transom run` on the launchers it starts: a launcher stops when that process dies.
 ENV_OWNER_PID = "TRANSOM_OWNER_PID"
+# Where a launcher writes why it exited with EXIT_SCRIPT_ERROR, for whoever started it: the
+# container's terminationMessagePath (the operator sets it; the kubelet shows the file as the
+# container's termination message), or a file of `transom run`'s. Unset: nowhere.
+ENV_TERMINATION_LOG = "TRANSOM_TERMINATION_LOG"
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 
 # --- Kubernetes labels and annotations ----------------------------------------------
 # Keys under this domain (or a subdomain of it) are the operator's: a pod template that sets
@@ -101,6 +109,9 @@ EXIT_OK = 0
 EXIT_WORKERS_FAILED = 1  # workers kept failing past --max-restarts
 EXIT_USAGE = 2  # bad command line or missing environment
 EXIT_EVICTED = 3  # a newer incarnation of this replica registered (the operator replaced it)
+# A worker raised a transom.errors.ScriptError: the script is wrong and every retry would fail
+# the same way. Nothing restarts the replica; `transom run` and the operator end the job.
+EXIT_SCRIPT_ERROR = 4
 # Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
 
 

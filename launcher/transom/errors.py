@@ -11,7 +11,9 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     ├── NoQuorum                  no quorum formed within `quorum_timeout_s`
     ├── TooManyFailedSteps        the replica failed `max_failed_steps` steps in a row
     ├── MustRestart               this replica cannot go on where it is; its launcher restarts it
-    ├── UsageError                the API used out of order (a bug in the calling script)
+    ├── ScriptError               the script is wrong: every retry fails the same way, so the job ends
+    │   ├── UsageError            the API used out of order (a bug in the calling script)
+    │   └── IncompatibleCheckpoint  (also a CheckpointError, below)
     ├── BackendError              a collective backend that cannot work where the tensors are
     ├── CheckpointError
     │   ├── NoCheckpoint          no committed checkpoint to restore
@@ -22,6 +24,12 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     └── InvalidBytes              bytes from a peer or from storage that are not what they claim
         ├── WireError             a peer's replica state
         └── BlobError             a tensor blob in a checkpoint
+
+A ScriptError that escapes a worker ends the whole job at once, never retried
+(transom/script_errors.py): its launcher exits with `contract.EXIT_SCRIPT_ERROR`. The set is
+kept small on purpose: only what fails the same way on any node, in any incarnation.
+BackendError is not one: a pod that sees no GPU, or replicas that share one, is the node's
+or the placement's doing, which a replica started elsewhere can escape.
 
 The coordinator raises the same CoordinatorError classes that its client raises (it
 maps each to its HTTP status), so one name means one thing on both ends. Each class also
@@ -88,7 +96,15 @@ class MustRestart(TransomError, RuntimeError):
     for a peer that is gone); let it propagate: its launcher restarts it."""
 
 
-class UsageError(TransomError, RuntimeError):
+class ScriptError(TransomError):
+    """The training script, or the job's configuration of it, is wrong in a way that every
+    retry repeats: the same call fails on any node and in any incarnation. When one escapes
+    a worker, its launcher restarts nothing and exits with `contract.EXIT_SCRIPT_ERROR`, and
+    the job ends (`transom run` stops every replica; the operator marks the job Failed).
+    Raised only as one of its subclasses."""
+
+
+class UsageError(ScriptError, RuntimeError):
     """The training API was used out of order: a bug in the calling script; the message
     says which call was expected."""
 
@@ -114,8 +130,10 @@ class CorruptCheckpoint(CheckpointError, ValueError):
     """A checkpoint's files do not match its manifest (size, checksum, layout)."""
 
 
-class IncompatibleCheckpoint(CheckpointError, ValueError):
-    """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks)."""
+class IncompatibleCheckpoint(CheckpointError, ScriptError, ValueError):
+    """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks).
+    A ScriptError: every incarnation of every replica restores the same newest checkpoint
+    and fails the same way, until the job's processes per replica or its URI change."""
 
 
 class StorageStalled(CheckpointError, TimeoutError):

@@ -18,7 +18,12 @@ EXITED_EARLY = "ExitedEarly"  # exited 0 before the coordinator recorded the job
 REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
 NODE_EXCLUDED = "NodeExcluded"  # (spares) its node was excluded by a failure of another pod
 
-# Every reason a replica can fail for (the operator's failure counter starts each at 0).
+# A container exited 4 (EXIT_SCRIPT_ERROR): the script raised a ScriptError, which every
+# incarnation would raise again. It ends the job (also the Failed condition's reason), and is
+# never a replacement: not in FAILURE_REASONS.
+SCRIPT_ERROR = "ScriptError"
+
+# Every reason a replica is replaced for (the operator's failure counter starts each at 0).
 FAILURE_REASONS = (POD_FAILED, POD_DELETED, POD_EVICTED, NODE_NOT_READY, NODE_LOST, FLAGGED_BY_COORDINATOR,
                    EXITED_EARLY, REPEATED_FAILURES, NODE_EXCLUDED)
 

@@ -232,6 +232,14 @@ def harden(pod_spec: dict[str, Any]) -> None:
             sc.setdefault("capabilities", {"drop": ["ALL"]})
 
 
+def _termination_log(container: dict[str, Any]) -> dict[str, Any]:
+    """Where the container's launcher writes why it ended with a ScriptError: the file the
+    kubelet reports as the container's termination message (failures.script_error_message)."""
+    path = container.get("terminationMessagePath")
+    return {"name": contract.ENV_TERMINATION_LOG, "value": path if isinstance(path, str) and path
+            else contract.TERMINATION_LOG}
+
+
 def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict[str, Any]],
          excluded_nodes: Iterable[str], avoid_nodes: Iterable[str] = ()) -> dict[str, Any]:
     """A worker pod from spec.template with our name, labels and environment."""
@@ -249,7 +257,7 @@ def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict
         env_from.append({"secretRef": {"name": job.spec.checkpoint.credentials_secret.name}})
     for key in ("initContainers", "containers"):
         for container in pod_spec.get(key) or []:
-            _with_env(container, env, env_from)
+            _with_env(container, [*env, _termination_log(container)], env_from)
 
     # A replica's pod that exits is done: the launcher already restarted its processes in
     # place; anything further is the operator's replacement of the whole replica.

@@ -35,6 +35,13 @@ def env_of(container):
     return {e["name"]: e for e in container["env"]}
 
 
+def test_the_launcher_writes_a_script_error_where_the_container_keeps_its_termination_message():
+    job = make_job()
+    job.spec.template["spec"]["containers"][0]["terminationMessagePath"] = "/tmp/why"
+    pod = resources.worker_pod(job, replica=0, node_rank=0, generation=0)
+    assert env_of(pod["spec"]["containers"][0])[contract.ENV_TERMINATION_LOG]["value"] == "/tmp/why"
+
+
 def test_worker_pod_identity_and_owner():
     pod = resources.worker_pod(make_job(), replica=1, node_rank=0, generation=4)
     meta = pod["metadata"]
@@ -68,6 +75,7 @@ def test_worker_pod_environment():
         contract.ENV_COLLECTIVE_TIMEOUT: "60", contract.ENV_BACKEND: "auto",
         contract.ENV_DETECTION: resources.detection_json(make_job()),
         contract.ENV_IDENTITY_TOKEN_FILE: "/var/run/secrets/transom.io/identity/token",
+        contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG,
     }
     assert [e["name"] for e in pod["spec"]["containers"][0]["env"]].count(contract.ENV_REPLICA_ID) == 1
     # Not the job's token, which may act for any replica: the state servers' token only.

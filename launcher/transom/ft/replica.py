@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from transom import script_errors
 from transom.contract import ReplicaEnv
 from transom.ft import backend as placement
 
@@ -95,7 +96,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
     own world here and is the default of the cross-replica groups (backend.py says how).
     `ctx.device` is this process's GPU where there is one (shared round-robin when the
     processes outnumber the GPUs), else the CPU; the script moves its model there.
+    From here on a ScriptError that escapes the script ends the job (script_errors.py).
     """
+    script_errors.install_hook()
     env = ReplicaEnv.from_environ()
     rank = int(os.environ.get("RANK", "0"))
     _log_to_stderr(os.environ.get("TRANSOM_LOG_LEVEL"), rank)

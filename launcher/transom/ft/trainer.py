@@ -54,7 +54,7 @@ from transom.contract import ENV_DETECTION, ENV_STATS_DIR
 from transom.detect.signals import DetectionSettings
 from transom.coordinator.client import CoordinatorClient, Evicted, credential
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
-from transom import inject
+from transom import inject, script_errors
 from transom.checkpoint import sharding
 from transom.ft import backend as placement
 from transom.ft import data, wire
@@ -515,6 +515,7 @@ class FaultTolerant(LoopAids):
         completed = done and not self.completed_elsewhere and not self._evicted
         failed = not done and not self.completed_elsewhere and not self._evicted
         if failed:  # before anything slow: the other replicas stop waiting for this one now
+            script_errors.record_escaping()  # before the report, which the launcher may act on first
             self._report_close_failure()
         if completed and self._rejoin.active:
             log.warning("replica %d ends the job before it caught up: its state is not the job's", self.replica_id)
@@ -582,6 +583,7 @@ class FaultTolerant(LoopAids):
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:
+            script_errors.record_escaping(exc)  # before the report (see close())
             self._groups.drop()
             if not self._evicted and not self._closed:
                 reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"

@@ -22,6 +22,11 @@ caught up (or after REFILL_WAIT_S): on one machine its start-up (imports, the mo
 would take the cores the catch-up and the healthy replicas need; on Kubernetes the
 operator refills at once, on other nodes.
 
+A launcher that exits 4 (`contract.EXIT_SCRIPT_ERROR`: a worker raised a ScriptError, a bug
+in the script that every replica and every retry would hit again) ends the whole run at
+once: the others are stopped, the message is printed once and is the summary's
+`script_error`, and `transom run` exits 4 too (script_errors.py).
+
 Nothing the run started outlives it. Each launcher stops its workers and whatever they
 started (launch/processes.py); the runner is the subreaper of every process below it, so
 what a launcher that was SIGKILLed could not stop (a worker's `setsid` child) is
@@ -44,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom import contract
+from transom import contract, script_errors
 from transom.coordinator.identity import ReplicaKeys
 from transom.coordinator.membership import Settings
 from transom.defaults import LOCAL, heartbeat_interval_s
@@ -157,6 +162,8 @@ class LocalRun:
         self.display = Display(quiet=config.quiet)
         self.log_dir = Path(config.log_dir).absolute() if config.log_dir else None
         self.logs: dict[int, str] = {}  # replica -> its log file
+        self._termination_logs: dict[subprocess.Popen, Path] = {}  # launcher -> its TRANSOM_TERMINATION_LOG
+        self.script_error: str | None = None  # why a launcher exited EXIT_SCRIPT_ERROR
         self._log_files: list = []
 
     # --- output ------------------------------------------------------------------------------
@@ -222,7 +229,20 @@ class LocalRun:
             "--", *self.config.command,
         ]
         out = self._output_of(output_of)
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+        termination_log = self._identity_dir / f"termination-{len(self._termination_logs)}"
+        env[contract.ENV_TERMINATION_LOG] = str(termination_log)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out)
+        self._termination_logs[proc] = termination_log
+        return proc
+
+    def _script_error(self) -> str | None:
+        """The message of a launcher, current or already replaced, that exited with
+        EXIT_SCRIPT_ERROR (a replaced one too: its failure report may have made a spare take
+        over before it exited)."""
+        for proc, path in self._termination_logs.items():
+            if proc.poll() == contract.EXIT_SCRIPT_ERROR:
+                return script_errors.read_termination_log(path) or f"launcher pid {proc.pid} gave no message"
+        return None
 
     def _start(self, replica: int, generation: int) -> None:
         env = self._pod_env(replica)
@@ -374,13 +394,19 @@ class LocalRun:
             if time.monotonic() > deadline:
                 self.say(f"timed out after {self.config.timeout_s:.0f}s")
                 return 1
+            self.script_error = self._script_error()
+            if self.script_error is not None:  # every replica would hit it too: none is restarted
+                self.say(f"the training script is wrong, and retrying cannot help: {self.script_error}. "
+                         "Fix the script and run again; stopping every replica")
+                return contract.EXIT_SCRIPT_ERROR
             if not self._promote_for_failures():
                 return 1
             self._refill_spares()
             self._retired = [p for p in self._retired if p.poll() is None]
             for r, proc in list(self.launchers.items()):
                 code = proc.poll()
-                if code is None or r in self.done:
+                # EXIT_SCRIPT_ERROR: not replaced; the next pass ends the run.
+                if code in (None, contract.EXIT_SCRIPT_ERROR) or r in self.done:
                     continue
                 if code == 0:
                     self.done.add(r)
@@ -471,6 +497,7 @@ class LocalRun:
         summary["exit_code"] = exit_code
         summary["completed_step"] = completed_step
         summary["last_checkpoint"] = last_checkpoint
+        summary["script_error"] = self.script_error
         rows = replica_rows(self.stats_dir, self.config.replicas, self.logs)
         if self.config.trace_out:
             n = merge_trace(self.stats_dir / "signals", Path(self.config.trace_out))

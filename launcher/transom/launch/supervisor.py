@@ -16,6 +16,12 @@ its groups is left running, nor anything that left them (a `setsid` child: the l
 the subreaper of its workers' descendants; processes.py). Workers also die with the
 launcher itself.
 
+A worker that ends with a ScriptError (a bug in the script: every retry would fail the same
+way; transom/script_errors.py) ends the replica without a restart: the launcher reports it
+to the coordinator as `ScriptError: ...`, writes the message to TRANSOM_TERMINATION_LOG
+(the container's termination message in a pod) and exits 4, and whoever started it ends
+the job.
+
 Workers that all exit 0 have finished only if the job is complete: the launcher asks the
 coordinator, and workers that stopped before a replica completed the job (a script that
 ends early, or never trains) are a failure like any other.
@@ -29,7 +35,7 @@ names a replica, the launcher has no identity to report to the coordinator: it o
 restarts workers that fail. From the promotion on it supervises as that replica.
 
 Exit codes (transom.contract): 0 all workers succeeded, 1 restarts exhausted, 2 usage,
-3 superseded by a newer incarnation, 128+N terminated by signal N.
+3 superseded by a newer incarnation, 4 a script error, 128+N terminated by signal N.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom import contract
+from transom import contract, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
 from transom.detect.signals import DetectionSettings
@@ -158,6 +164,13 @@ class Launcher:
                         "watchdog are off for this pod", e)
             self._environ.pop(contract.ENV_SIGNALS_DIR, None)
         self._forwarder: SignalForwarder | None = None
+        # Where each worker writes a ScriptError that ends it (script_errors.py).
+        self._errors_dir: Path | None = None
+        try:
+            self._errors_dir = Path(tempfile.mkdtemp(prefix="transom-errors-"))
+        except OSError as e:
+            log.warning("no directory for the workers' script errors (%s): a bug in the script is restarted "
+                        "like a crash", e)
 
     def identity(self, attempt: int) -> Identity:
         return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
@@ -220,6 +233,8 @@ class Launcher:
                     contract.ENV_NPROC_PER_NODE: str(n),
                 }
             )
+            if self._errors_dir is not None:
+                env[contract.ENV_SCRIPT_ERROR_FILE] = str(self._error_file(attempt, local_rank))
             # Its own session (and process group), so a signal meant for the launcher's terminal
             # is not delivered twice; the launcher forwards what the workers must see, to the group.
             self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True,
@@ -277,7 +292,7 @@ class Launcher:
         return reason
 
     def _watch(self, attempt: int) -> tuple[str, str]:
-        """Wait for this attempt to end: ('ok'|'failed'|'superseded'|'signal', reason)."""
+        """Wait for this attempt to end: ('ok'|'failed'|'script_error'|'superseded'|'signal', reason)."""
         watch: StateWatch | None = None  # the coordinator's view of this replica (launch/state_watch.py)
         next_progress_poll = 0.0
         try:
@@ -307,10 +322,27 @@ class Launcher:
             if watch is not None:
                 watch.stop()
 
+    def _error_file(self, attempt: int, local_rank: int) -> Path:
+        assert self._errors_dir is not None
+        return self._errors_dir / f"a{attempt}-r{local_rank}.json"
+
+    def _script_failure(self, attempt: int) -> script_errors.ScriptFailure | None:
+        """The ScriptError some worker of this attempt ended with, if any: any worker's, not
+        only the one that exited first (the others may fail on the ranks it left behind)."""
+        if self._errors_dir is None:
+            return None
+        found = (script_errors.read(self._error_file(attempt, k)) for k in range(self.config.nproc_per_node))
+        return next((f for f in found if f is not None), None)
+
     def _workers_ended(self, attempt: int) -> tuple[str, str] | None:
         codes = [w.poll() for w in self.workers]
         for rank, code in enumerate(codes):
             if code not in (None, 0):
+                failure = self._script_failure(attempt)
+                if failure is not None:  # reported as what it is, not as a crash
+                    reason = failure.describe(self.who)
+                    self._report(attempt, reason, code if code >= 0 else None)
+                    return "script_error", reason
                 reason = f"worker local rank {rank} {describe_exit(code)}"
                 self._report(attempt, reason, code if code >= 0 else None)
                 return "failed", reason
@@ -369,9 +401,18 @@ class Launcher:
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
                 self._stop_workers(signal.SIGKILL, 0.0)
+                # A worker writes its ScriptError before it reports the replica failed, so the
+                # file is there also when the coordinator's word came before the worker's exit.
+                failure = self._script_failure(attempt) if outcome == "failed" else None
+                if failure is not None:
+                    outcome, reason = "script_error", failure.describe(self.who)
                 if outcome == "superseded":
                     log.error("%s: %s; exiting", self.who, reason)
                     return contract.EXIT_EVICTED
+                if outcome == "script_error":
+                    log.error("%s: %s; not restarting: every attempt would fail the same way", self.who, reason)
+                    script_errors.write_termination_log(reason, self._environ)
+                    return contract.EXIT_SCRIPT_ERROR
                 log.warning("%s attempt %d failed: %s", self.who, attempt, reason)
                 if attempt >= self.config.max_restarts:
                     log.error("%s: giving up after %d restarts", self.who, attempt)
@@ -387,3 +428,5 @@ class Launcher:
                 signal.signal(s, handler)
             if self._own_signals_dir and self._signals_dir is not None:
                 shutil.rmtree(self._signals_dir, ignore_errors=True)
+            if self._errors_dir is not None:
+                shutil.rmtree(self._errors_dir, ignore_errors=True)

@@ -6,6 +6,11 @@ A replica (one incarnation: the pods of its current generation) fails when one o
 - is named by a verdict of the job's coordinator in `status.training.verdicts`
   (FlaggedByCoordinator),
 - was evicted by the kubelet (PodEvicted) or exited non-zero (PodFailed),
+- exited with the launcher's EXIT_SCRIPT_ERROR (ScriptError): the script raised an error that
+  every incarnation would raise again. It comes first and ends the job (replicas.py): it is
+  never replaced and never blamed on a node. The exit code and the termination message are
+  the pod's own, about its own replica and its job's own script, so nothing else is
+  trusted to them,
 - exited 0 although the coordinator has not recorded the job complete (ExitedEarly),
 - is being deleted, or is gone although the replica was recorded Running (PodDeleted).
 Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, a verdict that
@@ -27,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from transom import contract
 from transom_operator import api, reasons
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 
@@ -36,10 +42,11 @@ NODE_LOST_POD_REASONS = frozenset({"NodeLost", "NodeShutdown", "Terminated"})  #
 # counts as an early exit. The launcher exits 0 only after the coordinator confirmed the
 # completion, and the coordinator writes status.training at once when it happens.
 COMPLETION_WAIT_S = 30.0
+MAX_TERMINATION_MESSAGE = 2048  # of a failure's message (4096 at most)
 
 # Order in which causes are reported when a replica has several at once.
 _PRIORITY = (
-    reasons.NODE_NOT_READY, reasons.NODE_LOST, reasons.FLAGGED_BY_COORDINATOR,
+    reasons.SCRIPT_ERROR, reasons.NODE_NOT_READY, reasons.NODE_LOST, reasons.FLAGGED_BY_COORDINATOR,
     reasons.POD_EVICTED, reasons.POD_FAILED, reasons.EXITED_EARLY, reasons.POD_DELETED,
 )
 
@@ -102,6 +109,8 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
                 # Deleted (by a user, a drain), and its containers' exit on the way out (143:
                 # the SIGTERM) says nothing about the node: a deletion, not a pod failure.
                 causes.append((reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None))
+            elif pod.exit_code == contract.EXIT_SCRIPT_ERROR:
+                causes.append((reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None))
             else:
                 code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
                 repeated = pod.node_name is not None and any(
@@ -138,6 +147,14 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
         if why and bad_node and all(bad_node != n for n, _ in exclude):
             exclude.append((bad_node, why))
     return ReplicaFailure(reason, message, node, exclude), None
+
+
+def script_error_message(pod: ObservedPod) -> str:
+    """What a job that a ScriptError ended says: the pod, the error (its launcher wrote it as
+    the termination message) and what to do."""
+    error = (pod.message or "").strip()[:MAX_TERMINATION_MESSAGE] or "its log has the traceback"
+    return (f"pod {pod.name} exited {contract.EXIT_SCRIPT_ERROR}: the training script is wrong, and retrying "
+            f"cannot help: {error}; fix the script and create the job again")
 
 
 def _verdict_cause(verdict: api.Verdict, current: Mapping[int, ObservedPod]) -> tuple[str, str, str | None, str | None]:

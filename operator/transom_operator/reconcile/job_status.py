@@ -57,14 +57,16 @@ def _condition(type_: str, true: bool, reason: str, message: str, prev: Mapping[
 
 
 def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, api.Condition],
-               generation: int | None, now: datetime) -> list[api.Condition]:
-    """Ready, Degraded, Recovering, Succeeded and Failed for `state`."""
+               generation: int | None, now: datetime,
+               failed_reason: str = reasons.TOO_MANY_RESTARTS) -> list[api.Condition]:
+    """Ready, Degraded, Recovering, Succeeded and Failed for `state`; `failed_reason`: why a
+    Failed job failed (TooManyRestarts, or ScriptError)."""
     healthy, total = v.healthy, v.replicas
     if state == "Running" and healthy == total:
         ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
     else:
         ready_reason = {
-            "Suspended": reasons.SUSPENDED, "Failed": reasons.TOO_MANY_RESTARTS,
+            "Suspended": reasons.SUSPENDED, "Failed": failed_reason,
             "Succeeded": reasons.TRAINING_COMPLETE, "Degraded": reasons.BELOW_MIN_REPLICAS,
             "Recovering": reasons.REPLACING_REPLICAS,
         }.get(state, reasons.REPLICAS_STARTING)
@@ -87,7 +89,7 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
                    "training finished" if state == "Succeeded" else "training has not finished",
                    prev, generation, now),
         _condition("Failed", state == "Failed",
-                   reasons.TOO_MANY_RESTARTS if state == "Failed" else reasons.NOT_FAILED,
+                   failed_reason if state == "Failed" else reasons.NOT_FAILED,
                    failed_message or "the job has not failed", prev, generation, now),
     ]
 

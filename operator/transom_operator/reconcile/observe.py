@@ -52,6 +52,7 @@ class ObservedPod:
     reason: str | None  # status.reason (Evicted, NodeLost, ...) or the terminated container's
     created: datetime | None
     finished: datetime | None = None  # when the first terminated container ended
+    message: str | None = None  # the first terminated container's termination message
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         reason=reason,
         created=parse_time(metadata.get("creationTimestamp")),
         finished=parse_time(terminated.get("finishedAt")) if terminated else None,
+        message=(terminated.get("message") or None) if terminated else None,
     )
 
 

@@ -30,6 +30,10 @@ Rules:
 - More than maxReplicaRestarts replacements within restartWindowSeconds fails the job:
   its worker pods are deleted (they would hold GPUs for nothing) and nothing more is
   created; the coordinator stays for inspection. Failed and Succeeded are final.
+- A replica that failed with a ScriptError (its launcher exited EXIT_SCRIPT_ERROR: the
+  script is wrong, and every replica and every incarnation would fail the same way) fails
+  the job at once, the same way, with reason ScriptError: nothing is replaced or counted
+  as a restart, and no node is excluded. The pods that ended so are kept for their logs.
 - The job is complete when its coordinator records it (`status.training.completedStep`:
   a replica committed the last step). A replica whose pods exited 0 before that failed
   (ExitedEarly, after `failures.COMPLETION_WAIT_S`). Once complete, nothing is replaced or
@@ -52,6 +56,7 @@ from functools import cached_property
 from datetime import datetime
 from typing import Any
 
+from transom import contract
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile import failures, job_status, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
@@ -195,7 +200,9 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
 
     if not ps.suspended and not ps.final:
         _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts})
-    failed_now = _over_budget(ps, replicas) if not ps.suspended and not ps.final and not ps.completed else None
+    failed_now = None
+    if not ps.suspended and not ps.final and not ps.completed:
+        failed_now = _script_error(replicas) or _over_budget(ps, replicas)
 
     statuses: list[api.ReplicaStatus] = []
     for r in replicas:
@@ -240,6 +247,15 @@ def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, in
         r.failure, recheck = detect(r.id, r.generation, r.current, running and rec.generation == r.generation)
         if recheck is not None:
             ps.out._requeue(recheck)
+
+
+def _script_error(replicas: list[_Replica]) -> tuple[str, str] | None:
+    """(reason, message) if a replica failed with a ScriptError: the job fails now, since
+    its replacement, and every other replica, would run into the same error."""
+    for r in replicas:
+        if r.failure is not None and r.failure.reason == reasons.SCRIPT_ERROR:
+            return reasons.SCRIPT_ERROR, f"replica {r.id}: {r.failure.message}"
+    return None
 
 
 def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
@@ -366,11 +382,17 @@ def _settle(ps: _Pass, replicas: list[_Replica], failed_now: tuple[str, str] | N
         out.delete.clear()
         if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
             out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
-                              if not p.deleting and p.phase != "Succeeded")
+                              if not p.deleting and p.phase != "Succeeded" and not _shows_script_error(p))
     elif ps.completed:
         out.create.clear()
         out.delete.extend(p.name for r in replicas for p in r.current.values()
                           if not p.deleting and p.phase == "Pending" and p.name not in out.delete)
+
+
+def _shows_script_error(pod: ObservedPod) -> bool:
+    """A pod that ended with a ScriptError is kept: it holds nothing any more, and its log
+    has the traceback that the user needs to fix the script."""
+    return pod.phase == "Failed" and pod.exit_code == contract.EXIT_SCRIPT_ERROR
 
 
 # --- status ---------------------------------------------------------------------------------
@@ -390,8 +412,11 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     state = job_status.job_state(view)
     prev_conditions = {c.type: c for c in prev.conditions}
     old_failed = prev_conditions.get("Failed")
-    failed_message = (failed_now[1] if failed_now
-                      else old_failed.message if prev.state == "Failed" and old_failed and old_failed.message else "")
+    failed_reason, failed_message = reasons.TOO_MANY_RESTARTS, ""
+    if failed_now:
+        failed_reason, failed_message = failed_now
+    elif prev.state == "Failed" and old_failed is not None:  # final: as written when it failed
+        failed_reason, failed_message = old_failed.reason or failed_reason, old_failed.message or ""
     gen = ps.job.metadata.get("generation")
     event = job_status.transition_event(state, prev.state, view, failed_message)
     if event is not None:
@@ -404,7 +429,8 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
         observed_generation=gen,
         state=state,
         healthy=f"{healthy}/{spec.replicas}",
-        conditions=[*job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now), rebalanced],
+        conditions=[*job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now, failed_reason),
+                    rebalanced],
         healthy_replicas=healthy,
         total_restarts=(prev.total_restarts or 0) + (0 if failed_now else ps.new_restarts),
         replicas=statuses,

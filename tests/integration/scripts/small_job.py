@@ -9,6 +9,8 @@ D`: each worker starts a long-running child process of its own (as a DataLoader 
 helper tool would) and writes its own and the child's pid under D, so a test can check that
 nothing outlives a stop. `--setsid-child-dir D`: the same, but the child leaves the worker's
 process group (it calls `os.setsid()`, as a daemon does) and carries D in its command line.
+`--second-backward-at N`: at step N, a second backward pass without `trainer.no_sync()`, a
+bug of the script (UsageError) that ends the job at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
     p.add_argument("--with-form", action="store_true", help="use `with FaultTolerant(...)` instead of close()")
     p.add_argument("--raise-at", type=int, default=None, help="(with --with-form) raise after committing this step")
+    p.add_argument("--second-backward-at", type=int, default=None, help="a second backward pass at this step")
     args = p.parse_args()
     ctx = ft.init()
     if args.child_pid_dir is not None:
@@ -61,6 +64,8 @@ def main() -> None:
         for step in trainer.steps(args.steps):
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))
             model(x).pow(2).mean().backward()
+            if trainer.step == args.second_backward_at:
+                model(x).pow(2).mean().backward()  # without trainer.no_sync(): UsageError
             time.sleep(args.step_seconds)
             trainer.finish_step()
             if trainer.step == args.end_at:
