@@ -64,7 +64,8 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def fail_pod(core_v1: client.CoreV1Api, namespace: str, name: str, exit_code: int, reason: str = "Error") -> client.V1Pod:
+def fail_pod(core_v1: client.CoreV1Api, namespace: str, name: str, exit_code: int, reason: str = "Error",
+             message: str | None = None) -> client.V1Pod:
     """Make a pod on a kwok node fail as if every container had exited with `exit_code`.
 
     The patch is a JSON merge patch of the status subresource, so the status lists are
@@ -80,6 +81,8 @@ def fail_pod(core_v1: client.CoreV1Api, namespace: str, name: str, exit_code: in
         old = by_name.get(container.name, {})
         started_at = old.get("state", {}).get("running", {}).get("startedAt", now)
         terminated = {"exitCode": exit_code, "reason": reason, "startedAt": started_at, "finishedAt": now}
+        if message is not None:  # what the kubelet copies from terminationMessagePath
+            terminated["message"] = message
         if "containerID" in old:
             terminated["containerID"] = old["containerID"]
         container_statuses.append({

@@ -394,6 +394,25 @@ def test_hot_spare_takes_over_a_failed_replica_and_is_refilled(kubectl, namespac
     print(f"spare took over replica 1 in {took_over_s:.2f} s after the pod failed")
 
 
+def test_a_script_error_fails_the_job_at_once_without_a_replacement(kubectl, namespace, operator, core_v1):
+    from kube_helpers import fail_pod
+
+    _apply_example(kubectl, namespace)
+    _wait_running(kubectl, namespace)
+    # What the launcher does when the script raised a UsageError: exit 4 (EXIT_SCRIPT_ERROR),
+    # the error as the container's termination message.
+    fail_pod(core_v1, namespace, "tiny-gpt-r1-n0-g0", exit_code=4,
+             message="ScriptError: UsageError: a second backward pass in one step (replica 1, rank 0)")
+    wait_for(lambda: _job(kubectl, namespace).get("status", {}).get("state") == "Failed", 30, "state Failed")
+    status = _job(kubectl, namespace)["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "ScriptError"
+    assert "a second backward pass" in failed["message"] and "fix the script" in failed["message"]
+    assert status["totalRestarts"] == 0 and not status.get("excludedNodes")
+    wait_for(lambda: "tiny-gpt-r0-n0-g0" not in _pods(kubectl, namespace), 30, "the other replicas' pods deleted")
+    assert "tiny-gpt-r1-n0-g1" not in _pods(kubectl, namespace)  # never replaced
+
+
 def test_a_coordinator_verdict_replaces_the_replica_and_a_pod_annotation_does_not(kubectl, namespace, operator):
     _apply_example(kubectl, namespace, nodeExclusionPolicy="Cordon")
     _wait_running(kubectl, namespace)
