@@ -242,3 +242,22 @@ def test_a_restarted_replica_is_not_waited_for_in_the_steps_it_missed():
     d.observe_all([Signal(step=38, replica=r, rank=0, step_seconds=0.1, fingerprint=5 if r != 1 else None)
                    for r in range(3)])
     assert d._judged == 38 and d.fingerprint(38, 0).value == 5
+
+
+def test_a_replica_aside_is_not_waited_for_in_the_steps_it_misses():
+    # Replica 1 steps aside after 14 committed steps (an evaluation): steps 14.. are judged
+    # from the others' rows at once, not 64 steps late; back at step 30 (catching up), it is
+    # waited for again, and not for the steps it missed.
+    d = Detectors(DetectionSettings())
+    for step in range(14):
+        d.observe_all([Signal(step=step, replica=r, rank=0, step_seconds=0.1) for r in range(3)])
+    d.step_aside(1, 14)
+    for step in range(14, 30):
+        d.observe_all([Signal(step=step, replica=r, rank=0, step_seconds=0.1, fingerprint=7) for r in (0, 2)])
+        assert d._judged == step and d.fingerprint(step, 0).value == 7
+    d.observe_all([Signal(step=30, replica=r, rank=0, step_seconds=0.1) for r in (0, 2)])
+    d.observe_all([Signal(step=30, replica=1, rank=0, step_seconds=0.1, recovery=True)])
+    d.observe_all([Signal(step=31, replica=r, rank=0, step_seconds=0.1) for r in (0, 2)])
+    assert d._judged == 30  # step 31 waits for replica 1's row again
+    d.observe_all([Signal(step=31, replica=1, rank=0, step_seconds=0.1)])
+    assert d._judged == 31

@@ -154,6 +154,12 @@ class Detection:
             self._restore(r, now, "at normal speed again")
         return verdicts
 
+    def step_aside(self, replica: int, step: int) -> None:
+        """The replica trains no step from `step` until it is back (trainer.aside()): the
+        detectors judge those steps without waiting for its rows."""
+        if self.settings.enabled:
+            self.detectors.step_aside(replica, step)
+
     def fingerprint(self, committed: int, rank: int) -> FingerprintRecord:
         """What the rows said about `rank`'s parameters holding `committed` steps (the row of
         step `committed - 1`, whose update made them): a joiner checks a snapshot against it."""

@@ -36,6 +36,7 @@ claims.py's.
 from __future__ import annotations
 
 import collections
+import json
 import secrets
 import statistics
 import time
@@ -46,6 +47,7 @@ from transom.coordinator import claims
 from transom.coordinator.goodput import GoodputClock, as_decimal
 from transom.detect.rebalance import BatchShares, describe, newest_held
 from transom.coordinator.models import (
+    MAX_SHARED_BYTES,
     AsideRequest,
     CheckpointReport,
     Event,
@@ -102,6 +104,7 @@ class Decision:
     snapshot_from: int | None = None  # the sources keep a snapshot of this step or later
     shares: tuple[float, ...] | None = None  # each replica's share of the global batch (Rebalance)
     shares_from: int = 0  # ... from this step on
+    shared: dict | None = None  # script values set aside since the last decision (QuorumResponse.shared)
 
     def member_ids(self) -> list[int]:
         return [m.replica_id for m in self.members]
@@ -125,6 +128,9 @@ class Membership:
     decided_at: float | None = None  # when the newest round was decided
     round_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=ROUNDS_TIMED))
     pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
+    # Script values set aside (trainer.aside()) by replicas that asked since the last decision:
+    # the next decision hands them to every member. Later ones win; bounded like one request.
+    shared_pending: dict = field(default_factory=dict)
     paused: bool = False
     # Set when the first replica leaves with `completed`: the job's last step. A replica
     # still asking for a quorum after that cannot be helped (its peers are gone).
@@ -293,6 +299,13 @@ class Membership:
             return answered
         self.pending[req.identity.replica_id] = req
         self.pending_since.setdefault(req.identity.replica_id, now)
+        if req.shared:
+            merged = {**self.shared_pending, **req.shared}
+            if len(merged) <= 256 and len(json.dumps(merged, separators=(",", ":"))) <= MAX_SHARED_BYTES:
+                self.shared_pending = merged
+            else:
+                self._event(now, "shared", f"replica {req.identity.replica_id}: shared script values dropped "
+                                           f"(more than 256 keys or {MAX_SHARED_BYTES} bytes since the last round)")
         if req.failed and self.round_failed_since is None:
             self.round_failed_since = now
         self.try_decide(now)
@@ -469,7 +482,9 @@ class Membership:
             snapshot_from=max(needs) if needs else None,
             shares=tuple(self.shares.published) if self.shares.published is not None else None,
             shares_from=self.shares.published_from,
+            shared=self.shared_pending or None,
         )
+        self.shared_pending = {}
         self.next_round += 1
         if self.decided_at is not None:
             self.round_seconds.append(now - self.decided_at)
@@ -507,6 +522,7 @@ class Membership:
             snapshot_from=decision.snapshot_from,
             shares=list(decision.shares) if decision.shares is not None else None,
             shares_from=decision.shares_from,
+            shared=decision.shared,
         )
 
     def record_checkpoint(self, req: CheckpointReport, wall_time: float, now: float) -> bool:

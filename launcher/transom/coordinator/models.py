@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 MAX_REPLICAS = 4096
 MAX_STEP = 2**62
@@ -18,6 +20,13 @@ ReplicaId = Field(ge=0, lt=MAX_REPLICAS, description="data-parallel replica inde
 Generation = Field(ge=0, le=2**31, description="pod generation, bumped by the operator on replacement")
 Attempt = Field(ge=0, le=2**31, description="in-place restart count of the launcher")
 Step = Field(ge=0, le=MAX_STEP, description="number of committed optimizer steps")
+MAX_SHARED_BYTES = 16384  # script values shared by one request or one decision, as JSON
+
+
+def _bounded_shared(value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+    if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SHARED_BYTES:
+        raise ValueError(f"shared script values take at most {MAX_SHARED_BYTES} bytes of JSON")
+    return value
 
 
 class _Msg(BaseModel):
@@ -152,6 +161,13 @@ class QuorumRequest(_Msg):
                     "carries on with it instead of changing the shares under a step already drawn",
     )
     shares_held_from: int = Field(default=0, ge=0, le=MAX_STEP, description="the step from which `shares_held` apply")
+    shared: dict[str, JsonValue] | None = Field(
+        default=None, max_length=256,
+        description="script values this replica set in trainer.aside() (`<extra_state part>/<key>`): the next "
+                    "decision hands them to every member (ft/shared_values.py)",
+    )
+
+    _shared_size = field_validator("shared")(_bounded_shared)
 
     @model_validator(mode="after")
     def _catching_up_from_the_past(self) -> "QuorumRequest":
@@ -188,6 +204,11 @@ class QuorumResponse(_Msg):
         default=None, description="each replica's share of the global batch (1.0 nominal), None: all nominal"
     )
     shares_from: int = Field(default=0, description="the step from which `shares` apply")
+    shared: dict[str, JsonValue] | None = Field(
+        default=None, description="script values set aside by members since the last decision: every member "
+                                  "sets them before the step's exchange")
+
+    _shared_size = field_validator("shared")(_bounded_shared)
 
 
 class ReplicaStatus(_Msg):

@@ -379,6 +379,7 @@ class CoordinatorServer:
         await self._authorize(request, req.identity)
         async with self._changed:
             self.membership.step_aside(req, self.clock())
+            self.detection.step_aside(req.identity.replica_id, req.step)
             self.membership.try_decide(self.clock())  # a round that waited only for it goes on now
             self._changed.notify_all()
         return _ok()

@@ -79,6 +79,9 @@ class Detectors:
         # (replica, rank) -> the first step its incarnation reported: a replica that restarted
         # is not waited for in the steps before it came back (it never reports them).
         self._first_seen: dict[tuple[int, int], int] = {}
+        # replica -> the first step it does not train: it stepped aside (trainer.aside()), and
+        # its rows of later steps are not waited for until it reports one again.
+        self._away: dict[int, int] = {}
         self._newest = -1
         self._judged = -1  # steps up to here are judged; later signals of them are dropped
         self._losses: dict[int, LossHistory] = {}
@@ -106,6 +109,11 @@ class Detectors:
 
     def _add(self, signal: Signal) -> None:
         key = (signal.replica, signal.rank)
+        away = self._away.get(signal.replica)
+        if away is not None and signal.step >= away:  # back: the steps it missed are not waited for
+            del self._away[signal.replica]
+            for k in [k for k in self._first_seen if k[0] == signal.replica]:
+                self._first_seen[k] = signal.step
         self._ranks_seen[key] = max(signal.step, self._ranks_seen.get(key, -1))
         self._first_seen[key] = min(signal.step, self._first_seen.get(key, signal.step))
         if signal.step <= self._judged:
@@ -118,6 +126,11 @@ class Detectors:
         judging them, though it has reported nothing yet (a replica known to train)."""
         self._ranks_seen.setdefault((replica, rank), step)
         self._first_seen.setdefault((replica, rank), step)
+
+    def step_aside(self, replica: int, step: int) -> None:
+        """`replica` trains no step from `step` on until it reports one again (it works aside):
+        its rows of those steps are not waited for."""
+        self._away[replica] = step
 
     def flush(self) -> list[Verdict]:
         """Judge every step still held (the end of a trace)."""
@@ -132,11 +145,13 @@ class Detectors:
         self._reported = {k for k in self._reported if k[0] != replica}
         self._ranks_seen = {k: v for k, v in self._ranks_seen.items() if k[0] != replica}
         self._first_seen = {k: v for k, v in self._first_seen.items() if k[0] != replica}
+        self._away.pop(replica, None)
 
     # --- judging ------------------------------------------------------------------------------
     def _complete(self, step: int) -> bool:
         recent = {k for k, last in self._ranks_seen.items()
-                  if last >= step - self.lag_steps and self._first_seen.get(k, step) <= step}
+                  if last >= step - self.lag_steps and self._first_seen.get(k, step) <= step
+                  and step < self._away.get(k[0], step + 1)}
         return recent <= {(s.replica, s.rank) for s in self._pending[step]}
 
     def _judge_ready(self, final: bool) -> list[Verdict]:

@@ -118,3 +118,10 @@ def state_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def scales(scaler: Stateful | None) -> bool:
+    """Whether an enabled AMP GradScaler owns inf/NaN gradients (a disabled one, on the CPU or
+    with bf16, skips nothing: the guard judges the gradients then)."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return scaler is not None and (not callable(is_enabled) or bool(is_enabled()))

@@ -17,6 +17,8 @@ in its docstring; everything here is the script-facing half of those attributes.
   rounds go on without the replica meanwhile (the coordinator does not wait for it and
   does not take it for hung); when it asks for its next quorum it is behind, and catches up
   from a peer while it trains in step, like a replica that rejoins. Nobody waits for it.
+  `ft.ScriptState` values it sets there reach every replica at its next step
+  (ft/shared_values.py): its `best_val_loss` is the job's.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
 
 class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
-    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, last_step_committed,
-    last_batch_trained."""
+    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, _shared,
+    last_step_committed, last_batch_trained."""
 
     ctx: Any
     model: torch.nn.Module
@@ -120,9 +122,11 @@ class LoopAids:
         if self._guard is not None:
             self._guard.waiting(True)  # the launcher's hang watchdog: this is no hang
         timed = self._clock.waiting() if self._in_step else contextlib.nullcontext()
+        before = self._shared.before_aside()
         try:
             with timed:  # not this step's busy time (the fail-slow detector would see a slow step)
                 yield
+            self._shared.after_aside(before)  # ScriptState values it set go to every replica
         finally:
             self._aside = False
             if self._guard is not None:

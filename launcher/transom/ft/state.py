@@ -21,6 +21,7 @@ no sampler) leave the live object as it is.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ class ReplicaState:
                  scaler: Any = None, sampler: Any = None, extra: Any = None):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.scaler, self.sampler, self.extra = scaler, sampler, extra
+        self.on_applied: Callable[[], None] | None = None  # after any state was loaded (ft/shared_values.py)
 
     def capture(self, step: int) -> dict[str, Any]:
         """The state after `step` committed steps (references to live tensors: the caller
@@ -91,6 +93,8 @@ class ReplicaState:
                 live.load_state_dict(state[name])
         if state.get("rng") is not None:  # absent in a state saved by the checkpoint engine directly
             set_rng_state(state["rng"], self.device)
+        if self.on_applied is not None:
+            self.on_applied()
 
 
 def _step_of(state: Any) -> int:

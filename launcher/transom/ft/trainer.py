@@ -69,6 +69,7 @@ from transom.ft.step_clock import StepClock
 from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
 from transom.ft.loop_aids import LoopAids
 from transom.ft.script_state import bundle
+from transom.ft.shared_values import SharedValues
 from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, hand_outcome, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.rejoin import Rejoin
@@ -76,7 +77,7 @@ from transom.ft.snapshot_check import SnapshotCheck
 from transom.ft.state_server import StateServer
 from transom.ft.transfer import LinkGate
 from transom.ft.stats import StatsWriter
-from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, state_digest
+from transom.ft.config import FTConfig, Stateful, lr_factor, model_device, scales, state_digest
 from transom.ft.optimizer import FTOptimizer
 from transom.ft.state import ReplicaState
 
@@ -138,10 +139,12 @@ class FaultTolerant(LoopAids):
         self.fault = inject.from_environ(env.attempt)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
+        self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica
+        self.state.on_applied = self._shared.reapply
         # Anomaly detection (spec.detection): the step guard and this rank's signals (ft/guard.py).
         self.detection = DetectionSettings.from_spec(os.environ.get(ENV_DETECTION))
         self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
-                            self.ctx.rank, gradients_judged=scaler is None) if self.detection.enabled else None
+                            self.ctx.rank, gradients_judged=not scales(scaler)) if self.detection.enabled else None
         self._clock = StepClock(self._guard)  # this step's busy time, and its waits for others
         self.shares = BatchShares(self.ctx.num_replicas)
         """Rebalance: the shares of the global batch that batches() follows (ft/shares.py)."""
@@ -278,6 +281,7 @@ class FaultTolerant(LoopAids):
                 follows_shares=self.shares.following,
                 shares_held=self.shares.schedule.pending,
                 shares_held_from=self.shares.schedule.pending_from,
+                shared=self._shared.take(),
             )
             self._request = req
         self._asked = False
@@ -393,6 +397,7 @@ class FaultTolerant(LoopAids):
             self._opened = _Exchanged(q=None)
             return self._opened
         self._last_round = q.round
+        self._shared.apply(q.shared)  # before anything of this step is served or captured
         # The prefix names a quorum uniquely, across coordinator restarts too.
         changed = self._groups.changed(q.store_prefix)
         error = self._groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
@@ -590,3 +595,4 @@ class FaultTolerant(LoopAids):
                 report_failure(self.client, self.identity, reason, timeout_s=1.0)
         finally:
             self._previous_excepthook(exc_type, exc, tb)
+
