@@ -61,6 +61,7 @@ from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
 from transom.ft.guard import Guard, signals_dir
+from transom.ft.input_digest import InputDigest
 from transom.ft.catchup import Source, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
@@ -192,6 +193,7 @@ class FaultTolerant:
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
             self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, lambda: self._in_step and not self._no_sync)
+        self._inputs = InputDigest(model, self._guard is not None, lambda: self.step if self._in_step else None)
         # Buckets in the order backward produces gradients (roughly the reverse of the
         # parameters'); each is exchanged as soon as it is ready, except under DDP, whose own
         # reduction follows our hooks: there the exchange waits for the end of the pass.
@@ -254,6 +256,10 @@ class FaultTolerant:
         self._loss = loss
         if self._guard is not None:
             self._guard.workload(tokens, sum_len_sq)
+
+    def fingerprint_input(self, data: Any) -> None:
+        """This step's input (a tensor, or its sample indices) for the distinct-data check (ft/input_digest.py)."""
+        self._inputs.take(data)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -465,7 +471,7 @@ class FaultTolerant:
         if self._guard is not None:
             self._guard.committed(step, self._clock.busy(), loss, norm, recovering, serving, skipped,
                                   self.model if not self._rejoin.active else None, self.shares.batch_share(),
-                                  snapshot=self._source.snapshot_taken_at(step + 1))
+                                  snapshot=self._source.snapshot_taken_at(step + 1), input_digest=self._inputs.value(step))
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -539,6 +545,7 @@ class FaultTolerant:
         self._rejoin.close()
         self._source.close()
         self._backward.remove()
+        self._inputs.close()
         self._step_guard.remove()
         self._groups.drop()
         self._state_server.close()
