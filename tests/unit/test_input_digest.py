@@ -94,6 +94,24 @@ def test_the_first_forward_that_records_gradients_in_a_due_step_is_digested():
     assert inputs.value(50) == value(y) and inputs.value(0) is None  # only the newest step is kept
 
 
+class TakesABatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.linear(batch["x"])
+
+
+def test_a_batch_passed_whole_is_digested_by_its_first_tensor():
+    model, steps = TakesABatch(), Steps()
+    inputs = InputDigest(model, True, steps)
+    x = torch.randn(8, 4)
+    steps.now = 0
+    model({"name": "shard-3", "x": x, "y": torch.randn(8)})
+    assert inputs.value(0) == value(x)
+
+
 def test_the_hook_sees_the_input_the_script_passed_before_other_hooks_change_it():
     model, steps = torch.nn.Linear(4, 1), Steps()
     model.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))

@@ -6,9 +6,10 @@ on the steps `input_digest_due` names (detect/signals.py: the first three, then 
 each rank digests its step's input and the digest goes out with its signal row (ft/guard.py):
 
 - by default, the first tensor argument of the model's first forward pass of the step that
-  records gradients (a forward pre-hook run before any other, so it sees what the script
-  passed; the later micro-batches of gradient accumulation, evaluation under `no_grad` and
-  forward passes between steps are not looked at);
+  records gradients (or the first tensor in a dict, list or tuple argument: `model(batch)`),
+  taken by a forward pre-hook run before any other, so it sees what the script passed (the
+  later micro-batches of gradient accumulation, evaluation under `no_grad` and forward
+  passes between steps are not looked at);
 - or what the script names: `trainer.fingerprint_input(x)` (a tensor, or the sample indices),
   for a loop whose model input is not its data. The first call removes the hook for good.
 
@@ -97,6 +98,18 @@ def as_tensor(data: Any) -> torch.Tensor:
                         f"not {type(data).__name__}") from None
 
 
+def _first_tensor(values: tuple, nested: bool = True) -> torch.Tensor | None:
+    """The first tensor among `values`, or inside the first dict, list or tuple among them
+    that holds one (one level down: a batch passed whole)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+        if nested and inner is not None and (found := _first_tensor(tuple(inner), nested=False)) is not None:
+            return found
+    return None
+
+
 class InputDigest:
     """One rank's input digests for one trainer; `close()` removes its hook."""
 
@@ -112,7 +125,7 @@ class InputDigest:
         step = self._step_now()
         if step is None or not torch.is_grad_enabled() or not input_digest_due(step) or self._has(step):
             return
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        first = _first_tensor((*args, *kwargs.values()))
         self._taken = (step, digest(first) if first is not None else None)
 
     def _has(self, step: int) -> bool:
