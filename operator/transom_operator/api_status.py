@@ -131,6 +131,18 @@ class Verdict(StatusModel):
     time: Timestamp | None = Field(None, description="When the verdict was reached.")
 
 
+class DuplicateData(StatusModel):
+    """Ranks that trained on identical inputs at one step (a warning: nothing is restarted)."""
+
+    step: int = Field(ge=0, le=MAX_STEP, description="The first step whose inputs showed it.")
+    replicas: list[Annotated[int, Field(ge=0, le=MAX_REPLICAS - 1, description="A replica id.")]] = Field(
+        default_factory=list, max_length=MAX_REPLICAS,
+        description="The replicas whose ranks trained on those identical inputs (one: ranks of that replica).",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    message: str | None = Field(None, max_length=1024, description="Who, at which step, and how to fix the script.")
+
+
 SharePercent = Annotated[int, Field(ge=1, le=400, description="A replica's share, in percent.")]
 
 
@@ -170,6 +182,13 @@ class TrainingProgress(StatusModel):
             "when every replica has its nominal share."
         ),
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+    duplicate_data: DuplicateData | None = Field(
+        None,
+        description=(
+            "Set when ranks trained on identical inputs (every replica seeded by ctx.rank alone, say): the "
+            "job trains on a fraction of its data. A warning from the coordinator; nothing acts on it."
+        ),
     )
     update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
 

@@ -589,6 +589,24 @@ def test_signal_posts_are_answered_with_the_pace_to_keep(coord):
     c = client(coord)
     c.register(reg_req(0))
     row = SignalRow(step=0, rank=0, step_seconds=0.5)
-    assert c.report_signals(SignalBatch(identity=ident(0), node_rank=0, rows=[row])) == 1.0  # a small job
+    assert c.report_signals(SignalBatch(identity=ident(0), node_rank=0, rows=[row])).next_post_s == 1.0  # a small job
     r = post(coord, "/v1/signals", {"identity": ident(0).model_dump(), "node_rank": 0, "rows": []})
-    assert r.status_code == 200 and r.json() == {"verdicts": 0, "next_post_s": 1.0}
+    assert r.status_code == 200 and r.json() == {"verdicts": 0, "next_post_s": 1.0, "duplicate_data": None}
+
+
+def test_identical_input_digests_are_told_to_every_poster_and_in_the_status_and_restart_no_one(coord):
+    c = client(coord)
+    for r in (0, 1):
+        c.register(reg_req(r))
+    row = SignalRow(step=0, rank=0, step_seconds=0.5, input_digest=-42)
+    assert c.report_signals(SignalBatch(identity=ident(0), rows=[row])).duplicate_data is None
+    found = c.report_signals(SignalBatch(identity=ident(1), rows=[row])).duplicate_data
+    assert found is not None and (found.step, found.replicas) == (0, [0, 1])
+    assert found.message.startswith("replicas 0 and 1 trained on identical inputs at step 0")
+    assert c.report_signals(SignalBatch(identity=ident(0), rows=[])).duplicate_data == found  # every later answer
+    status = c.status()
+    assert status.duplicate_data == found and [r.state for r in status.replicas] == ["healthy", "healthy"]
+    assert [e.kind for e in status.events].count("duplicate_data") == 1
+    training = coord.call(coord.server.training)
+    assert training["duplicateData"] == {"step": 0, "replicas": [0, 1], "message": found.message}
+    assert "verdicts" not in training

@@ -110,3 +110,39 @@ def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_
     framed = [e for e in result.summary["events"] if e.startswith(("verdict:", "failed:")) and "replica 2" not in e]
     assert framed == [], framed
     assert result.incarnations(0) == result.incarnations(1) == 1
+
+
+SEEDED = Path(__file__).parent / "scripts" / "seeded_batches.py"
+
+
+def test_replicas_seeded_by_rank_alone_are_told_they_train_on_the_same_data(transom_run):
+    """nanoGPT's port: batches seeded by ctx.rank, so both replicas draw the same ones. The run
+    still succeeds (a warning, not a verdict), and says so in its summary, once in its events,
+    and in the coordinator's and a launcher's log."""
+    result = transom_run(["--replicas", "2"], ["--steps", "8", "--seed-by", "rank"], script=SEEDED)
+    assert result.returncode == 0, result.output[-3000:]
+    found = result.summary["duplicate_data"]
+    assert found is not None and found["step"] == 0 and found["replicas"] == [0, 1], found
+    assert found["message"].startswith("replicas 0 and 1 trained on identical inputs at step 0: seed or shard")
+    assert "trainer.data_rank" in found["message"] and "not by ctx.rank alone" in found["message"]
+    assert [e for e in result.summary["events"] if e.startswith("duplicate_data:")] == \
+        [f"duplicate_data: {found['message']}"]
+    assert f"transom.coordinator WARNING duplicate data: {found['message']}" in result.output
+    assert f"transom.launch WARNING duplicate data: {found['message']}" in result.output
+    assert result.incarnations(0) == result.incarnations(1) == 1  # nobody restarted
+
+
+@pytest.mark.parametrize("indices", [False, True], ids=["model-input", "fingerprint-input"])
+def test_replicas_seeded_by_replica_and_rank_are_not_flagged(transom_run, indices):
+    args = ["--steps", "8", "--seed-by", "replica-rank", *(["--indices"] if indices else [])]
+    result = transom_run(["--replicas", "2"], args, script=SEEDED)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.summary["duplicate_data"] is None
+    assert not any(e.startswith("duplicate_data:") for e in result.summary["events"])
+
+
+def test_sample_indices_named_by_the_script_are_what_is_compared(transom_run):
+    """The model's input is a constant here; the indices the script names show the duplicate."""
+    result = transom_run(["--replicas", "2"], ["--steps", "8", "--seed-by", "rank", "--indices"], script=SEEDED)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.summary["duplicate_data"]["replicas"] == [0, 1]

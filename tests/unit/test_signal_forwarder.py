@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from transom.coordinator.models import Identity
+from transom.coordinator.models import DuplicateDataFinding, Identity, SignalAnswer
 from transom.detect.signals import DetectionSettings, Signal, write_trace
 from transom.errors import CoordinatorError
 from transom.launch.signals import SignalForwarder
@@ -15,14 +15,15 @@ FILE = "signals-r1-g2-a0-k0.csv"
 
 
 class FakeClient:
-    def __init__(self, fail: int | None = None, pace: float | None = None):
+    def __init__(self, fail: int | None = None, pace: float = 1.0):
         self.batches, self.fail, self.pace = [], fail, pace
+        self.duplicate_data: DuplicateDataFinding | None = None
 
-    def report_signals(self, batch, timeout_s: float) -> float | None:
+    def report_signals(self, batch, timeout_s: float) -> SignalAnswer:
         if self.fail is not None:
             raise CoordinatorError("refused", self.fail)
         self.batches.append(batch)
-        return self.pace
+        return SignalAnswer(verdicts=0, next_post_s=self.pace, duplicate_data=self.duplicate_data)
 
 
 def rows(*steps: int, header: bool = False) -> str:
@@ -84,7 +85,7 @@ def test_the_forwarder_keeps_the_pace_the_coordinator_asks_for_within_bounds(tmp
     assert [[r.step for r in b.rows] for b in client.batches] == [[0]]
     fw.poll(112.6)
     assert [[r.step for r in b.rows] for b in client.batches] == [[0], [1]]
-    for asked, kept in ((0.01, 1.0), (1e9, 30.0), (None, 30.0)):  # bounded; no answer keeps the last pace
+    for asked, kept in ((0.01, 1.0), (1e9, 30.0)):  # bounded
         client.pace = asked
         write(tmp_path / FILE, rows(2))
         fw.poll(1000.0 + len(client.batches) * 100)
@@ -96,8 +97,8 @@ def test_any_bytes_in_a_workers_file_are_skipped_counted_and_warned_about_once_a
     bytes that are not UTF-8 or on a cell past csv's 128 KiB limit in its worker's file."""
     client = FakeClient()
     fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings())
-    garbage = [b"\xff\xfe not utf-8\n", b"1,1,0,0.5," + b"9" * 200_000 + b",,,,,,,\n", b"1,1,0,0.5,nan,,,,,,,\n",
-               b"1,1,-1,0.5,,,,,,,,\n", b"1,1,2097152,0.5,,,,,,,,\n",  # a rank id past what the coordinator takes
+    garbage = [b"\xff\xfe not utf-8\n", b"1,1,0,0.5," + b"9" * 200_000 + b",,,,,,,,\n", b"1,1,0,0.5,nan,,,,,,,,\n",
+               b"1,1,-1,0.5,,,,,,,,,\n", b"1,1,2097152,0.5,,,,,,,,,\n",  # a rank id past what the coordinator takes
                b"1,1,0\n"]
     with open(tmp_path / FILE, "ab") as f:
         f.write(rows(0, header=True).encode() + b"".join(garbage) + rows(1).encode())
@@ -110,3 +111,17 @@ def test_any_bytes_in_a_workers_file_are_skipped_counted_and_warned_about_once_a
     warnings = [r.getMessage() for r in caplog.records if "malformed signal row" in r.getMessage()]
     assert len(warnings) == 2, warnings
     assert "skipped 6 malformed signal row(s)" in warnings[0] and "(7 in all" in warnings[1]
+
+
+def test_the_finding_that_replicas_train_on_the_same_data_is_logged_once(tmp_path, caplog):
+    client = FakeClient()
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings())
+    write(tmp_path / FILE, rows(0, header=True))
+    with caplog.at_level("WARNING", logger="transom.launch"):
+        fw.poll(100.0)  # no finding yet
+        client.duplicate_data = DuplicateDataFinding(step=0, replicas=[0, 1], message="replicas 0 and 1 ...")
+        for t in (102.0, 104.0):
+            write(tmp_path / FILE, rows(int(t)))
+            fw.poll(t)
+    assert len(client.batches) == 3
+    assert [r.getMessage() for r in caplog.records] == ["duplicate data: replicas 0 and 1 ..."]

@@ -13,23 +13,24 @@ import pytest
 
 from transom.detect.signals import MAX_LINE_BYTES, Signal, TraceParser, read_trace, write_trace
 
-HEADER = b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share\n"
+HEADER = b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share,input_digest\n"
 # One of each kind of line that is no row; each used to raise, or to be taken as it was.
 MALFORMED = {
-    "a cell past csv's 131,072-character limit": b"1,0,0,0.5," + b"9" * 200_000 + b",,,,,,,\n",
-    "bad UTF-8": b"1,0,0,0.5,\xff\xfe,,,,,,,\n",
-    "NaN tokens": b"1,0,0,0.5,nan,,,,,,,\n",
-    "infinite tokens": b"1,0,0,0.5,inf,,,,,,,\n",
-    "NaN sum_len_sq": b"1,0,0,0.5,8,NaN,,,,,,\n",
-    "a negative step": b"-1,0,0,0.5,,,,,,,,\n",
-    "a negative replica": b"1,-3,0,0.5,,,,,,,,\n",
-    "a negative rank": b"1,0,-2,0.5,,,,,,,,\n",
-    "a step past 2^62": b"99999999999999999999,0,0,0.5,,,,,,,,\n",
+    "a cell past csv's 131,072-character limit": b"1,0,0,0.5," + b"9" * 200_000 + b",,,,,,,,\n",
+    "bad UTF-8": b"1,0,0,0.5,\xff\xfe,,,,,,,,\n",
+    "NaN tokens": b"1,0,0,0.5,nan,,,,,,,,\n",
+    "infinite tokens": b"1,0,0,0.5,inf,,,,,,,,\n",
+    "NaN sum_len_sq": b"1,0,0,0.5,8,NaN,,,,,,,\n",
+    "a negative step": b"-1,0,0,0.5,,,,,,,,,\n",
+    "a negative replica": b"1,-3,0,0.5,,,,,,,,,\n",
+    "a negative rank": b"1,0,-2,0.5,,,,,,,,,\n",
+    "a step past 2^62": b"99999999999999999999,0,0,0.5,,,,,,,,,\n",
     "too few cells": b"1,0,0\n",
     "too many cells": b"1,0,0,0.5,,,,,,,,,,,\n",
-    "a finite flag that is neither 0 nor 1": b"1,0,0,0.5,,,,,yes,,,\n",
-    "a fingerprint past 64 bits": b"1,0,0,0.5,,,,,,99999999999999999999999,,\n",
-    "NUL bytes": b"1,0\x00,0,0.5,,,,,,,,\n",
+    "a finite flag that is neither 0 nor 1": b"1,0,0,0.5,,,,,yes,,,,\n",
+    "a fingerprint past 64 bits": b"1,0,0,0.5,,,,,,99999999999999999999999,,,\n",
+    "NUL bytes": b"1,0\x00,0,0.5,,,,,,,,,\n",
+    "an input digest past 64 bits": b"1,0,0,0.5,,,,,,,,,-99999999999999999999\n",
 }
 
 

@@ -14,7 +14,6 @@ spare's), or the job's token where no identity file is given (tests, tools).
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import urllib.error
@@ -39,6 +38,7 @@ from transom.coordinator.models import (
     RegisterRequest,
     RegisterResponse,
     RendezvousInfo,
+    SignalAnswer,
     SignalBatch,
     ReplicaState,
 )
@@ -162,12 +162,11 @@ class CoordinatorClient:
         status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "checkpoint").get("accepted"))
 
-    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> float | None:
-        """Post a pod's rows; returns the seconds the coordinator asks to wait before the next
-        post (None if it did not say)."""
+    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> SignalAnswer:
+        """Post a pod's rows; the answer says how long to wait before the next post, and the
+        job's DuplicateData finding if there is one."""
         status, payload = self._call("POST", "/v1/signals", req, timeout_s=timeout_s)
-        asked = self._expect(status, payload, "signals").get("next_post_s")
-        return float(asked) if isinstance(asked, (int, float)) and math.isfinite(asked) else None
+        return SignalAnswer.model_validate(self._expect(status, payload, "signals"))
 
     def step_aside(self, req: AsideRequest, timeout_s: float = 5.0) -> None:
         """Tell the coordinator not to wait for this replica until its next quorum request."""

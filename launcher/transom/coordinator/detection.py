@@ -14,6 +14,12 @@ for another), then run through the detectors (transom/detect). A verdict:
   returns to nominal when the detectors find the replica at normal speed again, or with
   its next incarnation.
 
+Rows that carry an input digest are also compared across ranks and replicas
+(detect/duplicates.py): ranks that trained on identical inputs make the job's one
+`DuplicateData` finding, an event, status.training.duplicateData, and a line in every
+launcher's log (the answer to its posts carries it). It is a warning and acts on no replica:
+one that lies about its inputs can raise it, never restart or exclude anyone.
+
 It also paces the launchers: each answer says how long to wait before the next post, so
 that all of them together post about `SIGNAL_POSTS_PER_S` times a second
 (transom/detect/signals.py `post_interval`, over the posters heard from lately).
@@ -38,9 +44,10 @@ from collections.abc import Iterator
 
 from transom.coordinator import claims
 from transom.coordinator.membership import Membership
-from transom.coordinator.models import FingerprintRecord, SignalBatch
+from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
 from transom.errors import TooManyRequests
 from transom.detect.detectors import Detectors, Verdict
+from transom.detect.duplicates import DuplicateInputs
 from transom.detect.signals import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 
 # The CRD's reason for each kind (status.training.verdicts[].reason, one CamelCase word).
@@ -105,6 +112,8 @@ class Detection:
         self.settings = settings
         self.membership = membership
         self.detectors = Detectors(settings)
+        self.duplicates = DuplicateInputs()
+        self._duplicate_told = False  # the finding was taken (take_duplicate), to be logged once
         self.verdicts_total: collections.Counter[str] = collections.Counter()
         self._incarnation: dict[int, tuple[int, int]] = {}  # replica -> (generation, attempt) last seen
         self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
@@ -138,7 +147,8 @@ class Detection:
             signals.append(Signal(step=r.step, replica=replica, rank=r.rank, step_seconds=r.step_seconds,
                                   tokens=r.tokens, sum_len_sq=r.sum_len_sq, loss=r.loss, grad_norm=r.grad_norm,
                                   finite=r.finite, fingerprint=r.fingerprint, recovery=r.recovery,
-                                  batch_share=r.batch_share))
+                                  batch_share=r.batch_share, input_digest=r.input_digest))
+        self._compare_inputs(signals, now)
         if signals:  # the other live replicas' rows of these steps may still be on their way
             first = min(x.step for x in signals)
             for rep in self.membership.replicas.values():
@@ -159,6 +169,23 @@ class Detection:
         detectors judge those steps without waiting for its rows."""
         if self.settings.enabled:
             self.detectors.step_aside(replica, step)
+
+    def _compare_inputs(self, signals: list[Signal], now: float) -> None:
+        for s in signals:
+            if s.input_digest is not None and self.duplicates.observe(s.step, s.replica, s.rank, s.input_digest):
+                self.membership._event(now, "duplicate_data", self.duplicates.finding.message)
+
+    def duplicate_data(self) -> DuplicateDataFinding | None:
+        """The job's finding that ranks trained on identical inputs, if there is one."""
+        found = self.duplicates.finding
+        return DuplicateDataFinding(**found.summary()) if found is not None else None
+
+    def take_duplicate(self) -> DuplicateDataFinding | None:
+        """The finding the first time it is asked for after it was made (to be logged), else None."""
+        if self._duplicate_told or self.duplicates.finding is None:
+            return None
+        self._duplicate_told = True
+        return self.duplicate_data()
 
     def fingerprint(self, committed: int, rank: int) -> FingerprintRecord:
         """What the rows said about `rank`'s parameters holding `committed` steps (the row of

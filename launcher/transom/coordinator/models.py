@@ -98,6 +98,7 @@ class SignalRow(_Msg):
     fingerprint: int | None = Field(None, ge=-(2**63), lt=2**63)
     recovery: bool = False
     batch_share: float | None = Field(None, gt=0, le=1e3, allow_inf_nan=False)
+    input_digest: int | None = Field(None, ge=-(2**63), lt=2**63, description="of the input the rank trained on")
 
 
 class SignalBatch(_Msg):
@@ -107,6 +108,23 @@ class SignalBatch(_Msg):
     node_rank: int = Field(0, ge=0, lt=1 << 12)
     rows: list[SignalRow] = Field(max_length=4096)
     stacks: str | None = Field(None, max_length=16384, description="a hung worker's stacks (the hang watchdog)")
+
+
+class DuplicateDataFinding(_Msg):
+    """The job's finding that ranks trained on identical inputs (detect/duplicates.py): a
+    warning, not a verdict; status.training.duplicateData and `transom run`'s summary."""
+
+    step: int = Step
+    replicas: list[int] = Field(max_length=MAX_REPLICAS, description="the replicas whose ranks did")
+    message: str = Field(max_length=1024, description="who, at which step, and the fix")
+
+
+class SignalAnswer(_Msg):
+    """Answer to POST /v1/signals."""
+
+    verdicts: int = Field(ge=0, description="verdicts the batch's rows completed")
+    next_post_s: float = Field(ge=0, allow_inf_nan=False, description="the launcher's pace: seconds to the next post")
+    duplicate_data: DuplicateDataFinding | None = Field(None, description="the job's finding, once there is one")
 
 
 class CheckpointReport(_Msg):
@@ -270,6 +288,7 @@ class JobStatus(_Msg):
     completed_step: int | None = None
     last_checkpoint: int | None = None
     goodput: float | None = None
+    duplicate_data: DuplicateDataFinding | None = None
     replicas: list[ReplicaStatus]
     events: list[Event]
 

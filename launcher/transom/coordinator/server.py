@@ -13,8 +13,8 @@ Endpoints (bearer token required on everything under /v1/):
                                                      410 = the job already completed)
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
-    POST /v1/signals             SignalBatch      -> {"verdicts": n, "next_post_s": s} (anomaly detection;
-                                                     429 = too soon or the detectors' budget is spent)
+    POST /v1/signals             SignalBatch      -> SignalAnswer (verdicts, the pace, the DuplicateData
+                                                     finding; 429 = too soon or the detectors' budget is spent)
     GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
                                                      `known`, a long-poll: answered when the
                                                      state is no longer S, or after W <= 60 s)
@@ -68,6 +68,7 @@ from transom.coordinator.models import (
     QuorumRequest,
     RegisterRequest,
     RendezvousInfo,
+    SignalAnswer,
     SignalBatch,
 )
 
@@ -404,13 +405,16 @@ class CoordinatorServer:
             now = self.clock()
             with self.signal_gate.timed(now):
                 verdicts = self.detection.observe(req, now)
+            if (found := self.detection.take_duplicate()) is not None:
+                log.warning("duplicate data: %s", found.message)
             if verdicts:
                 self.membership.try_decide(self.clock())
                 self._changed.notify_all()
                 self._status_due.set()
         for v in verdicts:
             log.warning("replica %d: %s from step %d: %s", v.replica, v.kind, v.first_step, v.message[:300])
-        return _ok({"verdicts": len(verdicts), "next_post_s": next_post_s})
+        return _ok(SignalAnswer(verdicts=len(verdicts), next_post_s=next_post_s,
+                                duplicate_data=self.detection.duplicate_data()))
 
     async def _quorum(self, request: web.Request) -> web.Response:
         req = await _parse(request, QuorumRequest)
@@ -493,7 +497,8 @@ class CoordinatorServer:
     async def _status(self, request: web.Request) -> web.Response:
         _principal(request).require_admin("GET /v1/status")
         async with self._lock:
-            return _ok(self.membership.status(self.clock()))
+            status = self.membership.status(self.clock())
+            return _ok(status.model_copy(update={"duplicate_data": self.detection.duplicate_data()}))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         async with self._lock:
@@ -536,11 +541,14 @@ class CoordinatorServer:
         return self.port
 
     def training(self) -> dict:
-        """status.training: the membership's progress and the detectors' verdicts."""
+        """status.training: the membership's progress, the detectors' verdicts, the finding
+        that replicas trained on identical inputs."""
         out = self.membership.training(self.clock())
         verdicts = self.detection.status_verdicts()
         if verdicts:
             out["verdicts"] = verdicts
+        if (found := self.detection.duplicate_data()) is not None:
+            out["duplicateData"] = found.model_dump()
         return out
 
     async def stop(self) -> None:

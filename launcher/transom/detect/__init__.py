@@ -9,6 +9,7 @@ trace) and in the tests:
 - slow.py      fail-slow: a workload-aware step-time predictor fitted online per rank
 - loss.py      loss spikes against a replica's own history, and non-finite steps
 - sdc.py       silent data corruption: parameter fingerprints compared across replicas
+- duplicates.py replicas (or ranks) that train on identical inputs: input digests compared
 - detectors.py all of them over a stream of signals, step by step: `Detectors`, `Verdict`
 
 The decisions inside a step (a non-finite or spiking step is applied on no replica) are the

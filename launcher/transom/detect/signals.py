@@ -6,8 +6,13 @@ synchronous training every rank's wall-clock step is the same, set by the slowes
 the busy time tells which rank is slow.
 
 A trace is a CSV file with the columns of TRACE_COLUMNS, one row per rank and step (`transom
-run --trace-out FILE`); `finite`, `fingerprint`, `recovery` and `batch_share` may follow. Empty cells
-are unknown values; a non-finite loss is written `nan` or `inf`.
+run --trace-out FILE`); `finite`, `fingerprint`, `recovery`, `batch_share` and `input_digest` may
+follow. Empty cells are unknown values; a non-finite loss is written `nan` or `inf`.
+
+`input_digest` is a 64-bit digest of the input the rank trained on in that step (ft/input_digest.py),
+on the steps `input_digest_due` names only: the coordinator compares the digests of one step
+across ranks and replicas (detect/duplicates.py), and replicas that train on the same batches
+are told so.
 
 A trace comes from a worker's script, and so does every worker's signals file the launcher
 reads: `TraceParser` takes any bytes. A line that is not a row (bad UTF-8, longer than
@@ -41,8 +46,22 @@ def post_interval(posters: int) -> float:
     return min(max(FORWARD_INTERVAL_S, posters / SIGNAL_POSTS_PER_S), MAX_FORWARD_INTERVAL_S)
 
 
+# Which steps' inputs every rank digests: the first few (a sampler seeded by the rank alone
+# repeats from step 0 on, so it is told at once) and then every INPUT_DIGEST_INTERVAL-th (one
+# that goes wrong later: a restart, an epoch boundary). Workers and coordinator share the
+# schedule: the coordinator takes digests of these steps only, so that no replica can fill
+# its memory of digests with steps of its own choosing.
+INPUT_DIGEST_FIRST_STEPS = 3
+INPUT_DIGEST_INTERVAL = 50
+
+
+def input_digest_due(step: int) -> bool:
+    """Whether ranks digest the input they train on in `step` (counted from the job's start)."""
+    return step < INPUT_DIGEST_FIRST_STEPS or step % INPUT_DIGEST_INTERVAL == 0
+
+
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
-OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery", "batch_share")
+OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery", "batch_share", "input_digest")
 Action = Literal["Replace", "Report"]
 SlowAction = Literal["Replace", "Report", "Rebalance"]
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
@@ -77,6 +96,7 @@ class Signal:
     fingerprint: int | None = None  # of its parameters after the step's update (every K steps)
     recovery: bool = False  # the rank also served or fetched recovery state in this step: not judged slow
     batch_share: float | None = None  # its batch over its nominal one (Rebalance); None: nominal
+    input_digest: int | None = None  # of the input it trained on (the steps input_digest_due names)
 
 
 @dataclass(frozen=True)
@@ -287,14 +307,11 @@ def _row(cell: dict[str, str]) -> Signal:
             raise ValueError(f"{name} must be 0, 1 or empty, got {_shown(cell, name)}")
     loss = _number(cell, "loss")  # nan and inf are what the detectors look for
     finite = _text(cell, "finite") != "0" if _text(cell, "finite") else (loss is None or math.isfinite(loss))
-    fingerprint = _text(cell, "fingerprint")
-    if fingerprint and not (_INTEGER.fullmatch(fingerprint) and -(2**63) <= int(fingerprint) < 2**63):
-        raise ValueError(f"fingerprint must be a 64-bit integer, got {_shown(cell, 'fingerprint')}")
     return Signal(step=_index(cell, "step"), replica=_index(cell, "replica"), rank=_index(cell, "rank"),
                   step_seconds=seconds, tokens=tokens, sum_len_sq=sum_len_sq, loss=loss,
-                  grad_norm=_number(cell, "grad_norm"), finite=finite,
-                  fingerprint=int(fingerprint) if fingerprint else None, recovery=_text(cell, "recovery") == "1",
-                  batch_share=share)
+                  grad_norm=_number(cell, "grad_norm"), finite=finite, fingerprint=_int64(cell, "fingerprint"),
+                  recovery=_text(cell, "recovery") == "1", batch_share=share,
+                  input_digest=_int64(cell, "input_digest"))
 
 
 def _text(cell: dict[str, str], name: str) -> str:
@@ -311,6 +328,13 @@ def _number(cell: dict[str, str], name: str) -> float | None:
         return float(raw) if raw else None
     except ValueError:
         raise ValueError(f"{name} must be a number, got {_shown(cell, name)}") from None
+
+
+def _int64(cell: dict[str, str], name: str) -> int | None:
+    raw = _text(cell, name)
+    if raw and not (_INTEGER.fullmatch(raw) and -(2**63) <= int(raw) < 2**63):
+        raise ValueError(f"{name} must be a 64-bit integer, got {_shown(cell, name)}")
+    return int(raw) if raw else None
 
 
 def _index(cell: dict[str, str], name: str) -> int:

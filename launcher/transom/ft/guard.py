@@ -18,8 +18,9 @@ Per step, each rank:
 - appends a row to `signals-r<replica>-g<generation>-a<attempt>-k<rank>.csv` in the
   launcher's TRANSOM_SIGNALS_DIR (the trace format, detect/signals.py): its busy time (the
   step less the time spent waiting for the quorum, the exchange and the votes), the workload
-  the script reported, loss, gradient norm, finiteness, fingerprint. The launcher forwards
-  the rows to the coordinator (launch/signals.py), which runs the detectors.
+  the script reported, loss, gradient norm, finiteness, fingerprint, and on some steps the
+  digest of its input (ft/input_digest.py). The launcher forwards the rows to the
+  coordinator (launch/signals.py), which runs the detectors.
 
 It also registers a handler that writes every thread's stack to `stacks-...-k<rank>.txt` on
 SIGUSR1: the launcher's hang watchdog asks for it before it restarts a hung replica. And it
@@ -139,11 +140,11 @@ class Guard:
     # --- after the step ------------------------------------------------------------------------
     def committed(self, step: int, busy_s: float, loss: float | None, norm: float | None, recovering: bool,
                   serving: bool, skipped: bool, model: torch.nn.Module | None, batch_share: float | None,
-                  snapshot: bool = False) -> None:
-        """This rank's row of a committed step: its busy time, workload, loss, norm, and every
-        `fingerprint_interval` steps, or when a snapshot of the state is taken for a joiner
-        (`snapshot`), the fingerprint of `model`'s parameters (None: it still catches up, its
-        parameters are not the job's)."""
+                  snapshot: bool = False, input_digest: int | None = None) -> None:
+        """This rank's row of a committed step: its busy time, workload, loss, norm, its input's
+        digest if it took one, and every `fingerprint_interval` steps, or when a snapshot of the
+        state is taken for a joiner (`snapshot`), the fingerprint of `model`'s parameters (None:
+        it still catches up, its parameters are not the job's)."""
         if not skipped:
             self.learn(loss)
         print_ = None
@@ -151,10 +152,12 @@ class Guard:
             print_ = int(fingerprint(list(model.parameters())).item())
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.
-        self.record(step, busy_s, None if recovering else loss, norm, print_, recovering or serving, batch_share)
+        self.record(step, busy_s, None if recovering else loss, norm, print_, recovering or serving, batch_share,
+                    input_digest)
 
     def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
-               print_: int | None, recovery: bool = False, batch_share: float | None = None) -> None:
+               print_: int | None, recovery: bool = False, batch_share: float | None = None,
+               input_digest: int | None = None) -> None:
         """`batch_share`: this rank's batch over its nominal one (Rebalance), if not 1."""
         if self._file is None:
             return
@@ -162,7 +165,7 @@ class Guard:
         write_trace([Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
                             tokens=tokens, sum_len_sq=sum_len_sq, loss=loss, grad_norm=norm,
                             finite=self.finite, fingerprint=print_, recovery=recovery,
-                            batch_share=batch_share)], self._file, header=False)
+                            batch_share=batch_share, input_digest=input_digest)], self._file, header=False)
 
     def close(self) -> None:
         if self._waiting_fd is not None:

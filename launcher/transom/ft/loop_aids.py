@@ -42,7 +42,7 @@ def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
 
 class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
-    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, _shared,
+    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, _shared, _inputs,
     last_step_committed, last_batch_trained."""
 
     ctx: Any
@@ -84,6 +84,11 @@ class LoopAids:
         self._loss = loss
         if self._guard is not None:
             self._guard.workload(tokens, sum_len_sq)
+
+    def fingerprint_input(self, data: Any) -> None:
+        """This step's input (a tensor, or its sample indices) for the distinct-data check,
+        where the model's first tensor argument is not the data (ft/input_digest.py)."""
+        self._inputs.take(data)
 
     @contextlib.contextmanager
     def no_sync(self):

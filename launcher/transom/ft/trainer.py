@@ -60,6 +60,7 @@ from transom.ft import backend as placement
 from transom.ft import data, wire
 from transom.ft.backward import GradientsReady
 from transom.ft.guard import Guard, signals_dir
+from transom.ft.input_digest import InputDigest
 from transom.ft.catchup import Source, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.ftar import StepAllReduce, bucket_params
@@ -205,9 +206,9 @@ class FaultTolerant(LoopAids):
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
             self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, self._exchanges_at_backward)
-        # The step's quorum request leaves with its first forward pass: work before it (an
-        # evaluation at the top of the loop, trainer.aside()) keeps the others from waiting.
+        # The step's quorum request leaves with its first forward pass (so trainer.aside() before it is allowed).
         self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        self._inputs = InputDigest(model, self._guard is not None, lambda: self.step if self._in_step else None)
         # Buckets in the order backward produces gradients (roughly the reverse of the
         # parameters'); each is exchanged as soon as it is ready, except under DDP, whose own
         # reduction follows our hooks: there the exchange waits for the end of the pass.
@@ -469,7 +470,7 @@ class FaultTolerant(LoopAids):
         if self._guard is not None:
             self._guard.committed(step, self._clock.busy(), loss, norm, recovering, serving, skipped,
                                   self.model if not self._rejoin.active else None, self.shares.batch_share(),
-                                  snapshot=self._source.snapshot_taken_at(step + 1))
+                                  snapshot=self._source.snapshot_taken_at(step + 1), input_digest=self._inputs.value(step))
 
     def _record(self, q: QuorumResponse, loss, committed: bool, recovering: bool, changed: bool,
                 error: str | None) -> None:
@@ -545,6 +546,7 @@ class FaultTolerant(LoopAids):
         self._source.close()
         self._backward.remove()
         self._forward_hook.remove()
+        self._inputs.close()
         self._step_guard.remove()
         self._groups.drop()
         self._state_server.close()

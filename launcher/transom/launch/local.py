@@ -368,14 +368,16 @@ class LocalRun:
                              status.num_replicas, status.quorum_id, list(status.members), status.paused, restarts)
         self.display.progress(line, (tuple(status.members), status.quorum_id, status.paused))
 
-    def _outcome(self) -> tuple[int | None, int | None]:
-        """(the step at which a replica completed the job, the newest committed checkpoint)."""
-        membership = self.coordinator.server.membership
+    def _outcome(self) -> tuple[int | None, int | None, dict | None]:
+        """(the step at which a replica completed the job, the newest committed checkpoint, the
+        finding that replicas trained on identical inputs)."""
+        server = self.coordinator.server
         try:
-            completed, checkpoint = self.coordinator.call(lambda: (membership.completed_step, membership.last_checkpoint))
+            completed, checkpoint, duplicate = self.coordinator.call(lambda: (
+                server.membership.completed_step, server.membership.last_checkpoint, server.detection.duplicate_data()))
         except Exception:  # the coordinator is gone: the summary says "unknown"
-            return None, None
-        return completed, checkpoint[0] if checkpoint else None
+            return None, None, None
+        return completed, checkpoint[0] if checkpoint else None, duplicate.model_dump() if duplicate else None
 
     # --- main ----------------------------------------------------------------------------------
     def _supervise(self, received: list[int]) -> int:
@@ -483,7 +485,7 @@ class LocalRun:
             exit_code = self._supervise(received)
         finally:
             self._stop_launchers()
-            completed_step, last_checkpoint = self._outcome()
+            completed_step, last_checkpoint, duplicate_data = self._outcome()
             self.coordinator.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -498,6 +500,7 @@ class LocalRun:
         summary["completed_step"] = completed_step
         summary["last_checkpoint"] = last_checkpoint
         summary["script_error"] = self.script_error
+        summary["duplicate_data"] = duplicate_data
         rows = replica_rows(self.stats_dir, self.config.replicas, self.logs)
         if self.config.trace_out:
             n = merge_trace(self.stats_dir / "signals", Path(self.config.trace_out))

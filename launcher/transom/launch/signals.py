@@ -7,7 +7,9 @@ the pod (`POST /v1/signals`), where the detectors run; less often when the coord
 answer says so (a job with thousands of pods: transom/detect/signals.py `post_interval`). Rows wait in a bounded buffer while
 the coordinator is away (the oldest are dropped first: the detectors judge recent steps).
 The file is the worker's script's to write: a line that is no row (any bytes) is skipped,
-counted, and reported in a warning at most once a minute; the launcher goes on.
+counted, and reported in a warning at most once a minute; the launcher goes on. Once the
+coordinator's answer carries the job's DuplicateData finding (replicas that trained on
+identical inputs, detect/duplicates.py), the launcher logs it, once.
 
 The hang watchdog: a worker that has reported a step, and then reports none for
 `hang_timeout_s` while not waiting for others (its quorum, the exchange, the votes: each wait
@@ -63,7 +65,7 @@ def _row(signal: Signal) -> SignalRow:
     return SignalRow(step=signal.step, rank=signal.rank, step_seconds=signal.step_seconds, tokens=signal.tokens,
                      sum_len_sq=signal.sum_len_sq, loss=signal.loss, grad_norm=signal.grad_norm,
                      finite=signal.finite, fingerprint=signal.fingerprint, recovery=signal.recovery,
-                     batch_share=signal.batch_share)
+                     batch_share=signal.batch_share, input_digest=signal.input_digest)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class SignalForwarder:
         self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
         self._next_skipped_warning = 0.0
+        self._duplicate_logged = False
 
     def _name(self, rank: int) -> str:
         i = self.identity
@@ -171,8 +174,10 @@ class SignalForwarder:
                 return
             del self._buffer[: len(rows)]
             stacks = None
-            if asked is not None:
-                self.interval_s = min(max(asked, FORWARD_INTERVAL_S), MAX_FORWARD_INTERVAL_S)
+            self.interval_s = min(max(asked.next_post_s, FORWARD_INTERVAL_S), MAX_FORWARD_INTERVAL_S)
+            if asked.duplicate_data is not None and not self._duplicate_logged:
+                log.warning("duplicate data: %s", asked.duplicate_data.message)
+                self._duplicate_logged = True
 
     def report_hang(self, hang: Hang, workers: list[subprocess.Popen]) -> str:
         """Have every worker write its stacks, log and forward them; returns them."""
