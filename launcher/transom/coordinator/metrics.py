@@ -1,0 +1,87 @@
+"""The coordinator's Prometheus metrics, read from the live membership and detection at
+scrape time (`GET /metrics` of server.py). Labels are bounded: reason and verdict kinds, and
+replica ids of the share vector (at most the job's replicas)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from transom.coordinator.membership import Membership
+from transom.detect.detectors import KINDS
+
+if TYPE_CHECKING:
+    from transom.coordinator.server import CoordinatorServer
+
+
+class MembershipCollector:
+    """Reads the live membership at scrape time; labels are bounded (reason kinds only)."""
+
+    def __init__(self, server: "CoordinatorServer"):
+        self.server = server
+
+    def collect(self):
+        m = self.server.membership
+        g = GaugeMetricFamily("transom_coordinator_healthy_replicas", "Replicas currently healthy")
+        g.add_metric([], m.healthy_count())
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_step", "Highest committed step reported by any replica")
+        g.add_metric([], m.max_step())
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_quorum_id", "Current quorum id")
+        g.add_metric([], m.current.quorum_id if m.current else -1)
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_paused", "1 while fewer than minReplicas are ready")
+        g.add_metric([], 1 if m.paused else 0)
+        yield g
+        c = CounterMetricFamily("transom_coordinator_quorum_changes", "Quorums formed with new membership")
+        c.add_metric([], m.quorum_changes_total)
+        yield c
+        c = CounterMetricFamily(
+            "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
+        )
+        for reason in ("reported", "heartbeat", "hung", "superseded", "detected", "diverged"):
+            c.add_metric([reason], m.failures_total.get(reason, 0))
+        yield c
+        c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
+        for kind in KINDS:
+            c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
+        yield c
+        c = CounterMetricFamily("transom_coordinator_signal_rows_refused",
+                                "Signal rows refused: a step or rank its replica cannot have")
+        c.add_metric([], self.server.detection.rows_refused)
+        yield c
+        c = CounterMetricFamily("transom_coordinator_signal_posts_deferred",
+                                "Signal posts answered 429 (too soon, or the detectors' time budget spent)")
+        c.add_metric([], self.server.signal_gate.deferred)
+        yield c
+        g = GaugeMetricFamily("transom_coordinator_batch_share",
+                              "A replica's share of the global batch (1 nominal), while Rebalance is in force",
+                              labels=["replica"])
+        for replica, share in enumerate(m.shares.published or []):
+            g.add_metric([str(replica)], share)
+        yield g
+        yield from self._progress(m)
+
+    def _progress(self, m: Membership):
+        """Goodput and the newest checkpoint: families without a sample until they are known,
+        so a dashboard shows "no data" rather than a made-up 0 (an age since 1970)."""
+        g = GaugeMetricFamily("transom_coordinator_goodput", "Fraction of time spent on steps that were kept")
+        goodput = m.goodput.value(self.server.clock())
+        if goodput is not None:
+            g.add_metric([], goodput)
+        yield g
+        step = GaugeMetricFamily("transom_coordinator_last_checkpoint_step", "Step of the newest committed checkpoint")
+        wall = GaugeMetricFamily("transom_coordinator_last_checkpoint_timestamp_seconds",
+                                 "Unix time the newest committed checkpoint was reported")
+        if m.last_checkpoint is not None:
+            step.add_metric([], m.last_checkpoint[0])
+            wall.add_metric([], m.last_checkpoint[1])
+        yield step
+        yield wall
+        stall = GaugeMetricFamily("transom_coordinator_checkpoint_stall_seconds",
+                                  "How long the training loop waited for the newest checkpoint's memory snapshot")
+        if m.last_checkpoint_stall_s is not None:
+            stall.add_metric([], m.last_checkpoint_stall_s)
+        yield stall
