@@ -14,8 +14,10 @@ Purpose
                Local mode's coordinator and launchers share the machine with the workers,
                so their CPU time is part of the figure.
 
-    on two models: `tinygpt` (the example's tiny GPT, a compute-light step) and `mlp` (the
-    ~100 MB MLP of the recovery benchmark, where moving the gradients dominates).
+    on three models: `tinygpt` (the example's tiny GPT, a compute-light step), `mlp` (the
+    ~100 MB MLP of the recovery benchmark, where moving the gradients dominates) and
+    `small15` (a 4 MB toy MLP whose DDP step takes about 15 ms here: Transom's fixed cost
+    per step, the quorum round trip, the vote and the bookkeeping, shows on it).
 
 Figures
     Each worker logs every step's end; a step's time is the time between the ends of two
@@ -24,13 +26,17 @@ Figures
     for `--repeats` rounds, so a slow drift of a shared machine hits all alike; per system
     the median of its run medians; Transom's replicas must also end bit-identical
     (`transom_bit_identical`). `ratio_vs_faster` = Transom / min(DDP, torchft), target
-    <= 1.02; `ratio_vs_ddp`, `ratio_vs_torchft` beside it. `load_avg` is the 1-minute load
+    <= 1.02; `ratio_vs_ddp`, `ratio_vs_torchft` beside it; `overhead_vs_ddp` is Transom's
+    extra time per step over DDP's in percent, by the medians, and `round_overhead_vs_ddp`
+    the median of the rounds' own (the runs of a round are back to back, so a round's ratio
+    is the fairest pairing on a shared machine). `load_avg` is the 1-minute load
     average before each run. The last line of stdout is one JSON object with every model's
     figures.
 
 How to run
     .venv/bin/python benchmarks/ftar_overhead.py                                  # both models
     .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30   # quick
+    .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 5  # fixed cost
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _replicas import RUNNERS, Job  # noqa: E402
 
 TARGET_RATIO = 1.02
-STEPS = {"tinygpt": 60, "mlp": 30}  # default steps per run: ~10 s each on the development box
+STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400}  # default steps per run: ~6-15 s each on the development box
 
 
 def step_times(out: Path, system: str, warmup: int) -> list[float]:
@@ -86,6 +92,10 @@ def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Pa
     others = {s: figures[f"{s}_step_s"] for s in systems if s != "transom"}
     for s, v in others.items():
         figures[f"ratio_vs_{s}"] = round(transom / v, 4)
+    if "ddp" in others:
+        figures["overhead_vs_ddp"] = round(100 * (transom / others["ddp"] - 1), 2)
+        rounds = [t / d - 1 for t, d in zip(medians["transom"], medians["ddp"])]
+        figures["round_overhead_vs_ddp"] = round(100 * statistics.median(rounds), 2)
     if others:
         figures["ratio_vs_faster"] = round(transom / min(others.values()), 4)
     figures.update(steps=steps, transom_bit_identical=all(identical), load_avg=load_avg)
@@ -97,7 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tinygpt,mlp")
     p.add_argument("--replicas", type=int, default=3, help="processes (one per replica)")
-    p.add_argument("--steps", type=int, default=0, help="steps per run (default: 60 tinygpt, 30 mlp)")
+    p.add_argument("--steps", type=int, default=0, help="steps per run (default: 60 tinygpt, 30 mlp, 400 small15)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")

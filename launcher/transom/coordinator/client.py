@@ -1,9 +1,15 @@
 """Blocking client of the coordinator API, used by workers and the launcher.
 
-Standard library only (urllib), so the launcher needs nothing but pydantic. Every call has
-a deadline; connection errors and 5xx answers are retried with backoff until it passes
+Standard library only (http.client), so the launcher needs nothing but pydantic. Every call
+has a deadline; connection errors and 5xx answers are retried with backoff until it passes
 (the coordinator may be restarting), 4xx answers raise `CoordinatorError` at once, except
 the quorum long-poll's 408 which means "ask again".
+
+Each thread keeps one connection open to the coordinator (HTTP/1.1 keep-alive): a leader
+asks for a quorum every step, and a new connection per request cost the worker and the
+coordinator about 0.4 ms of CPU together per request on the 2-core development box
+(benchmarks.md, ftar_overhead). A kept connection that the coordinator closed meanwhile
+(its idle timeout, a restart) is replaced at once, without the backoff.
 
 The credential a client presents says which replica it speaks for (coordinator/identity.py):
 a replica's own identity token, read from `TRANSOM_IDENTITY_TOKEN_FILE` again whenever the
@@ -13,13 +19,14 @@ spare's), or the job's token where no identity file is given (tests, tools).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
@@ -85,12 +92,63 @@ def credential(identity_token_file: str, token: str) -> str | Callable[[], str]:
     return TokenFile(identity_token_file) if identity_token_file else token
 
 
+class _KeptConnections:
+    """One keep-alive connection to the coordinator per thread (and process: a forked child
+    opens its own)."""
+
+    def __init__(self, url: str):
+        split = urlsplit(url)
+        self._cls = http.client.HTTPSConnection if split.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._base = split.hostname or "127.0.0.1", split.port, split.path.rstrip("/")
+        self._local = threading.local()
+
+    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
+             timeout_s: float) -> tuple[int, str, bytes]:
+        """(status, reason, body) of one request; OSError or HTTPException if it failed."""
+        kept: tuple[int, http.client.HTTPConnection] | None = getattr(self._local, "conn", None)
+        if kept is not None and kept[0] == os.getpid():
+            try:
+                return self._send(kept[1], method, path, body, headers, timeout_s)
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                pass  # closed by the coordinator while it was kept: a new connection, at once
+        conn = self._cls(self._host, self._port, timeout=timeout_s)
+        self._local.conn = (os.getpid(), conn)
+        return self._send(conn, method, path, body, headers, timeout_s)
+
+    def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None,
+              headers: dict[str, str], timeout_s: float) -> tuple[int, str, bytes]:
+        conn.timeout = timeout_s  # for a connect; a connected socket is set here
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        try:
+            conn.request(method, self._base + path, body=body, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except BaseException:
+            self._local.conn = None  # half a request or answer on the wire: never reuse it
+            conn.close()
+            raise
+        if resp.will_close:
+            self._local.conn = None
+            conn.close()
+        return resp.status, resp.reason, raw
+
+
+def _payload(raw: bytes) -> dict:
+    try:
+        payload = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
 class CoordinatorClient:
     def __init__(self, url: str, token: str | Callable[[], str], timeout_s: float = 30.0):
         """`token`: the bearer credential, or a function that returns the current one (TokenFile)."""
         self.url = url.rstrip("/")
         self.credential: Callable[[], str] = token if callable(token) else (lambda: token)
         self.timeout_s = timeout_s
+        self._connections = _KeptConnections(self.url)
 
     def _call(
         self,
@@ -102,33 +160,39 @@ class CoordinatorClient:
         stopped: Callable[[], bool] | None = None,
     ) -> tuple[int, dict]:
         """`stopped`: the caller's owner is shutting down; give up at the next retry."""
+        status, raw = self._request(method, path, body, timeout_s, request_timeout_s, stopped)
+        return status, _payload(raw)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None,
+        timeout_s: float | None,
+        request_timeout_s: float | None,
+        stopped: Callable[[], bool] | None,
+    ) -> tuple[int, bytes]:
+        """The first answer below 500 as (status, body); 409 raises Evicted."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         data = body.model_dump_json().encode() if body is not None else None
         backoff = 0.05
         while True:
             if stopped is not None and stopped():
                 raise CoordinatorError(f"{method} {path}: stopped")
-            req = urllib.request.Request(self.url + path, data=data, method=method)
-            req.add_header("Authorization", f"Bearer {self.credential()}")
+            headers = {"Authorization": f"Bearer {self.credential()}"}
             if data is not None:
-                req.add_header("Content-Type", "application/json")
+                headers["Content-Type"] = "application/json"
             per_try = request_timeout_s or max(0.1, min(10.0, deadline - time.monotonic()))
             try:
-                with urllib.request.urlopen(req, timeout=per_try) as resp:
-                    return resp.status, json.loads(resp.read() or b"{}")
-            except urllib.error.HTTPError as e:
-                try:
-                    payload = json.loads(e.read() or b"{}")
-                except json.JSONDecodeError:
-                    payload = {}
-                message = payload.get("error", e.reason)
-                if e.code == 409:
-                    raise Evicted(message, 409) from None
-                if e.code < 500:
-                    return e.code, payload
-                error: Exception = CoordinatorError(f"{method} {path}: {e.code} {message}", e.code)
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-                error = CoordinatorError(f"{method} {path}: coordinator unreachable: {e}")
+                status, reason, raw = self._connections.send(method, path, data, headers, per_try)
+            except (ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+                error: Exception = CoordinatorError(f"{method} {path}: coordinator unreachable: {e}")
+            else:
+                if status == 409:
+                    raise Evicted(_payload(raw).get("error", reason), 409)
+                if status < 500:
+                    return status, raw
+                error = CoordinatorError(f"{method} {path}: {status} {_payload(raw).get('error', reason)}", status)
             if time.monotonic() + backoff > deadline:
                 raise error
             time.sleep(backoff)
@@ -186,14 +250,15 @@ class CoordinatorClient:
             if remaining <= 0:
                 raise CoordinatorError(f"no quorum within {timeout_s:.0f}s (training paused?)")
             poll = req.model_copy(update={"timeout_s": max(0.1, min(req.timeout_s, remaining))})
-            status, payload = self._call(
-                "POST", "/v1/quorum", poll, timeout_s=remaining, request_timeout_s=poll.timeout_s + 5.0, stopped=stopped
-            )
+            status, raw = self._request("POST", "/v1/quorum", poll, remaining, poll.timeout_s + 5.0, stopped)
             if status == 408:
                 continue
             if status == 410:
-                raise JobCompleted(payload.get("error", "job completed"), 410)
-            return QuorumResponse.model_validate(self._expect(status, payload, "quorum"))
+                raise JobCompleted(_payload(raw).get("error", "job completed"), 410)
+            if status == 200:  # every step: validated straight from the bytes
+                return QuorumResponse.model_validate_json(raw)
+            self._expect(status, _payload(raw), "quorum")
+            raise CoordinatorError(f"quorum: unexpected answer {status}", status)
 
     def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> ReplicaState:
         status, payload = self._call("GET", replica_state_path(identity), timeout_s=timeout_s)

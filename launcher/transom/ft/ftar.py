@@ -40,20 +40,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
-    """Group gradient indices into buckets of one dtype/device and at most bucket_bytes (the
-    first of each kind at most `first_bucket_bytes`, as DDP's)."""
+    """Group gradient indices into buckets of one dtype/device; a bucket is closed once it holds
+    `bucket_bytes` (the first of each kind `first_bucket_bytes`), as DDP's are: the tensor
+    that reaches the cap goes in. So the first bucket holds at least the gradients of the last
+    layer, which leave while backward goes on, rather than only the small bias before it."""
     buckets: list[list[int]] = []
-    open_by_kind: dict[tuple, tuple[list[int], int, int]] = {}  # kind -> (bucket, bytes, its cap)
+    open_by_kind: dict[tuple, tuple[list[int], int]] = {}  # kind -> (its open bucket, its bytes)
+    caps: dict[tuple, int] = {}  # kind -> the cap of its next bucket
     for i, g in enumerate(grads):
         kind = (g.dtype, g.device)
-        size = g.numel() * g.element_size()
         current = open_by_kind.get(kind)
-        if current is None or (current[1] + size > current[2] and current[0]):
-            cap = min(first_bucket_bytes, bucket_bytes) if current is None else bucket_bytes
-            current = ([], 0, cap)
+        if current is None:
+            current = ([], 0)
             buckets.append(current[0])
+        cap = caps.setdefault(kind, min(first_bucket_bytes, bucket_bytes))
         current[0].append(i)
-        open_by_kind[kind] = (current[0], current[1] + size, current[2])
+        size = current[1] + g.numel() * g.element_size()
+        if size >= cap:
+            open_by_kind.pop(kind, None)
+            caps[kind] = bucket_bytes
+        else:
+            open_by_kind[kind] = (current[0], size)
     return buckets
 
 
@@ -127,12 +134,14 @@ class StepAllReduce:
             self.fail(f"{type(e).__name__}: {e}")
             return
         for grads, flat, _ in pending:
-            if self.weight is None:
-                flat.div_(self.participants)
             offset = 0
             for g in grads:
                 n = g.numel()
-                g.copy_(flat[offset : offset + n].view_as(g))
+                summed = flat[offset : offset + n].view_as(g)
+                if self.weight is None:  # the division and the copy back in one pass
+                    torch.div(summed, self.participants, out=g)
+                else:
+                    g.copy_(summed)
                 offset += n
 
     def agree(self, bad: bool, device: torch.device) -> bool:
