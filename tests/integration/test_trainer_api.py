@@ -141,9 +141,10 @@ def test_buckets_leave_during_backward_and_the_result_is_the_exact_average():
 
     (flight0, avg0, p0), (flight1, avg1, p1) = run_replicas(2, body, bucket_bytes=64)
     assert avg0 == avg1 == [True, True, True]
-    # Three buckets ([last layer], [first bias], [first weight]): the first two were on the
-    # wire before the first layer's weight gradient existed.
-    assert flight0 == flight1 == [2, 2, 2], (flight0, flight1)
+    # Two buckets (a bucket closes once it reaches its cap, as DDP's: [last layer, first
+    # bias] = 68 bytes, then [first weight]): the first was on the wire before the first
+    # layer's weight gradient existed.
+    assert flight0 == flight1 == [1, 1, 1], (flight0, flight1)
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
 
 
