@@ -48,17 +48,18 @@ def save(engine: CheckpointEngine, step: int, state: dict, **kw) -> None:
     assert engine.wait_persisted(60)
 
 
-def assert_same(a, b) -> None:
+def assert_same(a, b, ordered: bool = False) -> None:
+    """Equal, tensor for tensor (dtype, shape and bits); `ordered`: dicts' keys in the same order too."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     elif isinstance(a, dict):
-        assert a.keys() == b.keys()
+        assert list(a) == list(b) if ordered else a.keys() == b.keys()
         for k in a:
-            assert_same(a[k], b[k])
+            assert_same(a[k], b[k], ordered)
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
         for x, y in zip(a, b):
-            assert_same(x, y)
+            assert_same(x, y, ordered)
     else:
         assert a == b
 

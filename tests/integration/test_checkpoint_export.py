@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_checkpoint import assert_same as checkpoint_assert_same
 from transom import cli
 from transom.checkpoint import layout
 from transom.checkpoint.assemble import chunk_length
@@ -55,18 +56,8 @@ def plain_values(obj) -> bool:
 
 
 def assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
+    """As test_checkpoint's, and the names in the order the model's state_dict() gave them."""
+    checkpoint_assert_same(a, b, ordered=True)
 
 
 @pytest.mark.slow

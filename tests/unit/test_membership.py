@@ -21,7 +21,7 @@ import pytest
 from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
 from transom.coordinator.membership import Settings
 from transom.errors import Evicted, NotRegistered
-from transom.coordinator.models import AsideRequest, FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
+from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
 
 
 # --- Settings ----------------------------------------------------------------------------------
@@ -579,30 +579,3 @@ def test_a_round_whose_every_member_still_catches_up_is_decided_without_a_source
     assert (d.recovering, d.sources, d.participants) == ((1, 2), (), 1)
     assert d.store_addr == "10.0.0.1:29500"
 
-
-def test_a_member_aside_is_not_waited_for_nor_taken_for_hung_and_returns_behind():
-    m, d0 = started(3, round_timeout_s=30.0)
-    m.step_aside(AsideRequest(identity=ident(2), step=0), 0.5)  # an evaluation between steps
-    m.request_quorum(qreq(0, 1, 0, 0), 1.0)
-    d1 = m.request_quorum(qreq(1, 1, 0, 0), 1.0)
-    assert d1 is not None and d1.member_ids() == [0, 1]  # decided at once, without replica 2
-    for t in range(2, 100):  # long past round_timeout_s: still a member, still healthy
-        heartbeat_all(m, [0, 1, 2], float(t))
-    assert m.replicas[2].state == "healthy"
-    assert m.request_quorum(qreq(2, 1, 0, 0), 100.0) is None  # back, one step behind: it catches up
-    m.request_quorum(qreq(0, 2, d1.quorum_id, d1.round), 100.0)
-    d3 = m.request_quorum(qreq(1, 2, d1.quorum_id, d1.round), 100.0)
-    assert d3 is not None and d3.member_ids() == [0, 1, 2] and d3.recovering == (2,)
-    assert not m.replicas[2].aside
-
-
-def test_a_round_waits_for_the_only_holders_of_the_state_even_aside():
-    m, d0 = started(2, round_timeout_s=30.0)
-    m.request_quorum(qreq(0, 1, 0, 0), 1.0)
-    d1 = m.request_quorum(qreq(1, 0, -1, 0), 1.0)  # replica 1 is behind: it catches up from 0
-    assert d1 is not None and d1.recovering == (1,)
-    m.step_aside(AsideRequest(identity=ident(0), step=2), 2.0)
-    m.request_quorum(qreq(1, 2, d1.quorum_id, d1.round), 2.0)
-    heartbeat_all(m, [0, 1], 60.0)
-    assert m.try_decide(60.0) is None  # training on without replica 0 would lose the job's state
-    assert m.replicas[0].state == "healthy"
