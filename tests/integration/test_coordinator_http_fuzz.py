@@ -11,7 +11,7 @@ import random
 
 import requests
 
-from test_coordinator_http import (  # noqa: F401 (start_coordinator is a fixture)  # noqa: F401  (start_coordinator is a fixture)
+from test_coordinator_http import (  # noqa: F401  (start_coordinator is a fixture)
     AUTH, HTTP_TIMEOUT, VALID_REGISTER, client, reg_req, start_coordinator,
 )
 
