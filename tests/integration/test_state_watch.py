@@ -12,7 +12,7 @@ import requests
 
 from transom.coordinator.client import CoordinatorClient, replica_state_path
 from transom.coordinator.membership import Settings
-from transom.coordinator.models import FailureReport, Identity, RegisterRequest
+from transom.coordinator.models import FailureReport, Identity, LeaveRequest, QuorumRequest, RegisterRequest
 from transom.coordinator.server import CoordinatorThread
 from transom.launch.state_watch import StateWatch
 
@@ -92,3 +92,20 @@ def test_an_unreachable_coordinator_leaves_the_view_as_it_was_and_stop_is_prompt
     t0 = time.monotonic()
     watch.stop()
     assert time.monotonic() - t0 < 1.5 and not watch.running
+
+
+def test_the_watch_stops_once_the_job_completed(coord):
+    other = Identity(replica_id=0, generation=0, attempt=0)
+    for identity in (other, ME):
+        register(coord, identity)
+    watch = StateWatch(coord.url, TOKEN, ME, wait_s=20)
+    until(lambda: watch.latest is not None and watch.latest.state == "healthy", 5, "first answer")
+    asks = [threading.Thread(target=CoordinatorClient(coord.url, TOKEN).quorum, args=(
+        QuorumRequest(identity=i, step=0, commit_quorum_id=-1, last_round=-1), 10)) for i in (other, ME)]
+    for t in asks:
+        t.start()
+    for t in asks:
+        t.join(10)
+    CoordinatorClient(coord.url, TOKEN).leave(LeaveRequest(identity=other, step=1, completed=True, reason="done"))
+    until(lambda: not watch.running, 2, "the watch ended")
+    assert watch.latest.job_completed and watch.polls <= 3

@@ -12,7 +12,10 @@ in the same instant would reach the coordinator as one burst (10,000 answers and
 at once stalled its quorum answers by a second in a trial on the 2-core box).
 
 A coordinator that cannot be reached leaves `latest` as it was (the workers decide for
-themselves then, as their own requests fail) and is asked again after `RETRY_S`.
+themselves then, as their own requests fail) and is asked again after `RETRY_S`. Once the
+job completed, the watch stops: the coordinator answers every poll at once from then on,
+and a launcher whose workers still wrote their last files asked about a thousand times a
+second until they exited.
 
 One thread per attempt, owned by the supervisor: `stop()` shuts the socket of the poll in
 flight, so the poll returns at once and the thread ends; nothing outlives the attempt.
@@ -83,6 +86,8 @@ class StateWatch:
             if state is not None:
                 self.latest = state
                 self.polls += 1
+                if state.job_completed:  # nothing changes any more, and every poll would be answered at once
+                    return
 
     def _ask(self, known: str | None) -> ReplicaState | None:
         """One poll; None if stopped meanwhile."""
