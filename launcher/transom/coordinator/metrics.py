@@ -32,6 +32,16 @@ class MembershipCollector:
         g = GaugeMetricFamily("transom_coordinator_quorum_id", "Current quorum id")
         g.add_metric([], m.current.quorum_id if m.current else -1)
         yield g
+        # Who trains now: members of the current round, and of them those that contribute
+        # gradients (not catching up). A replica is back once it is a contributor again.
+        current = m.current
+        g = GaugeMetricFamily("transom_coordinator_quorum_members", "Replicas in the current round")
+        g.add_metric([], len(current.members) if current else 0)
+        yield g
+        g = GaugeMetricFamily("transom_coordinator_contributing_replicas",
+                              "Replicas of the current round that contribute gradients (not catching up)")
+        g.add_metric([], len(current.members) - len(current.recovering) if current else 0)
+        yield g
         g = GaugeMetricFamily("transom_coordinator_paused", "1 while fewer than minReplicas are ready")
         g.add_metric([], 1 if m.paused else 0)
         yield g
