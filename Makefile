@@ -3,6 +3,9 @@
 #   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, checkpoints
 #   make e2e-demo  the same on Kubernetes with real pods: two real nodes (kubelet + containerd),
 #                  helm install, examples/trainingjob-cpu.yaml, a worker killed, a pod deleted
+#   make chaos     the same job through every fault a cluster throws (node loss, partition, drain,
+#                  coordinator and operator loss, S3 outage, OOM, image pull, containerd restart) on
+#                  three real nodes: a table and one JSON line (CHAOS_SCENARIOS=a,b for some)
 #   make test      unit, integration and e2e tests (installs and builds the test control plane
 #                  first), then `make test-compat`
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
@@ -32,7 +35,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install testenv demo e2e-demo test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
+.PHONY: install testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +65,10 @@ demo: install
 # Leaves the test environment running (`kubectl get tj -A`, then `hack/testenv.sh down`).
 e2e-demo: install testenv
 	$(PY) hack/e2e_demo.py --metrics-out e2e-demo.metrics.jsonl
+
+CHAOS_SCENARIOS ?=
+chaos: install testenv
+	$(PY) hack/chaos $(if $(CHAOS_SCENARIOS),--scenarios $(CHAOS_SCENARIOS))
 
 test: install testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)

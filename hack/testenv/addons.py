@@ -53,7 +53,9 @@ def host_services() -> list[dict]:
     ]
 
 
-def coredns(image: str) -> list[dict]:
+def coredns(image: str, replicas: int = 1) -> list[dict]:
+    """CoreDNS as a cluster runs it: with two or more real nodes, two replicas kept apart
+    (a lost node does not take the job's name resolution with it)."""
     ns, name = "kube-system", "coredns"
     labels = {"k8s-app": "kube-dns"}
     meta = {"name": name, "namespace": ns}
@@ -71,10 +73,13 @@ def coredns(image: str) -> list[dict]:
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"Corefile": COREFILE}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {**meta, "labels": labels},
-         "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+         "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
              "metadata": {"labels": labels},
              "spec": {
                  "serviceAccountName": name, "dnsPolicy": "Default",
+                 "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+                     "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                                        "topologyKey": "kubernetes.io/hostname"}}]}},
                  "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
                                      "seccompProfile": {"type": "RuntimeDefault"}},
                  "containers": [{

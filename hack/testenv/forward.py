@@ -13,6 +13,10 @@ into a node's namespace, create a socket, and step back.
 - `proxy`: a Unix socket for the API server's egress selector (the konnectivity mechanism
   of Kubernetes): the API server sends `CONNECT <ip>:<port>` for its connections to
   kubelets and pods, and we connect from inside the namespace that owns that address.
+- `cut`: a node whose namespace is listed in `cut.json` beside the config (read again on
+  SIGUSR1) is partitioned from the host's services: its open connections are aborted, new
+  ones closed at once, and the API server's connections to it refused (faults.py cuts its
+  switch link too).
 
 Run as `python hack/testenv/forward.py CONFIG.json`; stops on SIGTERM. Single-threaded
 asyncio, so switching namespaces around a `socket()` call cannot race with anything.
@@ -34,6 +38,7 @@ from collections.abc import Iterator
 CLONE_NEWNET = 0x40000000
 CONNECT_TIMEOUT_S = 10.0
 HEADER_LIMIT = 8192
+CUT_FILE = "cut.json"  # beside the config: the node namespaces cut off (faults.py writes it)
 _libc = ctypes.CDLL(None, use_errno=True)
 _HOST_NS = os.open("/proc/self/ns/net", os.O_RDONLY)
 
@@ -67,8 +72,38 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
 
 
-async def _splice(a: tuple, b: tuple) -> None:
-    await asyncio.gather(_pipe(a[0], b[1]), _pipe(b[0], a[1]))
+async def _splice(a: tuple, b: tuple, ns: str | None = None) -> None:
+    """Pipe both ways until either side ends; while it lasts, the connection is listed
+    under the node namespace `ns` so that cutting the node can abort it."""
+    live = LIVE.setdefault(ns, set()) if ns else set()
+    pair = (a[1], b[1])
+    live.add(pair)
+    try:
+        await asyncio.gather(_pipe(a[0], b[1]), _pipe(b[0], a[1]))
+    finally:
+        live.discard(pair)
+
+
+# Node namespaces cut off from the host's services (partitioned), and the open connections
+# of every node namespace, so that a cut can abort them.
+CUT: set[str] = set()
+LIVE: dict[str, set[tuple]] = {}
+
+
+def apply_cut(path: str) -> None:
+    """Read the list of cut namespaces from `path` (missing: none) and abort the open
+    connections of each newly cut one, as a pulled cable would end them."""
+    try:
+        with open(path) as f:
+            wanted = set(json.load(f))
+    except (OSError, ValueError):
+        wanted = set()
+    for ns in wanted - CUT:
+        for pair in list(LIVE.get(ns, ())):
+            for writer in pair:
+                writer.transport.abort()
+    CUT.clear()
+    CUT.update(wanted)
 
 
 async def _open(ns: str | None, host: str, port: int) -> tuple:
@@ -93,12 +128,15 @@ async def serve_listener(ns: str, addr: str, port: int, target_port: int) -> asy
     sock.setblocking(False)
 
     async def handle(reader, writer):
+        if ns in CUT:
+            writer.transport.abort()
+            return
         try:
             upstream = await _open(None, "127.0.0.1", target_port)
         except (OSError, asyncio.TimeoutError):
             writer.close()
             return
-        await _splice((reader, writer), upstream)
+        await _splice((reader, writer), upstream, ns)
 
     return await asyncio.start_server(handle, sock=sock)
 
@@ -123,6 +161,8 @@ async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]
             ns = owner(routes, host)
             if method != "CONNECT" or ns is None or not port.isdigit():
                 raise ValueError(f"refused {method} {target}")
+            if ns in CUT:
+                raise ValueError(f"{target} is partitioned")
             upstream = await _open(ns, host, int(port))
         except (ValueError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
                 asyncio.LimitOverrunError, UnicodeDecodeError) as e:
@@ -133,7 +173,7 @@ async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]
             return
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
-        await _splice((reader, writer), upstream)
+        await _splice((reader, writer), upstream, ns)
 
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -142,7 +182,8 @@ async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]
     return server
 
 
-async def main(config: dict) -> None:
+async def main(config: dict, cut_file: str) -> None:
+    apply_cut(cut_file)
     routes = [(ipaddress.ip_network(net), n["netns"]) for n in config["nodes"] for net in n["networks"]]
     servers = [await serve_proxy(config["proxy_socket"], routes)]
     for node in config["nodes"]:
@@ -152,6 +193,7 @@ async def main(config: dict) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, apply_cut, cut_file)
     print("forwarder ready", flush=True)
     await stop.wait()
     for s in servers:
@@ -160,4 +202,5 @@ async def main(config: dict) -> None:
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        asyncio.run(main(json.load(f)))
+        config = json.load(f)
+    asyncio.run(main(config, os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), CUT_FILE)))

@@ -102,7 +102,7 @@ def up(d: Path, tools: dict, ca: certs.CA, count: int, api_port: int, s3_port: i
     wait("real nodes Ready", lambda: _ready_nodes(kubectl) >= set(n.name for n in nets))
     # The controller manager makes each namespace's `default` ServiceAccount a moment later.
     wait("ServiceAccount kube-system/default", lambda: _ok(kubectl, "get", "sa", "default", "-n", "kube-system"))
-    apply(addons.coredns(images.COREDNS_IMAGE))
+    apply(addons.coredns(images.COREDNS_IMAGE, replicas=min(2, count)))
     wait("CoreDNS ready", lambda: _ok(kubectl, "wait", "-n", "kube-system", "--for=condition=Available",
                                       "deployment/coredns", "--timeout=1s"), 90)
     return [n.name for n in nets]

@@ -1,0 +1,329 @@
+"""The faults of `make chaos`, one function each: wait until the job trains, do the fault
+the way the cluster would (testenv/faults.py, kubectl, the S3 server's process), watch the
+reaction, undo what the fault changed in the environment, and leave judging to job.py.
+
+Each scenario returns the Verdict it filled in (detected after, contributing again after,
+notes); `run` wraps it with the job's start, finish, judgement and deletion, so that every
+scenario is judged the same way. A fault is always undone in a `finally`, so one failed
+scenario leaves the environment whole for the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from chaos.job import CHECKPOINT_INTERVAL, ChaosJob, Verdict
+from chaos.world import World
+from testenv import cluster, faults
+
+STEPS = 400
+MISSING_IMAGE = "localhost:5999/transom/no-such-image:0.0"  # a registry on the node's own loopback: refused
+
+
+def run(world: World, name: str, act: Callable[[ChaosJob, Verdict], set[str]], steps: int = STEPS,
+        env: dict[str, str] | None = None, fault_tolerance: dict | None = None) -> Verdict:
+    """One scenario from start to deletion; `act` does the fault and returns the reasons
+    status and Events must show."""
+    job = ChaosJob(world, "chaos-" + name.replace("_", "-"), steps, env, fault_tolerance)
+    verdict = Verdict(name)
+    t0 = time.monotonic()
+    try:
+        job.start()
+        expect = act(job, verdict)
+        final = job.finish()
+        job.judge(verdict, final, expect)
+    except Exception as e:
+        verdict.problems.append(f"{type(e).__name__}: {e}")
+        job.watch.stop()
+    finally:
+        left = job.delete()
+        if left:
+            verdict.problems.append(f"left running after the job was deleted: {left}")
+        verdict.problems += environment_problems(world)
+    verdict.survived = not verdict.problems
+    verdict.notes.append(f"{time.monotonic() - t0:.0f} s in all")
+    return verdict
+
+
+def environment_problems(world: World) -> list[str]:
+    """What a scenario must have put back: every real node Ready and schedulable, no cut."""
+    problems = []
+    if faults.cut_nodes():
+        problems.append(f"still partitioned: {faults.cut_nodes()}")
+    for name in world.real_nodes():
+        try:
+            world.wait(f"node {name} Ready", lambda n=name: world.node_ready(n), 90)
+        except TimeoutError as e:
+            problems.append(str(e))
+        if world.core.read_node(name).spec.unschedulable:
+            problems.append(f"node {name} left cordoned")
+    return problems
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def victim(job: ChaosJob) -> tuple[int, str]:
+    """A replica on a node without the coordinator (the highest such id), and that node."""
+    coord = job.world.coordinator_pod(job.ns, job.name)
+    coord_node = coord.spec.node_name if coord else None
+    pods = job.world.worker_pods(job.ns, job.name)
+    for replica in sorted(pods, reverse=True):
+        if pods[replica].spec.node_name != coord_node:
+            return replica, pods[replica].spec.node_name
+    replica = max(pods)
+    return replica, pods[replica].spec.node_name
+
+
+def wait_moved(job: ChaosJob, replica: int, away_from: str, timeout_s: float = 180) -> str:
+    """Until the replica runs a newer generation on another node; that node."""
+    def moved():
+        pod = job.world.worker_pods(job.ns, job.name).get(replica)
+        if pod and pod.spec.node_name and pod.spec.node_name != away_from and pod.status.phase == "Running":
+            return pod.spec.node_name
+        return None
+    return job.world.wait(f"replica {replica} running on a node other than {away_from}", moved, timeout_s)
+
+
+def detected(job: ChaosJob, replica: int | None = None) -> float | None:
+    """Seconds from the fault until status or the coordinator first showed it: a replica no
+    longer contributing (or the coordinator not answering), or the replica's new failure."""
+    base = job.watch.samples[0] if job.watch.samples else None
+    for s in job.watch.samples:
+        if job.fault_at is None or s.t < job.fault_at:
+            base = s
+            continue
+        failed = replica is not None and base is not None and \
+            s.generations.get(replica, 0) > base.generations.get(replica, 0)
+        if failed or s.contributing is None or s.contributing < job.replicas:
+            return s.t - job.fault_at
+    return None
+
+
+def training_goes_on(job: ChaosJob, steps: int, timeout_s: float) -> None:
+    start = job.watch.last().step or 0
+    job.world.wait(f"{job.ns}: {steps} more steps committed", lambda: (job.watch.last().step or 0) >= start + steps,
+                   timeout_s)
+
+
+# --- the scenarios ---------------------------------------------------------------------------------
+def node_loss(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    replica, node = victim(job)
+    index = job.world.node_index(node)
+    job.mark_fault()
+    killed = faults.stop_node(index)
+    try:
+        v.notes.append(f"stopped {node} (replica {replica}; {killed} container processes killed)")
+        moved_to = wait_moved(job, replica, node)
+        v.recover_s = job.wait_contributing()
+        v.detect_s = detected(job, replica)
+        v.notes.append(f"replica {replica} moved to {moved_to}")
+        excluded = job.watch.last().excluded
+        if node not in excluded:
+            v.problems.append(f"{node} not excluded (excludedNodes {excluded})")
+    finally:
+        faults.start_node(index)
+    return {"NodeNotReady"}
+
+
+def partition(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    replica, node = victim(job)
+    index = job.world.node_index(node)
+    job.mark_fault()
+    faults.cut(index)
+    try:
+        v.notes.append(f"cut {node} (replica {replica})")
+        wait_moved(job, replica, node)
+        v.recover_s = job.wait_contributing()
+        v.detect_s = detected(job, replica)
+        fenced_before = job.watch.last().fenced or 0
+    finally:
+        faults.heal(index)
+    # Healed: the old incarnation runs on until its kubelet, back in touch, stops it. It
+    # must try to speak for its replica, and be refused.
+    try:
+        job.world.wait("the healed incarnation refused by the coordinator",
+                       lambda: (job.watch.last().fenced or 0) > fenced_before, 90)
+        v.notes.append(f"refusals of the healed incarnation: {(job.watch.last().fenced or 0) - fenced_before:.0f}")
+    except TimeoutError as e:
+        v.problems.append(str(e))
+    return {"NodeNotReady"}
+
+
+def drain(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    replica, node = victim(job)
+    job.mark_fault()
+    try:
+        out = job.world.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s",
+                                timeout_s=250, check=False)
+        if out.returncode != 0:
+            v.problems.append(f"kubectl drain failed: {out.stderr.strip()[-500:]}")
+        moved_to = wait_moved(job, replica, node)
+        v.recover_s = job.wait_contributing()
+        v.detect_s = detected(job, replica)
+        v.notes.append(f"drained {node}; replica {replica} moved to {moved_to}")
+    finally:
+        job.world.kubectl("uncordon", node, check=False)
+    return {"PodEvicted"}
+
+
+def coordinator_loss(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    coord = job.world.coordinator_pod(job.ns, job.name)
+    job.mark_fault()
+    job.world.kubectl("delete", "pod", coord.metadata.name, "-n", job.ns, "--wait=false")
+    v.recover_s = job.wait_contributing()
+    v.detect_s = detected(job)
+    v.notes.append(f"coordinator pod deleted: back in {v.recover_s:.1f} s")
+    # Then the node under the new coordinator is lost.
+    coord = job.world.wait("the new coordinator running", lambda: job.world.coordinator_pod(job.ns, job.name), 120)
+    node = coord.spec.node_name
+    index = job.world.node_index(node)
+    on_node = [r for r, p in job.world.worker_pods(job.ns, job.name).items() if p.spec.node_name == node]
+    t = time.monotonic()
+    faults.stop_node(index)
+    try:
+        job.world.wait("a coordinator running on another node", lambda: (c := job.world.coordinator_pod(
+            job.ns, job.name)) and c.spec.node_name != node, 180)
+        job.fault_at = t
+        back = job.wait_contributing()
+        v.notes.append(f"coordinator's node {node} lost (replicas {on_node} on it): all contributing in {back:.1f} s")
+    finally:
+        faults.start_node(index)
+    return {"NodeNotReady"} if on_node else set()
+
+
+def operator_loss(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    leader = job.world.wait("an operator leader", job.world.operator_leader, 60)
+    pod = next(p for p in job.world.operator_pods() if p.metadata.name == leader)
+    replica = 1
+    victim_pod = job.world.worker_pods(job.ns, job.name)[replica].metadata.name
+    job.mark_fault()
+    job.world.kubectl("delete", "pod", victim_pod, "-n", job.ns, "--wait=false")
+    time.sleep(0.5)  # the leader has seen the deletion and is replacing the replica
+    pids = World.pod_pids(pod.metadata.uid, b"transom")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    v.notes.append(f"operator leader {leader} SIGKILLed (pids {pids}) during the replacement of replica {replica}")
+    v.recover_s = job.wait_contributing()
+    v.detect_s = detected(job, replica)
+    new_leader = job.world.wait("an operator leader", job.world.operator_leader, 60)
+    v.notes.append(f"leader now {new_leader}")
+    status = job.status()
+    r = next(x for x in status["replicas"] if x["id"] == replica)
+    if (r.get("generation"), r.get("restarts")) != (1, 1) or status.get("totalRestarts") != 1:
+        v.problems.append(f"replaced more than once: replica {r}, totalRestarts {status.get('totalRestarts')}")
+    replaced = [e for e in job.world.events(job.ns) if e.reason == "ReplicaReplaced"]
+    if sum(e.count or 1 for e in replaced) != 1:
+        v.problems.append(f"{sum(e.count or 1 for e in replaced)} ReplicaReplaced events, not 1")
+    return {"PodDeleted"}
+
+
+def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(CHECKPOINT_INTERVAL + 5)
+    # Stop S3 just after a checkpoint began: the next step past a multiple of the interval.
+    job.world.wait("a checkpoint step", lambda: (job.watch.last().step or 0) % CHECKPOINT_INTERVAL == 1, 120, 0.2)
+    before = job.watch.last()
+    job.mark_fault()
+    cluster.stop_s3()
+    try:
+        training_goes_on(job, 2 * CHECKPOINT_INTERVAL, 180)
+        v.notes.append(f"S3 down from step {before.step} to {job.watch.last().step} "
+                       f"({time.monotonic() - job.fault_at:.0f} s); last checkpoint {job.watch.last().last_checkpoint}")
+    finally:
+        cluster.start_s3()
+    job.world.wait("a checkpoint committed after the outage",
+                   lambda: (job.watch.last().last_checkpoint or 0) > (before.step or 0), 180)
+    v.recover_s = time.monotonic() - job.fault_at
+    # A whole-job restart restores the newest complete checkpoint.
+    return whole_job_restart(job, v)
+
+
+def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
+    w = job.world
+    w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
+    w.wait("the job's pods gone", lambda: not w.worker_pods(job.ns, job.name), 120)
+    newest = job.status().get("training", {}).get("lastCheckpoint")
+    suspended_at = job.watch.last().step
+    job.watch.samples.clear()  # steps after the newest checkpoint are redone by design
+    w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": False}}))
+    job.wait_training((newest or 0) + 1)
+    logs = "".join(w.logs(job.ns, p.metadata.name) for p in w.worker_pods(job.ns, job.name).values())
+    if f"resumed from the checkpoint of step {newest}" not in logs:
+        v.problems.append(f"not resumed from the newest checkpoint {newest} (suspended at step {suspended_at})")
+    v.notes.append(f"suspended at step {suspended_at}, resumed from the checkpoint of step {newest}")
+    return {"JobSuspended"}
+
+
+def containerd_restart(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    replica, node = victim(job)
+    uids = {r: p.metadata.uid for r, p in job.world.worker_pods(job.ns, job.name).items()}
+    job.mark_fault()
+    faults.restart_containerd(job.world.node_index(node))
+    training_goes_on(job, 30, 120)
+    after = {r: p.metadata.uid for r, p in job.world.worker_pods(job.ns, job.name).items()}
+    status = job.status()
+    if after != uids or status.get("totalRestarts"):
+        v.problems.append(f"pods replaced after a containerd restart: {uids} -> {after}")
+    v.notes.append(f"containerd of {node} restarted (replica {replica}); nothing replaced")
+    return set()
+
+
+def image_pull(job: ChaosJob, v: Verdict) -> set[str]:
+    job.wait_training(30)
+    w = job.world
+    replica = 1
+    good = job.manifest["spec"]["template"]["spec"]["containers"][0]["image"]
+    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": MISSING_IMAGE},
+             {"op": "replace", "path": "/spec/template/spec/containers/0/imagePullPolicy", "value": "IfNotPresent"}]
+    w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=json", "-p", json.dumps(patch))
+    old = w.worker_pods(job.ns, job.name)[replica].metadata.name
+    job.mark_fault()
+    w.kubectl("delete", "pod", old, "-n", job.ns, "--wait=false")
+
+    def pulling():
+        pod = w.worker_pods(job.ns, job.name).get(replica)
+        waiting = [c.state.waiting.reason for c in (pod.status.container_statuses or []) if c.state.waiting] \
+            if pod and pod.metadata.name != old else []
+        return pod if any(r in ("ErrImagePull", "ImagePullBackOff") for r in waiting) else None
+    stuck = w.wait(f"replica {replica}'s replacement failing to pull", pulling, 120)
+    training_goes_on(job, CHECKPOINT_INTERVAL, 120)  # on the other two
+    names = {p.metadata.name for p in w.all_pods(job.ns) if p.metadata.labels.get("transom.io/replica") == str(replica)}
+    if len(names - {old}) != 1:
+        v.problems.append(f"replica {replica} got pods {sorted(names - {old})} while the image could not be pulled")
+    v.detect_s = time.monotonic() - job.fault_at
+    # The user fixes the image; the stuck pod is replaced with it.
+    fix = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": good},
+           {"op": "replace", "path": "/spec/template/spec/containers/0/imagePullPolicy", "value": "Never"}]
+    w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=json", "-p", json.dumps(fix))
+    try:
+        w.wait("the stuck pod replaced with the fixed image", lambda: stuck.metadata.name not in
+               {p.metadata.name for p in w.worker_pods(job.ns, job.name).values()}, 60)
+        v.notes.append("the operator replaced the stuck pod once the image was fixed")
+    except TimeoutError:
+        w.kubectl("delete", "pod", stuck.metadata.name, "-n", job.ns, "--wait=false")
+        v.notes.append("the stuck pod was deleted by hand after the image was fixed")
+    v.recover_s = job.wait_contributing()
+    return {"ImagePullFailed"}
+
+
+SCENARIOS: dict[str, Callable[[ChaosJob, Verdict], set[str]]] = {
+    "node_loss": node_loss, "partition": partition, "drain": drain, "coordinator_loss": coordinator_loss,
+    "operator_loss": operator_loss, "storage_outage": storage_outage, "image_pull": image_pull,
+    "containerd_restart": containerd_restart,
+}
+
+
+def run_named(world: World, name: str, steps: int = STEPS) -> Verdict:
+    if name == "oom":
+        from chaos.oom import oom
+        return oom(world, steps)
+    return run(world, name, SCENARIOS[name], steps)
+
