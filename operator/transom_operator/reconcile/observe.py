@@ -15,6 +15,7 @@ from typing import Any
 
 from transom import contract
 
+
 def parse_time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp ("2025-01-31T12:00:00Z") as an aware datetime; None if absent."""
     if value is None or value == "":
@@ -53,6 +54,10 @@ class ObservedPod:
     created: datetime | None
     finished: datetime | None = None  # when the first terminated container ended
     message: str | None = None  # the first terminated container's termination message
+    # The reason of a True DisruptionTarget condition (Kubernetes >= 1.26 sets it before it
+    # deletes a pod on someone's request: EvictionByEvictionAPI, PreemptionByScheduler,
+    # DeletionByTaintManager, TerminationByKubelet, ...).
+    disruption: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,13 @@ def _first_terminated(status: dict[str, Any]) -> dict[str, Any] | None:
             state = cs.get("state") or {}
             if state.get("terminated"):
                 return state["terminated"]
+    return None
+
+
+def _disruption(status: dict[str, Any]) -> str | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return condition.get("reason") or "DisruptionTarget"
     return None
 
 
@@ -97,6 +109,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         created=parse_time(metadata.get("creationTimestamp")),
         finished=parse_time(terminated.get("finishedAt")) if terminated else None,
         message=(terminated.get("message") or None) if terminated else None,
+        disruption=_disruption(status),
     )
 
 

@@ -39,6 +39,10 @@ Rules:
   (ExitedEarly, after `failures.COMPLETION_WAIT_S`). Once complete, nothing is replaced or
   created, pods not yet running are deleted, and the job is Succeeded when no worker pod
   runs any more.
+- A voluntary eviction (`failures.VOLUNTARY_DISRUPTIONS`: a drain, a preemption) replaces the
+  replica like any failure (restarts + 1, lastFailure PodEvicted), but it is not put in the
+  restart history: it counts neither against maxReplicaRestarts nor towards the backoff, and
+  its node is never blamed. A cluster upgrade drains every node once.
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
@@ -263,9 +267,13 @@ def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
     replacements within the window than maxReplicaRestarts allows."""
     now_s = int(ps.now.timestamp())
     for r in replicas:
-        if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in ps.history):
+        # A voluntary eviction (a drain) is a replacement, but not one the budget is for.
+        if r.failure and not r.failure.voluntary and all((h.replica, h.generation) != (r.id, r.generation)
+                                                         for h in ps.history):
             ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node))
         for generation in range(r.generation - r.unrecorded, r.generation):  # replacements not recorded
+            if r.lost is not None and r.lost.voluntary and generation == r.generation - r.unrecorded:
+                continue
             if all((h.replica, h.generation) != (r.id, generation) for h in ps.history):
                 node = r.lost.node if r.lost is not None else None
                 ps.history.append(api.RestartRecord(replica=r.id, generation=generation, time=now_s, node=node))
@@ -355,9 +363,11 @@ def _create_missing(ps: _Pass, replica: int, generation: int, current: Mapping[i
     if not missing:
         return
     wait = 0.0
-    if last_failure is not None and last_failure.time is not None:
-        in_window = sum(1 for h in ps.history if h.replica == replica)
-        delay = failures.backoff_seconds(in_window, ps.ft.backoff_seconds, ps.ft.max_backoff_seconds)
+    counted = [h for h in ps.history if h.replica == replica]
+    # Only a failure the history counts delays its replacement: not a voluntary eviction's.
+    if last_failure is not None and last_failure.time is not None and any(h.generation == generation - 1
+                                                                          for h in counted):
+        delay = failures.backoff_seconds(len(counted), ps.ft.backoff_seconds, ps.ft.max_backoff_seconds)
         wait = (last_failure.time - ps.now).total_seconds() + delay
     if wait > 0:
         ps.out._requeue(wait)
