@@ -1,11 +1,13 @@
-"""Disruptions someone asked for, and a leader lost mid-replacement (`reconcile.replicas.plan`):
+"""Disruptions someone asked for, and pods that cannot start (`reconcile.replicas.plan`):
 
 - a pod evicted on request (a drain through the eviction API, a preemption, a NoExecute taint
   on a Ready node: its DisruptionTarget condition says so) is `PodEvicted`: the replica is
   replaced, but the node is not blamed and the replacement uses up neither the restart budget
   nor the backoff;
 - a new leader that takes over in the middle of a replacement finishes it without doing
-  anything twice.
+  anything twice;
+- a pod whose image the kubelet cannot pull is left alone (the kubelet retries): the replica's
+  status says why and one Warning Event tells the user, while the other replicas train on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from transom_operator import reasons
 from transom_operator.reconcile import observe
-from transom_operator.reconcile.observe import ObservedNode
+from transom_operator.reconcile.observe import ImagePull, ObservedNode
 from transom_operator.reconcile.replicas import plan
 from reconcile_world import T0, World, cond, make_job
 
@@ -177,3 +179,81 @@ def test_a_new_leader_after_the_status_write_and_the_creates_only_deletes_what_i
     w.step()
     assert w.job.status.state == "Running" and w.job.status.total_restarts == 1
     w.assert_quiet()
+
+
+# --- an image the kubelet cannot pull ---------------------------------------------------------
+
+def _cannot_pull(w: World, name: str, reason: str = "ErrImagePull") -> None:
+    w.set_pod(name, image_pull=ImagePull("t", "t:nope", reason, 'failed to pull image "t:nope": not found'))
+
+
+def test_a_replacement_that_cannot_pull_its_image_is_left_alone_shown_and_told_once():
+    w = World(make_job()).running()
+    w.set_pod(w.pod_of(1).name, phase="Failed", exit_code=1)
+    w.step()
+    w.pods = {n: p for n, p in w.pods.items() if not p.deleting}  # generation 0 is gone, 1 is Pending
+    for rank in (0, 1):
+        _cannot_pull(w, f"demo-r1-n{rank}-g1")
+    p = w.step()
+    assert (p.create, p.delete) == ([], [])
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.state, r1.reason) == (1, "Replacing", reasons.IMAGE_PULL_FAILED)
+    assert r1.message == "pod demo-r1-n0-g1: container t cannot pull image 't:nope': ErrImagePull"
+    ((type_, reason, message),) = p.events
+    assert (type_, reason) == (reasons.WARNING, reasons.IMAGE_PULL_FAILED)
+    assert message.startswith("Replica 1 generation 1 cannot start: pod demo-r1-n0-g1: container t cannot pull "
+                              "image 't:nope': ErrImagePull (failed to pull image \"t:nope\": not found).")
+    assert p.status.state == "Recovering" and p.status.healthy == "2/3"  # the others train on
+    # The kubelet retries with its backoff (its reason flips): no pod is touched, nothing is told again.
+    for i in range(6):
+        w.now += timedelta(seconds=20)
+        _cannot_pull(w, "demo-r1-n0-g1", "ImagePullBackOff" if i % 2 == 0 else "ErrImagePull")
+        p = w.step()
+        assert (p.create, p.delete, p.events) == ([], [], [])
+        assert p.status.replicas[1].reason == reasons.IMAGE_PULL_FAILED
+    # The image comes: the replica runs, and its status no longer holds the reason.
+    for rank in (0, 1):
+        w.set_pod(f"demo-r1-n{rank}-g1", image_pull=None)
+    w.settle()
+    r1 = w.step().status.replicas[1]
+    assert (r1.state, r1.reason, r1.message) == ("Running", None, None)
+    w.assert_quiet()
+
+
+def test_a_first_incarnation_that_cannot_pull_keeps_the_job_pending_with_one_event_per_replica():
+    w = World(make_job())
+    w.step()
+    for name in list(w.pods):
+        _cannot_pull(w, name, "InvalidImageName")
+    p = w.step()
+    assert p.status.state == "Pending" and (p.create, p.delete) == ([], [])
+    assert [(r.state, r.reason) for r in p.status.replicas] == [("Pending", reasons.IMAGE_PULL_FAILED)] * 3
+    assert [r for _, r, _ in p.events] == [reasons.IMAGE_PULL_FAILED] * 3
+    w.assert_quiet()
+
+
+def test_a_deleted_pod_that_could_not_pull_is_replaced_and_its_new_incarnation_told_again():
+    """What a user does after fixing spec.template: delete the pod (counted as one replacement)."""
+    w = World(make_job()).running()
+    w.set_pod(w.pod_of(0).name, phase="Failed", exit_code=1)
+    w.step()
+    w.pods = {n: p for n, p in w.pods.items() if not p.deleting}
+    _cannot_pull(w, "demo-r0-n1-g1")
+    assert [r for _, r, _ in w.step().events] == [reasons.IMAGE_PULL_FAILED]
+    w.set_pod("demo-r0-n1-g1", deleting=True)
+    p = w.step()
+    assert p.status.replicas[0].last_failure.reason == reasons.POD_DELETED and len(p.create) == 2
+    w.pods = {n: p for n, p in w.pods.items() if not p.deleting}
+    _cannot_pull(w, "demo-r0-n0-g2")
+    assert [r for _, r, _ in w.step().events] == [reasons.IMAGE_PULL_FAILED]
+
+
+def test_observe_pod_reads_an_image_the_kubelet_cannot_pull():
+    pending = {"metadata": {"name": "p"}, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "ok", "image": "a:1", "state": {"running": {}}},
+        {"name": "t", "image": "t:nope", "state": {"waiting": {"reason": "ImagePullBackOff",
+                                                               "message": "Back-off pulling image \"t:nope\""}}}]}}
+    assert observe.observe_pod(pending).image_pull == ImagePull("t", "t:nope", "ImagePullBackOff",
+                                                                 "Back-off pulling image \"t:nope\"")
+    pending["status"]["containerStatuses"][1]["state"]["waiting"]["reason"] = "ContainerCreating"
+    assert observe.observe_pod(pending).image_pull is None

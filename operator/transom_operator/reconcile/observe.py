@@ -15,6 +15,11 @@ from typing import Any
 
 from transom import contract
 
+# What the kubelet says while it cannot get a container's image: it retries on its own, with a
+# backoff of up to 5 minutes, so the pod is left alone (replicas.py shows it in status).
+IMAGE_PULL_WAITING_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+MAX_KUBELET_MESSAGE = 512  # of the kubelet's own message, in ours
+
 
 def parse_time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp ("2025-01-31T12:00:00Z") as an aware datetime; None if absent."""
@@ -34,6 +39,16 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return int(raw)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class ImagePull:
+    """A container of a pod that waits for an image the kubelet cannot pull."""
+
+    container: str
+    image: str
+    reason: str  # one of IMAGE_PULL_WAITING_REASONS
+    message: str  # the kubelet's, shortened
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class ObservedPod:
     # deletes a pod on someone's request: EvictionByEvictionAPI, PreemptionByScheduler,
     # DeletionByTaintManager, TerminationByKubelet, ...).
     disruption: str | None = None
+    image_pull: ImagePull | None = None  # a container waits for an image the kubelet cannot pull
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,17 @@ def _disruption(status: dict[str, Any]) -> str | None:
     for condition in status.get("conditions") or []:
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
             return condition.get("reason") or "DisruptionTarget"
+    return None
+
+
+def _image_pull(status: dict[str, Any]) -> ImagePull | None:
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in IMAGE_PULL_WAITING_REASONS:
+                return ImagePull(container=cs.get("name") or "", image=cs.get("image") or "",
+                                 reason=waiting["reason"],
+                                 message=(waiting.get("message") or "")[:MAX_KUBELET_MESSAGE])
     return None
 
 
@@ -110,6 +137,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         finished=parse_time(terminated.get("finishedAt")) if terminated else None,
         message=(terminated.get("message") or None) if terminated else None,
         disruption=_disruption(status),
+        image_pull=_image_pull(status) if status.get("phase") in (None, "Pending") else None,
     )
 
 

@@ -43,6 +43,11 @@ Rules:
   replica like any failure (restarts + 1, lastFailure PodEvicted), but it is not put in the
   restart history: it counts neither against maxReplicaRestarts nor towards the backoff, and
   its node is never blamed. A cluster upgrade drains every node once.
+- A pod that waits for an image the kubelet cannot pull is left alone (the kubelet retries
+  with its own backoff; a new pod would pull again): the replica's status entry gets
+  `reason` ImagePullFailed and a `message` naming the pod, container, image and the
+  kubelet's reason, and its incarnation one Warning Event (the recorded reason says it was
+  told). The other replicas train on.
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
@@ -66,6 +71,7 @@ from transom_operator.reconcile import failures, job_status, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
+MAX_HELD_MESSAGE = 1024  # as status.replicas[].message
 
 
 @dataclass
@@ -144,17 +150,19 @@ def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
     return "Succeeded" if succeeded else "Running"
 
 
-def _replica_status(r: _Replica, generation: int, state: str, restarts: int,
-                    last_failure: api.Failure | None, nodes: list[str]) -> api.ReplicaStatus:
+def _replica_status(r: _Replica, generation: int, state: str, restarts: int, last_failure: api.Failure | None,
+                    nodes: list[str], held: tuple[str, str] | None = None) -> api.ReplicaStatus:
     """The replica's entry in status: the recorded one itself when nothing in it changed, as for
     nearly every replica of a large job on any pass (building 250 validated entries again is
-    most of such a pass's planning time)."""
+    most of such a pass's planning time). `held`: (reason, message) of what keeps it from running."""
     rec = r.recorded
+    reason, message = held or (None, None)
     if (rec is not None and rec.generation == generation and rec.state == state and rec.restarts == restarts
-            and rec.nodes == nodes and rec.last_failure == last_failure):
+            and rec.nodes == nodes and rec.last_failure == last_failure and rec.reason == reason
+            and rec.message == message):
         return rec
     return api.ReplicaStatus(id=r.id, generation=generation, state=state, restarts=restarts,
-                             last_failure=last_failure, nodes=nodes)
+                             last_failure=last_failure, nodes=nodes, reason=reason, message=message)
 
 
 @dataclass
@@ -342,7 +350,29 @@ def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
         state = "Replacing"
     if ps.completed and state == "Replacing":  # too late: it is not replaced any more
         state = "Failed"
-    return _replica_status(r, generation, state, restarts, last_failure, _nodes(current))
+    held = _image_pull(ps, r, generation, current) if state in ("Pending", "Replacing") else None
+    return _replica_status(r, generation, state, restarts, last_failure, _nodes(current), held)
+
+
+def _image_pull(ps: _Pass, r: _Replica, generation: int, current: Mapping[int, ObservedPod]) -> tuple[str, str] | None:
+    """(reason, message) while a pod of the replica waits for an image the kubelet cannot pull,
+    and a Warning Event the first time its generation is seen so (the status remembers). The pod
+    is left alone: the kubelet retries with its own backoff, and a new pod would only pull again."""
+    pod = next((p for _, p in sorted(current.items()) if p.image_pull is not None and not p.deleting), None)
+    if pod is None or pod.image_pull is None:
+        return None
+    pull = pod.image_pull
+    # Short in status (one per replica: a large job whose image is wrong has them all); the
+    # kubelet's own message goes into the Event, once.
+    message = f"pod {pod.name}: container {pull.container} cannot pull image {pull.image!r}: {pull.reason}"
+    message = message[:MAX_HELD_MESSAGE]
+    rec = r.recorded
+    if rec is None or rec.generation != generation or rec.reason != reasons.IMAGE_PULL_FAILED:
+        said = f" ({pull.message})" if pull.message else ""
+        ps.out.events.append((reasons.WARNING, reasons.IMAGE_PULL_FAILED,
+                              f"Replica {r.id} generation {generation} cannot start: {message}{said}. The kubelet "
+                              "keeps retrying; if the image is wrong, fix spec.template and delete the pod"))
+    return reasons.IMAGE_PULL_FAILED, message
 
 
 def _exclude_nodes(ps: _Pass, failure: failures.ReplicaFailure) -> None:
