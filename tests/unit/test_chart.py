@@ -1,11 +1,13 @@
 """The chart as `helm template` renders it (no cluster): the operator's permissions cover every
-object it creates for a job, and no more on disruption budgets.
+object it creates for a job, and no more on disruption budgets; two operators by default, on
+different nodes where there is room, with a budget that keeps one through a drain.
 
 tests/e2e/test_chart.py installs the chart and runs the operator with its ServiceAccount.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,26 @@ def test_disruption_budgets_are_read_created_and_resized_never_listed_or_deleted
     assert granted(rules, "policy", "poddisruptionbudgets") == {"get", "create", "patch"}
     assert granted(rules, "policy", "pods/eviction") == set()  # the operator deletes; it never evicts
 
+
+def test_two_operators_by_default_on_different_nodes_where_there_is_room_and_one_kept_through_a_drain():
+    docs = render()
+    (deployment,) = of_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == pod_labels
+    (budget,) = of_kind(docs, "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1 and budget["spec"]["selector"]["matchLabels"] == pod_labels
+    assert budget["metadata"]["namespace"] == "transom-system"
+
+
+def test_one_operator_gets_no_budget_that_would_block_its_nodes_drain_and_an_affinity_of_ones_own_wins():
+    docs = render("--set", "replicaCount=1")
+    assert of_kind(docs, "PodDisruptionBudget") == []
+    assert "affinity" not in of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}
+    docs = render("--set-json", f"affinity={json.dumps(own)}")
+    assert of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["affinity"] == own
