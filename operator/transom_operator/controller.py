@@ -197,15 +197,21 @@ class Controller:
 
     def _ensure_budget(self, namespace: str, job: api.TrainingJob) -> None:
         """The replicas' PodDisruptionBudget (disruption.py): created where it is missing (a new
-        job, one from before budgets, one deleted by hand), patched when the job's size changed."""
+        job, one from before budgets, one deleted by hand), patched when the job's size changed.
+        A budget only holds drains back, so failing to make one (an installation whose RBAC is
+        older than budgets) is logged and tried again at the next check, and never stops the
+        pass that replaces the job's replicas."""
         wanted = disruption.worker_budget(job)
         name = wanted["metadata"]["name"]
-        current = self.kube.get_disruption_budget(namespace, name)
-        if current is None:
-            self.kube.create(namespace, wanted)
-        elif (patch := disruption.spec_patch(current, wanted)) is not None:
-            self.kube.patch_disruption_budget(namespace, name, patch)
-            log.info("%s/%s: disruption budget %s now %s", namespace, job.metadata["name"], name, patch["spec"])
+        try:
+            current = self.kube.get_disruption_budget(namespace, name)
+            if current is None:
+                self.kube.create(namespace, wanted)
+            elif (patch := disruption.spec_patch(current, wanted)) is not None:
+                self.kube.patch_disruption_budget(namespace, name, patch)
+                log.info("%s/%s: disruption budget %s now %s", namespace, job.metadata["name"], name, patch["spec"])
+        except Exception as e:
+            log.warning("%s/%s: could not make the disruption budget %s: %s", namespace, job.metadata["name"], name, e)
 
     def _ensure_coordinator_now(self, namespace: str, job: api.TrainingJob) -> None:
         name = job.metadata["name"]

@@ -355,3 +355,16 @@ def test_a_coordinator_from_before_its_node_loss_tolerations_gets_them_once_and_
     ctl._coordinator_checked.clear()  # the next check (30 s later) finds them and rolls nothing
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("patched Deployment tolerations", "demo-coordinator")) == 1
+
+
+def test_a_budget_the_operator_may_not_make_never_stops_the_replicas_recovery(make_controller, caplog):
+    """An installation whose RBAC is older than disruption budgets: a warning, and the pass goes on."""
+    kube = MemoryKube(raw_job())
+
+    def forbidden(namespace: str, name: str) -> dict | None:
+        raise PermissionError("403 Forbidden: poddisruptionbudgets")
+
+    kube.get_disruption_budget = forbidden  # type: ignore[method-assign]
+    make_controller(kube).reconcile("ml", "demo")
+    assert ("Pod", "demo-r0-n0-g0") in kube.created and "status" in kube.job
+    assert "could not make the disruption budget demo-workers: 403 Forbidden" in caplog.text
