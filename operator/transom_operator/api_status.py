@@ -70,6 +70,17 @@ class ReplicaStatus(StatusModel):
     )
     restarts: int = Field(0, ge=0, le=MAX_COUNT, description="Times this replica was replaced.")
     last_failure: Failure | None = Field(None, description="The replica's most recent failure.")
+    reason: Reason | None = Field(
+        None,
+        description=(
+            "What keeps the replica from running, as one CamelCase word, while something does: ImagePullFailed "
+            "(the kubelet cannot pull an image of one of its pods; it keeps retrying, and the pod is left alone)."
+        ),
+    )
+    message: str | None = Field(
+        None, max_length=1024,
+        description="What keeps the replica from running, for humans (pod, container, image, the kubelet's reason).",
+    )
 
 
 class SpareStatus(StatusModel):

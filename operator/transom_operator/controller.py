@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from transom import contract
 
-from transom_operator import api, metrics, naming, reasons, resources
+from transom_operator import api, disruption, metrics, naming, reasons, resources
 from transom_operator.cache import WatchCache
 from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
 from transom_operator.reconcile import failures, job_status, replicas
@@ -116,6 +116,16 @@ class Controller:
             self.cache.drop_job(namespace, name)  # e.g. a `test` failed: read it afresh
             wait_all(creates, timeout=WRITE_TIMEOUT_S)  # every write of the pass ends with it
             raise
+        # The Events tell what the status now records, so they go out once it is written and
+        # before anything that can fail or be cut short: a pass that did not get this far is
+        # recorded again by the next one (with its Events), and one that did is not, so an
+        # operator killed in its deletes (a new leader finishing them) posts nothing twice.
+        policy, refused = failures.node_action(job.spec.fault_tolerance.node_exclusion_policy, self.node_actions)
+        if refused and plan.excluded_nodes_added:
+            plan.events.append((reasons.WARNING, reasons.EVENT_NODE_ACTION_NOT_ALLOWED, refused))
+        for type_, reason, message in plan.events:
+            self.kube.event(raw, type_, reason, message)
+            log.info("%s/%s: %s", namespace, name, message)
         _first_error(creates)
         t_status = time.monotonic()
         self._act(namespace, pods, plan)
@@ -123,14 +133,8 @@ class Controller:
         log.debug("%s/%s pass: read+plan %.3fs, status and %d creates %.3fs, %d deletes %d relabels %.3fs",
                   namespace, name, t_plan - t0, len(plan.create), t_status - t_plan, len(plan.delete),
                   len(plan.relabel), t_act - t_status)
-        policy, refused = failures.node_action(job.spec.fault_tolerance.node_exclusion_policy, self.node_actions)
         for node, reason in plan.excluded_nodes_added:
             self.kube.exclude_node(node, policy, reason)
-        if refused and plan.excluded_nodes_added:
-            plan.events.append((reasons.WARNING, reasons.EVENT_NODE_ACTION_NOT_ALLOWED, refused))
-        for type_, reason, message in plan.events:
-            self.kube.event(raw, type_, reason, message)
-            log.info("%s/%s: %s", namespace, name, message)
         self._observe(namespace, name, job, plan)
         self._set_state(namespace, name, plan.status.state)
         return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
@@ -178,16 +182,36 @@ class Controller:
             self.cache.pod_event("MODIFIED", patched)
 
     def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
-        """Create the job's coordinator, or roll it when the spec changed what it runs with. Read
-        again when the spec changed (metadata.generation) or every COORDINATOR_RECHECK_S (one
-        deleted by hand comes back), not on every pass."""
+        """Create the job's coordinator and its replicas' disruption budget, or roll the coordinator
+        and resize the budget when the spec changed what they follow. Read again when the spec
+        changed (metadata.generation) or every COORDINATOR_RECHECK_S (one deleted by hand comes
+        back), not on every pass."""
         name = job.metadata["name"]
         key, generation = (namespace, name), job.metadata.get("generation", 0)
         checked = self._coordinator_checked.get(key)
         if checked is not None and checked[0] == generation and time.monotonic() - checked[1] < COORDINATOR_RECHECK_S:
             return
         self._ensure_coordinator_now(namespace, job)
+        self._ensure_budget(namespace, job)
         self._coordinator_checked[key] = (generation, time.monotonic())
+
+    def _ensure_budget(self, namespace: str, job: api.TrainingJob) -> None:
+        """The replicas' PodDisruptionBudget (disruption.py): created where it is missing (a new
+        job, one from before budgets, one deleted by hand), patched when the job's size changed.
+        A budget only holds drains back, so failing to make one (an installation whose RBAC is
+        older than budgets) is logged and tried again at the next check, and never stops the
+        pass that replaces the job's replicas."""
+        wanted = disruption.worker_budget(job)
+        name = wanted["metadata"]["name"]
+        try:
+            current = self.kube.get_disruption_budget(namespace, name)
+            if current is None:
+                self.kube.create(namespace, wanted)
+            elif (patch := disruption.spec_patch(current, wanted)) is not None:
+                self.kube.patch_disruption_budget(namespace, name, patch)
+                log.info("%s/%s: disruption budget %s now %s", namespace, job.metadata["name"], name, patch["spec"])
+        except Exception as e:
+            log.warning("%s/%s: could not make the disruption budget %s: %s", namespace, job.metadata["name"], name, e)
 
     def _ensure_coordinator_now(self, namespace: str, job: api.TrainingJob) -> None:
         name = job.metadata["name"]
@@ -209,6 +233,10 @@ class Controller:
             if current is not None and current.get("command") != want:
                 self.kube.set_container_command(namespace, naming.coordinator(name), "coordinator", want)
                 log.info("%s/%s: coordinator settings changed; rolling it", namespace, name)
+            tolerations = _with_node_loss_tolerations(deployment["spec"]["template"]["spec"].get("tolerations"))
+            if tolerations is not None:  # a coordinator from before them: it would wait 300 s on a lost node
+                self.kube.set_tolerations(namespace, naming.coordinator(name), tolerations)
+                log.info("%s/%s: coordinator tolerations of a lost node set; rolling it", namespace, name)
             return
         # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
         # The policy comes first, so no pod of the job is ever reachable from outside it.
@@ -263,6 +291,18 @@ class Controller:
             self._states[(namespace, name)] = state
         for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
+
+
+def _with_node_loss_tolerations(current: list[dict] | None) -> list[dict] | None:
+    """The coordinator template's tolerations with resources.coordinator_tolerations() in place of
+    any of the same taint; None when they are there already. Others are kept (an admin's, a
+    webhook's), so that nothing is patched back and forth."""
+    ours = resources.coordinator_tolerations()
+    current = list(current or [])
+    if all(t in current for t in ours):
+        return None
+    keys = {t["key"] for t in ours}
+    return [t for t in current if t.get("key") not in keys] + ours
 
 
 def spec_error(error: ValidationError, limit: int = 5) -> str:

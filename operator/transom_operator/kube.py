@@ -47,6 +47,7 @@ _PLURALS = {
     "Pod": "pods", "Secret": "secrets", "ServiceAccount": "serviceaccounts", "Service": "services",
     "Event": "events", "Node": "nodes", "Deployment": "deployments", "NetworkPolicy": "networkpolicies",
     "Role": "roles", "RoleBinding": "rolebindings", "ClusterRoleBinding": "clusterrolebindings", "TrainingJob": PLURAL,
+    "PodDisruptionBudget": "poddisruptionbudgets",
 }
 
 
@@ -127,9 +128,28 @@ class Kube:
                 return None
             raise
 
+    def get_disruption_budget(self, namespace: str, name: str) -> dict | None:
+        try:
+            return self._send("GET", _path("policy/v1", "PodDisruptionBudget", namespace, name), None)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_disruption_budget(self, namespace: str, name: str, patch: dict) -> None:
+        """A merge patch (disruption.spec_patch): the budget follows the job's size."""
+        self._send("PATCH", _path("policy/v1", "PodDisruptionBudget", namespace, name), patch,
+                   "application/merge-patch+json")
+
     def set_container_command(self, namespace: str, deployment: str, container: str, command: list[str]) -> None:
         """Strategic merge on the container list (merged by name): only its command changes."""
         body = {"spec": {"template": {"spec": {"containers": [{"name": container, "command": command}]}}}}
+        self._send("PATCH", _path("apps/v1", "Deployment", namespace, deployment), body,
+                   "application/strategic-merge-patch+json")
+
+    def set_tolerations(self, namespace: str, deployment: str, tolerations: list[dict]) -> None:
+        """Strategic merge of the pod template's tolerations (a list without a merge key: replaced whole)."""
+        body = {"spec": {"template": {"spec": {"tolerations": tolerations}}}}
         self._send("PATCH", _path("apps/v1", "Deployment", namespace, deployment), body,
                    "application/strategic-merge-patch+json")
 

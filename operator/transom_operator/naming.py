@@ -70,6 +70,11 @@ def network_policy(job: str) -> str:
     return _label(f"{job}-isolation")
 
 
+def disruption_budget(job: str) -> str:
+    """The PodDisruptionBudget of the job's replica pods (disruption.py)."""
+    return _label(f"{job}-workers")
+
+
 def coordinator_url(job: str, namespace: str, port: int = COORDINATOR_PORT) -> str:
     """How pods in the cluster reach the job's coordinator (its ClusterIP Service)."""
     return f"http://{coordinator(job)}.{namespace}.svc:{port}"

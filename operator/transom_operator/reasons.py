@@ -60,3 +60,9 @@ EVENT_REBALANCED = "Rebalanced"  # the batch shares changed (status.training.bat
 
 NORMAL = "Normal"
 WARNING = "Warning"
+
+# --- why a replica waits (status.replicas[].reason, and the Event once per incarnation) -------
+# A pod's container waits for an image the kubelet cannot pull (ErrImagePull, ImagePullBackOff,
+# InvalidImageName, ErrImageNeverPull). Not a failure: the kubelet retries with its own backoff,
+# and the operator leaves the pod alone.
+IMAGE_PULL_FAILED = "ImagePullFailed"

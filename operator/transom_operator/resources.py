@@ -46,6 +46,17 @@ COORDINATOR_RESOURCES = {
     "limits": {"cpu": "1", "memory": "512Mi"},
 }
 COORDINATOR_UID = 65532  # "nonroot" of distroless images; the image must not need root
+# How long the coordinator's pod stays on a node the node controller has marked NotReady or
+# unreachable (its NoExecute taints) before Kubernetes evicts it and the Deployment starts it
+# elsewhere; without a toleration of its own, admission gives every pod 300 s. Every step of
+# every replica waits on the coordinator, so on a lost node the whole job stalls for the node
+# controller's grace (node-monitor-grace-period: 40-50 s by default) plus this, while a
+# coordinator restart costs the replicas one registration and one group rebuild, and no step.
+# 10 s rides out a node that comes back within seconds, is below nodeNotReadyGraceSeconds (30 s
+# by default: the coordinator is back before that node's replicas are replaced) and far below
+# the 900 s for which a replica's quorum request keeps retrying.
+COORDINATOR_NODE_LOSS_TOLERATION_S = 10
+NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 
 
 def job_name(job: api.TrainingJob) -> str:
@@ -71,7 +82,9 @@ def owner_reference(job: api.TrainingJob) -> dict[str, Any]:
     }
 
 
-def _metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def owned_metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """Metadata of an object the job owns: name, namespace, the job and component labels, and the
+    ownerReference through which it goes with the job."""
     return {
         "name": name,
         "namespace": job_namespace(job),
@@ -247,7 +260,7 @@ def _pod(job: api.TrainingJob, name: str, labels: dict[str, str], env: list[dict
     template_meta = template.get("metadata") or {}
     pod_spec = template.get("spec") or {}
 
-    metadata = _metadata(job, name, COMPONENT_WORKER, labels={**(template_meta.get("labels") or {})})
+    metadata = owned_metadata(job, name, COMPONENT_WORKER, labels={**(template_meta.get("labels") or {})})
     metadata["labels"].update(labels)
     if template_meta.get("annotations"):
         metadata["annotations"] = dict(template_meta["annotations"])
@@ -352,7 +365,7 @@ def _token_secret(job: api.TrainingJob, name: str, token: str, component: str) -
         raise ValueError(f"the token of Secret {name} must not be empty")
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": _metadata(job, name, component),
+        "metadata": owned_metadata(job, name, component),
         "stringData": {naming.TOKEN_KEY: token},
     }
 
@@ -363,7 +376,7 @@ def worker_service_account(job: api.TrainingJob) -> dict[str, Any]:
     run as `default`, to which an admin may have bound rights, nor as the coordinator's."""
     return {
         "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": _metadata(job, naming.worker_service_account(job_name(job)), COMPONENT_WORKER),
+        "metadata": owned_metadata(job, naming.worker_service_account(job_name(job)), COMPONENT_WORKER),
         "automountServiceAccountToken": False,
     }
 
@@ -371,7 +384,7 @@ def worker_service_account(job: api.TrainingJob) -> dict[str, Any]:
 def coordinator_service_account(job: api.TrainingJob) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": _metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
+        "metadata": owned_metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
     }
 
 
@@ -386,7 +399,7 @@ def network_policy(job: api.TrainingJob) -> dict[str, Any]:
     selector = {"matchLabels": {contract.LABEL_JOB: job_name(job)}}
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _metadata(job, naming.network_policy(job_name(job)), COMPONENT_NETWORK),
+        "metadata": owned_metadata(job, naming.network_policy(job_name(job)), COMPONENT_NETWORK),
         "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": selector}]}]},
     }
 
@@ -398,7 +411,7 @@ def coordinator_role(job: api.TrainingJob) -> dict[str, Any]:
     name = job_name(job)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": _metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
+        "metadata": owned_metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
         "rules": [
             {"apiGroups": [api.GROUP], "resources": [api.PLURAL], "resourceNames": [name], "verbs": ["get"]},
             {"apiGroups": [api.GROUP], "resources": [f"{api.PLURAL}/status"], "resourceNames": [name],
@@ -428,7 +441,7 @@ def coordinator_role_binding(job: api.TrainingJob) -> dict[str, Any]:
     name = naming.coordinator(job_name(job))
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": _metadata(job, name, COMPONENT_COORDINATOR),
+        "metadata": owned_metadata(job, name, COMPONENT_COORDINATOR),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job_namespace(job)}],
     }
@@ -437,7 +450,7 @@ def coordinator_role_binding(job: api.TrainingJob) -> dict[str, Any]:
 def coordinator_service(job: api.TrainingJob) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
+        "metadata": owned_metadata(job, naming.coordinator(job_name(job)), COMPONENT_COORDINATOR),
         "spec": {
             "type": "ClusterIP",
             "selector": coordinator_labels(job),
@@ -466,6 +479,12 @@ def coordinator_command(job: api.TrainingJob) -> list[str]:
         # A worker pod's projected token is its replica's identity (kube_identity.py).
         "--worker-service-account", naming.worker_service_account(job_name(job)),
     ]
+
+
+def coordinator_tolerations() -> list[dict[str, Any]]:
+    """The coordinator pod's tolerations of a lost node (COORDINATOR_NODE_LOSS_TOLERATION_S)."""
+    return [{"key": key, "operator": "Exists", "effect": "NoExecute",
+             "tolerationSeconds": COORDINATOR_NODE_LOSS_TOLERATION_S} for key in NODE_LOSS_TAINTS]
 
 
 def coordinator_deployment(job: api.TrainingJob, image: str,
@@ -502,10 +521,12 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
     labels = coordinator_labels(job)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
+        "metadata": owned_metadata(job, naming.coordinator(name), COMPONENT_COORDINATOR),
         "spec": {
             "replicas": 1,
-            # Never two coordinators of one job at once: they would hand out two quorums.
+            # Never two coordinators of one job at once in a roll: they would hand out two
+            # quorums. (On a lost node the ReplicaSet does not wait for the old pod: the
+            # tolerations above, and architecture.md "When the coordinator's node is lost".)
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": labels},
             "template": {
@@ -519,6 +540,7 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
+                    "tolerations": coordinator_tolerations(),
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
                 },
             },

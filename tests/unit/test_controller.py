@@ -40,6 +40,7 @@ class MemoryKube:
         self.created: list[tuple[str, str]] = []  # (kind, name) in order
         self.events: list[tuple[str, str, str]] = []
         self.status_writes = 0
+        self.budgets: dict[str, dict[str, Any]] = {}  # PodDisruptionBudgets by name
 
     def get_job(self, namespace: str, name: str) -> dict:
         return _copy(self.job)
@@ -55,7 +56,25 @@ class MemoryKube:
 
     def create(self, namespace: str, manifest: dict) -> bool:
         self.created.append((manifest["kind"], manifest["metadata"]["name"]))
+        if manifest["kind"] == "PodDisruptionBudget":
+            self.budgets[manifest["metadata"]["name"]] = _copy(manifest)
         return True
+
+    def set_tolerations(self, namespace: str, deployment: str, tolerations: list[dict]) -> None:
+        self.created.append(("patched Deployment tolerations", deployment))
+        self.deployment["spec"]["template"]["spec"]["tolerations"] = _copy(tolerations)
+
+    def get_disruption_budget(self, namespace: str, name: str) -> dict | None:
+        return _copy(self.budgets.get(name))
+
+    def patch_disruption_budget(self, namespace: str, name: str, patch: dict) -> None:
+        self.created.append(("patched PodDisruptionBudget", name))
+        spec = self.budgets[name]["spec"]
+        for key, value in patch["spec"].items():
+            if value is None:
+                spec.pop(key, None)
+            else:
+                spec[key] = value
 
     def patch_job_status(self, namespace: str, name: str, ops: list[dict]) -> dict:
         for op in ops:
@@ -260,3 +279,92 @@ def test_a_promoted_spare_is_kept_by_the_next_pass_before_the_watch_reports_its_
     assert not [name for kind, name in kube.created if name.startswith("demo-r1-")]
     replica = next(r for r in kube.job["status"]["replicas"] if r["id"] == 1)
     assert replica["generation"] == 1
+
+
+def test_a_new_leader_finishes_a_replacement_its_predecessor_was_killed_in_without_doing_anything_twice(
+        make_controller):
+    """The leader wrote the status, created the new generation's pods, posted the Events and
+    was killed in its deletes; another operator process (a fresh cache, nothing but the API
+    server's state) takes over."""
+    raw = raw_job(nodesPerReplica=2)
+    job = api.TrainingJob.model_validate(raw)
+    pods = [_running(resources.worker_pod(job, r, n, 0), f"n{2 * r + n}") for r in (0, 1) for n in (0, 1)]
+    pods[2]["status"] = {"phase": "Failed", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}]}
+    nodes = [{"metadata": {"name": f"n{i}", "resourceVersion": "1"},
+              "status": {"conditions": [{"type": "Ready", "status": "True"}]}} for i in range(6)]
+    kube = PodKube(raw, pods, nodes)
+
+    def killed(namespace: str, name: str, force: bool = False) -> None:
+        raise ConnectionError("the operator was killed")
+
+    kube.delete_pod = killed  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        make_controller(kube).reconcile("ml", "demo")
+    del kube.delete_pod  # the next process's deletes go through
+    told = [reason for _, reason, _ in kube.events]
+    assert told.count(reasons.EVENT_REPLICA_FAILED) == 1 and kube.job["status"]["totalRestarts"] == 1
+
+    make_controller(kube).reconcile("ml", "demo")
+    assert sorted(kube.deleted) == ["demo-r1-n0-g0", "demo-r1-n1-g0"]
+    assert [name for kind, name in kube.created if kind == "Pod" and name.startswith("demo-r1-")] == [
+        "demo-r1-n0-g1", "demo-r1-n1-g1"]  # each once
+    assert [reason for _, reason, _ in kube.events] == told  # nothing told twice
+    status = kube.job["status"]
+    assert status["totalRestarts"] == 1 and [h["generation"] for h in status["restartHistory"]] == [0]
+
+
+def test_every_job_gets_a_disruption_budget_before_its_pods_and_it_follows_the_jobs_size(make_controller):
+    kube = MemoryKube(raw_job())
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    first_pod = next(i for i, (kind, _) in enumerate(kube.created) if kind == "Pod")
+    assert kube.created.index(("PodDisruptionBudget", "demo-workers")) < first_pod
+    assert kube.budgets["demo-workers"]["spec"]["minAvailable"] == 1  # 2 replicas of one pod
+    kube.job["spec"]["replicas"] = 4  # a scale-up: a new spec generation
+    kube.job["metadata"].update(generation=2, resourceVersion="90")
+    ctl.cache.drop_job("ml", "demo")
+    ctl.reconcile("ml", "demo")
+    assert ("patched PodDisruptionBudget", "demo-workers") in kube.created
+    assert kube.budgets["demo-workers"]["spec"]["minAvailable"] == 3
+    del kube.budgets["demo-workers"]  # deleted by hand: back at the next check
+    ctl._coordinator_checked.clear()
+    ctl.reconcile("ml", "demo")
+    assert kube.created.count(("PodDisruptionBudget", "demo-workers")) == 2
+
+
+def test_a_job_from_before_disruption_budgets_gets_one_without_a_new_coordinator(make_controller):
+    job = api.TrainingJob.model_validate(raw_job())
+    kube = MemoryKube(raw_job(), deployment=resources.coordinator_deployment(job, "transom:1"))
+    make_controller(kube).reconcile("ml", "demo")
+    assert ("PodDisruptionBudget", "demo-workers") in kube.created
+    assert ("Deployment", "demo-coordinator") not in kube.created
+
+
+def test_a_coordinator_from_before_its_node_loss_tolerations_gets_them_once_and_keeps_others(make_controller):
+    job = api.TrainingJob.model_validate(raw_job())
+    deployment = resources.coordinator_deployment(job, "transom:1")
+    admins = {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
+    stale = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+             "tolerationSeconds": 300}
+    deployment["spec"]["template"]["spec"]["tolerations"] = [admins, stale]
+    kube = MemoryKube(raw_job(), deployment=deployment)
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    assert kube.deployment["spec"]["template"]["spec"]["tolerations"] == [admins, *resources.coordinator_tolerations()]
+    ctl._coordinator_checked.clear()  # the next check (30 s later) finds them and rolls nothing
+    ctl.reconcile("ml", "demo")
+    assert kube.created.count(("patched Deployment tolerations", "demo-coordinator")) == 1
+
+
+def test_a_budget_the_operator_may_not_make_never_stops_the_replicas_recovery(make_controller, caplog):
+    """An installation whose RBAC is older than disruption budgets: a warning, and the pass goes on."""
+    kube = MemoryKube(raw_job())
+
+    def forbidden(namespace: str, name: str) -> dict | None:
+        raise PermissionError("403 Forbidden: poddisruptionbudgets")
+
+    kube.get_disruption_budget = forbidden  # type: ignore[method-assign]
+    make_controller(kube).reconcile("ml", "demo")
+    assert ("Pod", "demo-r0-n0-g0") in kube.created and "status" in kube.job
+    assert "could not make the disruption budget demo-workers: 403 Forbidden" in caplog.text

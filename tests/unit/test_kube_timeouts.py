@@ -62,6 +62,8 @@ CALLS = {
     "patch_pod_labels": lambda k: k.patch_pod_labels("ml", "p", {"a": "b"}),
     "patch_job_status": lambda k: k.patch_job_status("ml", "demo", [{"op": "add", "path": "/status", "value": {}}]),
     "exclude_node": lambda k: k.exclude_node("n1", "Cordon", "test"),
+    "get_disruption_budget": lambda k: k.get_disruption_budget("ml", "demo-workers"),
+    "patch_disruption_budget": lambda k: k.patch_disruption_budget("ml", "demo-workers", {"spec": {"minAvailable": 1}}),
 }
 
 
@@ -88,6 +90,8 @@ def test_the_default_timeout_is_the_modules_own():
     (("transom.io/v1alpha1", "TrainingJob", "ml", "demo", "status"),
      "/apis/transom.io/v1alpha1/namespaces/ml/trainingjobs/demo/status"),
     (("networking.k8s.io/v1", "NetworkPolicy", "ml"), "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies"),
+    (("policy/v1", "PodDisruptionBudget", "ml", "demo-workers"),
+     "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/demo-workers"),
 ])
 def test_paths_of_the_kinds_the_operator_writes(args, path):
     assert kube_module._path(*args) == path

@@ -358,6 +358,28 @@ def test_coordinator_deployment_is_locked_down():
     assert token["valueFrom"]["secretKeyRef"] == {"name": "demo-coordinator-token", "key": "token"}
 
 
+def test_the_coordinator_leaves_a_lost_node_within_seconds_not_the_default_five_minutes():
+    """Its own NoExecute tolerations of the node controller's taints replace the 300 s that
+    admission would give it: the Deployment starts it elsewhere soon after the node is lost."""
+    pod = resources.coordinator_deployment(make_job(), image="transom:1")["spec"]["template"]["spec"]
+    wait = resources.COORDINATOR_NODE_LOSS_TOLERATION_S
+    assert pod["tolerations"] == [
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": wait},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": wait},
+    ]
+    # Back before that node's replicas are replaced (the default nodeNotReadyGraceSeconds).
+    assert 0 < wait < make_job().spec.fault_tolerance.node_not_ready_grace_seconds
+
+
+def test_worker_pods_keep_the_default_tolerations_the_operator_acts_first():
+    """Worker pods on a NotReady node are replaced by the operator after nodeNotReadyGraceSeconds
+    (30 s by default), long before the taint manager's 300 s; a template's tolerations stay its own."""
+    job = make_job(template={"spec": {"containers": [{"name": "t", "image": "t"}],
+                                      "tolerations": [{"key": "gpu", "operator": "Exists"}]}})
+    assert resources.worker_pod(job, 0, 0, 0)["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert "tolerations" not in resources.worker_pod(make_job(), 0, 0, 0)["spec"]
+
+
 def test_coordinator_command_parses_with_the_cli():
     from transom import cli
 

@@ -5,7 +5,11 @@ A replica (one incarnation: the pods of its current generation) fails when one o
 - was lost with its node (NodeLost),
 - is named by a verdict of the job's coordinator in `status.training.verdicts`
   (FlaggedByCoordinator),
-- was evicted by the kubelet (PodEvicted) or exited non-zero (PodFailed),
+- was evicted (PodEvicted): by the kubelet (node pressure), or on someone's request, which its
+  DisruptionTarget condition says (a drain through the eviction API, a preemption, a NoExecute
+  taint). A requested one is voluntary: never blamed on the node, and counted neither against
+  maxReplicaRestarts nor towards the backoff (replicas.py),
+- exited non-zero (PodFailed),
 - exited with the launcher's EXIT_SCRIPT_ERROR (ScriptError): the script raised an error that
   every incarnation would raise again. It comes first and ends the job (replicas.py): it is
   never replaced and never blamed on a node. The exit code and the termination message are
@@ -43,6 +47,14 @@ NODE_LOST_POD_REASONS = frozenset({"NodeLost", "NodeShutdown", "Terminated"})  #
 # completion, and the coordinator writes status.training at once when it happens.
 COMPLETION_WAIT_S = 30.0
 MAX_TERMINATION_MESSAGE = 2048  # of a failure's message (4096 at most)
+# DisruptionTarget reasons (ObservedPod.disruption) of a deletion someone asked for: a drain or
+# any other use of the eviction API (the job's PodDisruptionBudget allowed it), the scheduler
+# preempting for a pod of higher priority (PreemptionByKubeScheduler before Kubernetes 1.27), a
+# NoExecute taint on a Ready node. A cluster upgrade drains every node once: that must neither
+# exclude nodes nor use up the job's restart budget.
+VOLUNTARY_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "PreemptionByKubeScheduler",
+                                   "DeletionByTaintManager"})
+TAINT_EVICTION = "DeletionByTaintManager"
 
 # Order in which causes are reported when a replica has several at once.
 _PRIORITY = (
@@ -59,6 +71,7 @@ class ReplicaFailure:
     message: str
     node: str | None  # the node of the pod that failed first (for the history)
     exclude: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    voluntary: bool = False  # a requested eviction (VOLUNTARY_DISRUPTIONS): not in the restart history
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
     look again). `completed`: the coordinator recorded the job complete, so a pod that
     exited 0 finished."""
     causes: list[tuple[str, str, str | None, str | None]] = []  # reason, message, node, exclude-reason
+    asked: list[tuple[str, str, str | None, str | None]] = []  # the causes that are requested evictions
     recheck: float | None = None
 
     def later(seconds: float) -> None:
@@ -108,7 +122,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
             elif pod.deleting:
                 # Deleted (by a user, a drain), and its containers' exit on the way out (143:
                 # the SIGTERM) says nothing about the node: a deletion, not a pod failure.
-                causes.append((reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None))
+                causes.append(_deleted(pod, where, node, asked))
             elif pod.exit_code == contract.EXIT_SCRIPT_ERROR:
                 causes.append((reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None))
             else:
@@ -131,7 +145,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
             else:
                 later(COMPLETION_WAIT_S - waited)
         elif pod.deleting:
-            causes.append((reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None))
+            causes.append(_deleted(pod, where, node, asked))
     if inc.verdict is not None:
         causes.append(_verdict_cause(inc.verdict, inc.current))
     if inc.recorded_running:
@@ -146,7 +160,28 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
     for _, _, bad_node, why in causes:
         if why and bad_node and all(bad_node != n for n, _ in exclude):
             exclude.append((bad_node, why))
-    return ReplicaFailure(reason, message, node, exclude), None
+    return ReplicaFailure(reason, message, node, exclude, voluntary=causes[0] in asked), None
+
+
+def _deleted(pod: ObservedPod, where: str, node: ObservedNode | None,
+             asked: list[tuple[str, str, str | None, str | None]]) -> tuple[str, str, str | None, str | None]:
+    """The cause of a pod being deleted, as far as its DisruptionTarget condition tells who asked
+    (a requested eviction is also put on `asked`)."""
+    if pod.disruption is None:
+        return reasons.POD_DELETED, f"pod {pod.name} deleted", pod.node_name, None
+    if pod.disruption == TAINT_EVICTION and node is not None and not node.ready:
+        # The node's not-ready or unreachable taint outlasted the pod's toleration (300 s by
+        # default) before nodeNotReadyGraceSeconds did: the node is lost all the same.
+        return (reasons.NODE_NOT_READY, f"pod {pod.name}{where} evicted by the taint manager: node {node.name} "
+                f"NotReady", node.name, reasons.NODE_NOT_READY)
+    if pod.disruption not in VOLUNTARY_DISRUPTIONS:  # the kubelet's own (TerminationByKubelet, ...)
+        return reasons.POD_EVICTED, f"pod {pod.name}{where} evicted ({pod.disruption})", pod.node_name, None
+    # The node did not fail: it is named in the message, not in the history (whose nodes the
+    # repeated-failure rule counts).
+    cause = (reasons.POD_EVICTED, f"pod {pod.name}{where} evicted ({pod.disruption}): a voluntary disruption, "
+             "not counted against maxReplicaRestarts", None, None)
+    asked.append(cause)
+    return cause
 
 
 def script_error_message(pod: ObservedPod) -> str:

@@ -15,6 +15,12 @@ from typing import Any
 
 from transom import contract
 
+# What the kubelet says while it cannot get a container's image: it retries on its own, with a
+# backoff of up to 5 minutes, so the pod is left alone (replicas.py shows it in status).
+IMAGE_PULL_WAITING_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+MAX_KUBELET_MESSAGE = 512  # of the kubelet's own message, in ours
+
+
 def parse_time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp ("2025-01-31T12:00:00Z") as an aware datetime; None if absent."""
     if value is None or value == "":
@@ -36,6 +42,16 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
 
 
 @dataclass(frozen=True)
+class ImagePull:
+    """A container of a pod that waits for an image the kubelet cannot pull."""
+
+    container: str
+    image: str
+    reason: str  # one of IMAGE_PULL_WAITING_REASONS
+    message: str  # the kubelet's, shortened
+
+
+@dataclass(frozen=True)
 class ObservedPod:
     """One of the job's worker (or spare) pods."""
 
@@ -53,6 +69,11 @@ class ObservedPod:
     created: datetime | None
     finished: datetime | None = None  # when the first terminated container ended
     message: str | None = None  # the first terminated container's termination message
+    # The reason of a True DisruptionTarget condition (Kubernetes >= 1.26 sets it before it
+    # deletes a pod on someone's request: EvictionByEvictionAPI, PreemptionByScheduler,
+    # DeletionByTaintManager, TerminationByKubelet, ...).
+    disruption: str | None = None
+    image_pull: ImagePull | None = None  # a container waits for an image the kubelet cannot pull
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,24 @@ def _first_terminated(status: dict[str, Any]) -> dict[str, Any] | None:
             state = cs.get("state") or {}
             if state.get("terminated"):
                 return state["terminated"]
+    return None
+
+
+def _disruption(status: dict[str, Any]) -> str | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return condition.get("reason") or "DisruptionTarget"
+    return None
+
+
+def _image_pull(status: dict[str, Any]) -> ImagePull | None:
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in IMAGE_PULL_WAITING_REASONS:
+                return ImagePull(container=cs.get("name") or "", image=cs.get("image") or "",
+                                 reason=waiting["reason"],
+                                 message=(waiting.get("message") or "")[:MAX_KUBELET_MESSAGE])
     return None
 
 
@@ -97,6 +136,8 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         created=parse_time(metadata.get("creationTimestamp")),
         finished=parse_time(terminated.get("finishedAt")) if terminated else None,
         message=(terminated.get("message") or None) if terminated else None,
+        disruption=_disruption(status),
+        image_pull=_image_pull(status) if status.get("phase") in (None, "Pending") else None,
     )
 
 

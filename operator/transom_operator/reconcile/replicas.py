@@ -39,6 +39,15 @@ Rules:
   (ExitedEarly, after `failures.COMPLETION_WAIT_S`). Once complete, nothing is replaced or
   created, pods not yet running are deleted, and the job is Succeeded when no worker pod
   runs any more.
+- A voluntary eviction (`failures.VOLUNTARY_DISRUPTIONS`: a drain, a preemption) replaces the
+  replica like any failure (restarts + 1, lastFailure PodEvicted), but it is not put in the
+  restart history: it counts neither against maxReplicaRestarts nor towards the backoff, and
+  its node is never blamed. A cluster upgrade drains every node once.
+- A pod that waits for an image the kubelet cannot pull is left alone (the kubelet retries
+  with its own backoff; a new pod would pull again): the replica's status entry gets
+  `reason` ImagePullFailed and a `message` naming the pod, container, image and the
+  kubelet's reason, and its incarnation one Warning Event (the recorded reason says it was
+  told). The other replicas train on.
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
@@ -62,6 +71,7 @@ from transom_operator.reconcile import failures, job_status, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
+MAX_HELD_MESSAGE = 1024  # as status.replicas[].message
 
 
 @dataclass
@@ -140,17 +150,19 @@ def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
     return "Succeeded" if succeeded else "Running"
 
 
-def _replica_status(r: _Replica, generation: int, state: str, restarts: int,
-                    last_failure: api.Failure | None, nodes: list[str]) -> api.ReplicaStatus:
+def _replica_status(r: _Replica, generation: int, state: str, restarts: int, last_failure: api.Failure | None,
+                    nodes: list[str], held: tuple[str, str] | None = None) -> api.ReplicaStatus:
     """The replica's entry in status: the recorded one itself when nothing in it changed, as for
     nearly every replica of a large job on any pass (building 250 validated entries again is
-    most of such a pass's planning time)."""
+    most of such a pass's planning time). `held`: (reason, message) of what keeps it from running."""
     rec = r.recorded
+    reason, message = held or (None, None)
     if (rec is not None and rec.generation == generation and rec.state == state and rec.restarts == restarts
-            and rec.nodes == nodes and rec.last_failure == last_failure):
+            and rec.nodes == nodes and rec.last_failure == last_failure and rec.reason == reason
+            and rec.message == message):
         return rec
     return api.ReplicaStatus(id=r.id, generation=generation, state=state, restarts=restarts,
-                             last_failure=last_failure, nodes=nodes)
+                             last_failure=last_failure, nodes=nodes, reason=reason, message=message)
 
 
 @dataclass
@@ -263,9 +275,13 @@ def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
     replacements within the window than maxReplicaRestarts allows."""
     now_s = int(ps.now.timestamp())
     for r in replicas:
-        if r.failure and all((h.replica, h.generation) != (r.id, r.generation) for h in ps.history):
+        # A voluntary eviction (a drain) is a replacement, but not one the budget is for.
+        if r.failure and not r.failure.voluntary and all((h.replica, h.generation) != (r.id, r.generation)
+                                                         for h in ps.history):
             ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node))
         for generation in range(r.generation - r.unrecorded, r.generation):  # replacements not recorded
+            if r.lost is not None and r.lost.voluntary and generation == r.generation - r.unrecorded:
+                continue
             if all((h.replica, h.generation) != (r.id, generation) for h in ps.history):
                 node = r.lost.node if r.lost is not None else None
                 ps.history.append(api.RestartRecord(replica=r.id, generation=generation, time=now_s, node=node))
@@ -334,7 +350,29 @@ def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
         state = "Replacing"
     if ps.completed and state == "Replacing":  # too late: it is not replaced any more
         state = "Failed"
-    return _replica_status(r, generation, state, restarts, last_failure, _nodes(current))
+    held = _image_pull(ps, r, generation, current) if state in ("Pending", "Replacing") else None
+    return _replica_status(r, generation, state, restarts, last_failure, _nodes(current), held)
+
+
+def _image_pull(ps: _Pass, r: _Replica, generation: int, current: Mapping[int, ObservedPod]) -> tuple[str, str] | None:
+    """(reason, message) while a pod of the replica waits for an image the kubelet cannot pull,
+    and a Warning Event the first time its generation is seen so (the status remembers). The pod
+    is left alone: the kubelet retries with its own backoff, and a new pod would only pull again."""
+    pod = next((p for _, p in sorted(current.items()) if p.image_pull is not None and not p.deleting), None)
+    if pod is None or pod.image_pull is None:
+        return None
+    pull = pod.image_pull
+    # Short in status (one per replica: a large job whose image is wrong has them all); the
+    # kubelet's own message goes into the Event, once.
+    message = f"pod {pod.name}: container {pull.container} cannot pull image {pull.image!r}: {pull.reason}"
+    message = message[:MAX_HELD_MESSAGE]
+    rec = r.recorded
+    if rec is None or rec.generation != generation or rec.reason != reasons.IMAGE_PULL_FAILED:
+        said = f" ({pull.message})" if pull.message else ""
+        ps.out.events.append((reasons.WARNING, reasons.IMAGE_PULL_FAILED,
+                              f"Replica {r.id} generation {generation} cannot start: {message}{said}. The kubelet "
+                              "keeps retrying; if the image is wrong, fix spec.template and delete the pod"))
+    return reasons.IMAGE_PULL_FAILED, message
 
 
 def _exclude_nodes(ps: _Pass, failure: failures.ReplicaFailure) -> None:
@@ -355,9 +393,11 @@ def _create_missing(ps: _Pass, replica: int, generation: int, current: Mapping[i
     if not missing:
         return
     wait = 0.0
-    if last_failure is not None and last_failure.time is not None:
-        in_window = sum(1 for h in ps.history if h.replica == replica)
-        delay = failures.backoff_seconds(in_window, ps.ft.backoff_seconds, ps.ft.max_backoff_seconds)
+    counted = [h for h in ps.history if h.replica == replica]
+    # Only a failure the history counts delays its replacement: not a voluntary eviction's.
+    if last_failure is not None and last_failure.time is not None and any(h.generation == generation - 1
+                                                                          for h in counted):
+        delay = failures.backoff_seconds(len(counted), ps.ft.backoff_seconds, ps.ft.max_backoff_seconds)
         wait = (last_failure.time - ps.now).total_seconds() + delay
     if wait > 0:
         ps.out._requeue(wait)
