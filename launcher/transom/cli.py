@@ -193,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
                         "by one at once (as spec.spareReplicas on Kubernetes)")
     r.add_argument(
         "--inject", action="append", default=[], metavar="ACTION:replica=I,step=S",
-        help="inject a fault (kill, stop, raise); repeatable",
+        help="inject a fault (kill, stop, raise, hang, slow, nan, bitflip, oom: transom/inject.py); repeatable",
     )
     r.add_argument("--summary-json", help="write the end summary here")
     r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")

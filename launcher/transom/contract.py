@@ -112,7 +112,29 @@ EXIT_EVICTED = 3  # a newer incarnation of this replica registered (the operator
 # A worker raised a transom.errors.ScriptError: the script is wrong and every retry would fail
 # the same way. Nothing restarts the replica; `transom run` and the operator end the job.
 EXIT_SCRIPT_ERROR = 4
+# The replica's workers were OOMKilled defaults.OOM_KILL_LIMIT times: the memory limit is too
+# low for the script, and a replacement would get the same limit. Nothing restarts the
+# replica; `transom run` and the operator end the job with the termination message.
+EXIT_OOM_KILLED = 5
 # Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
+
+# --- out-of-memory kills --------------------------------------------------------------
+# The word Kubernetes gives a container the kernel's OOM killer ended, and the one every
+# component uses for it: it begins a launcher's failure report about an OOM-killed worker
+# ("OOMKilled: worker rank 0 was OOMKilled (memory limit 3Gi)") and its termination
+# message, and it is the operator's reason (reasons.OOM_KILLED).
+OOM_KILLED = "OOMKilled"
+
+
+def oom_advice(who: str, times: int, memory_limit: str | None) -> str:
+    """What a job that keeps running out of memory says, the same from the launcher and the
+    operator: "replica 1 was OOMKilled 3 times at memory limit 3Gi: raise
+    resources.limits.memory or lower the batch size"."""
+    times_ = f"{times} time{'s' if times != 1 else ''}"
+    if memory_limit is None:  # the machine ran out of memory, not the container
+        return f"{who} was {OOM_KILLED} {times_} with no memory limit: lower the batch size or use larger nodes"
+    return f"{who} was {OOM_KILLED} {times_} at memory limit {memory_limit}: " \
+        "raise resources.limits.memory or lower the batch size"
 
 
 UNASSIGNED = -1  # the replica id of a hot spare that no replica has taken yet

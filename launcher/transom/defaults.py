@@ -53,6 +53,14 @@ CLUSTER = Timeouts(collective_timeout_s=60.0, heartbeat_timeout_s=30.0, quorum_t
                    status_interval_s=5.0)
 
 
+# OOM kills of one replica before its job fails rather than restart it again: in place (the
+# launcher counts its workers' kills and exits contract.EXIT_OOM_KILLED at this many), and
+# across replacements (the operator counts incarnations that ended OOMKilled within
+# spec.faultTolerance.restartWindowSeconds). The same script at the same memory limit runs
+# out of memory the same way: restarting it forever is a crash loop.
+OOM_KILL_LIMIT = 3
+
+
 def heartbeat_interval_s(timeout_s: float) -> float:
     """One beat a second, or three per timeout when the timeout is shorter than 3 s."""
     return min(1.0, timeout_s / 3)

@@ -1,7 +1,7 @@
-"""Fault injection for tests and demos: real signals, sent by the worker to itself.
+"""Fault injection for tests and demos: real faults, which the worker causes itself (signals, memory).
 
 `TRANSOM_FAULT` holds faults separated by `;`, the k-th for the replica's k-th attempt
-(launcher restart), each `ACTION:step=S[,rank=R][,phase=P]`:
+(launcher restart), each `ACTION:step=S[,rank=R][,phase=P][,replica=I]`:
 
     kill    SIGKILL this worker (a crash: no cleanup, no goodbye)
     stop    SIGSTOP this worker (a hang: the process exists but does nothing)
@@ -13,14 +13,23 @@
     nan     a NaN into this rank's gradients before the exchange, `count` steps (default 1)
     bitflip flip one bit of this rank's first parameter after the update of `step`
             (silent data corruption)
+    oom     allocate and touch memory in 64 MiB chunks until the kernel's OOM killer ends
+            the worker (a container over its memory limit), at `step` or the first step
+            after it that this attempt reaches (a restarted replica joins later). At most
+            `mb` MiB (default: twice the memory limit of the worker's cgroup; without a
+            limit it raises instead of exhausting the machine)
 
-`phase` (kill, stop, raise) is `allreduce` (default: just before the cross-replica all-reduce, so the peers
+`phase` (kill, stop, raise, oom) is `allreduce` (default: just before the cross-replica all-reduce, so the peers
 are already waiting in it) or `forward` (at the start of the step), where `step` is the
 step number; or, where `step` counts events instead: `catchup` (a replica that catches up
 from its peers, at the end of its `step`-th step doing so: a joiner that dies while
 joining) and `serve` (a source, when it is asked for its `step`-th chunk of a snapshot, before
 it sends it: a peer that dies mid-transfer). The local runner gives a replica's k-th fault to its k-th incarnation,
 so a restarted replica does not fail again unless asked to.
+
+`replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
+environment is every replica's, so that is how a fault set there (`TRANSOM_FAULT` in
+`spec.template`) reaches one replica. In a pod the list restarts with every generation.
 """
 
 from __future__ import annotations
@@ -30,11 +39,13 @@ import signal
 import time
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip")
+ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip", "oom")
 PHASES = ("allreduce", "forward", "catchup", "serve")
 # Where the trainer offers each of the detection faults: they need what it holds there.
 FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
 FOREVER = 1 << 62
+OOM_CHUNK = 64 << 20
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,10 @@ class Fault:
     step: int
     rank: int = 0
     phase: str = "allreduce"
-    count: int = 1  # consecutive steps it fires at (slow, nan)
+    count: int = 1  # consecutive steps it fires at (slow, nan; oom: from `step` on)
     factor: float = 1.5  # slow
+    replica: int | None = None  # fires only in this replica; None: in whichever replica runs it
+    mb: int | None = None  # oom: the most it allocates, in MiB
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
@@ -57,7 +70,7 @@ class Fault:
             if not eq:
                 raise ValueError(f"fault field must be key=value, got {part!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"step", "rank", "phase", "count", "factor"}
+        unknown = set(fields) - {"step", "rank", "phase", "count", "factor", "replica", "mb"}
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
         if "step" not in fields or not fields["step"].isdigit():
@@ -69,13 +82,19 @@ class Fault:
             if "phase" in fields:
                 raise ValueError(f"{action} takes no phase: it fires where the step offers it")
             phase = FIXED_PHASE[action]
-        default_count = FOREVER if action == "slow" else 1
+        default_count = FOREVER if action in ("slow", "oom") else 1
         count = int(fields.get("count", default_count))
         factor = float(fields.get("factor", "1.5"))
         if count < 1 or not 1.0 < factor < 100.0:
             raise ValueError("count must be at least 1 and factor between 1 and 100")
+        for key in ("replica", "mb"):
+            if key in fields and not fields[key].isdigit():
+                raise ValueError(f"{key} must be a non-negative integer, got {fields[key]!r}")
+        if "mb" in fields and (action != "oom" or int(fields["mb"]) < 1):
+            raise ValueError("mb is for oom only, and at least 1")
         return cls(action=action, step=int(fields["step"]), rank=int(fields.get("rank", "0")), phase=phase,
-                   count=count, factor=factor)
+                   count=count, factor=factor, replica=int(fields["replica"]) if "replica" in fields else None,
+                   mb=int(fields["mb"]) if "mb" in fields else None)
 
     def maybe_fire(self, step: int, rank: int, phase: str, target=None, elapsed_s: float = 0.0) -> None:
         """Fire if this is the fault's step, rank and phase. `target`: the gradient (nan) or the
@@ -95,6 +114,8 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.action == "oom":
+            _exhaust_memory(self.mb)
         else:
             raise RuntimeError(f"injected fault at step {step}")
 
@@ -108,6 +129,25 @@ def _flip_a_bit(param) -> None:
     with torch.no_grad():
         bits = param.detach().view(-1)[:1].view(ints)
         bits ^= 1
+
+
+def _exhaust_memory(mb: int | None) -> None:
+    """Hold ever more touched memory until the OOM killer ends this process; RuntimeError
+    after `mb` MiB (default twice the cgroup's limit) or at once without a known limit."""
+    from transom.launch import oom
+
+    cgroup = oom.find()
+    limit = cgroup.limit() if cgroup is not None else None
+    if mb is None and limit is None:
+        raise RuntimeError("injected oom: this process has no memory limit; refusing to exhaust the machine's "
+                           "memory (give the fault mb=<MiB> to allocate that much anyway)")
+    cap = mb << 20 if mb is not None else 2 * limit
+    held = []
+    while len(held) * OOM_CHUNK < cap:
+        chunk = bytearray(OOM_CHUNK)
+        chunk[::PAGE] = b"\x01" * (OOM_CHUNK // PAGE)  # touch every page: allocating alone maps none
+        held.append(chunk)
+    raise RuntimeError(f"injected oom: allocated {cap >> 20} MiB and was not OOM-killed")
 
 
 def parse_targeted(text: str) -> tuple[int, str]:
@@ -134,7 +174,10 @@ def parse_list(text: str) -> list[Fault]:
     return [Fault.parse(part.strip()) for part in text.split(";") if part.strip()]
 
 
-def from_environ(attempt: int, environ: dict[str, str] | None = None) -> Fault | None:
-    """The fault meant for this attempt of the replica, if any."""
+def from_environ(attempt: int, environ: dict[str, str] | None = None, replica: int | None = None) -> Fault | None:
+    """The fault meant for this attempt of replica `replica`, if any."""
     faults = parse_list((environ if environ is not None else os.environ).get("TRANSOM_FAULT", ""))
-    return faults[attempt] if attempt < len(faults) else None
+    fault = faults[attempt] if attempt < len(faults) else None
+    if fault is not None and fault.replica is not None and fault.replica != replica:
+        return None
+    return fault

@@ -81,6 +81,7 @@ from transom_operator.api_status import (  # noqa: F401  (api.X is the public na
     ExcludedNode,
     Blame,
     Verdict,
+    OomKills,
     TrainingProgress,
     RestartRecord,
     MAX_RESTART_HISTORY,

@@ -157,6 +157,18 @@ class DuplicateData(StatusModel):
 SharePercent = Annotated[int, Field(ge=1, le=400, description="A replica's share, in percent.")]
 
 
+class OomKills(StatusModel):
+    """The OOM kills of one replica's workers that its launchers reported (each restarted in place)."""
+
+    replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica.")
+    generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation the last kill was in.")
+    count: int = Field(ge=1, le=MAX_INT, description="Kills reported since the coordinator started, every generation's.")
+    time: Timestamp | None = Field(None, description="When the last one was reported.")
+    message: str | None = Field(
+        None, max_length=1024, description="The last report, for example \"worker rank 0 was OOMKilled (memory limit 3Gi)\".",
+    )
+
+
 class TrainingProgress(StatusModel):
     """Training progress, written by the job's coordinator (a job's user cannot write status)."""
 
@@ -201,6 +213,14 @@ class TrainingProgress(StatusModel):
             "job trains on a fraction of its data. A warning from the coordinator; nothing acts on it."
         ),
     )
+    oom_kills: list[OomKills] = Field(
+        default_factory=list, max_length=MAX_REPLICAS,
+        description=(
+            "Per replica, the OOM kills of its workers that its launchers reported and restarted in place "
+            "(a pod's own OOMKilled end is in status.replicas[].lastFailure)."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
     update_time: Timestamp | None = Field(None, description="When the coordinator last wrote this.")
 
 
@@ -211,6 +231,7 @@ class RestartRecord(StatusModel):
     generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation that failed.")
     time: int = Field(ge=0, le=MAX_INT, description="When its failure was seen, in unix seconds.")
     node: NodeName | None = Field(None, description="The node of its pod that failed first, if any.")
+    reason: Reason | None = Field(None, description="Why it failed, as one CamelCase word (lastFailure.reason).")
 
 
 MAX_RESTART_HISTORY = MAX_RESTARTS + MAX_REPLICAS  # the limit, plus the failures of the pass that exceeds it

@@ -280,9 +280,16 @@ class Controller:
                 metrics.REPLICA_FAILURES.labels(r.last_failure.reason).inc()
                 metrics.REPLACEMENTS.inc()
                 self._replacing[(namespace, name, r.id, r.generation)] = time.monotonic()
+            elif (old is not None and r.generation == old.generation and r.last_failure is not None
+                  and r.last_failure != old.last_failure and r.last_failure.reason == reasons.OOM_KILLED):
+                metrics.REPLICA_FAILURES.labels(reasons.OOM_KILLED).inc()  # restarted in place, or ended the job
             key = (namespace, name, r.id, r.generation)
             if r.state == "Running" and key in self._replacing:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
+        was = job.status.state if job.status else None
+        failed = next((c for c in plan.status.conditions if c.type == "Failed"), None)
+        if plan.status.state == "Failed" and was != "Failed" and failed is not None and failed.reason:
+            metrics.JOB_FAILURES.labels(failed.reason).inc()
 
     def _set_state(self, namespace: str, name: str, state: str | None) -> None:
         if state is None:

@@ -9,12 +9,20 @@ from transom_operator import reasons
 REGISTRY = CollectorRegistry()
 JOBS = Gauge("transom_operator_jobs", "TrainingJobs by state", ["state"], registry=REGISTRY)
 REPLICA_FAILURES = Counter(
-    "transom_operator_replica_failures", "Replica failures detected, by reason", ["reason"], registry=REGISTRY
+    "transom_operator_replica_failures",
+    "Replica failures detected, by reason (an OOMKilled one also when its launcher restarted it in place)",
+    ["reason"], registry=REGISTRY,
 )
 # Every reason exported from the start at 0: a series that appears only with its first
 # failure would hide that failure from increase() and rate().
 for _reason in reasons.FAILURE_REASONS:
     REPLICA_FAILURES.labels(_reason)
+JOB_FAILURES = Counter(
+    "transom_operator_job_failures", "TrainingJobs that became Failed, by the Failed condition's reason", ["reason"],
+    registry=REGISTRY,
+)
+for _reason in (reasons.TOO_MANY_RESTARTS, reasons.SCRIPT_ERROR, reasons.OOM_KILLED):
+    JOB_FAILURES.labels(_reason)
 REPLACEMENTS = Counter("transom_operator_replacements", "Replica incarnations replaced", registry=REGISTRY)
 SPARE_PROMOTIONS = Counter(
     "transom_operator_spare_promotions", "Failed replicas taken over by a hot spare", registry=REGISTRY

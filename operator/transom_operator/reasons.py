@@ -7,6 +7,8 @@ grep one word from `kubectl get events` to `kubectl get tj -o yaml`.
 
 from __future__ import annotations
 
+from transom import contract
+
 # --- why a replica failed (lastFailure.reason, ReplicaFailed events) ---------------
 POD_FAILED = "PodFailed"  # a container exited non-zero past the launcher's in-place restarts
 POD_DELETED = "PodDeleted"  # deleted (by a user, a drain, the pod GC) or gone
@@ -17,6 +19,10 @@ FLAGGED_BY_COORDINATOR = "FlaggedByCoordinator"  # a verdict in status.training.
 EXITED_EARLY = "ExitedEarly"  # exited 0 before the coordinator recorded the job complete
 REPEATED_FAILURES = "RepeatedFailures"  # a second failure on the same node within the window
 NODE_EXCLUDED = "NodeExcluded"  # (spares) its node was excluded by a failure of another pod
+# The kernel's OOM killer ended a worker or the launcher (the container over its memory
+# limit): the script's memory, not the node. Also the reason of the Failed condition when
+# that keeps happening (reconcile/oom.py), and of the Event of a kill restarted in place.
+OOM_KILLED = contract.OOM_KILLED
 
 # A container exited 4 (EXIT_SCRIPT_ERROR): the script raised a ScriptError, which every
 # incarnation would raise again. It ends the job (also the Failed condition's reason), and is
@@ -25,7 +31,7 @@ SCRIPT_ERROR = "ScriptError"
 
 # Every reason a replica is replaced for (the operator's failure counter starts each at 0).
 FAILURE_REASONS = (POD_FAILED, POD_DELETED, POD_EVICTED, NODE_NOT_READY, NODE_LOST, FLAGGED_BY_COORDINATOR,
-                   EXITED_EARLY, REPEATED_FAILURES, NODE_EXCLUDED)
+                   EXITED_EARLY, REPEATED_FAILURES, NODE_EXCLUDED, OOM_KILLED)
 
 # Failure reasons that say the node, not the software, is at fault.
 HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES})

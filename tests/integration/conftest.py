@@ -55,8 +55,9 @@ def transom_run(tmp_path):
     counter = iter(range(100))
 
     def run(run_args: list[str], script_args: list[str], timeout_s: float = 240,
-            script: Path | str = EXAMPLE) -> RunResult:
-        """`transom run RUN_ARGS -- python SCRIPT SCRIPT_ARGS` (`script` "-c": inline code)."""
+            script: Path | str = EXAMPLE, preexec_fn=None) -> RunResult:
+        """`transom run RUN_ARGS -- python SCRIPT SCRIPT_ARGS` (`script` "-c": inline code);
+        `preexec_fn` runs in the child before it starts (to put it into a cgroup)."""
         workdir = tmp_path / f"run{next(counter)}"
         workdir.mkdir()
         summary_path = workdir / "summary.json"
@@ -67,7 +68,8 @@ def transom_run(tmp_path):
             "--", sys.executable, str(script), *script_args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s,
+                              preexec_fn=preexec_fn)
         output = proc.stdout + proc.stderr
         assert summary_path.exists(), f"no summary; output:\n{output[-4000:]}"
         return RunResult(proc.returncode, json.loads(summary_path.read_text()), output, stats)

@@ -4,7 +4,8 @@ Covers what the pure membership tests cannot: bearer-token auth (and the endpoin
 none: /metrics, /healthz), parsing of hostile bodies (every client mistake is a 4xx with a
 reason, never a 5xx, and the server keeps serving), long-polled quorums with concurrent
 `CoordinatorClient`s, 408 "ask again", failure reports and heartbeat expiry changing the
-next quorum, 409 for stale incarnations (`Evicted`), /v1/status, the rendezvous table, and that
+next quorum, 409 for stale incarnations (`Evicted`), /v1/status, OOM kills in status.training,
+the rendezvous table, and that
 stop() does not hang on a long-poll (the seeded fuzz loop over every write endpoint:
 test_coordinator_http_fuzz.py).
 """
@@ -319,6 +320,18 @@ def test_reported_failure_excludes_member_from_next_quorum(coord):
         c.quorum(q_req(2, 1, 0, 0), timeout_s=1.0)
     assert c.replica_state(ident(2)).state == "failed"
     assert "CUDA error" in c.replica_state(ident(2)).reason
+
+
+def test_an_oom_killed_report_reaches_status_training_even_after_the_replica_was_declared_failed(coord):
+    c = client(coord)
+    for rid in range(3):
+        c.register(reg_req(rid))
+    assert c.report_failure(FailureReport(identity=ident(2), reason="heartbeat lost")) is True
+    said = "OOMKilled: worker rank 0 was OOMKilled (memory limit 3Gi)"
+    assert c.report_failure(FailureReport(identity=ident(2), reason=said)) is False  # failed already
+    (kills,) = coord.call(lambda: coord.server.training()["oomKills"])
+    assert (kills["replica"], kills["generation"], kills["count"]) == (2, 0, 1)
+    assert kills["message"] == "worker rank 0 was OOMKilled (memory limit 3Gi)"
 
 
 def test_failure_report_wakes_waiting_members(coord):

@@ -1,7 +1,8 @@
 """One reconcile pass against an in-memory API (controller.py): a spec the operator cannot
 use is reported on the job (Ready False, InvalidSpec, a Warning Event, once) instead of
 raising on every pass, the workers' ServiceAccount exists before any worker pod, and a
-promoted spare's relabel is in the cache before the next pass (not only once the watch says so)."""
+promoted spare's relabel is in the cache before the next pass (not only once the watch says so),
+and OOM kills (one restarted in place, the job they end) reach the operator's metrics."""
 
 from __future__ import annotations
 
@@ -368,3 +369,37 @@ def test_a_budget_the_operator_may_not_make_never_stops_the_replicas_recovery(ma
     make_controller(kube).reconcile("ml", "demo")
     assert ("Pod", "demo-r0-n0-g0") in kube.created and "status" in kube.job
     assert "could not make the disruption budget demo-workers: 403 Forbidden" in caplog.text
+
+
+def test_oom_kills_in_place_and_the_job_they_end_are_counted_in_the_metrics(make_controller):
+    from transom_operator import metrics
+
+    def count(metric, reason):
+        return metrics.REGISTRY.get_sample_value(f"{metric}_total", {"reason": reason}) or 0.0
+
+    raw = raw_job(replicas=1)
+    job = api.TrainingJob.model_validate(raw)
+    pod = _running(resources.worker_pod(job, 0, 0, 0), "n0")
+    nodes = [{"metadata": {"name": "n0", "resourceVersion": "1"},
+              "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]
+    kube = PodKube(raw, [pod], nodes)
+    ctl = make_controller(kube)
+    ctl.reconcile("ml", "demo")
+    failures, jobs = count("transom_operator_replica_failures", "OOMKilled"), count("transom_operator_job_failures",
+                                                                                   "OOMKilled")
+    kube.job["status"]["training"] = {"oomKills": [{"replica": 0, "generation": 0, "count": 1,
+                                                    "time": "2025-01-01T00:00:05Z", "message": "worker rank 0 ..."}]}
+    kube.job["metadata"]["resourceVersion"] = "50"
+    ctl.cache.job_event("MODIFIED", _copy(kube.job))  # the coordinator's write, as the watch brings it
+    ctl.reconcile("ml", "demo")  # a kill restarted in place: the pod runs on
+    ctl.reconcile("ml", "demo")  # shown already: not counted again
+    assert count("transom_operator_replica_failures", "OOMKilled") == failures + 1
+    assert [r for _, r, _ in kube.events].count(reasons.OOM_KILLED) == 1
+    kube.pods[pod["metadata"]["name"]]["status"] = {"phase": "Failed", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": contract.EXIT_OOM_KILLED, "reason": "OOMKilled"}}}]}
+    kube.pods[pod["metadata"]["name"]]["metadata"]["resourceVersion"] = "6"
+    ctl.cache.pod_event("MODIFIED", _copy(kube.pods[pod["metadata"]["name"]]))
+    ctl.reconcile("ml", "demo")
+    assert kube.job["status"]["state"] == "Failed"
+    assert count("transom_operator_job_failures", "OOMKilled") == jobs + 1
+    assert count("transom_operator_replica_failures", "OOMKilled") == failures + 2

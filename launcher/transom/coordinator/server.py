@@ -53,6 +53,7 @@ from transom.coordinator.detection import Detection, SignalGate
 from transom.coordinator.metrics import MembershipCollector
 from transom.coordinator.identity import ADMIN, Principal, ReplicaKeys, is_replica_key
 from transom.coordinator.kube_status import StatusWriter
+from transom.coordinator.oom_kills import OomKills
 from transom.detect.signals import DetectionSettings
 from transom.coordinator.membership import Membership, Settings
 from transom.errors import CoordinatorError, Evicted, Forbidden, JobCompleted, NotRegistered, TooManyRequests
@@ -151,6 +152,7 @@ class CoordinatorServer:
         self.settings = settings
         self.membership = Membership(settings)
         self.detection = Detection(detection or DetectionSettings(), self.membership)
+        self.oom_kills = OomKills()  # the OOMKilled failure reports, for status.training
         self.clock = clock
         self._token = token.encode()
         self._replica_keys = replica_keys
@@ -288,6 +290,10 @@ class CoordinatorServer:
             accepted = self.membership.report_failure(req, self.clock())
             self.membership.try_decide(self.clock())
             self._changed.notify_all()
+            # Counted also when the replica was already declared failed (its peers' failed
+            # step can come first): the kill happened all the same.
+            if self.oom_kills.record(req, time.time()):
+                self._status_due.set()
         if accepted:
             log.warning("replica %d failed: %s", req.identity.replica_id, req.reason)
         return _ok({"accepted": accepted})
@@ -477,6 +483,8 @@ class CoordinatorServer:
             out["verdicts"] = verdicts
         if (found := self.detection.duplicate_data()) is not None:
             out["duplicateData"] = found.model_dump()
+        if oom_kills := self.oom_kills.status():
+            out["oomKills"] = oom_kills
         return out
 
     async def stop(self) -> None:

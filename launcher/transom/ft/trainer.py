@@ -137,7 +137,7 @@ class FaultTolerant(LoopAids):
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
-        self.fault = inject.from_environ(env.attempt)
+        self.fault = inject.from_environ(env.attempt, replica=env.replica_id)
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
         self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica

@@ -25,7 +25,9 @@ operator refills at once, on other nodes.
 A launcher that exits 4 (`contract.EXIT_SCRIPT_ERROR`: a worker raised a ScriptError, a bug
 in the script that every replica and every retry would hit again) ends the whole run at
 once: the others are stopped, the message is printed once and is the summary's
-`script_error`, and `transom run` exits 4 too (script_errors.py).
+`script_error`, and `transom run` exits 4 too (script_errors.py). So does one that exits 5
+(`contract.EXIT_OOM_KILLED`: its workers were OOMKilled defaults.OOM_KILL_LIMIT times; a new
+generation would get the same memory limit): its message is the summary's `oom_killed`.
 
 Nothing the run started outlives it. Each launcher stops its workers and whatever they
 started (launch/processes.py); the runner is the subreaper of every process below it, so
@@ -164,6 +166,7 @@ class LocalRun:
         self.logs: dict[int, str] = {}  # replica -> its log file
         self._termination_logs: dict[subprocess.Popen, Path] = {}  # launcher -> its TRANSOM_TERMINATION_LOG
         self.script_error: str | None = None  # why a launcher exited EXIT_SCRIPT_ERROR
+        self.oom_killed: str | None = None  # why a launcher exited EXIT_OOM_KILLED
         self._log_files: list = []
 
     # --- output ------------------------------------------------------------------------------
@@ -235,13 +238,14 @@ class LocalRun:
         self._termination_logs[proc] = termination_log
         return proc
 
-    def _script_error(self) -> str | None:
-        """The message of a launcher, current or already replaced, that exited with
-        EXIT_SCRIPT_ERROR (a replaced one too: its failure report may have made a spare take
-        over before it exited)."""
+    def _job_error(self) -> tuple[int, str] | None:
+        """(exit code, message) of a launcher, current or already replaced, that exited with
+        EXIT_SCRIPT_ERROR or EXIT_OOM_KILLED: it ends the run (a replaced one too: its failure
+        report may have made a spare take over before it exited)."""
         for proc, path in self._termination_logs.items():
-            if proc.poll() == contract.EXIT_SCRIPT_ERROR:
-                return script_errors.read_termination_log(path) or f"launcher pid {proc.pid} gave no message"
+            code = proc.poll()
+            if code in (contract.EXIT_SCRIPT_ERROR, contract.EXIT_OOM_KILLED):
+                return code, script_errors.read_termination_log(path) or f"launcher pid {proc.pid} gave no message"
         return None
 
     def _start(self, replica: int, generation: int) -> None:
@@ -396,19 +400,24 @@ class LocalRun:
             if time.monotonic() > deadline:
                 self.say(f"timed out after {self.config.timeout_s:.0f}s")
                 return 1
-            self.script_error = self._script_error()
-            if self.script_error is not None:  # every replica would hit it too: none is restarted
+            ended = self._job_error()
+            if ended is not None and ended[0] == contract.EXIT_SCRIPT_ERROR:  # every replica would hit it too
+                self.script_error = ended[1]
                 self.say(f"the training script is wrong, and retrying cannot help: {self.script_error}. "
                          "Fix the script and run again; stopping every replica")
                 return contract.EXIT_SCRIPT_ERROR
+            if ended is not None:  # a new generation would run out of memory the same way
+                self.oom_killed = ended[1]
+                self.say(f"{self.oom_killed}; stopping every replica")
+                return contract.EXIT_OOM_KILLED
             if not self._promote_for_failures():
                 return 1
             self._refill_spares()
             self._retired = [p for p in self._retired if p.poll() is None]
             for r, proc in list(self.launchers.items()):
                 code = proc.poll()
-                # EXIT_SCRIPT_ERROR: not replaced; the next pass ends the run.
-                if code in (None, contract.EXIT_SCRIPT_ERROR) or r in self.done:
+                # EXIT_SCRIPT_ERROR, EXIT_OOM_KILLED: not replaced; the next pass ends the run.
+                if code in (None, contract.EXIT_SCRIPT_ERROR, contract.EXIT_OOM_KILLED) or r in self.done:
                     continue
                 if code == 0:
                     self.done.add(r)
@@ -500,6 +509,7 @@ class LocalRun:
         summary["completed_step"] = completed_step
         summary["last_checkpoint"] = last_checkpoint
         summary["script_error"] = self.script_error
+        summary["oom_killed"] = self.oom_killed
         summary["duplicate_data"] = duplicate_data
         rows = replica_rows(self.stats_dir, self.config.replicas, self.logs)
         if self.config.trace_out:

@@ -16,6 +16,14 @@ its groups is left running, nor anything that left them (a `setsid` child: the l
 the subreaper of its workers' descendants; processes.py). Workers also die with the
 launcher itself.
 
+A worker the kernel OOM-killed (the container's memory cgroup counted a kill while it died:
+launch/oom.py) is reported as `OOMKilled: worker rank K was OOMKilled (memory limit X)` and
+restarted in place like a crash; at the defaults.OOM_KILL_LIMIT-th such kill the launcher
+stops instead, writes `OOMKilled: replica R was OOMKilled N times at memory limit X: raise
+resources.limits.memory or lower the batch size` to TRANSOM_TERMINATION_LOG and exits 5:
+the same script at the same limit would only run out of memory again. One that gives up on
+its restarts after an OOM kill writes the same message and exits 1.
+
 A worker that ends with a ScriptError (a bug in the script: every retry would fail the same
 way; transom/script_errors.py) ends the replica without a restart: the launcher reports it
 to the coordinator as `ScriptError: ...`, writes the message to TRANSOM_TERMINATION_LOG
@@ -35,7 +43,8 @@ names a replica, the launcher has no identity to report to the coordinator: it o
 restarts workers that fail. From the promotion on it supervises as that replica.
 
 Exit codes (transom.contract): 0 all workers succeeded, 1 restarts exhausted, 2 usage,
-3 superseded by a newer incarnation, 4 a script error, 128+N terminated by signal N.
+3 superseded by a newer incarnation, 4 a script error, 5 OOMKilled too often, 128+N
+terminated by signal N.
 """
 
 from __future__ import annotations
@@ -51,11 +60,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom import contract, script_errors
+from transom import contract, defaults, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
 from transom.detect.signals import DetectionSettings
-from transom.launch import processes, spare
+from transom.launch import oom, processes, spare
 from transom.launch.signals import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
 
@@ -106,6 +115,7 @@ class LaunchConfig:
     term_grace_s: float = 10.0
     rendezvous_timeout_s: float = 300.0
     detection: DetectionSettings = field(default_factory=DetectionSettings)
+    oom_kill_limit: int = defaults.OOM_KILL_LIMIT  # OOM kills before the launcher exits EXIT_OOM_KILLED
 
     def __post_init__(self) -> None:
         check_command(self.command)
@@ -113,6 +123,8 @@ class LaunchConfig:
             raise ValueError("nproc_per_node must be between 1 and 1024")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must not be negative")
+        if self.oom_kill_limit < 1:
+            raise ValueError("oom_kill_limit must be at least 1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -171,6 +183,9 @@ class Launcher:
         except OSError as e:
             log.warning("no directory for the workers' script errors (%s): a bug in the script is restarted "
                         "like a crash", e)
+        # The container's OOM-kill counter (launch/oom.py): how an OOM kill is told from a SIGKILL.
+        self._oom = oom.Counter(oom.find())
+        self._oom_kills = 0  # of this launcher's workers, all attempts
 
     def identity(self, attempt: int) -> Identity:
         return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
@@ -217,6 +232,7 @@ class Launcher:
             return
         addr, port = master
         n = self.config.nproc_per_node
+        self._oom.mark()
         for local_rank in range(n):
             env = dict(self._environ)
             env.update(
@@ -343,7 +359,7 @@ class Launcher:
                     reason = failure.describe(self.who)
                     self._report(attempt, reason, code if code >= 0 else None)
                     return "script_error", reason
-                reason = f"worker local rank {rank} {describe_exit(code)}"
+                reason = self._oom_reason(rank, code) or f"worker local rank {rank} {describe_exit(code)}"
                 self._report(attempt, reason, code if code >= 0 else None)
                 return "failed", reason
         if all(c == 0 for c in codes):
@@ -351,6 +367,23 @@ class Launcher:
                 return "failed", "the workers of a spare exited before it was promoted"
             return self._finished(attempt)
         return None
+
+    def _oom_reason(self, local_rank: int, code: int) -> str | None:
+        """The report of a worker that died while the kernel OOM-killed a process of the
+        container: the worker itself (SIGKILL), or a process it started (a DataLoader worker),
+        whose death it then died of. None when the counter did not rise, or is unknown."""
+        killed = code == -signal.SIGKILL
+        if not self._oom.rose(oom.COUNT_PATIENCE_S if killed else 0.0):
+            return None
+        rank = self.env.node_rank * self.config.nproc_per_node + local_rank
+        if killed:
+            return f"{contract.OOM_KILLED}: worker rank {rank} was {contract.OOM_KILLED} ({self._limit()})"
+        return (f"{contract.OOM_KILLED}: worker rank {rank} {describe_exit(code)} after the kernel OOM-killed "
+                f"a process of its container ({self._limit()})")
+
+    def _limit(self) -> str:
+        limit = self._oom.limit()
+        return f"memory limit {limit}" if limit else "no memory limit"
 
     def _finished(self, attempt: int) -> tuple[str, str]:
         """Every worker exited 0: 'ok' if the coordinator says the job completed, else 'failed'."""
@@ -366,6 +399,17 @@ class Launcher:
         return "failed", reason
 
     # --- main loop ---------------------------------------------------------------------------
+    def _oom_message(self) -> str:
+        advice = contract.oom_advice(self.who, self._oom_kills, self._oom.limit())
+        return f"{contract.OOM_KILLED}: {advice}"
+
+    def _give_up_oom(self) -> int:
+        """The OOM_KILL_LIMIT-th OOM kill: restarting again at the same limit is a crash loop."""
+        message = self._oom_message()
+        log.error("%s: %s; not restarting", self.who, message)
+        script_errors.write_termination_log(message, self._environ)
+        return contract.EXIT_OOM_KILLED
+
     def _backoff(self, seconds: float) -> bool:
         """Sleep before a restart; False if a signal came meanwhile (nothing is started then)."""
         deadline = time.monotonic() + seconds
@@ -413,9 +457,19 @@ class Launcher:
                     log.error("%s: %s; not restarting: every attempt would fail the same way", self.who, reason)
                     script_errors.write_termination_log(reason, self._environ)
                     return contract.EXIT_SCRIPT_ERROR
+                oom_killed = bool(self._oom.rose())  # also when the coordinator's word came first
+                if oom_killed:
+                    self._oom_kills += 1
+                    if not reason.startswith(contract.OOM_KILLED):
+                        reason = (f"{contract.OOM_KILLED}: the kernel OOM-killed a process of the container "
+                                  f"({self._limit()}); {reason}")
                 log.warning("%s attempt %d failed: %s", self.who, attempt, reason)
+                if self._oom_kills >= self.config.oom_kill_limit:
+                    return self._give_up_oom()
                 if attempt >= self.config.max_restarts:
                     log.error("%s: giving up after %d restarts", self.who, attempt)
+                    if oom_killed:  # whoever started it learns why from the termination message
+                        script_errors.write_termination_log(self._oom_message(), self._environ)
                     return contract.EXIT_WORKERS_FAILED
                 attempt += 1
                 if not self._backoff(restart_delay_s(attempt, self.config.restart_backoff_s)):

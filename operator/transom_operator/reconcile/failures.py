@@ -9,6 +9,7 @@ A replica (one incarnation: the pods of its current generation) fails when one o
   DisruptionTarget condition says (a drain through the eviction API, a preemption, a NoExecute
   taint). A requested one is voluntary: never blamed on the node, and counted neither against
   maxReplicaRestarts nor towards the backoff (replicas.py),
+- was OOMKilled (OOMKilled: the container's memory, never the node's fault; oom.py),
 - exited non-zero (PodFailed),
 - exited with the launcher's EXIT_SCRIPT_ERROR (ScriptError): the script raised an error that
   every incarnation would raise again. It comes first and ends the job (replicas.py): it is
@@ -38,6 +39,7 @@ from datetime import datetime
 
 from transom import contract
 from transom_operator import api, reasons
+from transom_operator.reconcile import oom
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 
 # Pod status reasons that mean the node went away under the pod.
@@ -59,7 +61,7 @@ TAINT_EVICTION = "DeletionByTaintManager"
 # Order in which causes are reported when a replica has several at once.
 _PRIORITY = (
     reasons.SCRIPT_ERROR, reasons.NODE_NOT_READY, reasons.NODE_LOST, reasons.FLAGGED_BY_COORDINATOR,
-    reasons.POD_EVICTED, reasons.POD_FAILED, reasons.EXITED_EARLY, reasons.POD_DELETED,
+    reasons.POD_EVICTED, reasons.OOM_KILLED, reasons.POD_FAILED, reasons.EXITED_EARLY, reasons.POD_DELETED,
 )
 
 
@@ -125,6 +127,8 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
                 causes.append(_deleted(pod, where, node, asked))
             elif pod.exit_code == contract.EXIT_SCRIPT_ERROR:
                 causes.append((reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None))
+            elif oom.is_oom_killed(pod):
+                causes.append((reasons.OOM_KILLED, oom.pod_message(pod, where), pod.node_name, None))
             else:
                 code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
                 repeated = pod.node_name is not None and any(

@@ -74,6 +74,7 @@ class ObservedPod:
     # DeletionByTaintManager, TerminationByKubelet, ...).
     disruption: str | None = None
     image_pull: ImagePull | None = None  # a container waits for an image the kubelet cannot pull
+    memory_limit: str | None = None  # that container's resources.limits.memory ("3Gi")
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,22 @@ class ObservedNode:
     not_ready_since: datetime | None  # lastTransitionTime of a Ready condition that is not True
 
 
-def _first_terminated(status: dict[str, Any]) -> dict[str, Any] | None:
+def _first_terminated(status: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """(container name, its state.terminated) of the first container that ended. Worker pods
+    have restartPolicy Never: a container's end is its state, never its lastState."""
     for key in ("containerStatuses", "initContainerStatuses"):
         for cs in status.get(key) or []:
             state = cs.get("state") or {}
             if state.get("terminated"):
-                return state["terminated"]
+                return cs.get("name"), state["terminated"]
+    return None, None
+
+
+def _memory_limit(spec: dict[str, Any], container: str | None) -> str | None:
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        if c.get("name") == container:
+            limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+            return str(limit) if limit is not None else None
     return None
 
 
@@ -118,7 +129,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
     status = pod.get("status") or {}
-    terminated = _first_terminated(status)
+    container, terminated = _first_terminated(status)
     exit_code = terminated.get("exitCode") if terminated else None
     reason = status.get("reason") or (terminated.get("reason") if terminated else None)
     return ObservedPod(
@@ -138,6 +149,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         message=(terminated.get("message") or None) if terminated else None,
         disruption=_disruption(status),
         image_pull=_image_pull(status) if status.get("phase") in (None, "Pending") else None,
+        memory_limit=_memory_limit(pod.get("spec") or {}, container) if terminated else None,
     )
 
 

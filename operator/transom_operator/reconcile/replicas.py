@@ -34,6 +34,9 @@ Rules:
   script is wrong, and every replica and every incarnation would fail the same way) fails
   the job at once, the same way, with reason ScriptError: nothing is replaced or counted
   as a restart, and no node is excluded. The pods that ended so are kept for their logs.
+- Repeated OOM kills of one replica fail the job the same way, with reason OOMKilled
+  (`oom.ends_job`); a kill its launcher restarted in place, which the coordinator reported
+  in status.training.oomKills, becomes the replica's lastFailure with an Event (`oom.in_place`).
 - The job is complete when its coordinator records it (`status.training.completedStep`:
   a replica committed the last step). A replica whose pods exited 0 before that failed
   (ExitedEarly, after `failures.COMPLETION_WAIT_S`). Once complete, nothing is replaced or
@@ -67,7 +70,7 @@ from typing import Any
 
 from transom import contract
 from transom_operator import api, reasons, resources
-from transom_operator.reconcile import failures, job_status, spares
+from transom_operator.reconcile import failures, job_status, oom, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
@@ -109,6 +112,7 @@ class _Replica:
     # short before its status write (`unrecorded`).
     lost: failures.ReplicaFailure | None = None
     lost_at: datetime | None = None
+    in_place: api.Failure | None = None  # an OOM kill of the current incarnation, restarted in place
 
     @cached_property  # asked several times per replica and pass; its inputs never change
     def unrecorded(self) -> int:
@@ -124,6 +128,8 @@ class _Replica:
 
     @property
     def last_failure(self) -> api.Failure | None:
+        if self.in_place is not None:
+            return self.in_place
         if self.lost is not None:
             return api.Failure(reason=self.lost.reason, message=self.lost.message, time=self.lost_at)
         return self.recorded.last_failure if self.recorded else None
@@ -212,9 +218,10 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
 
     if not ps.suspended and not ps.final:
         _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts})
+        _oom_in_place(ps, replicas, oom.records(training))
     failed_now = None
     if not ps.suspended and not ps.final and not ps.completed:
-        failed_now = _script_error(replicas) or _over_budget(ps, replicas)
+        failed_now = _script_error(replicas) or _out_of_memory(ps, replicas) or _over_budget(ps, replicas)
 
     statuses: list[api.ReplicaStatus] = []
     for r in replicas:
@@ -270,6 +277,25 @@ def _script_error(replicas: list[_Replica]) -> tuple[str, str] | None:
     return None
 
 
+def _oom_in_place(ps: _Pass, replicas: list[_Replica], records: Mapping[int, api.OomKills]) -> None:
+    """Show an OOM kill its launcher restarted in place (the pods run on) as the lastFailure."""
+    for r in replicas:
+        if r.failure is None and (shown := oom.in_place(records.get(r.id), r.generation, r.last_failure)):
+            r.in_place = shown
+            ps.out.events.append((reasons.WARNING, reasons.OOM_KILLED,
+                                  f"Replica {r.id} generation {r.generation}: {shown.message}"))
+
+
+def _out_of_memory(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
+    """(reason, message) if a replica's OOM kills end the job (oom.ends_job)."""
+    for r in replicas:
+        if r.failure is not None and r.failure.reason == reasons.OOM_KILLED:
+            message = oom.ends_job(r.id, r.generation, r.current.values(), ps.history)
+            if message is not None:
+                return reasons.OOM_KILLED, message
+    return None
+
+
 def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
     """Record this pass's failures in the history; (reason, message) if that is more
     replacements within the window than maxReplicaRestarts allows."""
@@ -278,13 +304,15 @@ def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
         # A voluntary eviction (a drain) is a replacement, but not one the budget is for.
         if r.failure and not r.failure.voluntary and all((h.replica, h.generation) != (r.id, r.generation)
                                                          for h in ps.history):
-            ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node))
+            ps.history.append(api.RestartRecord(replica=r.id, generation=r.generation, time=now_s, node=r.failure.node,
+                                                reason=r.failure.reason))
         for generation in range(r.generation - r.unrecorded, r.generation):  # replacements not recorded
             if r.lost is not None and r.lost.voluntary and generation == r.generation - r.unrecorded:
                 continue
             if all((h.replica, h.generation) != (r.id, generation) for h in ps.history):
-                node = r.lost.node if r.lost is not None else None
-                ps.history.append(api.RestartRecord(replica=r.id, generation=generation, time=now_s, node=node))
+                node, why = (r.lost.node, r.lost.reason) if r.lost is not None else (None, None)
+                ps.history.append(api.RestartRecord(replica=r.id, generation=generation, time=now_s, node=node,
+                                                    reason=why))
     if len(ps.history) <= ps.ft.max_replica_restarts:
         return None
     failing = ", ".join(str(r.id) for r in replicas if r.failure)
