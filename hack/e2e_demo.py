@@ -322,20 +322,21 @@ def main() -> int:
     p.add_argument("--metrics-out", type=Path, default=ROOT / "e2e-demo.metrics.jsonl")
     p.add_argument("--keep", action="store_true", help="leave the job and the test environment running")
     args = p.parse_args()
-    env = cluster.current()
-    if env is None or len(env.real_nodes) < 2:
-        t0 = time.monotonic()
-        env = cluster.up(num_nodes=0, real_nodes=2)
-        print(f"test environment up with real nodes {', '.join(env.real_nodes)} in {time.monotonic() - t0:.1f}s")
-    tools = kube_tools(env)
-    tools.kubectl("delete", "namespace", args.namespace, "--ignore-not-found", "--timeout=90s", timeout_s=100)
-    tools.kubectl("create", "namespace", args.namespace)
-    args.metrics_out.unlink(missing_ok=True)
-    seen = Scenario(env, args.namespace, metrics_out=args.metrics_out).run()
-    if not args.keep:  # the job first, while the operator still runs to remove its finalizer
-        tools.kubectl("delete", "namespace", args.namespace, "--timeout=120s", check=False, timeout_s=130)
-        tools.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,
-                   timeout_s=100)
+    with cluster.session_lock(60):  # not under a running test session
+        env = cluster.current()
+        if env is None or len(env.real_nodes) < 2:
+            t0 = time.monotonic()
+            env = cluster.up(num_nodes=0, real_nodes=2)
+            print(f"test environment up with real nodes {', '.join(env.real_nodes)} in {time.monotonic() - t0:.1f}s")
+        tools = kube_tools(env)
+        tools.kubectl("delete", "namespace", args.namespace, "--ignore-not-found", "--timeout=90s", timeout_s=100)
+        tools.kubectl("create", "namespace", args.namespace)
+        args.metrics_out.unlink(missing_ok=True)
+        seen = Scenario(env, args.namespace, metrics_out=args.metrics_out).run()
+        if not args.keep:  # the job first, while the operator still runs to remove its finalizer
+            tools.kubectl("delete", "namespace", args.namespace, "--timeout=120s", check=False, timeout_s=130)
+            tools.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,
+                       timeout_s=100)
     s = seen.summary()
     print(f"steps {s['steps']}, in-place restarts {s['in_place_restarts']}, replica replacements "
           f"{s['replica_replacements']} (replica 1 from {seen.deleted_pod_node} to {seen.replacement_node} "

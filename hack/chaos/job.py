@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 
@@ -289,16 +290,17 @@ class ChaosJob:
 
 
 def leftover_processes() -> list[str]:
-    """Host processes of a job's containers still running: the training script, or a Transom
-    launcher or coordinator (found by command line; pods are gone, so none should be)."""
-    from pathlib import Path
+    """Processes of a job's containers still running on the real nodes: the training
+    script, or a Transom launcher or coordinator, in a node's cgroups (the host's own
+    processes, such as another session's local runs, are not the cluster's)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "/transom-real-" not in (proc / "cgroup").read_text():
+                continue
+            text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         if "train_tiny_gpt.py" in text or "transom coordinator" in text or "transom launch" in text:
             found.append(text[:200])
     return found
-

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from chaos.job import CHECKPOINT_INTERVAL, ChaosJob, Verdict
 from chaos.world import World
+from e2e_demo import OPERATOR_NAMESPACE
 from testenv import cluster, faults
 
 STEPS = 400
@@ -207,14 +208,20 @@ def operator_loss(job: ChaosJob, v: Verdict) -> set[str]:
     job.mark_fault()
     job.world.kubectl("delete", "pod", victim_pod, "-n", job.ns, "--wait=false")
     time.sleep(0.5)  # the leader has seen the deletion and is replacing the replica
+    # Killed, and its pod gone with it (as with its node): the standby must take over.
     pids = World.pod_pids(pod.metadata.uid, b"transom")
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    v.notes.append(f"operator leader {leader} SIGKILLed (pids {pids}) during the replacement of replica {replica}")
+    job.world.kubectl("delete", "pod", leader, "-n", OPERATOR_NAMESPACE, "--grace-period=0", "--force",
+                      "--wait=false", check=False)
+    v.notes.append(f"operator leader {leader} SIGKILLed (pids {pids}) and its pod deleted during the "
+                   f"replacement of replica {replica}")
     v.recover_s = job.wait_contributing()
     v.detect_s = detected(job, replica)
-    new_leader = job.world.wait("an operator leader", job.world.operator_leader, 60)
+    new_leader = job.world.wait("an operator leader", job.world.operator_leader, 90)
     v.notes.append(f"leader now {new_leader}")
+    if new_leader == leader:
+        v.problems.append(f"{leader} still leads")
     status = job.status()
     r = next(x for x in status["replicas"] if x["id"] == replica)
     if (r.get("generation"), r.get("restarts")) != (1, 1) or status.get("totalRestarts") != 1:

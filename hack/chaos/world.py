@@ -56,6 +56,9 @@ class World:
     def install_operator(self, replicas: int = 2) -> None:
         """`helm upgrade --install` of the chart with `replicas` operator pods (one leads)."""
         realnodes.load_images(self.env.state_dir, len(self.env.real_nodes))  # today's operator image
+        # helm installs CRDs only once, never upgrades them; an environment that ran an older
+        # checkout would prune today's status fields. Apply them first, as an admin upgrades.
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"), timeout_s=60)
         self.helm("upgrade", "--install", "transom", str(CHART), "-n", OPERATOR_NAMESPACE, "--create-namespace",
                   "--set", f"replicaCount={replicas}", timeout_s=120)
         self.kubectl("rollout", "status", "deployment/transom-operator", "-n", OPERATOR_NAMESPACE,

@@ -11,6 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testenv import build, cluster, images  # noqa: E402
 
+# A test session (`make test`, `make chaos`) holds the environment while it runs; `up` or
+# `down` from the command line would pull it from under the session's feet.
+CLI_LOCK_TIMEOUT_S = 10.0
+
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="hack/testenv.sh", description="local Kubernetes control plane for tests")
@@ -32,12 +36,14 @@ def main() -> int:
                 print(f"{ref}\t{archive}")
         elif args.cmd == "up":
             t0 = time.monotonic()
-            env = cluster.up(args.nodes, args.real_nodes)
+            with cluster.session_lock(CLI_LOCK_TIMEOUT_S):  # never under a running test session
+                env = cluster.up(args.nodes, args.real_nodes)
             print(env.exports())
             print(f"# control plane {env.version} up in {time.monotonic() - t0:.1f}s; "
                   f"nodes {', '.join(env.real_nodes + env.nodes)}")
         elif args.cmd == "down":
-            cluster.down()
+            with cluster.session_lock(CLI_LOCK_TIMEOUT_S):
+                cluster.down()
         else:
             env = cluster.current()
             if env is None:
@@ -47,6 +53,11 @@ def main() -> int:
     except build.MissingTool as e:
         print(f"hack/testenv.sh {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if "another test session" not in str(e):
+            raise
+        print(f"hack/testenv.sh {args.cmd}: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -27,10 +27,10 @@ from testenv.tools import KubeTools, Tool, kube_tools  # noqa: E402
 
 from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
 
-# The session's test environment: kwok nodes for the operator's tests at scale, and two real
+# The session's test environment: kwok nodes for the operator's tests at scale, and three real
 # nodes (kubelet + containerd) for the tests that run containers (test_real_nodes.py).
 KWOK_NODES = 4
-REAL_NODES = 2
+REAL_NODES = 3
 # Another session on this machine (a second `make test`) holds the environment: wait this long.
 SESSION_LOCK_TIMEOUT_S = 45 * 60
 
