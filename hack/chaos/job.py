@@ -134,6 +134,7 @@ class ChaosJob:
         self.manifest = manifest
         self.watch = Watch(world, ns, self.name)
         self.fault_at: float | None = None
+        self.restart_window: tuple[int, int] | None = None  # samples of a whole-job restart (suspend, resume)
         self.started_at = 0.0
 
     # --- running ------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class ChaosJob:
             verdict.problems.append(f"ended {final.get('state')} at step {end}, not Succeeded at {self.steps}")
         verdict.steps_lost = self.steps_lost()
         if verdict.steps_lost:
-            verdict.problems.append(f"the committed step went back by {verdict.steps_lost}")
+            verdict.problems.append(f"the committed step went back by {verdict.steps_lost}: {self.step_trace()}")
         verdict.problems += self.checkpoint_problems(final)
         digests = self.final_digests()
         verdict.bit_identical = len(digests) >= 2 and len(set(digests.values())) == 1 and \
@@ -226,13 +227,30 @@ class ChaosJob:
         return verdict
 
     def steps_lost(self) -> int:
-        """The furthest the committed step in status ever fell below its high-water mark."""
+        """The furthest the committed step in status ever fell below its high-water mark; a
+        whole-job restart (`restart_window`, samples from the resume until status is back at
+        the restored checkpoint) starts the mark again from the checkpoint."""
         top, lost = 0, 0
-        for s in self.watch.samples:
+        start, end = self.restart_window or (len(self.watch.samples), len(self.watch.samples))
+        for i, s in enumerate(self.watch.samples):
+            if start <= i < end:
+                continue
+            if i == end:
+                top = 0
             if s.step is not None:
                 top = max(top, s.step)
                 lost = max(lost, top - s.step)
         return lost
+
+    def step_trace(self) -> str:
+        """The committed step as status showed it, each change with its time since the fault."""
+        out, last = [], object()
+        base = self.fault_at or self.started_at
+        for s in self.watch.samples:
+            if s.step != last:
+                out.append(f"{s.t - base:+.0f}s:{s.step}")
+                last = s.step
+        return " ".join(out[-40:])
 
     def checkpoint_problems(self, final: dict) -> list[str]:
         """Every committed checkpoint verifies (manifest of its own step, sizes and CRC-32s);

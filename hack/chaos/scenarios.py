@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from e2e_demo import OPERATOR_NAMESPACE
 from testenv import cluster, faults
 
 STEPS = 400
+RESUMED = re.compile(r"resumed from the checkpoint of step (\d+)")
 MISSING_IMAGE = "localhost:5999/transom/no-such-image:0.0"  # a registry on the node's own loopback: refused
 
 
@@ -253,18 +255,29 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
 
 
 def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
+    """Suspend (every pod deleted), resume: each replica restores the newest complete
+    checkpoint. The steps after it are redone by design; the committed step is judged from
+    the moment training is back at the checkpoint."""
     w = job.world
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
     w.wait("the job's pods gone", lambda: not w.worker_pods(job.ns, job.name), 120)
     newest = job.status().get("training", {}).get("lastCheckpoint")
     suspended_at = job.watch.last().step
-    job.watch.samples.clear()  # steps after the newest checkpoint are redone by design
+    resumed_at = len(job.watch.samples)
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": False}}))
     job.wait_training((newest or 0) + 1)
-    logs = "".join(w.logs(job.ns, p.metadata.name) for p in w.worker_pods(job.ns, job.name).values())
-    if f"resumed from the checkpoint of step {newest}" not in logs:
-        v.problems.append(f"not resumed from the newest checkpoint {newest} (suspended at step {suspended_at})")
-    v.notes.append(f"suspended at step {suspended_at}, resumed from the checkpoint of step {newest}")
+    restored = {}
+    for p in w.worker_pods(job.ns, job.name).values():
+        found = RESUMED.search(w.logs(job.ns, p.metadata.name))
+        restored[p.metadata.labels["transom.io/replica"]] = int(found[1]) if found else None
+    if set(restored.values()) != {newest}:
+        v.problems.append(f"replicas restored {restored}, not the newest checkpoint {newest}")
+    steps = [s.step for s in job.watch.samples[resumed_at:]]
+    v.notes.append(f"suspended at step {suspended_at}, each replica restored step {newest}: {restored}; "
+                   f"committed steps seen after resume {steps[:12]}...")
+    after = job.watch.samples[resumed_at:]
+    back = next((i for i, s in enumerate(after) if s.step is not None and s.step <= (newest or 0)), len(after))
+    job.restart_window = (resumed_at, resumed_at + back)  # status still showed the steps before the restart
     return {"JobSuspended"}
 
 
