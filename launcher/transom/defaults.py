@@ -59,6 +59,15 @@ CLUSTER = Timeouts(collective_timeout_s=60.0, heartbeat_timeout_s=30.0, quorum_t
 # spec.faultTolerance.restartWindowSeconds). The same script at the same memory limit runs
 # out of memory the same way: restarting it forever is a crash loop.
 OOM_KILL_LIMIT = 3
+# Fencing (ft/fencing.py), the same in both settings. A replica asks the coordinator before
+# each checkpoint object it writes or deletes; one question waits at most this long, and an
+# answer that took longer to come back is not trusted (the process may have been stopped
+# while it travelled): it is asked again later.
+FENCE_TIMEOUT_S = 5.0
+# Until the coordinator says how long a confirmation vouches for a replica's state server
+# (its heartbeat timeout), the shortest heartbeat timeout of the two settings: a shorter
+# lease only costs more questions, never a wrong answer.
+FENCE_LEASE_S = LOCAL.heartbeat_timeout_s
 
 
 def heartbeat_interval_s(timeout_s: float) -> float:
@@ -74,7 +83,11 @@ def table() -> str:
             "|---|---|---|---|"]
     for f in fields(Timeouts):
         rows.append(f"| `{f.name}` | {getattr(LOCAL, f.name):g} | {getattr(CLUSTER, f.name):g} | {DESCRIPTIONS[f.name]} |")
-    rows += ["", "The heartbeat interval follows the timeout: `min(1, timeout / 3)` seconds.", ""]
+    rows += ["", "The heartbeat interval follows the timeout: `min(1, timeout / 3)` seconds.", "",
+             f"Fencing (the same in both): a replica's question to the coordinator before each checkpoint "
+             f"object it writes or deletes waits at most {FENCE_TIMEOUT_S:g} s; a state server that has not been "
+             f"vouched for within the heartbeat timeout ({FENCE_LEASE_S:g} s until the coordinator said) asks "
+             f"before it serves.", ""]
     return "\n".join(rows)
 
 

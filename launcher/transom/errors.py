@@ -4,6 +4,7 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     TransomError
     ├── CoordinatorError          the coordinator refused a request, or stayed unreachable
     │   ├── Evicted               409: this incarnation was declared dead or superseded: exit
+    │   │   └── Fenced            an effect of such an incarnation refused before it happened
     │   ├── NotRegistered         404: the coordinator does not know this replica: register again
     │   ├── Forbidden             403: the caller's credential does not speak for that replica
     │   ├── TooManyRequests       429: signals posted faster than the coordinator takes them: later
@@ -55,10 +56,28 @@ class CoordinatorError(TransomError):
         self.status = status if status is not None else self.default_status
 
 
+EVICTED_STATES = ("superseded", "failed", "left")
+
+
 class Evicted(CoordinatorError):
-    """409: this incarnation was declared dead or superseded; the process should exit."""
+    """409: this incarnation was declared dead or superseded; the process should exit.
+
+    `state`: what the coordinator holds this incarnation to be, one of EVICTED_STATES
+    (None where it did not say, e.g. an older coordinator)."""
 
     default_status = 409
+
+    def __init__(self, message: str, status: int | None = None, state: str | None = None):
+        super().__init__(message, status)
+        self.state = state if state in EVICTED_STATES else None
+
+
+class Fenced(Evicted):
+    """An effect of an incarnation that is no longer current (superseded, failed or left) was
+    refused before it happened: a checkpoint object not written or not deleted, state not
+    served (transom/ft/fencing.py). Nothing of it reached storage or a peer; the message is
+    the one line that says so ("fenced: replica 1 generation 0 attempt 0 was superseded;
+    checkpoint part 1 of step 10 not written")."""
 
 
 class NotRegistered(CoordinatorError):

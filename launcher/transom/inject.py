@@ -23,8 +23,11 @@
 are already waiting in it) or `forward` (at the start of the step), where `step` is the
 step number; or, where `step` counts events instead: `catchup` (a replica that catches up
 from its peers, at the end of its `step`-th step doing so: a joiner that dies while
-joining) and `serve` (a source, when it is asked for its `step`-th chunk of a snapshot, before
-it sends it: a peer that dies mid-transfer). The local runner gives a replica's k-th fault to its k-th incarnation,
+joining), `serve` (a source, when it is asked for its `step`-th chunk of a snapshot, before
+it sends it: a peer that dies mid-transfer) and `checkpoint` (in the checkpoint thread, once
+the snapshot of checkpoint `step` is taken and before the first object of its part is
+written: a node stopped or cut off in the middle of a checkpoint; `stop` stops the whole
+process there, whatever its training thread is doing). The local runner gives a replica's k-th fault to its k-th incarnation,
 so a restarted replica does not fail again unless asked to.
 
 `replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
@@ -40,7 +43,7 @@ import time
 from dataclasses import dataclass
 
 ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip", "oom")
-PHASES = ("allreduce", "forward", "catchup", "serve")
+PHASES = ("allreduce", "forward", "catchup", "serve", "checkpoint")
 # Where the trainer offers each of the detection faults: they need what it holds there.
 FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
 FOREVER = 1 << 62

@@ -8,12 +8,13 @@ import collections
 from types import SimpleNamespace
 
 from membership_world import make, qreq, register, started
+from transom.coordinator.fencing import Refusals
 from transom.coordinator.metrics import MembershipCollector
 
 
 def _gauges(m) -> dict[str, float]:
     server = SimpleNamespace(
-        membership=m, clock=lambda: 2.0, signal_gate=SimpleNamespace(deferred=0),
+        membership=m, clock=lambda: 2.0, signal_gate=SimpleNamespace(deferred=0), refusals=Refusals(),
         detection=SimpleNamespace(verdicts_total=collections.Counter(), rows_refused=0))
     return {s.name: s.value for family in MembershipCollector(server).collect() for s in family.samples
             if not s.labels}

@@ -28,6 +28,15 @@ storage outage cannot pile up snapshots; the checkpoint after the outage is the 
 state anyway. The skipping writer leaves a `skipped` marker in its part once it is free, so
 the committer of that step stops waiting for it. Storage errors are retried with backoff
 for as long as the engine runs and never reach the training loop.
+
+Fencing: with a `fence` (FaultTolerant gives the replica's, ft/fencing.py), every object
+the thread writes or deletes is confirmed first: `fence(action, what)` returns if this
+incarnation is still the replica's current one, raises `Fenced` if it is not (nothing more
+of this checkpoint is written, one line says so), and raises another error if it cannot
+tell now (the coordinator is away: nothing is written and the write is retried like a
+storage error). Without a fence (the engine used on its own) nothing is asked.
+`before_persist(step)` runs in the thread before the first object of each checkpoint
+(fault injection: a process stopped in the middle of a checkpoint, transom/inject.py).
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from transom.checkpoint.persist import commit, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
 from transom.checkpoint.snapshot import Snapshot
 from transom.checkpoint.storage import Storage, retry
-from transom.errors import UsageError
+from transom.errors import Fenced, UsageError
 
 log = logging.getLogger("transom.checkpoint")
 
@@ -110,10 +119,15 @@ class _Job:
 
 
 class CheckpointEngine:
-    def __init__(self, config: CheckpointConfig, on_commit: Callable[[int, str], None] | None = None):
+    def __init__(self, config: CheckpointConfig, on_commit: Callable[[int, str], None] | None = None,
+                 fence: Callable[[str, str], None] | None = None,
+                 before_persist: Callable[[int], None] | None = None):
         self.config = config
         self.storage = Storage(config.uri, **config.storage_options)
+        if fence is not None:
+            self.storage.guard = lambda path, deleting: fence("delete" if deleting else "write", layout.describe(path))
         self.on_commit = on_commit
+        self.before_persist = before_persist
         self._snapshot = Snapshot()
         self._job: _Job | None = None
         self._skips: list[tuple[int, str, int]] = []  # (step, attempt, part) skipped while busy: markers to write
@@ -125,6 +139,7 @@ class CheckpointEngine:
         self.committed_step: int | None = None
         self.skipped = 0
         self.failed = 0
+        self.fenced = 0  # checkpoints stopped because this incarnation was no longer current
         self.last_stall_s = 0.0
         self.last_persist_s = 0.0
 
@@ -211,6 +226,9 @@ class CheckpointEngine:
             t0 = time.monotonic()
             try:
                 self._persist(job)
+            except Fenced as e:  # replaced meanwhile: nothing more of this checkpoint may reach storage
+                self.fenced += 1
+                log.error("%s", e)
             except Exception as e:  # closing mid-retry, or a bug: never into the training loop
                 self.failed += 1
                 log.error("checkpoint of step %d not written: %s: %s", job.step, type(e).__name__, e)
@@ -227,6 +245,8 @@ class CheckpointEngine:
 
     def _persist(self, job: _Job) -> None:
         buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
+        if self.before_persist is not None:
+            self.before_persist(job.step)
         backoff = dict(stopped=self._stopped, first_s=self.config.retry_first_s, max_s=self.config.retry_max_s)
         t0 = time.monotonic()
         retry(f"writing part {job.slot.part} of step {job.step}",

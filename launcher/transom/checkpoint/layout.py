@@ -89,6 +89,28 @@ def data_path(attempt: str, part: int) -> str:
     return f"{attempt_dir(attempt)}/{part_dir(part)}/{DATA_FILE}"
 
 
+def describe(path: str) -> str:
+    """What a path under the checkpoint root is, in words ("checkpoint part 1 of step 10"), for
+    the line that says it was not written (fencing) and the coordinator's event."""
+    parts = path.strip("/").split("/")
+    step = parse_step_dir(parts[0]) if parts else None
+    if step is None:
+        return path
+    name, rest = parts[-1], parts[1:]
+    part = next((p.removeprefix("part-") for p in rest if p.startswith("part-")), None)
+    if not rest:
+        return f"checkpoint of step {step}"
+    if part is not None and name in (DATA_FILE, PART_DONE, PART_SKIPPED):
+        what = {DATA_FILE: "checkpoint part", PART_DONE: "checksums of checkpoint part",
+                PART_SKIPPED: "skipped marker of checkpoint part"}[name]
+        return f"{what} {part} of step {step}"
+    if rest == [DCP_METADATA]:
+        return f"index (.metadata) of step {step}"
+    if rest == [MANIFEST]:
+        return f"manifest of step {step}"
+    return f"{'/'.join(rest)} of step {step}"
+
+
 def shard_prefix(shard: int, shards: int) -> str:
     """Key prefix of a shard's tensors: none when the state is not sharded."""
     return f"shard-{shard}/" if shards > 1 else ""

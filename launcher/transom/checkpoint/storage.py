@@ -9,6 +9,10 @@ A small file that marks completion (a part's checksums, the manifest) must never
 half written: on a local file system it is written to a temporary name, fsynced and
 renamed; an S3 PUT is atomic by itself.
 
+Every write and delete first asks `guard` (the path under the root, and whether it deletes),
+which raises to keep it from happening: a training replica's checkpoint engine asks the
+coordinator whether its incarnation is still current (ft/fencing.py). Reads ask nothing.
+
 What storage holds is not trusted to be a file: a FIFO, a device or a directory where a
 checkpoint's file belongs is refused before it is opened (opening a FIFO waits for a writer
 that never comes). Reading a file's bytes is bounded in time (`read_text` by a deadline,
@@ -34,7 +38,7 @@ import fsspec
 import numpy
 from fsspec.implementations.local import LocalFileSystem
 
-from transom.errors import StorageStalled
+from transom.errors import Fenced, StorageStalled
 
 log = logging.getLogger("transom.checkpoint")
 T = TypeVar("T")
@@ -57,6 +61,14 @@ class Storage:
         self.uri = uri.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.uri, **storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.guard: Callable[[str, bool], None] | None = None
+        """Called with (path under the root, deleting) before each write or delete; raises to stop it."""
+
+    def _guarded(self, parts: tuple[str, ...], deleting: bool = False) -> str:
+        """The full path of `parts`, once `guard` let the write or delete go ahead."""
+        if self.guard is not None:
+            self.guard("/".join(parts), deleting)
+        return self.path(*parts)
 
     def url(self, *parts: str) -> str:
         """A full URL (for DCP's FsspecWriter/Reader) of a path under the root."""
@@ -162,7 +174,7 @@ class Storage:
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
         """A new file for streaming writes; on a local file system fsynced before it is closed."""
-        target = self.path(*parts)
+        target = self._guarded(parts)
         if self.local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
@@ -174,7 +186,7 @@ class Storage:
                 yield f
 
     def write_atomic(self, data: bytes, *parts: str) -> None:
-        target = self.path(*parts)
+        target = self._guarded(parts)
         if self.local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = f"{target}.tmp-{os.getpid()}-{random.randrange(1 << 30)}"
@@ -210,8 +222,9 @@ class Storage:
         return out
 
     def remove(self, *parts: str) -> None:
+        target = self._guarded(parts, deleting=True)
         try:
-            self.fs.rm(self.path(*parts), recursive=True)
+            self.fs.rm(target, recursive=True)
         except FileNotFoundError:
             pass
 
@@ -276,13 +289,13 @@ def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: 
 
     Storage that is away does not fail the checkpoint: it waits for the storage to return.
     Raises the last error once `stopped()` (the engine is closing), and a PERMANENT_ERRORS
-    one at once.
+    one, or `Fenced` (this incarnation may no longer write: no retry changes that), at once.
     """
     delay = first_s
     while True:
         try:
             return fn()
-        except PERMANENT_ERRORS:
+        except (*PERMANENT_ERRORS, Fenced):
             raise
         except Exception as e:
             if stopped():

@@ -34,6 +34,8 @@ from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
     FailureReport,
+    FenceAnswer,
+    FenceRequest,
     FingerprintRecord,
     HeartbeatRequest,
     Identity,
@@ -189,7 +191,8 @@ class CoordinatorClient:
                 error: Exception = CoordinatorError(f"{method} {path}: coordinator unreachable: {e}")
             else:
                 if status == 409:
-                    raise Evicted(_payload(raw).get("error", reason), 409)
+                    refused = _payload(raw)
+                    raise Evicted(refused.get("error", reason), 409, state=refused.get("state"))
                 if status < 500:
                     return status, raw
                 error = CoordinatorError(f"{method} {path}: {status} {_payload(raw).get('error', reason)}", status)
@@ -199,7 +202,7 @@ class CoordinatorClient:
             backoff = min(backoff * 2, 1.0)
 
     def _expect(self, status: int, payload: dict, what: str) -> dict:
-        if status == 404 and what in ("heartbeat", "quorum", "leave"):
+        if status == 404 and what in ("heartbeat", "quorum", "leave", "fence"):
             raise NotRegistered(f"{what}: {payload.get('error', 'not registered')}", 404)
         if status == 403:
             raise Forbidden(f"{what}: {payload.get('error', 'forbidden')}")
@@ -225,6 +228,13 @@ class CoordinatorClient:
         """Tell the coordinator a checkpoint is committed; False if an equal or newer one was."""
         status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "checkpoint").get("accepted"))
+
+    def fence(self, req: FenceRequest, timeout_s: float) -> FenceAnswer:
+        """May this incarnation act now (write a checkpoint object, serve its state)? Evicted
+        (409, with the state the coordinator holds it in) if it is no longer current,
+        NotRegistered (404) before it registered again after a coordinator restart."""
+        status, payload = self._call("POST", "/v1/fence", req, timeout_s=timeout_s)
+        return FenceAnswer.model_validate(self._expect(status, payload, "fence"))
 
     def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> SignalAnswer:
         """Post a pod's rows; the answer says how long to wait before the next post, and the

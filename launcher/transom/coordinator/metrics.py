@@ -1,6 +1,7 @@
 """The coordinator's Prometheus metrics, read from the live membership and detection at
-scrape time (`GET /metrics` of server.py). Labels are bounded: reason and verdict kinds, and
-replica ids of the share vector (at most the job's replicas)."""
+scrape time (`GET /metrics` of server.py). Labels are bounded: reason and verdict kinds, the
+endpoints that refuse a stale incarnation (fencing.py), and replica ids of the share vector
+(at most the job's replicas)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ class MembershipCollector:
         )
         for reason in ("reported", "heartbeat", "hung", "superseded", "detected", "diverged"):
             c.add_metric([reason], m.failures_total.get(reason, 0))
+        yield c
+        c = CounterMetricFamily("transom_coordinator_fenced_requests",
+                                "Calls refused (409) because the calling incarnation was superseded, declared failed "
+                                "or left: what a zombie tried", labels=["endpoint"])
+        for endpoint in self.server.refusals.endpoints():
+            c.add_metric([endpoint], self.server.refusals.counts.get(endpoint, 0))
         yield c
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
         for kind in KINDS:

@@ -139,6 +139,20 @@ class CheckpointReport(_Msg):
     )
 
 
+class FenceRequest(_Msg):
+    """May this incarnation act now? Asked before each effect others can see (a checkpoint
+    object written or deleted, state served to a peer): 200 if it is the replica's current,
+    healthy incarnation, 409 otherwise (ft/fencing.py)."""
+
+    identity: Identity
+    what: str = Field(min_length=1, max_length=200, description="what it is about to do, for the refusal's event")
+
+
+class FenceAnswer(_Msg):
+    lease_s: float = Field(gt=0, le=86400, description="how long a confirmation vouches for the incarnation's "
+                           "state server: the coordinator's heartbeat timeout")
+
+
 class LeaveRequest(_Msg):
     """A replica that stops without being counted as failed.
 
@@ -304,3 +318,5 @@ class RendezvousInfo(_Msg):
 class ErrorBody(_Msg):
     error: str
     retry: bool = False
+    state: Literal["superseded", "failed", "left"] | None = Field(
+        default=None, description="on a 409: what the coordinator holds the calling incarnation to be")

@@ -14,6 +14,8 @@ Endpoints (bearer token required on everything under /v1/):
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
     POST /v1/aside               AsideRequest     -> {} (rounds stop waiting for it until it asks again)
+    POST /v1/fence               FenceRequest     -> FenceAnswer (409: this incarnation may no longer
+                                                     act; asked before each checkpoint write: fencing)
     POST /v1/signals             SignalBatch      -> SignalAnswer (verdicts, the pace, the DuplicateData
                                                      finding; 429 = too soon or the detectors' budget is spent)
     GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
@@ -31,7 +33,8 @@ Who may say what (coordinator/identity.py): every call under /v1/ carries a cred
 names its caller, and a call about another replica than the caller's own is refused (403).
 Heartbeats and quorum requests never wait behind detection: a launcher's signal posts are
 refused (429, the rows stay with it) when they come faster than its pace or when the
-detectors have used their share of the last second (`DETECTION_SHARE`).
+detectors have used their share of the last second (`DETECTION_SHARE`). Every 409 to an
+incarnation that is no longer current is counted and told once (coordinator/fencing.py).
 """
 
 from __future__ import annotations
@@ -50,19 +53,30 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from transom.coordinator.detection import Detection, SignalGate
+from transom.coordinator.fencing import Refusals, refusal_message
 from transom.coordinator.metrics import MembershipCollector
 from transom.coordinator.identity import ADMIN, Principal, ReplicaKeys, is_replica_key
 from transom.coordinator.kube_status import StatusWriter
 from transom.coordinator.oom_kills import OomKills
 from transom.detect.signals import DetectionSettings
 from transom.coordinator.membership import Membership, Settings
-from transom.errors import CoordinatorError, Evicted, Forbidden, JobCompleted, NotRegistered, TooManyRequests
+from transom.errors import (
+    EVICTED_STATES,
+    CoordinatorError,
+    Evicted,
+    Forbidden,
+    JobCompleted,
+    NotRegistered,
+    TooManyRequests,
+)
 from transom.coordinator.models import (
     MAX_STEP,
     AsideRequest,
     CheckpointReport,
     ErrorBody,
     FailureReport,
+    FenceAnswer,
+    FenceRequest,
     HeartbeatRequest,
     Identity,
     LeaveRequest,
@@ -87,8 +101,8 @@ class BadRequest(Exception):
     pass
 
 
-def _error(status: int, message: str, retry: bool = False) -> web.Response:
-    body = ErrorBody(error=message, retry=retry).model_dump_json()
+def _error(status: int, message: str, retry: bool = False, state: str | None = None) -> web.Response:
+    body = ErrorBody(error=message, retry=retry, state=state).model_dump_json(exclude_none=True)
     return web.Response(status=status, text=body, content_type="application/json")
 
 
@@ -126,6 +140,8 @@ def _query_identity(request: web.Request, replica_id: str) -> Identity:
 
 # Where the auth middleware leaves the caller (a typed key where aiohttp has them, 3.12+).
 _PRINCIPAL = web.RequestKey("principal", Principal) if hasattr(web, "RequestKey") else "principal"
+# The incarnation a call is about, and what it was about to do (/v1/fence): a 409 names them.
+_SUBJECT = web.RequestKey("subject", tuple) if hasattr(web, "RequestKey") else "subject"
 
 
 def _principal(request: web.Request) -> Principal:
@@ -158,6 +174,7 @@ class CoordinatorServer:
         self._replica_keys = replica_keys
         self._kube_identity = kube_identity
         self.signal_gate = SignalGate()
+        self.refusals = Refusals()  # 409s to incarnations that are no longer current (fencing.py)
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition(self._lock)
         # Replica-state long-polls wait for this event, which the tick sets (and replaces)
@@ -186,6 +203,7 @@ class CoordinatorServer:
         r.add_post("/v1/leave", self._leave)
         r.add_post("/v1/aside", self._aside)
         r.add_post("/v1/checkpoint", self._checkpoint)
+        r.add_post("/v1/fence", self._fence)
         r.add_post("/v1/signals", self._signals)
         r.add_get("/v1/replicas/{id}", self._replica)
         r.add_put("/v1/rendezvous", self._put_rendezvous)
@@ -214,7 +232,7 @@ class CoordinatorServer:
         except TooManyRequests as e:
             return _error(429, str(e), retry=True)
         except Evicted as e:
-            return _error(409, str(e))
+            return self._refused(request, e)
         except NotRegistered as e:
             return _error(404, str(e))
         except JobCompleted as e:
@@ -240,6 +258,7 @@ class CoordinatorServer:
         `replica_only`). A pod's labels are read again once before a refusal: a spare the
         operator just relabelled as a replica speaks for it from that moment."""
         principal = _principal(request)
+        request[_SUBJECT] = (identity, None)
         check = (lambda p: p.check_replica(identity.replica_id)) if replica_only else \
             (lambda p: p.check(identity, node_rank))
         try:
@@ -325,6 +344,34 @@ class CoordinatorServer:
         async with self._lock:
             accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
         return _ok({"accepted": accepted})
+
+    async def _fence(self, request: web.Request) -> web.Response:
+        """200 while the caller is its replica's current, healthy incarnation; 409 (counted,
+        told once) otherwise. Reads only: a question, not a sign of life."""
+        req = await _parse(request, FenceRequest)
+        await self._authorize(request, req.identity)
+        request[_SUBJECT] = (req.identity, req.what)
+        self.membership._live(req.identity)  # Evicted or NotRegistered; no await: no lock needed
+        return _ok(FenceAnswer(lease_s=self.settings.heartbeat_timeout_s))
+
+    def _refused(self, request: web.Request, e: Evicted) -> web.Response:
+        """The 409 of an incarnation that is no longer current, with what the coordinator holds it
+        to be; counted per endpoint, and the first refusal of each incarnation on each endpoint
+        becomes an event and a log line (fencing.py)."""
+        subject = request.get(_SUBJECT)
+        if subject is None:
+            return _error(409, str(e), state=e.state)
+        identity, what = subject
+        known = self.membership.replica_state(identity)
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else request.path
+        if self.refusals.record(endpoint, identity):
+            current = self.membership.replicas.get(identity.replica_id)
+            message = refusal_message(identity, endpoint, known, current.identity if current else None, what)
+            self.membership._event(self.clock(), "refused", message)  # no await since: no handler in between
+            log.warning("%s", message)
+        state = e.state or (known.state if known.state in EVICTED_STATES else None)
+        return _error(409, str(e), state=state)
 
     async def _signals(self, request: web.Request) -> web.Response:
         principal, now = _principal(request), self.clock()

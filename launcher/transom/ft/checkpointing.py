@@ -12,6 +12,10 @@ rank 0 commits and reports the step to the coordinator. The writers of a checkpo
 the members of the quorum round that committed its step, and that round names their
 attempt (`Writers`), so parts of another round or another run are never mixed in.
 
+Fencing: with the replica's fence (ft/fencing.py), every object the engine writes or
+deletes is confirmed with the coordinator first, so an incarnation that was replaced writes
+nothing more; a restore only reads and asks nothing.
+
 Restore, at start: every rank of a replica tries the same committed steps, newest first,
 and they agree (a vote on the replica's control group) on the newest one every rank could
 verify. A replica that joins peers already past the newest checkpoint (a replacement while
@@ -33,6 +37,7 @@ from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
 from transom.errors import MustRestart
+from transom.inject import Fault
 from transom.ft.replica import ReplicaContext
 from transom.ft.state import ReplicaState
 
@@ -51,11 +56,15 @@ class Writers:
 
 class Checkpoints:
     def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, state: ReplicaState,
-                 on_commit: Callable[[int, str], None] | None = None):
+                 on_commit: Callable[[int, str], None] | None = None, fence: Callable[[str, str], None] | None = None,
+                 fault: Fault | None = None):
+        """`fence(action, what)`: may this incarnation write now (IncarnationFence.confirm);
+        `fault`: the fault to inject, if any, whose `checkpoint` phase fires in the engine's thread."""
         self.config, self.ctx, self.replica_state = config, ctx, state
         self.model = state.model
         self.sharded = sharding.is_sharded(state.model.state_dict())
-        self.engine = CheckpointEngine(config, on_commit=on_commit)
+        before_persist = (lambda step: fault.maybe_fire(step, ctx.rank, "checkpoint")) if fault else None
+        self.engine = CheckpointEngine(config, on_commit=on_commit, fence=fence, before_persist=before_persist)
         self.last_saved: int | None = None
         self.skipped_restore_of: int | None = None  # newest checkpoint not restored: a peer was ahead
 

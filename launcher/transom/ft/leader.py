@@ -4,7 +4,9 @@ The leader registers the replica, heartbeats in a thread of its own, asks for ev
 quorum from a thread of its own (the request leaves when the step begins and overlaps the
 forward pass; requests go one after another), and reports checkpoints, failures and its
 leaving. The other ranks of the replica never talk to the coordinator: the trainer hands
-them the leader's answers over the replica's control group (`hand_outcome`).
+them the leader's answers over the replica's control group (`hand_outcome`). What the
+coordinator says of the incarnation reaches its fence (ft/fencing.py): a registration or a
+heartbeat answered vouches for it, a 409 fences it.
 
 Every thread here is stopped by `close()`, also one in the middle of a quorum request to an
 unreachable coordinator (which would otherwise retry until `quorum_timeout_s`): the request
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted, JobCompleted, NotRegistered
+from transom.ft.fencing import IncarnationFence
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -42,14 +45,18 @@ COMPLETION_ROUND_S = 180.0  # the most close() waits for the round a completion 
 
 class CoordinatorLink:
     def __init__(self, client: CoordinatorClient, registration: RegisterRequest, quorum_timeout_s: float,
-                 progress: Callable[[], int]):
+                 progress: Callable[[], int], fence: IncarnationFence | None = None):
         """Register now and start heartbeating; `progress()` is the committed step a beat reports."""
         self.client, self.registration = client, registration
         self.identity: Identity = registration.identity
         self.quorum_timeout_s = quorum_timeout_s
         self.evicted: str | None = None  # set by the heartbeat thread when the coordinator evicts us
         self._progress = progress
+        self._fence = fence
+        sent = time.monotonic()
         reg = client.register(registration)
+        if fence is not None:
+            fence.vouch(sent, reg.heartbeat_timeout_s)
         self._stop = threading.Event()
         self._requests: queue.SimpleQueue[tuple[QuorumRequest, concurrent.futures.Future]] = queue.SimpleQueue()
         self._asker = threading.Thread(target=self._ask_loop, name="transom-quorum", daemon=True)
@@ -138,9 +145,14 @@ class CoordinatorLink:
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             try:
+                sent = time.monotonic()
                 self.client.heartbeat(HeartbeatRequest(identity=self.identity, step=self._progress()),
                                       timeout_s=interval_s)
+                if self._fence is not None:
+                    self._fence.vouch(sent)
             except Evicted as e:
+                if self._fence is not None:
+                    self._fence.learn(e.state)
                 self.evicted = str(e)
                 log.error("replica %d evicted by the coordinator: %s", self.identity.replica_id, e)
                 return
@@ -167,6 +179,13 @@ def close_failure_reason(step: int, num_steps: int | None) -> str:
     exc = sys.exc_info()[1]  # close() in a `finally:` while an exception propagates
     cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
     return f"closed at step {step}, before {target}{cause}"[:1000]
+
+
+def report_close_failure(client: CoordinatorClient, identity: Identity, step: int, num_steps: int | None) -> None:
+    """close() before the target: log it and report this replica failed (the leader talks for it)."""
+    reason = close_failure_reason(step, num_steps)
+    log.error("replica %d %s", identity.replica_id, reason)
+    report_failure(client, identity, reason, timeout_s=2.0)
 
 
 def report_failure(client: CoordinatorClient, identity: Identity, reason: str, timeout_s: float) -> None:
@@ -208,11 +227,12 @@ def hand_outcome(from_leader: Callable[[Any], Any], future: concurrent.futures.F
 
 def outcome(future: concurrent.futures.Future, timeout_s: float) -> str | dict:
     """A quorum request's outcome as the leader hands it to its replica's other ranks: the
-    answer's JSON, or {"evicted" | "completed" | "error": message}."""
+    answer's JSON, or {"evicted" | "completed" | "error": message} (an eviction with the
+    state the coordinator holds the incarnation in)."""
     try:
         return future.result(timeout=timeout_s).model_dump_json()
     except Evicted as e:
-        return {"evicted": str(e)}
+        return {"evicted": str(e), "state": e.state}
     except JobCompleted as e:
         return {"completed": str(e)}
     except Exception as e:

@@ -15,9 +15,11 @@ Only the newest of each is kept, so memory is bounded by one copy of the rank's 
 training traffic on a shared link); 0 means no cap.
 
 Requests carry the job's bearer token: the state is the model, and the model is the
-customer's property. The server holds at most `max_connections` connections at once (one
-thread each) and drops a connection that sends or takes nothing for `idle_timeout_s`, so
-idle or half-open connections cannot pile up threads; anything malformed gets a 4xx.
+customer's property. An incarnation that is no longer the replica's current one serves
+nothing (409): `refusal()` (ft/fencing.py) says why not, or None while it may serve. The
+server holds at most `max_connections` connections at once (one thread each) and drops a
+connection that sends or takes nothing for `idle_timeout_s`, so idle or half-open
+connections cannot pile up threads; anything malformed gets a 4xx.
 """
 
 from __future__ import annotations
@@ -90,9 +92,11 @@ class _Throttle:
 class StateServer:
     def __init__(self, token: str, bind_host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
                  max_connections: int = 32, idle_timeout_s: float = 10.0, bytes_per_s: float = 0,
-                 on_chunk: Callable[[int], None] | None = None):
-        """`on_chunk(n)` runs when the n-th chunk is asked for, before it is sent (fault injection)."""
+                 on_chunk: Callable[[int], None] | None = None, refusal: Callable[[], str | None] | None = None):
+        """`on_chunk(n)` runs when the n-th chunk is asked for, before it is sent (fault injection);
+        `refusal()`, before anything is served: why this incarnation may not serve, or None."""
         self._token = token.encode()
+        self._refusal = refusal
         self._on_chunk = on_chunk
         self._chunks_asked = 0
         self._lock = threading.Lock()
@@ -112,6 +116,8 @@ class StateServer:
                 presented = header.partition(" ")[2].encode("utf-8", "surrogateescape")
                 if not hmac.compare_digest(presented, server._token):
                     return self._reply(401, [b"missing or wrong bearer token"])
+                if server._refusal is not None and (why := server._refusal()) is not None:
+                    return self._reply(409, [why.encode()])
                 with server._lock:
                     small, snapshot = server._small, server._snapshot
                 if (m := _SMALL_PATH.match(self.path)) is not None:

@@ -31,6 +31,9 @@ is one dict for peer recovery and checkpoints. With a checkpoint URI
 newest checkpoint when it starts, snapshots the state after every `interval_steps`-th
 committed step (the host copy overlaps the next forward/backward and is awaited before the
 next optimizer step), and saves the final step in `close()` (ft/checkpointing.py).
+
+An incarnation the coordinator no longer counts (superseded, declared failed) commits no
+step, writes no checkpoint object and serves no state (ft/fencing.py).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_DETECTION, ENV_STATS_DIR
 from transom.detect.signals import DetectionSettings
-from transom.coordinator.client import CoordinatorClient, Evicted, credential
+from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject, script_errors
 from transom.checkpoint import sharding
@@ -63,6 +66,7 @@ from transom.ft.guard import Guard, signals_dir
 from transom.ft.input_digest import InputDigest
 from transom.ft.catchup import Source, small_part
 from transom.ft.checkpointing import Checkpoints, Writers
+from transom.ft.fencing import IncarnationFence
 from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.process_group import QuorumGroups
 from transom.ft.shares import BatchShares
@@ -71,7 +75,7 @@ from transom.errors import MustRestart, NoQuorum, TooManyFailedSteps, UsageError
 from transom.ft.loop_aids import LoopAids
 from transom.ft.script_state import bundle
 from transom.ft.shared_values import SharedValues
-from transom.ft.leader import CoordinatorLink, close_failure_reason, coordinator_view, hand_outcome, report_failure
+from transom.ft.leader import CoordinatorLink, coordinator_view, hand_outcome, report_close_failure, report_failure
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.rejoin import Rejoin
 from transom.ft.snapshot_check import SnapshotCheck
@@ -138,6 +142,7 @@ class FaultTolerant(LoopAids):
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
         self.fault = inject.from_environ(env.attempt, replica=env.replica_id)
+        self.fence = IncarnationFence(self.client, self.identity)  # may this incarnation still act?
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
         self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica
@@ -180,14 +185,15 @@ class FaultTolerant(LoopAids):
         self.checkpoints: Checkpoints | None = None
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
-            self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint)
+            self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint,
+                                           self.fence.confirm, self.fault)
             self.restored_step = self.checkpoints.restore(lambda: coordinator_view(self.client, self.replica_id))
         self.step = self.restored_step if self.restored_step is not None else start_step
 
         bind = "0.0.0.0" if env.advertise_addr != "127.0.0.1" else "127.0.0.1"
         on_chunk = (lambda n: self.fault.maybe_fire(n, self.ctx.rank, "serve")) if self.fault else None
-        self._state_server = StateServer(env.peer_token, bind, env.advertise_addr,
-                                         bytes_per_s=self.config.recovery_bytes_per_s, on_chunk=on_chunk)
+        self._state_server = StateServer(env.peer_token, bind, env.advertise_addr, on_chunk=on_chunk,
+                                         bytes_per_s=self.config.recovery_bytes_per_s, refusal=self.fence.refusal)
         self._source = Source(self._state_server, sharding.localize, self.config.recovery_chunk_bytes)
         self._exchange_gate = LinkGate(self.config.recovery_yields)  # busy while gradients move
         self._rejoin = Rejoin(self.ctx, self.replica_id, self.config, model, optimizer, self.state, self.device,
@@ -204,7 +210,8 @@ class FaultTolerant(LoopAids):
             )
             registration = RegisterRequest(identity=self.identity, state_endpoints=endpoints, step=self.step,
                                            store_addr=f"{env.advertise_addr}:{self._store.port}")
-            self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step)
+            self._link = CoordinatorLink(self.client, registration, self.config.quorum_timeout_s, lambda: self.step,
+                                         self.fence)
         self._backward = GradientsReady(model, self._exchange_at_backward_end, self._exchanges_at_backward)
         # The step's quorum request leaves with its first forward pass (so trainer.aside() before it is allowed).
         self._forward_hook = model.register_forward_pre_hook(self._on_forward)
@@ -262,7 +269,7 @@ class FaultTolerant(LoopAids):
     def begin_step(self) -> None:
         self._evicted = self._evicted or (self._link.evicted if self._link is not None else None)
         if self._evicted:
-            raise Evicted(self._evicted, 409)
+            raise self.fence.evicted(self._evicted, None, f"step {self.step} not committed")
         self._in_step = True
         self._opened, self._exchanged, self._loss = None, None, None
         self._backward.reset()
@@ -522,7 +529,8 @@ class FaultTolerant(LoopAids):
         failed = not done and not self.completed_elsewhere and not self._evicted
         if failed:  # before anything slow: the other replicas stop waiting for this one now
             script_errors.record_escaping()  # before the report, which the launcher may act on first
-            self._report_close_failure()
+            if self.ctx.is_leader:  # it talks for the replica
+                report_close_failure(self.client, self.identity, self.step, self.num_steps)
         if completed and self._rejoin.active:
             log.warning("replica %d ends the job before it caught up: its state is not the job's", self.replica_id)
         elif completed:
@@ -531,7 +539,7 @@ class FaultTolerant(LoopAids):
         if self._guard is not None:
             self._guard.close()
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
-            # A replica that fails saves nothing and does not wait for the checkpoint in flight.
+            # A failing replica saves nothing, nor waits; an evicted one waits until the fence refuses it.
             self.checkpoints.close(self.step if completed else None, self._writers, wait=not failed)
         if self._link is not None:
             if completed and self._last_round < 0:  # e.g. restored at the target: no round answered it yet
@@ -559,11 +567,10 @@ class FaultTolerant(LoopAids):
                              "(or call trainer.finish_step()), which steps it only for a committed step")
 
     def _report_checkpoint(self, step: int, uri: str) -> None:
-        """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint."""
-        # One checkpoint persists at a time, so the engine's last stall is this one's.
-        stall = self.checkpoints.engine.last_stall_s if self.checkpoints is not None else None
-        if self._link is not None:
-            self._link.report_checkpoint(step, uri, stall)
+        """on_commit of the checkpoint engine (its thread): status.training.lastCheckpoint. One
+        checkpoint persists at a time, so the engine's last stall is this one's."""
+        if self._link is not None and self.checkpoints is not None:
+            self._link.report_checkpoint(step, uri, self.checkpoints.engine.last_stall_s)
 
     def _await_quorum(self) -> QuorumResponse | None:
         # Only the leader asked; it tells the other ranks.
@@ -571,22 +578,15 @@ class FaultTolerant(LoopAids):
         answer = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
         self._future = None
         if isinstance(answer, dict):
-            if "evicted" in answer:
+            if "evicted" in answer:  # refused: this incarnation's update is discarded, on every rank
                 self._evicted = answer["evicted"]
-                raise Evicted(answer["evicted"], 409)
+                raise self.fence.evicted(answer["evicted"], answer.get("state"), f"step {self.step} not committed")
             if "completed" in answer:
                 log.warning("replica %d stops at step %d: %s", self.replica_id, self.step, answer["completed"])
                 self.completed_elsewhere = True
                 return None
             raise NoQuorum(f"replica {self.replica_id}: no quorum: {answer['error']}")
         return QuorumResponse.model_validate_json(answer)
-
-    def _report_close_failure(self) -> None:
-        """close() before the target: report this replica failed (the leader talks for it)."""
-        if self.ctx.is_leader:
-            reason = close_failure_reason(self.step, self.num_steps)
-            log.error("replica %d %s", self.replica_id, reason)
-            report_failure(self.client, self.identity, reason, timeout_s=2.0)
 
     def _on_uncaught(self, exc_type, exc, tb) -> None:
         try:
