@@ -120,3 +120,16 @@ def test_only_a_replica_a_round_answered_can_complete_the_job():
     assert d is not None and d.max_step == 10  # a job restored at its target takes one round ...
     m.leave(LeaveRequest(identity=ident(0), step=10, completed=True), 3.0)  # ... and then completes
     assert m.completed_step == 10
+
+
+def test_a_restarted_coordinator_writes_no_step_until_it_decided_a_round():
+    """A new coordinator knows no replica until they register again: status.training.step
+    must not fall to 0 (or to the first registrant's step) over the job's committed step."""
+    m = make(2)
+    assert "step" not in m.training(0.0)
+    register(m, 0, 0.0, step=47)
+    assert "step" not in m.training(0.1)
+    register(m, 1, 0.2, step=47)
+    m.request_quorum(qreq(0, 47), 0.3)
+    d = m.request_quorum(qreq(1, 47), 0.3)
+    assert d is not None and m.training(0.4)["step"] == 47

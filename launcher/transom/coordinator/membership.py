@@ -545,8 +545,11 @@ class Membership:
         return sum(1 for r in self.replicas.values() if r.state == "healthy")
 
     def training(self, now: float) -> dict:
-        """status.training of the TrainingJob (camelCase, as the CRD has it), without updateTime."""
-        out: dict = {"step": self.max_step()}
+        """status.training of the TrainingJob (camelCase, as the CRD has it), without updateTime.
+        `step` only once this coordinator has decided a round: a restarted one knows no replica
+        until they register again, and would write 0 over the job's committed step (a merge
+        patch without it leaves the last one in place)."""
+        out: dict = {"step": self.max_step()} if self.current is not None else {}
         if self.completed_step is not None:
             out["completedStep"] = self.completed_step
         if self.last_checkpoint is not None:
