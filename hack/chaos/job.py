@@ -34,6 +34,7 @@ from testenv import addons
 
 DIGEST = re.compile(r"replica (\d+) rank (\d+): final step (\d+) parameters ([0-9a-f]+)")
 SAMPLE_EVERY_S = 1.0
+REFUSALS = ("transom_coordinator_fenced_requests_total", "transom_coordinator_unauthenticated_requests_total")
 CHECKPOINT_INTERVAL = 20
 
 
@@ -48,7 +49,7 @@ class Sample:
     failures: dict[int, str]  # replica -> lastFailure.reason
     excluded: list[str]
     last_checkpoint: int | None
-    fenced: float | None  # refusals of superseded incarnations the coordinator counted
+    fenced: float | None  # calls the coordinator refused: a superseded incarnation's (409) or a gone pod's (401)
 
     @staticmethod
     def of(t: float, status: dict, metrics: dict[str, float] | None) -> Sample:
@@ -56,7 +57,7 @@ class Sample:
         replicas = status.get("replicas") or []
         fenced = None
         if metrics is not None:
-            fenced = sum(v for k, v in metrics.items() if k.startswith("transom_coordinator_fenced"))
+            fenced = sum(v for k, v in metrics.items() if k.startswith(REFUSALS))
         return Sample(
             t=t, state=status.get("state"), step=training.get("step"), healthy=status.get("healthyReplicas"),
             contributing=metrics.get("transom_coordinator_contributing_replicas") if metrics else None,

@@ -147,7 +147,8 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
     finally:
         faults.heal(index)
     # Healed: the old incarnation runs on until its kubelet, back in touch, stops it. It
-    # must try to speak for its replica, and be refused.
+    # tries to speak for its replica and is refused: 409 while the coordinator still knows
+    # its pod, 401 once the pod is gone (its token no longer authenticates).
     try:
         job.world.wait("the healed incarnation refused by the coordinator",
                        lambda: (job.watch.last().fenced or 0) > fenced_before, 90)

@@ -152,6 +152,18 @@ def test_v1_needs_the_bearer_token(coord, headers):
     assert client(coord).status().replicas == []  # the unauthenticated register did nothing
 
 
+def test_unauthenticated_calls_are_counted_per_endpoint(coord):
+    """What a deleted pod's token gets on Kubernetes (a zombie healed after its pod was
+    replaced): 401, counted, so that its attempts show."""
+    body = reg_req(0).model_dump_json().encode()
+    for path in ("/v1/heartbeat", "/v1/heartbeat", "/v1/register"):
+        r = requests.post(coord.url + path, data=body, headers={"Authorization": "Bearer nope"}, timeout=HTTP_TIMEOUT)
+        assert r.status_code == 401
+    text = requests.get(coord.url + "/metrics", timeout=HTTP_TIMEOUT).text
+    assert 'transom_coordinator_unauthenticated_requests_total{endpoint="/v1/heartbeat"} 2.0' in text
+    assert 'transom_coordinator_unauthenticated_requests_total{endpoint="/v1/register"} 1.0' in text
+
+
 def test_metrics_and_healthz_need_no_token(coord):
     c = client(coord)
     c.register(reg_req(0))

@@ -48,6 +48,9 @@ class Refusals:
     """Every refusal, counted per endpoint; whether each incarnation was told about on it yet."""
 
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    # 401s per endpoint: on Kubernetes a replaced pod's token stops authenticating once the
+    # pod is gone, so a zombie healed late is refused before it can name its incarnation.
+    unauthenticated: collections.Counter[str] = field(default_factory=collections.Counter)
     _told: collections.OrderedDict[tuple[int, int, int, str], None] = field(default_factory=collections.OrderedDict)
 
     def record(self, endpoint: str, identity: Identity) -> bool:

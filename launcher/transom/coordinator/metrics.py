@@ -61,6 +61,12 @@ class MembershipCollector:
         for endpoint in self.server.refusals.endpoints():
             c.add_metric([endpoint], self.server.refusals.counts.get(endpoint, 0))
         yield c
+        c = CounterMetricFamily("transom_coordinator_unauthenticated_requests",
+                                "Calls refused (401) for a missing or unknown credential, such as a deleted pod's token",
+                                labels=["endpoint"])
+        for endpoint in self.server.refusals.endpoints():
+            c.add_metric([endpoint], self.server.refusals.unauthenticated.get(endpoint, 0))
+        yield c
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
         for kind in KINDS:
             c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))

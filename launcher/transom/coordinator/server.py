@@ -53,7 +53,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from transom.coordinator.detection import Detection, SignalGate
-from transom.coordinator.fencing import Refusals, refusal_message
+from transom.coordinator.fencing import ENDPOINTS, Refusals, refusal_message
 from transom.coordinator.metrics import MembershipCollector
 from transom.coordinator.identity import ADMIN, Principal, ReplicaKeys, is_replica_key
 from transom.coordinator.kube_status import StatusWriter
@@ -248,6 +248,10 @@ class CoordinatorServer:
         if request.path.startswith("/v1/"):
             principal = await self._identify(request.headers.get("Authorization", ""))
             if principal is None:
+                resource = request.match_info.route.resource
+                endpoint = resource.canonical if resource is not None else "other"
+                if endpoint in ENDPOINTS:  # a bounded label: other paths are not counted
+                    self.refusals.unauthenticated[endpoint] += 1
                 return _error(401, "missing or wrong bearer token")
             request[_PRINCIPAL] = principal
         return await handler(request)
