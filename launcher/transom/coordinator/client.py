@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
+from transom.defaults import FENCE_LEASE_S
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -232,8 +233,12 @@ class CoordinatorClient:
     def fence(self, req: FenceRequest, timeout_s: float) -> FenceAnswer:
         """May this incarnation act now (write a checkpoint object, serve its state)? Evicted
         (409, with the state the coordinator holds it in) if it is no longer current,
-        NotRegistered (404) before it registered again after a coordinator restart."""
+        NotRegistered (404) before it registered again after a coordinator restart. A
+        coordinator older than fencing (the operator's image may lag the script's) has no such
+        endpoint: the answer then says `supported=False`."""
         status, payload = self._call("POST", "/v1/fence", req, timeout_s=timeout_s)
+        if status == 404 and "error" not in payload:  # the web server's own 404: no such route
+            return FenceAnswer(lease_s=FENCE_LEASE_S, supported=False)
         return FenceAnswer.model_validate(self._expect(status, payload, "fence"))
 
     def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> SignalAnswer:

@@ -151,6 +151,8 @@ class FenceRequest(_Msg):
 class FenceAnswer(_Msg):
     lease_s: float = Field(gt=0, le=86400, description="how long a confirmation vouches for the incarnation's "
                            "state server: the coordinator's heartbeat timeout")
+    supported: bool = Field(True, description="False only as the client's reading of a coordinator that predates "
+                            "fencing (no /v1/fence); never sent")
 
 
 class LeaveRequest(_Msg):

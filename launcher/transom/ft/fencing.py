@@ -103,6 +103,7 @@ class IncarnationFence:
         self._serve_lock = threading.Lock()
         self._serve_failed_at = -math.inf
         self._told: set[str] = set()
+        self._unsupported_told = False
 
     def vouch(self, sent_at: float, lease_s: float | None = None) -> None:
         """The coordinator answered a question asked at `sent_at` (a heartbeat, a confirmation)
@@ -136,9 +137,14 @@ class IncarnationFence:
         answer: Literal["current", "refused", "none"] = "none"
         lease, why = None, ""
         try:
-            lease = self.client.fence(FenceRequest(identity=self.identity, what=f"{action} {thing}"[:200]),
-                                      timeout_s=self.timeout_s).lease_s
-            answer = "current"
+            told = self.client.fence(FenceRequest(identity=self.identity, what=f"{action} {thing}"[:200]),
+                                     timeout_s=self.timeout_s)
+            lease, answer = told.lease_s, "current"
+            if not told.supported and not self._unsupported_told:
+                self._unsupported_told = True  # writing unfenced beats never checkpointing again
+                log.warning("the job's coordinator predates fencing (no /v1/fence): replica %d's checkpoint "
+                            "writes are not fenced; update the operator's coordinator image",
+                            self.identity.replica_id)
         except Evicted as e:
             self.learn(e.state)
             answer = "refused"

@@ -100,3 +100,40 @@ def test_an_eviction_carries_the_state_the_coordinator_said_and_a_fenced_effect_
 def test_a_process_can_be_stopped_in_the_middle_of_a_checkpoint():
     fault = Fault.parse("stop:step=10,phase=checkpoint")
     assert (fault.action, fault.step, fault.phase) == ("stop", 10, "checkpoint")
+
+
+def test_a_coordinator_older_than_fencing_lets_writes_go_ahead_with_one_warning(caplog):
+    """The operator's coordinator image may lag the script's transom: an HTTP server without
+    /v1/fence answers its own 404 (not the coordinator's JSON one), and the checkpoint is
+    written unfenced rather than never (seen in make chaos with such a skew)."""
+    import http.server
+    import threading
+
+    from transom.coordinator.client import CoordinatorClient
+    from transom.ft.fencing import IncarnationFence
+
+    class OldCoordinator(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(404)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"404: Not Found")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OldCoordinator)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        fence = IncarnationFence(CoordinatorClient(f"http://127.0.0.1:{server.server_port}", "t"), OLD)
+        with caplog.at_level("WARNING", logger="transom.ft"):
+            fence.confirm("write", "checkpoint part 1 of step 10")
+            fence.confirm("write", "manifest of step 10")
+        assert fence.fenced is None
+        assert sum("predates fencing" in r.message for r in caplog.records) == 1
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
