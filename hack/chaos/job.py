@@ -50,21 +50,23 @@ class Sample:
     excluded: list[str]
     last_checkpoint: int | None
     fenced: float | None  # calls the coordinator refused: a superseded incarnation's (409) or a gone pod's (401)
+    unauthenticated: float | None  # of those, the 401s
 
     @staticmethod
     def of(t: float, status: dict, metrics: dict[str, float] | None) -> Sample:
         training = status.get("training") or {}
         replicas = status.get("replicas") or []
-        fenced = None
+        fenced = unauthenticated = None
         if metrics is not None:
             fenced = sum(v for k, v in metrics.items() if k.startswith(REFUSALS))
+            unauthenticated = sum(v for k, v in metrics.items() if k.startswith(REFUSALS[1]))
         return Sample(
             t=t, state=status.get("state"), step=training.get("step"), healthy=status.get("healthyReplicas"),
             contributing=metrics.get("transom_coordinator_contributing_replicas") if metrics else None,
             generations={r["id"]: r.get("generation", 0) for r in replicas},
             failures={r["id"]: (r.get("lastFailure") or {}).get("reason") for r in replicas if r.get("lastFailure")},
             excluded=[n["name"] for n in status.get("excludedNodes") or []],
-            last_checkpoint=training.get("lastCheckpoint"), fenced=fenced)
+            last_checkpoint=training.get("lastCheckpoint"), fenced=fenced, unauthenticated=unauthenticated)
 
 
 class Watch:

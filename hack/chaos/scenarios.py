@@ -143,7 +143,8 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
         wait_moved(job, replica, node)
         v.recover_s = job.wait_contributing()
         v.detect_s = detected(job, replica)
-        fenced_before = job.watch.last().fenced or 0
+        before = job.watch.last()
+        fenced_before, unauth_before = before.fenced or 0, before.unauthenticated or 0
     finally:
         faults.heal(index)
     # Healed: the old incarnation runs on until its kubelet, back in touch, stops it. It
@@ -152,7 +153,11 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
     try:
         job.world.wait("the healed incarnation refused by the coordinator",
                        lambda: (job.watch.last().fenced or 0) > fenced_before, 90)
-        v.notes.append(f"refusals of the healed incarnation: {(job.watch.last().fenced or 0) - fenced_before:.0f}")
+        time.sleep(5)  # what else it tried before its kubelet stopped it
+        now = job.watch.last()
+        unauth = (now.unauthenticated or 0) - unauth_before
+        v.notes.append(f"the healed incarnation refused {(now.fenced or 0) - fenced_before - unauth:.0f} times as "
+                       f"superseded (409) and {unauth:.0f} times as a gone pod (401)")
     except TimeoutError as e:
         v.problems.append(str(e))
     return {"NodeNotReady"}
@@ -266,19 +271,23 @@ def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
     suspended_at = job.watch.last().step
     resumed_at = len(job.watch.samples)
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": False}}))
-    job.wait_training((newest or 0) + 1)
-    restored = {}
-    for p in w.worker_pods(job.ns, job.name).values():
-        found = RESUMED.search(w.logs(job.ns, p.metadata.name))
-        restored[p.metadata.labels["transom.io/replica"]] = int(found[1]) if found else None
-    if set(restored.values()) != {newest}:
-        v.problems.append(f"replicas restored {restored}, not the newest checkpoint {newest}")
-    steps = [s.step for s in job.watch.samples[resumed_at:]]
-    v.notes.append(f"suspended at step {suspended_at}, each replica restored step {newest}: {restored}; "
-                   f"committed steps seen after resume {steps[:12]}...")
+
+    w.wait("every replica contributing after the resume", lambda: any(
+        s.contributing == job.replicas for s in job.watch.samples[resumed_at:]), 240)
+    # A replica that starts late may catch up from a peer that already restored: fine. Every
+    # replica that restored took the newest complete checkpoint.
+    steps = {r: int(m[1]) for r, p in w.worker_pods(job.ns, job.name).items()
+             if (m := RESUMED.search(w.logs(job.ns, p.metadata.name)))}
+    if not steps or set(steps.values()) != {newest}:
+        v.problems.append(f"replicas restored {steps}, not the newest checkpoint {newest}")
+    # The restart ends, for the committed step in status, at the new coordinator's first write.
+    w.wait("status written by the new coordinator", lambda: any(
+        s.step is not None and s.step != suspended_at for s in job.watch.samples[resumed_at:]), 120)
     after = job.watch.samples[resumed_at:]
-    back = next((i for i, s in enumerate(after) if s.step is not None and s.step <= (newest or 0)), len(after))
-    job.restart_window = (resumed_at, resumed_at + back)  # status still showed the steps before the restart
+    first = next(i for i, s in enumerate(after) if s.step is not None and s.step != suspended_at)
+    job.restart_window = (resumed_at, resumed_at + first)
+    v.notes.append(f"suspended at step {suspended_at}; each replica restored step {newest} ({steps}); status then "
+                   f"showed step {after[first].step}")
     return {"JobSuspended"}
 
 
