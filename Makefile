@@ -91,30 +91,31 @@ test-compat: $(COMPAT_VENV)/.deps-installed
 # Wheels of the small dependencies (not torch) for the GPU machine's Python (3.12 by
 # default), which reaches no package registry: carry $(WHEELHOUSE) there with the tree.
 GPU_PYTHON_VERSION ?= 3.12
+# The operator's packages too: the unit tests of the compat subset import it.
+GPU_REQUIREMENTS := "aiohttp>=3.9" "pydantic>=2.6" "prometheus-client>=0.19" "fsspec>=2024.2" "kopf>=1.37" \
+	"kubernetes>=29" "pyyaml>=6" pytest pytest-timeout hypothesis requests
 wheelhouse: install
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(PY) -m pip download --quiet --dest $(WHEELHOUSE) --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-		"aiohttp>=3.9" "pydantic>=2.6" "prometheus-client>=0.19" "fsspec>=2024.2" pytest pytest-timeout \
-		hypothesis requests
+		$(GPU_REQUIREMENTS)
 	@du -sh $(WHEELHOUSE)
 
-# On the GPU machine: a venv over its own torch (system site packages) with the wheelhouse,
-# then the CUDA tests (-m cuda) and the GPU benchmarks. Fails without a CUDA device.
+# On the GPU machine: the wheelhouse installed into a directory of its own (--target) and put
+# on PYTHONPATH beside the machine's own torch (a venv made from a Python that is itself a
+# venv would not see that torch), then the CUDA tests (-m cuda), the compat subset and the
+# GPU benchmarks. Fails without a CUDA device. GPU_PYTHON: the Python that has torch.
 GPU_PYTHON ?= python3
-GPU_VENV ?= .cache/venv-gpu
+GPU_SITE ?= .cache/gpu-site
+GPU_ENV = PATH=$(CURDIR)/$(GPU_SITE)/bin:$$PATH PYTHONPATH=$(CURDIR)/launcher:$(CURDIR)/operator:$(CURDIR)/$(GPU_SITE)
 test-gpu:
 	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE): run 'make wheelhouse' on a machine with PyPI first" >&2; exit 1; }
-	$(GPU_PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install --quiet --no-index --find-links $(WHEELHOUSE) "aiohttp>=3.9" "pydantic>=2.6" \
-		"prometheus-client>=0.19" "fsspec>=2024.2" pytest pytest-timeout hypothesis requests
-	$(GPU_VENV)/bin/python -c 'import torch, sys; assert torch.cuda.is_available(), "make test-gpu needs a CUDA GPU"; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
-	PATH=$(CURDIR)/$(GPU_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR)/launcher:$(CURDIR)/operator \
-		$(GPU_VENV)/bin/python -m pytest -m "cuda or compat" tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
-	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 1024
-	PYTHONPATH=$(CURDIR)/launcher $(GPU_VENV)/bin/python benchmarks/checkpoint_stall.py --device cuda --size-mb 8192 --repeats 1
-	PATH=$(CURDIR)/$(GPU_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR)/launcher:$(CURDIR)/operator \
-		$(GPU_VENV)/bin/python benchmarks/kill_recovery.py --kinds kill --model-args "--device ctx --dim 512 --layers 8"
+	$(GPU_PYTHON) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) --target $(GPU_SITE) $(GPU_REQUIREMENTS)
+	$(GPU_ENV) $(GPU_PYTHON) -c 'import torch, sys; assert torch.cuda.is_available(), "make test-gpu needs a CUDA GPU"; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m "cuda or compat" tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
+	$(GPU_ENV) $(GPU_PYTHON) benchmarks/checkpoint_stall.py --device cuda --size-mb 1024
+	$(GPU_ENV) $(GPU_PYTHON) benchmarks/checkpoint_stall.py --device cuda --size-mb 8192 --repeats 1
+	$(GPU_ENV) $(GPU_PYTHON) benchmarks/kill_recovery.py --kinds kill --model-args "--device ctx --dim 512 --layers 8"
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
