@@ -224,7 +224,13 @@ class ChaosJob:
             verdict.problems.append(f"final digests differ or are missing: {digests}")
         verdict.notes.append(f"{len(digests)} final digests")
         seen = self.reasons(final)
-        verdict.reason = ",".join(sorted(seen & expect_reasons)) or ",".join(sorted(seen)) or "none"
+        failures = {(x.get("lastFailure") or {}).get("reason") for x in final.get("replicas") or []} - {None}
+        if expect_reasons:
+            verdict.reason = ",".join(sorted(seen & expect_reasons)) or ",".join(sorted(seen)) or "none"
+        else:  # nothing should have failed: the failures are the reason column, else "none"
+            verdict.reason = ",".join(sorted(failures)) or "none"
+            if failures:
+                verdict.problems.append(f"replicas failed where nothing should: {sorted(failures)}")
         if expect_reasons and not expect_reasons <= seen:
             verdict.problems.append(f"expected reasons {sorted(expect_reasons)} in status and Events, saw {sorted(seen)}")
         return verdict

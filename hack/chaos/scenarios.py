@@ -261,23 +261,29 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
 
 
 def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
-    """Suspend (every pod deleted), resume: each replica restores the newest complete
-    checkpoint. The steps after it are redone by design; the committed step is judged from
-    the moment training is back at the checkpoint."""
+    """Suspend (every pod deleted), resume: the replicas that restore take the newest
+    complete checkpoint. The steps after it are redone by design; the committed step is
+    judged again from the new coordinator's first write on."""
     w = job.world
+    selector = f"transom.io/job={job.name},transom.io/replica"
+
+    def no_worker_pods():  # Terminating ones too: they train on through their grace period
+        return not w.core.list_namespaced_pod(job.ns, label_selector=selector, _request_timeout=5).items
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
-    w.wait("the job's pods gone", lambda: not w.worker_pods(job.ns, job.name), 120)
-    newest = job.status().get("training", {}).get("lastCheckpoint")
-    suspended_at = job.watch.last().step
+    w.wait("every worker pod gone", no_worker_pods, 180)
+    time.sleep(2)  # the coordinator's last status write
+    status = job.status()
+    newest, suspended_at = (status.get("training") or {}).get("lastCheckpoint"), (status.get("training") or {}).get("step")
     resumed_at = len(job.watch.samples)
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": False}}))
 
-    w.wait("every replica contributing after the resume", lambda: any(
-        s.contributing == job.replicas for s in job.watch.samples[resumed_at:]), 240)
-    # A replica that starts late may catch up from a peer that already restored: fine. Every
-    # replica that restored took the newest complete checkpoint.
-    steps = {r: int(m[1]) for r, p in w.worker_pods(job.ns, job.name).items()
-             if (m := RESUMED.search(w.logs(job.ns, p.metadata.name)))}
+    def started():  # every replica's new pod has said how it began: restored, or caught up from a peer
+        pods = w.worker_pods(job.ns, job.name)
+        logs = {r: w.logs(job.ns, p.metadata.name) for r, p in pods.items()}
+        begun = {r: text for r, text in logs.items() if RESUMED.search(text) or "recovering from it" in text}
+        return begun if len(begun) == job.replicas else None
+    logs = w.wait("every replica restored or caught up after the resume", started, 240)
+    steps = {r: int(m[1]) for r, text in logs.items() if (m := RESUMED.search(text))}
     if not steps or set(steps.values()) != {newest}:
         v.problems.append(f"replicas restored {steps}, not the newest checkpoint {newest}")
     # The restart ends, for the committed step in status, at the new coordinator's first write.
@@ -286,8 +292,8 @@ def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
     after = job.watch.samples[resumed_at:]
     first = next(i for i, s in enumerate(after) if s.step is not None and s.step != suspended_at)
     job.restart_window = (resumed_at, resumed_at + first)
-    v.notes.append(f"suspended at step {suspended_at}; each replica restored step {newest} ({steps}); status then "
-                   f"showed step {after[first].step}")
+    v.notes.append(f"suspended at step {suspended_at}; replicas restored the newest checkpoint {steps} (the others "
+                   f"caught up from them); status then showed step {after[first].step}")
     return {"JobSuspended"}
 
 
