@@ -223,6 +223,11 @@ class ChaosJob:
         if not verdict.bit_identical:
             verdict.problems.append(f"final digests differ or are missing: {digests}")
         verdict.notes.append(f"{len(digests)} final digests")
+        for pod in self.world.worker_pods(self.ns, self.name).values():
+            text = self.world.logs(self.ns, pod.metadata.name)
+            if not DIGEST.search(text):  # say why a replica printed none
+                tail = " | ".join(text.strip().splitlines()[-4:])[-600:]
+                verdict.notes.append(f"no digest from {pod.metadata.name}: ... {tail}")
         seen = self.reasons(final)
         failures = {(x.get("lastFailure") or {}).get("reason") for x in final.get("replicas") or []} - {None}
         if expect_reasons:
