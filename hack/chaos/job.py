@@ -266,14 +266,22 @@ class ChaosJob:
                 last = s.step
         return " ".join(out[-40:])
 
+    def storage(self):
+        from transom.checkpoint.storage import Storage
+        env = self.world.env
+        return Storage(f"s3://{self.prefix}", key=env.s3_access_key, secret=env.s3_secret_key,
+                       client_kwargs={"endpoint_url": env.s3_endpoint})
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a manifest in S3, newest first."""
+        from transom.checkpoint import restore
+        return restore.committed_steps(self.storage())[0]
+
     def checkpoint_problems(self, final: dict) -> list[str]:
         """Every committed checkpoint verifies (manifest of its own step, sizes and CRC-32s);
         the newest is the one status names."""
         from transom.checkpoint import restore
-        from transom.checkpoint.storage import Storage
-        env = self.world.env
-        storage = Storage(f"s3://{self.prefix}", key=env.s3_access_key, secret=env.s3_secret_key,
-                          client_kwargs={"endpoint_url": env.s3_endpoint})
+        storage = self.storage()
         committed, _ = restore.committed_steps(storage)
         problems = []
         for step in committed:

@@ -271,9 +271,10 @@ def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
         return not w.core.list_namespaced_pod(job.ns, label_selector=selector, _request_timeout=5).items
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": True}}))
     w.wait("every worker pod gone", no_worker_pods, 180)
-    time.sleep(2)  # the coordinator's last status write
-    status = job.status()
-    newest, suspended_at = (status.get("training") or {}).get("lastCheckpoint"), (status.get("training") or {}).get("step")
+    # The newest complete checkpoint is storage's word: status may lag it by the coordinator's
+    # last write (a checkpoint committed while the workers stopped, after its last write).
+    newest = job.committed_steps()[0]
+    suspended_at = (job.status().get("training") or {}).get("step")
     resumed_at = len(job.watch.samples)
     w.kubectl("patch", "tj", job.name, "-n", job.ns, "--type=merge", "-p", json.dumps({"spec": {"suspend": False}}))
 
