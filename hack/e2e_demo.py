@@ -217,8 +217,11 @@ class Scenario:
 
     # --- the scenario -------------------------------------------------------------------
     def install_operator(self) -> None:
+        # One operator: the demo records the operator's metrics through its Service, which with
+        # the chart's two replicas alternates between the leader and the standby (whose gauges
+        # are empty). The two replicas and their leader election are make chaos's operator_loss.
         self.helm("upgrade", "--install", "transom", str(CHART), "-n", OPERATOR_NAMESPACE, "--create-namespace",
-                  "--set", "grafanaDashboard.enabled=true", timeout_s=120)
+                  "--set", "grafanaDashboard.enabled=true", "--set", "replicaCount=1", timeout_s=120)
         self.kubectl("rollout", "status", "deployment/transom-operator", "-n", OPERATOR_NAMESPACE,
                      "--timeout=120s", timeout_s=130)
 
