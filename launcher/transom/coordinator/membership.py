@@ -41,7 +41,6 @@ import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 from transom.coordinator import claims
 from transom.coordinator.goodput import GoodputClock, as_decimal
@@ -67,47 +66,13 @@ from transom.coordinator.models import (
 )
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
+from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exported: the records it keeps)
 
 # A failed round waits for an absent member at least this many of the job's recent rounds:
 # a member still computing its step meets the failed exchange only at the step's end, and
 # on a loaded machine that can be well past `failed_grace_s`.
 FAILED_GRACE_ROUNDS = 3
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
-
-
-@dataclass
-class Replica:
-    identity: Identity
-    store_addr: str
-    state_endpoints: list[str]
-    state: Literal["healthy", "failed", "left"] = "healthy"
-    last_heartbeat: float = 0.0
-    step: int = 0
-    registered_step: int = 0  # what it held when it registered: its bound until a round answers it
-    last_loss: float | None = None
-    failures: int = 0  # over all incarnations of this replica id
-    last_failure: str | None = None
-    aside: bool = False  # stepped out of the rounds between two steps (trainer.aside()); its next request ends it
-
-
-@dataclass(frozen=True)
-class Decision:
-    round: int
-    quorum_id: int
-    members: tuple[Identity, ...]
-    store_addr: str
-    store_prefix: str
-    max_step: int
-    participants: int
-    recovering: tuple[int, ...]  # members catching up (they contribute zeros)
-    sources: tuple[int, ...] = ()  # members holding the newest state, serving it while anyone catches up
-    snapshot_from: int | None = None  # the sources keep a snapshot of this step or later
-    shares: tuple[float, ...] | None = None  # each replica's share of the global batch (Rebalance)
-    shares_from: int = 0  # ... from this step on
-    shared: dict | None = None  # script values set aside since the last decision (QuorumResponse.shared)
-
-    def member_ids(self) -> list[int]:
-        return [m.replica_id for m in self.members]
 
 
 @dataclass
