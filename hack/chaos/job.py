@@ -19,10 +19,12 @@ storage, the same five things for every scenario:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -344,3 +346,19 @@ def leftover_processes() -> list[str]:
         if "train_tiny_gpt.py" in text or "transom coordinator" in text or "transom launch" in text:
             found.append(text[:200])
     return found
+
+
+@contextlib.contextmanager
+def tended(job: ChaosJob, verdict: Verdict, label: str = "") -> Iterator[None]:
+    """Run a scenario's body: an error in it becomes the verdict's problem (the watch is
+    stopped), and the job is always deleted, what it left running a problem too."""
+    prefix = f"{label}: " if label else ""
+    try:
+        yield
+    except Exception as e:
+        verdict.problems.append(f"{prefix}{type(e).__name__}: {e}")
+        job.watch.stop()
+    finally:
+        left = job.delete()
+        if left:
+            verdict.problems.append(f"{prefix}left running after the job was deleted: {left}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from chaos.job import ChaosJob, Verdict
+from chaos.job import ChaosJob, Verdict, tended
 from chaos.scenarios import run
 from chaos.world import World
 
@@ -41,7 +41,7 @@ def oom(world: World, steps: int) -> Verdict:
     # Repeated: every attempt of replica 1 runs out of memory.
     job = ChaosJob(world, "chaos-oom-repeated", steps, env={"TRANSOM_FAULT": ";".join([fault] * 3)})
     t0 = time.monotonic()
-    try:
+    with tended(job, verdict, "repeated OOM kills"):
         job.start()
         final = job.finish(REPEATED_TIMEOUT_S)
         failed = next((c for c in final.get("conditions") or [] if c["type"] == "Failed"), {})
@@ -49,12 +49,5 @@ def oom(world: World, steps: int) -> Verdict:
         verdict.notes.append(f"repeated OOM kills: {final.get('state')} after {time.monotonic() - t0:.0f} s: {message}")
         if final.get("state") != "Failed" or failed.get("reason") != "OOMKilled" or "limits.memory" not in message:
             verdict.problems.append(f"repeated OOM kills did not end the job clearly: {final.get('state')}, {failed}")
-    except Exception as e:
-        verdict.problems.append(f"repeated OOM kills: {type(e).__name__}: {e}")
-        job.watch.stop()
-    finally:
-        left = job.delete()
-        if left:
-            verdict.problems.append(f"left running after the repeated-OOM job was deleted: {left}")
     verdict.survived = not verdict.problems
     return verdict

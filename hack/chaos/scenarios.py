@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from chaos.job import CHECKPOINT_INTERVAL, ChaosJob, Verdict
+from chaos.job import CHECKPOINT_INTERVAL, ChaosJob, Verdict, tended
 from chaos.world import World
 from e2e_demo import OPERATOR_NAMESPACE
 from testenv import cluster, faults
@@ -35,17 +35,12 @@ def run(world: World, name: str, act: Callable[[ChaosJob, Verdict], set[str]], s
     verdict = Verdict(name)
     t0 = time.monotonic()
     try:
-        job.start()
-        expect = act(job, verdict)
-        final = job.finish()
-        job.judge(verdict, final, expect)
-    except Exception as e:
-        verdict.problems.append(f"{type(e).__name__}: {e}")
-        job.watch.stop()
+        with tended(job, verdict):
+            job.start()
+            expect = act(job, verdict)
+            final = job.finish()
+            job.judge(verdict, final, expect)
     finally:
-        left = job.delete()
-        if left:
-            verdict.problems.append(f"left running after the job was deleted: {left}")
         verdict.problems += environment_problems(world)
     verdict.survived = not verdict.problems
     verdict.notes.append(f"{time.monotonic() - t0:.0f} s in all")
