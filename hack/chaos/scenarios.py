@@ -63,12 +63,13 @@ def environment_problems(world: World) -> list[str]:
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def victim(job: ChaosJob) -> tuple[int, str]:
-    """A replica on a node without the coordinator (the highest such id), and that node."""
+def victim(job: ChaosJob, prefer: str | None = None) -> tuple[int, str]:
+    """A replica on a node without the coordinator (the highest such id, one on node `prefer`
+    first), and that node."""
     coord = job.world.coordinator_pod(job.ns, job.name)
     coord_node = coord.spec.node_name if coord else None
     pods = job.world.worker_pods(job.ns, job.name)
-    for replica in sorted(pods, reverse=True):
+    for replica in sorted(pods, key=lambda r: (pods[r].spec.node_name == prefer, r), reverse=True):
         if pods[replica].spec.node_name != coord_node:
             return replica, pods[replica].spec.node_name
     replica = max(pods)
@@ -160,7 +161,10 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
 
 def drain(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(30)
-    replica, node = victim(job)
+    # The node of the operator that leads, where there is a replica: the pod is evicted and gone
+    # before the standby takes the Lease, and must still be judged a requested eviction.
+    leader = next((p for p in job.world.operator_pods() if p.metadata.name == job.world.operator_leader()), None)
+    replica, node = victim(job, prefer=leader.spec.node_name if leader else None)
     job.mark_fault()
     try:
         out = job.world.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s",
@@ -170,7 +174,8 @@ def drain(job: ChaosJob, v: Verdict) -> set[str]:
         moved_to = wait_moved(job, replica, node)
         v.recover_s = job.wait_contributing()
         v.detect_s = detected(job, replica)
-        v.notes.append(f"drained {node}; replica {replica} moved to {moved_to}")
+        led = " (the operator's leader's node)" if leader and leader.spec.node_name == node else ""
+        v.notes.append(f"drained {node}{led}; replica {replica} moved to {moved_to}")
     finally:
         job.world.kubectl("uncordon", node, check=False)
     return {"PodEvicted"}

@@ -20,7 +20,8 @@ A pass may run before the events of its own writes arrive: it then sees a pod it
 as missing, or one it deleted as present. The writes are idempotent (deterministic names:
 409 on create is "exists", 404 on delete is "gone"), and a pod missing from a replica
 counts as lost only once the status recorded the replica Running with it, so such a pass
-repeats a write at most. Thread-safe: events arrive on kopf's loop, passes run in threads.
+repeats a write at most. A deleted pod's last state stays readable for `DEPARTED_S`
+(`departed`): a pass that finds a pod gone learns from it why. Thread-safe: events arrive on kopf's loop, passes run in threads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ from typing import Any
 from transom import contract
 
 RESYNC_S = 60.0
+# How long a deleted pod's last state is kept (`WatchCache.departed`): a pod that a drain
+# evicted is gone from the API seconds later, often before a pass saw it deleting (the
+# operator that led may be on the drained node; its successor takes the Lease up to 15 s
+# later). Its DELETED event still carries its last status, whose DisruptionTarget condition
+# tells a requested eviction from a pod that simply vanished.
+DEPARTED_S = 180.0
 
 
 def _rv(obj: dict) -> int:
@@ -51,6 +58,7 @@ class _Objects:
 
     def __init__(self) -> None:
         self.items: dict[str, dict] = {}
+        self.departed: dict[str, tuple[dict, float]] = {}  # name -> (its DELETED event's object, when)
         self.listed_at: float | None = None
         # name -> (resourceVersion, what `observe` made of it): unchanged objects are not
         # observed again (a 2,000-pod job's pass otherwise spends most of its CPU there).
@@ -66,14 +74,20 @@ class _Objects:
         self.observed = memo  # objects gone are forgotten
         return out
 
-    def apply(self, kind: str | None, obj: dict) -> None:
+    def apply(self, kind: str | None, obj: dict, now: float) -> None:
         name = _name(obj)
         if kind == "DELETED":
             if name in self.items and _rv(self.items[name]) <= _rv(obj):
                 del self.items[name]
+            self.departed[name] = (obj, now)
+            self.forget_departed(now)
             return
         if name not in self.items or _rv(self.items[name]) <= _rv(obj):
             self.items[name] = obj
+
+    def forget_departed(self, now: float) -> None:
+        for name in [n for n, (_, at) in self.departed.items() if now - at >= DEPARTED_S]:
+            del self.departed[name]
 
     def seed(self, listed: list[dict], list_rv: int, now: float) -> None:
         fresh = {_name(o): o for o in listed}
@@ -146,11 +160,11 @@ class WatchCache:
         if not job:
             return
         with self._lock:
-            self._pods.setdefault((meta.get("namespace", ""), job), _Objects()).apply(kind, pod)
+            self._pods.setdefault((meta.get("namespace", ""), job), _Objects()).apply(kind, pod, self.clock())
 
     def node_event(self, kind: str | None, node: dict) -> None:
         with self._lock:
-            self._nodes.apply(kind, node)
+            self._nodes.apply(kind, node, self.clock())
 
     def forget_job(self, namespace: str, job: str) -> None:
         with self._lock:
@@ -188,6 +202,17 @@ class WatchCache:
         with self._lock:
             objs = self._pods[key]
             return objs.observe(observe) if observe is not None else list(objs.items.values())
+
+    def departed(self, namespace: str, job: str, observe: Callable[[dict], Any]) -> list:
+        """What `observe` makes of the job's pods deleted in the last `DEPARTED_S`, from the last
+        state their DELETED events carried (this instance's watch saw them, leader or not)."""
+        with self._lock:
+            objs = self._pods.get((namespace, job))
+            if objs is None:
+                return []
+            objs.forget_departed(self.clock())
+            bodies = [body for body, _ in objs.departed.values()]
+        return [observe(body) for body in bodies]
 
     def nodes(self, list_nodes: Callable[[], tuple[list[dict], int]]) -> list[dict]:
         with self._lock:

@@ -97,8 +97,9 @@ class Controller:
         # observes again only the pods that changed.
         pods = self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name), observe_pod)
         nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
+        departed = self.cache.departed(namespace, name, observe_pod)  # why a pod that is gone went
         now = datetime.now(timezone.utc)
-        plan = replicas.plan(job, pods, nodes, now)
+        plan = replicas.plan(job, pods, nodes, now, departed)
 
         # The pod creates go out with the status write, the deletes and relabels after it: a
         # replacement waits for no status write of tens of kilobytes (a 250-replica job's), and

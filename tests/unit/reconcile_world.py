@@ -2,8 +2,9 @@
 
 `World.step()` plans, applies the plan the way kube.py would (deleted pods get a
 deletionTimestamp, created pods appear Pending, relabelled pods change identity, the status
-is written) and returns the plan. `settle()` lets deleted pods go and schedules the pending
-ones; `coordinator()` writes status.training as the job's coordinator would;
+is written) and returns the plan. `settle()` lets deleted pods go (their last state stays
+`departed` for `cache.DEPARTED_S`, as the operator's watch cache keeps it) and schedules the
+pending ones; `coordinator()` writes status.training as the job's coordinator would;
 `assert_quiet()` checks that planning again without a change asks for nothing new.
 """
 
@@ -14,6 +15,7 @@ from datetime import datetime, timezone
 
 from transom import contract
 from transom_operator import api
+from transom_operator.cache import DEPARTED_S
 from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
@@ -40,11 +42,19 @@ class World:
         self.pods: dict[str, ObservedPod] = {}
         self.nodes = {f"n{i}": ObservedNode(f"n{i}", True, None) for i in range(num_nodes)}
         self.now = T0
+        self.gone: dict[str, tuple[ObservedPod, datetime]] = {}  # name -> (last state, when deleted)
         self._next_node = 0
         self._uid = 0
 
+    def departed(self) -> list[ObservedPod]:
+        return [pod for pod, at in self.gone.values() if (self.now - at).total_seconds() < DEPARTED_S]
+
+    def vanish(self, name: str) -> None:
+        """The pod is deleted from the API, its DELETED event seen (settle's, for one pod)."""
+        self.gone[name] = (self.pods.pop(name), self.now)
+
     def step(self):
-        p = plan(self.job, list(self.pods.values()), self.nodes, self.now)
+        p = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
         for name in p.delete:
             self.pods[name] = replace(self.pods[name], deleting=True)
         for name, labels in p.relabel:
@@ -72,7 +82,7 @@ class World:
         excluded = {e.name for e in (self.job.status.excluded_nodes if self.job.status else [])}
         for name, pod in list(self.pods.items()):
             if pod.deleting:
-                del self.pods[name]
+                self.vanish(name)
             elif pod.phase == "Pending":
                 node = self._free_node(excluded)
                 self.pods[name] = replace(pod, phase="Running", node_name=node)
@@ -98,7 +108,7 @@ class World:
         return self
 
     def assert_quiet(self):
-        again = plan(self.job, list(self.pods.values()), self.nodes, self.now)
+        again = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
         assert (again.create, again.delete, again.relabel, again.events, again.excluded_nodes_added) == ([], [], [], [], [])
         assert again.status == self.job.status
 

@@ -4,6 +4,8 @@
   on a Ready node: its DisruptionTarget condition says so) is `PodEvicted`: the replica is
   replaced, but the node is not blamed and the replacement uses up neither the restart budget
   nor the backoff;
+- a pod deleted and gone before any pass saw it deleting (the leader was on the drained node)
+  is judged by the last state its DELETED event carried;
 - a new leader that takes over in the middle of a replacement finishes it without doing
   anything twice;
 - a pod whose image the kubelet cannot pull is left alone (the kubelet retries): the replica's
@@ -18,6 +20,7 @@ from datetime import timedelta
 import pytest
 
 from transom_operator import reasons
+from transom_operator.cache import DEPARTED_S
 from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ImagePull, ObservedNode
 from transom_operator.reconcile.replicas import plan
@@ -57,6 +60,42 @@ def test_an_evicted_pod_replaces_its_replica_without_blaming_the_node_or_using_t
     assert {n: p.uid for n, p in w.pods.items() if p.replica != 1} == others
     assert w.job.status.state == "Running" and w.job.status.replicas[1].state == "Running"
     w.assert_quiet()
+
+
+GONE = [
+    ("drained", dict(DRAINED, phase="Failed", exit_code=143, reason="Error"), reasons.POD_EVICTED, []),
+    ("deleted by a user", dict(deleting=True), reasons.POD_DELETED, None),
+]
+
+
+@pytest.mark.parametrize("what, last, reason, history", GONE, ids=[g[0] for g in GONE])
+def test_a_pod_gone_before_any_pass_saw_it_deleting_is_judged_by_its_last_state(what, last, reason, history):
+    """The operator that led was on the drained node: the pod was evicted and gone from the
+    API before its successor's first pass, whose watch still saw the DELETED event."""
+    w = World(make_job()).running()
+    bad = w.pod_of(1)
+    w.set_pod(bad.name, **last)
+    w.vanish(bad.name)
+    p = w.step()
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.state, r1.last_failure.reason) == (1, "Replacing", reason)
+    assert bad.name in r1.last_failure.message
+    assert sorted(m["metadata"]["name"] for m in p.create) == ["demo-r1-n0-g1", "demo-r1-n1-g1"]
+    if history is not None:
+        assert p.status.restart_history == history
+    assert p.excluded_nodes_added == []
+    w.assert_quiet()
+
+
+def test_a_pod_gone_longer_than_its_departed_record_is_simply_gone():
+    w = World(make_job()).running()
+    bad = w.pod_of(1)
+    w.set_pod(bad.name, **DRAINED)
+    w.vanish(bad.name)
+    w.now += timedelta(seconds=DEPARTED_S)  # e.g. no operator ran meanwhile
+    r1 = w.step().status.replicas[1]
+    assert (r1.generation, r1.last_failure.reason) == (1, reasons.POD_DELETED)
+    assert r1.last_failure.message == f"pod of node rank {bad.node_rank} is gone"
 
 
 def test_draining_every_node_neither_fails_the_job_nor_waits_and_crashes_still_count():

@@ -4,7 +4,7 @@ rolls back."""
 from __future__ import annotations
 
 from transom import contract
-from transom_operator.cache import WatchCache
+from transom_operator.cache import DEPARTED_S, WatchCache
 
 
 def pod(name: str, rv: int, job: str = "j", phase: str = "Running") -> dict:
@@ -136,3 +136,18 @@ def test_events_before_the_first_pass_do_not_replace_its_read():
     get = Getter(job(4))
     assert cache.job("ns", "j", get)["metadata"]["resourceVersion"] == "4" and get.calls == 1
     assert cache.job("ns", "j", get)["metadata"]["resourceVersion"] == "4" and get.calls == 1
+
+
+def test_a_deleted_pod_stays_departed_for_a_while_with_its_last_state():
+    now = [0.0]
+    cache = WatchCache(resync_s=60, clock=lambda: now[0])
+    lister = Lister([pod("a", 5), pod("b", 6)], rv=10)
+    cache.pods("ns", "j", lister)
+    cache.pod_event("DELETED", pod("a", 12, phase="Failed"))
+    assert names(cache.pods("ns", "j", lister)) == ["b"]
+    phases = cache.departed("ns", "j", lambda p: (p["metadata"]["name"], p["status"]["phase"]))
+    assert phases == [("a", "Failed")] and cache.departed("ns", "k", lambda p: p) == []
+    now[0] = DEPARTED_S - 1
+    assert len(cache.departed("ns", "j", lambda p: p)) == 1
+    now[0] = DEPARTED_S
+    assert cache.departed("ns", "j", lambda p: p) == []

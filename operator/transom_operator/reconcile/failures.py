@@ -34,7 +34,7 @@ repeated-failure rule count.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from transom import contract
@@ -85,6 +85,9 @@ class Incarnation:
     current: Mapping[int, ObservedPod]  # node rank -> pod of this generation
     recorded_running: bool  # status recorded it with every pod running: a missing pod was lost
     verdict: api.Verdict | None  # the coordinator's verdict about this generation, if any
+    # node rank -> the last state of a pod of this generation that is gone from the API (its
+    # DELETED event's): a pod deleted before any pass saw it deleting is judged from it.
+    departed: Mapping[int, ObservedPod] = field(default_factory=dict)
 
 
 def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, ObservedNode],
@@ -101,8 +104,10 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
         nonlocal recheck
         recheck = seconds if recheck is None else min(recheck, seconds)
 
-    for rank in sorted(inc.current):
-        pod = inc.current[rank]
+    pods = {rank: replace(p, deleting=True) for rank, p in inc.departed.items() if rank not in inc.current}
+    pods.update(inc.current)
+    for rank in sorted(pods):
+        pod = pods[rank]
         node = nodes.get(pod.node_name) if pod.node_name else None
         if node is not None and not node.ready and node.not_ready_since is not None:
             elapsed = (now - node.not_ready_since).total_seconds()
@@ -154,7 +159,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
         causes.append(_verdict_cause(inc.verdict, inc.current))
     if inc.recorded_running:
         for rank in range(nodes_per_replica):
-            if rank not in inc.current:
+            if rank not in pods:
                 causes.append((reasons.POD_DELETED, f"pod of node rank {rank} is gone", None, None))
     if not causes:
         return None, recheck

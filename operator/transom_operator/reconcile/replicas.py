@@ -196,8 +196,10 @@ class _Pass:
 
 
 def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
-         nodes: Mapping[str, ObservedNode] | Iterable[ObservedNode], now: datetime) -> Plan:
-    """Actions and status for one reconcile pass of `job` (see the module docstring)."""
+         nodes: Mapping[str, ObservedNode] | Iterable[ObservedNode], now: datetime,
+         departed: Iterable[ObservedPod] = ()) -> Plan:
+    """Actions and status for one reconcile pass of `job` (see the module docstring).
+    `departed`: the last state of the job's pods deleted lately (WatchCache.departed)."""
     spec = job.spec
     prev = job.status or api.TrainingJobStatus()
     now_s = int(now.timestamp())
@@ -217,7 +219,7 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     ps.out.delete.extend(p.name for p in extra if not p.deleting)
 
     if not ps.suspended and not ps.final:
-        _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts})
+        _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts}, departed)
         _oom_in_place(ps, replicas, oom.records(training))
     failed_now = None
     if not ps.suspended and not ps.final and not ps.completed:
@@ -245,13 +247,19 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
 
 
 # --- detect ---------------------------------------------------------------------------------
-def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, int], Any]) -> None:
+def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, int], Any],
+            departed: Iterable[ObservedPod]) -> None:
     """Each replica's failure, if its current incarnation has one (failures.detect), and the
     failure of the recorded incarnation of a replica whose replacement was not recorded."""
+    gone: dict[tuple[int, int], dict[int, ObservedPod]] = {}
+    for p in departed:
+        if p.replica is not None and p.generation is not None and p.node_rank is not None:
+            gone.setdefault((p.replica, p.generation), {})[p.node_rank] = p
 
     def detect(replica: int, generation: int, pods: Mapping[int, ObservedPod], recorded_running: bool):
         return failures.detect(
-            failures.Incarnation(replica, generation, pods, recorded_running, verdicts.get((replica, generation))),
+            failures.Incarnation(replica, generation, pods, recorded_running, verdicts.get((replica, generation)),
+                                 gone.get((replica, generation), {})),
             nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
             grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
         )
