@@ -41,6 +41,10 @@ ALIASES = {"trainer": "FaultTolerant", "ctx": "ReplicaContext"}
 # names of our modules that the pages also use for PyTorch's objects (model.state_dict(),
 # optimizer.step(), sampler.set_step()): `x.y` with these is not read as module.name
 NOT_MODULES = {"model", "optimizer", "sampler", "scaler", "loss", "torch", "os", "sys", "time", "json"}
+# Names of others' that the pages use bare and our code handles without naming them:
+# PyTorch's sampler, which ReplicaSampler replaces; a Kubernetes DisruptionTarget reason that
+# the operator treats as any eviction not in failures.VOLUNTARY_DISRUPTIONS.
+UPSTREAM_NAMES = {"DistributedSampler", "TerminationByKubelet"}
 # nanoGPT's sample.py, which a page says cannot read a checkpoint directory
 UPSTREAM_FILES = {"sample.py"}
 EXTENSIONS = ("py", "md", "yaml", "yml", "json", "sh", "c", "toml", "png", "Dockerfile", "txt", "go", "jsonl")
@@ -83,7 +87,42 @@ def code_text() -> str:
 
 @functools.cache
 def code_words() -> frozenset[str]:
-    return frozenset(re.findall(r"[A-Za-z_][\w-]*", code_text()) + re.findall(r"\w+", code_text()))
+    """The words of the code that it uses, not those it only says: in Python, its identifiers
+    and the words of its string literals, docstrings and comments left out; in every other
+    file (YAML, shell, the Makefile, Dockerfiles), every word."""
+    words: set[str] = set()
+    for rel in repo_files():
+        top = rel.split("/")[0]
+        if rel.endswith("/") or not (top in CODE_DIRS or rel in CODE_FILES) or rel.endswith((".png", ".md")):
+            continue
+        try:
+            text = (ROOT / rel).read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not rel.endswith(".py"):
+            words.update(re.findall(r"\w+", text))
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name):
+                words.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                words.add(n.attr)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                words.add(n.name)
+            elif isinstance(n, ast.alias):
+                words.update(re.findall(r"\w+", n.asname or n.name))
+            elif isinstance(n, ast.arg):
+                words.add(n.arg)
+            elif isinstance(n, ast.keyword) and n.arg:
+                words.add(n.arg)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+                words.update(re.findall(r"\w+", n.value))
+    return frozenset(words)
 
 
 class Module:
@@ -218,7 +257,8 @@ def python_name(parts: list[str]) -> bool | None:
     if head[0].isupper():
         if head in classes():
             return class_has(head, parts[1:2])
-        return None
+        # not a class of ours: a name the code uses (ProcessGroupNCCL.Options), or gone
+        return None if head.isupper() else head in code_words()
     if head in NOT_MODULES:
         return None
     candidates = [d for d in modules() if d == head or d.endswith("." + head)]
@@ -278,6 +318,48 @@ def metrics() -> frozenset[str]:
     return frozenset(names | {n + s for n in names for s in ("_total", "_bucket", "_count", "_sum", "_created")})
 
 
+def transom_command(token: str) -> tuple[str, ...] | None:
+    """`transom detect replay FILE --json` -> ("detect", "replay"); None for anything else."""
+    m = re.match(r"^transom ((?:[a-z]+ ?)+)", token)
+    if not m:
+        return None
+    words = m.group(1).split()
+    choices = subcommands(())
+    path: list[str] = []
+    for w in words:
+        if w not in choices:
+            break
+        path.append(w)
+        choices = subcommands(tuple(path))
+    return tuple(path) if path else None
+
+
+def _parser(path: tuple[str, ...]):
+    """The argparse parser of `transom <path>`, built by transom.cli.parser() (no torch)."""
+    import argparse
+    import sys
+
+    sys.path[:0] = [p for p in (str(ROOT / "launcher"),) if p not in sys.path]
+    from transom.cli import parser
+
+    p = parser()
+    for word in path:
+        p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return p
+
+
+@functools.cache
+def subcommands(path: tuple[str, ...]) -> frozenset[str]:
+    import argparse
+
+    return frozenset(w for a in _parser(path)._actions if isinstance(a, argparse._SubParsersAction) for w in a.choices)
+
+
+@functools.cache
+def command_flags(path: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(o for a in _parser(path)._actions for o in a.option_strings)
+
+
 def path_exists(path: str) -> bool:
     files = repo_files()
     if "/" not in path.rstrip("/"):
@@ -330,14 +412,18 @@ def names(token: str) -> list[tuple[str, str, bool]]:
             if not ok and ".".join(parts) in config_keys():
                 ok = True  # checkpoint.uri, detection.enabled: a key of the chart or the CRD
             out.append(("python", m.group(1), ok))
-    if CAMEL.match(token):
+    if CAMEL.match(token) and token not in UPSTREAM_NAMES:
         out.append(("class", token, token in code_words()))
     upstream = re.match(r"^(helm|kubectl|go|pip|git|docker|ctr)\b", token)  # their flags are not ours
+    command = transom_command(token)
     for m in FLAG.finditer("" if upstream else token):
         flag = m.group(1)
         if flag == "--help":  # argparse's own
             continue
-        out.append(("flag", flag, re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code_text()) is not None))
+        if command is not None:  # `transom run --spares`: a flag of that very command
+            out.append(("flag", f"transom {' '.join(command)} {flag}", flag in command_flags(command)))
+        else:  # a flag alone, or another program's of ours (hack/testenv.sh, a benchmark)
+            out.append(("flag", flag, re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code_text()) is not None))
     for m in UPPER.finditer(token):
         out.append(("env" if m.group(1).startswith("TRANSOM_") else "constant", m.group(1),
                     m.group(1) in code_words()))
@@ -376,7 +462,8 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
 
 def unnamed(docs: Path = ROOT) -> list[str]:
     """What the code has that the pages should name and do not: every metric family it registers,
-    every variable of the pod contract (contract.py's TRANSOM_*), every fault action of inject.py."""
+    every variable of the pod contract (contract.py's TRANSOM_*), every flag of the `transom`
+    commands, every fault action of inject.py."""
     text = "\n".join(p.read_text() for p in pages(docs))
     out = []
     for name in registered():
@@ -386,6 +473,11 @@ def unnamed(docs: Path = ROOT) -> list[str]:
     for name in sorted(set(re.findall(r"[\"'](TRANSOM_[A-Z0-9_]+)[\"']", contract))):
         if name not in text:
             out.append(f"env `{name}`")
+    text_flags = re.findall(r"--[a-z][\w-]*", text)
+    for command in [("run",), ("coordinator",), ("launch",), ("simulate",), ("detect", "replay"), ("checkpoint", "export")]:
+        for flag in sorted(command_flags(command) - {"--help"}):
+            if flag.startswith("--") and flag not in text_flags:
+                out.append(f"flag `transom {' '.join(command)} {flag}`")
     actions = ast.literal_eval(re.search(r"^ACTIONS = (\(.*\))$", (ROOT / "launcher/transom/inject.py").read_text(), re.M)[1])
     api = (docs / "docs/training-api.md").read_text()
     for action in actions:
