@@ -463,7 +463,7 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
 def unnamed(docs: Path = ROOT) -> list[str]:
     """What the code has that the pages should name and do not: every metric family it registers,
     every variable of the pod contract (contract.py's TRANSOM_*), every flag of the `transom`
-    commands, every fault action of inject.py."""
+    commands, every field of FTConfig and CheckpointConfig, every fault action of inject.py."""
     text = "\n".join(p.read_text() for p in pages(docs))
     out = []
     for name in registered():
@@ -478,6 +478,11 @@ def unnamed(docs: Path = ROOT) -> list[str]:
         for flag in sorted(command_flags(command) - {"--help"}):
             if flag.startswith("--") and flag not in text_flags:
                 out.append(f"flag `transom {' '.join(command)} {flag}`")
+    for cls, page in (("FTConfig", "training-api.md"), ("CheckpointConfig", "checkpoint.md")):
+        fields = [n.target.id for c in classes().get(cls, []) for n in c.body
+                  if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+        doc = (docs / "docs" / page).read_text() if (docs / "docs" / page).exists() else ""
+        out += [f"{cls}.{f} ({page})" for f in fields if f"`{f}`" not in doc]
     actions = ast.literal_eval(re.search(r"^ACTIONS = (\(.*\))$", (ROOT / "launcher/transom/inject.py").read_text(), re.M)[1])
     api = (docs / "docs/training-api.md").read_text()
     for action in actions:
