@@ -367,10 +367,16 @@ def path_exists(path: str) -> bool:
     return any((f"{base}/{path}" if base else path) in files for base in PATH_BASES)
 
 
+def files_named(path: str) -> list[str]:
+    """The repository's files a page's path may mean: under a base, or, bare, of that name."""
+    if "/" not in path:
+        return sorted(f for f in repo_files() if f == path or f.endswith("/" + path))
+    return [rel for base in PATH_BASES for rel in [f"{base}/{path}" if base else path] if rel in repo_files()]
+
+
 def defined_in_file(path: str, name: str) -> bool:
-    for base in PATH_BASES:
-        rel = f"{base}/{path}" if base else path
-        if rel in repo_files():
+    for rel in files_named(path):
+        if rel:
             text = (ROOT / rel).read_text()
             head, *rest = name.split(".")
             if re.search(rf"^\s*(?:async def|def|class) {re.escape(head)}\b|^{re.escape(head)}\b\s*[:=]", text, re.M):
@@ -450,6 +456,13 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
             seen.add((page.name, "page", doc))
             if not (path_exists(doc) or (page.parent / doc).exists()):
                 missing.append(f"{page.name}: page `{doc}`")
+        # `ft/data.py` (`ReplicaSampler`), `Decision` in `records.py`: the name is defined there
+        pairs = [(m[1], m[0]) for m in re.findall(r"`([\w/.-]+\.py)` \(`([A-Za-z_]\w*)`", text)]
+        pairs += re.findall(r"`([A-Za-z_]\w*)` (?:\(|in )`([\w/.-]+\.py)`", text)
+        for name, path in set(pairs):
+            seen.add((page.name, "defined in", f"{path}::{name}"))
+            if Path(path).stem != name and not defined_in_file(path, name):
+                missing.append(f"{page.name}: `{name}` is not defined in `{path}`")
         for token in spans(text):
             for kind, name, ok in names(token):
                 if (page.name, kind, name) in seen:

@@ -67,11 +67,13 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text(textwrap.dedent("""\
-        See DESIGN.md and `launcher/transom/gone.py`.
+        See DESIGN.md and `launcher/transom/gone.py`; `ft/data.py` (`ReplicaSampler`) holds
+        the sampler, and `Gone` in `ft/data.py` was never there.
 
         ```
         `launcher/transom/in_a_fenced_block.py` is not read
         ```
         """))
     count, missing = check(tmp_path)
-    assert missing == ["a.md: page `DESIGN.md`", "a.md: path `launcher/transom/gone.py`"], missing
+    assert sorted(missing) == ["a.md: `Gone` is not defined in `ft/data.py`", "a.md: page `DESIGN.md`",
+                               "a.md: path `launcher/transom/gone.py`"], missing
