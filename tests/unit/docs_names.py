@@ -463,6 +463,22 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
             seen.add((page.name, "defined in", f"{path}::{name}"))
             if Path(path).stem != name and not defined_in_file(path, name):
                 missing.append(f"{page.name}: `{name}` is not defined in `{path}`")
+        # shell blocks: the repository's paths they use, and the flags of a `transom` command line
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
+            if lang not in ("bash", "sh", ""):
+                continue
+            for m in PATH.finditer(body):
+                path = m.group(1)
+                if "/" in path.rstrip("/") and not path.startswith((".venv/", ".")) and path.split("/")[0] in TOP:
+                    seen.add((page.name, "path", path))
+                    if not path_exists(path):
+                        missing.append(f"{page.name}: path `{path}` (in a code block)")
+            for line in re.findall(r"^\s*(?:\.venv/bin/)?(transom [^\n]*)", body, re.M):
+                command = transom_command(line)
+                for flag in FLAG.findall(line.split(" -- ")[0]) if command else []:
+                    seen.add((page.name, "flag", f"transom {' '.join(command)} {flag}"))
+                    if flag != "--help" and flag not in command_flags(command):
+                        missing.append(f"{page.name}: flag `transom {' '.join(command)} {flag}` (in a code block)")
         for token in spans(text):
             for kind, name, ok in names(token):
                 if (page.name, kind, name) in seen:

@@ -70,10 +70,16 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
         See DESIGN.md and `launcher/transom/gone.py`; `ft/data.py` (`ReplicaSampler`) holds
         the sampler, and `Gone` in `ft/data.py` was never there.
 
+        ```python
+        `launcher/transom/in_a_python_block.py` is not read
         ```
-        `launcher/transom/in_a_fenced_block.py` is not read
+
+        ```bash
+        transom run --replicas 2 --no-such-flag -- python examples/gone.py --its-own-flag
         ```
         """))
     count, missing = check(tmp_path)
-    assert sorted(missing) == ["a.md: `Gone` is not defined in `ft/data.py`", "a.md: page `DESIGN.md`",
+    assert sorted(missing) == ["a.md: `Gone` is not defined in `ft/data.py`",
+                               "a.md: flag `transom run --no-such-flag` (in a code block)",
+                               "a.md: page `DESIGN.md`", "a.md: path `examples/gone.py` (in a code block)",
                                "a.md: path `launcher/transom/gone.py`"], missing
