@@ -16,7 +16,12 @@ is imported, so no torch is needed):
 - a CLI flag (`--inject`): a literal of the code (argparse's add_argument, testenv's shell);
 - an environment variable `TRANSOM_*` or a constant in UPPER_SNAKE_CASE: a word of the code;
 - a metric `transom_coordinator_*` / `transom_operator_*`: a metric family registered in the code;
-- `make target`: a target of the Makefile.
+- an HTTP route (`POST /v1/quorum`): a route of the coordinator's server;
+- `make target`: a target of the Makefile;
+- a page (`DESIGN.md`, prose too): a file of the repository;
+- in shell code blocks, the repository paths and the flags of a `transom` command line.
+
+`unnamed(docs)` goes the other way: what the code has that the pages must name.
 
 "The code" is the repository less tests/ and docs/: a name that only a test or a page still says
 does not exist.
@@ -318,6 +323,19 @@ def metrics() -> frozenset[str]:
     return frozenset(names | {n + s for n in names for s in ("_total", "_bucket", "_count", "_sum", "_created")})
 
 
+@functools.cache
+def routes() -> frozenset[tuple[str, str]]:
+    """The coordinator's HTTP routes: ("POST", "/v1/quorum"), ("GET", "/v1/replicas/{id}")."""
+    text = (ROOT / "launcher/transom/coordinator/server.py").read_text()
+    return frozenset((m.upper(), path) for m, path in re.findall(r"\badd_(get|post|put)\(\s*\"([^\"]+)\"", text))
+
+
+def route_exists(method: str, path: str) -> bool:
+    path = path.split("?")[0]
+    return any(m == method and re.fullmatch(re.sub(r"\\{\w+\\}", r"[^/]+", re.escape(p)), path) or
+               m == method and p == path for m, p in routes())
+
+
 def transom_command(token: str) -> tuple[str, ...] | None:
     """`transom detect replay FILE --json` -> ("detect", "replay"); None for anything else."""
     m = re.match(r"^transom ((?:[a-z]+ ?)+)", token)
@@ -435,6 +453,9 @@ def names(token: str) -> list[tuple[str, str, bool]]:
                     m.group(1) in code_words()))
     for m in METRIC.finditer(token):
         out.append(("metric", m.group(1), m.group(1) in metrics()))
+    route = re.match(r"^(GET|POST|PUT) (/v1/\S*|/metrics|/healthz)$", token)
+    if route:
+        out.append(("route", f"{route[1]} {route[2]}", route_exists(route[1], route[2])))
     mk = re.match(r"^make ([\w-]+)", token)
     if mk:
         out.append(("make", mk.group(1), mk.group(1) in make_targets()))
@@ -507,6 +528,10 @@ def unnamed(docs: Path = ROOT) -> list[str]:
         for flag in sorted(command_flags(command) - {"--help"}):
             if flag.startswith("--") and flag not in text_flags:
                 out.append(f"flag `transom {' '.join(command)} {flag}`")
+    api = (docs / "docs/architecture.md").read_text() if (docs / "docs/architecture.md").exists() else ""
+    for method, path in sorted(routes()):
+        if f"`{method} {path}" not in api:
+            out.append(f"route `{method} {path}` (architecture.md)")
     for cls, page in (("FTConfig", "training-api.md"), ("CheckpointConfig", "checkpoint.md")):
         fields = [n.target.id for c in classes().get(cls, []) for n in c.body
                   if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]

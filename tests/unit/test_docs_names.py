@@ -64,6 +64,8 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
     assert found("transom_coordinator_nothing") == {("metric", "transom_coordinator_nothing")}
     assert found("make chaos") == set() and found("make nothing") == {("make", "nothing")}
     assert found("checkpoint.uri") == set()  # a key of the chart's values
+    assert found("GET /v1/replicas/{id}?generation=G&attempt=A") == set()
+    assert found("POST /v1/nothing") == {("route", "POST /v1/nothing")}
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text(textwrap.dedent("""\
