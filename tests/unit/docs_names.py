@@ -462,6 +462,25 @@ def names(token: str) -> list[tuple[str, str, bool]]:
     return out
 
 
+def sections(docs: Path, page: str) -> "Titles":
+    """The headings and bold paragraph leads of a page (README.md or docs/<page>)."""
+    path = docs / page if page == "README.md" else docs / "docs" / page
+    if not path.exists():
+        return Titles([])
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    titles = [t.strip().strip("`") for t in re.findall(r"^#+ (.+)$", text, re.M)]
+    titles += [t.strip().rstrip(".:").strip("`") for t in re.findall(r"\*\*([^*\n]+)\*\*", text)]
+    return Titles(titles)
+
+
+class Titles(list):
+    """`title in titles`: a heading that is the title or begins with it ("Catching up" for
+    "Catching up without stopping anyone"), whatever follows in parentheses."""
+
+    def __contains__(self, title: object) -> bool:
+        return any(t == title or t.startswith(f"{title} ") for t in self)
+
+
 def pages(docs: Path) -> list[Path]:
     """docs/*.md and README.md under a root laid out as the repository is."""
     return [*sorted((docs / "docs").glob("*.md")), *([docs / "README.md"] if (docs / "README.md").exists() else [])]
@@ -484,6 +503,15 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
             seen.add((page.name, "defined in", f"{path}::{name}"))
             if Path(path).stem != name and not defined_in_file(path, name):
                 missing.append(f"{page.name}: `{name}` is not defined in `{path}`")
+        # a section a page points to (architecture.md, "The step guard"; "Known limits" below):
+        # a heading, or a paragraph's bold lead, of that page
+        refs = [(m[0], m[1]) for m in re.findall(r"([\w-]+\.md),? \"([^\"\n]{3,80})\"", text)]
+        refs += [(page.name, m) for m in re.findall(r"(?:section|see|in) \"([A-Z][^\"\n]{3,80})\"", text)]
+        refs += [(page.name, m) for m in re.findall(r"\"([A-Z][^\"\n]{3,80})\",? (?:below|above)", text)]
+        for target, title in set(refs):
+            seen.add((page.name, "section", f"{target}: {title}"))
+            if title not in sections(docs, target):
+                missing.append(f"{page.name}: section `{target}, \"{title}\"`")
         # shell blocks: the repository's paths they use, and the flags of a `transom` command line
         for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
             if lang not in ("bash", "sh", ""):

@@ -70,7 +70,10 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text(textwrap.dedent("""\
         See DESIGN.md and `launcher/transom/gone.py`; `ft/data.py` (`ReplicaSampler`) holds
-        the sampler, and `Gone` in `ft/data.py` was never there.
+        the sampler, and `Gone` in `ft/data.py` was never there. See "Heading" below, and
+        "Elsewhere" below.
+
+        ## Heading (a page's section)
 
         ```python
         `launcher/transom/in_a_python_block.py` is not read
@@ -84,4 +87,4 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
     assert sorted(missing) == ["a.md: `Gone` is not defined in `ft/data.py`",
                                "a.md: flag `transom run --no-such-flag` (in a code block)",
                                "a.md: page `DESIGN.md`", "a.md: path `examples/gone.py` (in a code block)",
-                               "a.md: path `launcher/transom/gone.py`"], missing
+                               "a.md: path `launcher/transom/gone.py`", 'a.md: section `a.md, "Elsewhere"`'], missing
