@@ -549,10 +549,14 @@ def unnamed(docs: Path = ROOT) -> list[str]:
     for name in registered():  # operations.md's tables are the metrics' reference
         if not re.search(rf"`{name}(_total|_bucket)?`", ops):
             out.append(f"metric `{name}` (operations.md)")
-    contract = (ROOT / "launcher/transom/contract.py").read_text()
-    for name in sorted(set(re.findall(r"[\"'](TRANSOM_[A-Z0-9_]+)[\"']", contract))):
-        if name not in text:
-            out.append(f"env `{name}`")
+    # every TRANSOM_* variable the code reads or sets: the pod contract in architecture.md's
+    # "Environment" (all of contract.py's there), the test environment's anywhere
+    arch = (docs / "docs/architecture.md").read_text() if (docs / "docs/architecture.md").exists() else ""
+    environment = arch[arch.find("## Environment"):arch.find("\n## ", arch.find("## Environment") + 1)]
+    contract = set(re.findall(r"[\"'](TRANSOM_[A-Z0-9_]+)[\"']", (ROOT / "launcher/transom/contract.py").read_text()))
+    for name in sorted(set(re.findall(r"\b(TRANSOM_[A-Z0-9_]*[A-Z0-9])\b", code_text()))):
+        if name not in (environment if name in contract else text):
+            out.append(f"env `{name}`" + (" (architecture.md, \"Environment\")" if name in contract else ""))
     text_flags = re.findall(r"--[a-z][\w-]*", text)
     for command in [("run",), ("coordinator",), ("launch",), ("simulate",), ("detect", "replay"), ("checkpoint", "export")]:
         for flag in sorted(command_flags(command) - {"--help"}):
