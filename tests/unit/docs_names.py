@@ -1,30 +1,42 @@
-"""What the docs name exists: `check(docs)` reads every inline code span (`...`) of some markdown
-pages and returns a line for each name that the repository does not have.
+"""What the docs name exists: `check(docs)` reads the markdown pages under `docs` (docs/*.md and
+README.md) and returns a line for each name they give that this repository does not have.
 
-Kinds of names, and how each is resolved (by reading files and parsing Python with `ast`: nothing
-is imported, so no torch is needed):
+How each kind is resolved: by reading files and parsing Python with `ast`; the one import is
+transom.cli's parser (no torch) for the flags of `transom` commands.
 
 - a file or folder path (`launcher/transom/ft/trainer.py`, `ft/catchup.py`, `hack/chaos/`,
   `tests/integration/test_fencing.py::test_x`): a file in the repository, relative to its root or
   to one of the package roots (launcher/transom, operator/transom_operator, ...); a bare `x.py`
   must be some file of that name; after `::` a name defined in that file;
+- a name given with its file (`ft/data.py` (`ReplicaSampler`), `Decision` in `records.py`):
+  defined in that file;
 - a Python name: `transom.x.y`, `transom_operator.x`, `module.name` where `module` is one of our
-  modules or packages (`ft.init`, `contract.EXIT_SCRIPT_ERROR`, `reconcile.replicas.plan`), a
-  class and its member (`Membership.decide`, `CheckpointConfig.from_environ()`), and the two
-  variables every page uses for our objects (`trainer.` a FaultTolerant, `ctx.` a ReplicaContext);
-- a bare CamelCase name (`FaultTolerant`, `PodEvicted`): a word of the code (a class, a reason);
-- a CLI flag (`--inject`): a literal of the code (argparse's add_argument, testenv's shell);
-- an environment variable `TRANSOM_*` or a constant in UPPER_SNAKE_CASE: a word of the code;
-- a metric `transom_coordinator_*` / `transom_operator_*`: a metric family registered in the code;
+  modules or packages (`ft.init`, `contract.EXIT_SCRIPT_ERROR`, `reconcile.replicas.plan`,
+  `engine.skipped` for its class's instances), a class of ours and its member
+  (`Membership.try_decide`, `CheckpointConfig.from_environ()`, through our base classes), and
+  the two variables every page uses for our objects (`trainer.` a FaultTolerant, `ctx.` a
+  ReplicaContext); a chart value or CRD field (`checkpoint.uri`) is a key of values.yaml or the CRD;
+- a bare CamelCase name (`FaultTolerant`, `PodEvicted`), or the head of `Name.member` when it is
+  no class of ours: a word the code uses (an identifier or a string, not a comment or docstring);
+- a CLI flag: after `transom <command>`, a flag of that command's argparse parser; alone
+  (`--inject`) or another program's of ours (hack/testenv.sh, a benchmark), a literal of the code;
+  kubectl's, helm's, pip's and git's are not ours;
+- an environment variable `TRANSOM_*` or a constant in UPPER_SNAKE_CASE: a word the code uses;
+- a metric `transom_coordinator_*` / `transom_operator_*`: a metric family the code registers
+  (Gauge, Counter, Histogram, ...MetricFamily), with the suffixes Prometheus adds;
 - an HTTP route (`POST /v1/quorum`): a route of the coordinator's server;
 - `make target`: a target of the Makefile;
-- a page (`DESIGN.md`, prose too): a file of the repository;
-- in shell code blocks, the repository paths and the flags of a `transom` command line.
+- a page (`DESIGN.md`, in prose too): a file of the repository;
+- a section a page points to (architecture.md, "The step guard"): a heading or bold lead there;
+- in shell code blocks: the repository paths, and the flags of each `transom` command line.
 
-`unnamed(docs)` goes the other way: what the code has that the pages must name.
+`unnamed(docs)` goes the other way: what the code has that the pages must name (every metric,
+TRANSOM_* variable, flag of a transom command, FTConfig/CheckpointConfig field, coordinator
+route and --inject action).
 
 "The code" is the repository less tests/ and docs/: a name that only a test or a page still says
-does not exist.
+does not exist. Run `python tests/unit/docs_names.py DIR` to check the pages of another tree
+(e.g. an older commit's docs/ and README.md) against this code.
 """
 
 from __future__ import annotations
@@ -40,7 +52,6 @@ CODE_FILES = ["Makefile", "pyproject.toml"]
 # where a path a page names may be relative to
 PATH_BASES = ["", "launcher", "launcher/transom", "operator", "operator/transom_operator",
               "operator/transom_operator/reconcile", "charts/transom"]
-PY_ROOTS = {"launcher": "", "operator": "", "hack": "hack", "benchmarks": "benchmarks"}
 # the variables the pages use for our objects, as in the examples
 ALIASES = {"trainer": "FaultTolerant", "ctx": "ReplicaContext"}
 # names of our modules that the pages also use for PyTorch's objects (model.state_dict(),
@@ -58,7 +69,7 @@ TOP = {"launcher", "operator", "hack", "benchmarks", "examples", "charts", "imag
 
 def spans(text: str) -> list[str]:
     """The inline code spans of a markdown page (fenced blocks left out)."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
     return re.findall(r"`([^`\n]+)`", text)
 
 
@@ -98,7 +109,7 @@ def code_words() -> frozenset[str]:
     words: set[str] = set()
     for rel in repo_files():
         top = rel.split("/")[0]
-        if rel.endswith("/") or not (top in CODE_DIRS or rel in CODE_FILES) or rel.endswith((".png", ".md")):
+        if rel.endswith(("/", ".png", ".md")) or not (top in CODE_DIRS or rel in CODE_FILES):
             continue
         try:
             text = (ROOT / rel).read_text()
@@ -121,9 +132,7 @@ def code_words() -> frozenset[str]:
                 words.add(n.name)
             elif isinstance(n, ast.alias):
                 words.update(re.findall(r"\w+", n.asname or n.name))
-            elif isinstance(n, ast.arg):
-                words.add(n.arg)
-            elif isinstance(n, ast.keyword) and n.arg:
+            elif isinstance(n, ast.arg) or isinstance(n, ast.keyword) and n.arg:
                 words.add(n.arg)
             elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
                 words.update(re.findall(r"\w+", n.value))
@@ -282,9 +291,6 @@ def config_keys() -> frozenset[str]:
     def walk(node, prefix):
         if isinstance(node, dict):
             for k, v in node.items():
-                if prefix and prefix[-1] == "properties" or not prefix or not isinstance(v, dict) \
-                        or "properties" not in node:
-                    pass
                 key = [*prefix, str(k)]
                 out.add(".".join(p for p in key if p not in ("properties", "items", "openAPIV3Schema")))
                 walk(v, key)
@@ -305,7 +311,7 @@ def config_keys() -> frozenset[str]:
 
 @functools.cache
 def make_targets() -> frozenset[str]:
-    return frozenset(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    return frozenset(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
 
 
 @functools.cache
@@ -394,16 +400,15 @@ def files_named(path: str) -> list[str]:
 
 def defined_in_file(path: str, name: str) -> bool:
     for rel in files_named(path):
-        if rel:
-            text = (ROOT / rel).read_text()
-            head, *rest = name.split(".")
-            if re.search(rf"^\s*(?:async def|def|class) {re.escape(head)}\b|^{re.escape(head)}\b\s*[:=]", text, re.M):
-                if not rest or rest[0] in re.findall(r"\w+", text):
-                    return True
+        text = (ROOT / rel).read_text()
+        head, *rest = name.split(".")
+        defined = rf"^\s*(?:async def|def|class) {re.escape(head)}\b|^{re.escape(head)}\b\s*[:=]"
+        if re.search(defined, text, re.MULTILINE) and (not rest or rest[0] in re.findall(r"\w+", text)):
+            return True
     return False
 
 
-PATH = re.compile(r"(?<![\w.~/$<-])((?:[\w.-]+/)*[\w.-]+(?:\.(?:%s)|/))(?:::([\w.]+))?(?![\w/<-])" % "|".join(EXTENSIONS))
+PATH = re.compile(rf"(?<![\w.~/$<-])((?:[\w.-]+/)*[\w.-]+(?:\.(?:{'|'.join(EXTENSIONS)})|/))(?:::([\w.]+))?(?![\w/<-])")
 DOTTED = re.compile(r"(?<![\w./$<:-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?![\w/<-])")
 CAMEL = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
@@ -462,13 +467,13 @@ def names(token: str) -> list[tuple[str, str, bool]]:
     return out
 
 
-def sections(docs: Path, page: str) -> "Titles":
+def sections(docs: Path, page: str) -> Titles:
     """The headings and bold paragraph leads of a page (README.md or docs/<page>)."""
     path = docs / page if page == "README.md" else docs / "docs" / page
     if not path.exists():
         return Titles([])
-    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
-    titles = [t.strip().strip("`") for t in re.findall(r"^#+ (.+)$", text, re.M)]
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    titles = [t.strip().strip("`") for t in re.findall(r"^#+ (.+)$", text, re.MULTILINE)]
     titles += [t.strip().rstrip(".:").strip("`") for t in re.findall(r"\*\*([^*\n]+)\*\*", text)]
     return Titles(titles)
 
@@ -513,7 +518,7 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
             if title not in sections(docs, target):
                 missing.append(f"{page.name}: section `{target}, \"{title}\"`")
         # shell blocks: the repository's paths they use, and the flags of a `transom` command line
-        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
             if lang not in ("bash", "sh", ""):
                 continue
             for m in PATH.finditer(body):
@@ -522,7 +527,7 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
                     seen.add((page.name, "path", path))
                     if not path_exists(path):
                         missing.append(f"{page.name}: path `{path}` (in a code block)")
-            for line in re.findall(r"^\s*(?:\.venv/bin/)?(transom [^\n]*)", body, re.M):
+            for line in re.findall(r"^\s*(?:\.venv/bin/)?(transom [^\n]*)", body, re.MULTILINE):
                 command = transom_command(line)
                 for flag in FLAG.findall(line.split(" -- ")[0]) if command else []:
                     seen.add((page.name, "flag", f"transom {' '.join(command)} {flag}"))
@@ -571,7 +576,7 @@ def unnamed(docs: Path = ROOT) -> list[str]:
                   if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
         doc = (docs / "docs" / page).read_text() if (docs / "docs" / page).exists() else ""
         out += [f"{cls}.{f} ({page})" for f in fields if f"`{f}`" not in doc]
-    actions = ast.literal_eval(re.search(r"^ACTIONS = (\(.*\))$", (ROOT / "launcher/transom/inject.py").read_text(), re.M)[1])
+    actions = ast.literal_eval(re.search(r"^ACTIONS = (\(.*\))$", (ROOT / "launcher/transom/inject.py").read_text(), re.MULTILINE)[1])
     api = (docs / "docs/training-api.md").read_text()
     for action in actions:
         if f"`{action}`" not in api and f"`{action}:" not in api:

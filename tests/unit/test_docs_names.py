@@ -19,7 +19,7 @@ from docs_names import ROOT, check, names, pages, unnamed
 
 def test_every_test_the_docs_cite_exists():
     tests = list((ROOT / "tests").rglob("test_*.py"))
-    defined = {m for p in tests for m in re.findall(r"^\s*(?:async )?def (test_\w+)", p.read_text(), re.M)}
+    defined = {m for p in tests for m in re.findall(r"^\s*(?:async )?def (test_\w+)", p.read_text(), re.MULTILINE)}
     modules = {p.stem for p in tests}
     cited = {(name, page.name) for page in pages(ROOT) for name in re.findall(r"`(test_\w+)", page.read_text())}
     assert len(cited) > 100  # the pages do cite their proof
@@ -83,7 +83,7 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
         transom run --replicas 2 --no-such-flag -- python examples/gone.py --its-own-flag
         ```
         """))
-    count, missing = check(tmp_path)
+    _, missing = check(tmp_path)
     assert sorted(missing) == ["a.md: `Gone` is not defined in `ft/data.py`",
                                "a.md: flag `transom run --no-such-flag` (in a code block)",
                                "a.md: page `DESIGN.md`", "a.md: path `examples/gone.py` (in a code block)",
