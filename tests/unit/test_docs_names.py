@@ -88,3 +88,34 @@ def test_the_checker_finds_what_does_not_exist(tmp_path: Path):
                                "a.md: flag `transom run --no-such-flag` (in a code block)",
                                "a.md: page `DESIGN.md`", "a.md: path `examples/gone.py` (in a code block)",
                                "a.md: path `launcher/transom/gone.py`", 'a.md: section `a.md, "Elsewhere"`'], missing
+
+
+def test_what_training_api_says_each_error_derives_from_is_true():
+    """training-api.md says which `transom.errors` classes also derive from a builtin, and
+    which from TransomError alone: checked against errors.py's class bases (ast, transitively)."""
+    import ast
+
+    tree = ast.parse((ROOT / "launcher/transom/errors.py").read_text())
+    bases = {c.name: [b.id for b in c.bases if isinstance(b, ast.Name)] for c in tree.body if isinstance(c, ast.ClassDef)}
+
+    def ancestors(name: str) -> set[str]:
+        return {name} | {a for b in bases.get(name, []) for a in ancestors(b)}
+
+    text = " ".join((ROOT / "docs/training-api.md").read_text().split())
+    said = text[text.index("Every exception Transom raises on purpose"):text.index("Those to let propagate")]
+    claims = 0
+    for clause in re.split(r"[;()]", said):
+        builtin = re.search(r"from `(\w+Error)`", clause)
+        for name in re.findall(r"`(?:ft\.)?([A-Z]\w+)`", clause):
+            if builtin and name != builtin[1]:
+                assert builtin[1] in ancestors(name), f"{name} does not derive from {builtin[1]}"
+                claims += 1
+    alone = re.search(r"\. The (.*?) derive from `TransomError` alone", said)
+    assert alone, "training-api.md no longer says which errors derive from TransomError alone"
+    for name in re.findall(r"`(?:ft\.)?([A-Z]\w+)`", alone[1]):
+        assert not ancestors(name) & {"RuntimeError", "ValueError", "LookupError", "TimeoutError"}, name
+        claims += 1
+    assert claims >= 12
+    # and every class with a builtin among its own bases is in the list
+    with_builtin = {n for n, b in bases.items() if set(b) & {"RuntimeError", "ValueError", "LookupError", "TimeoutError"}}
+    assert {n for n in with_builtin if f"`{n}`" not in said} <= {"InvalidBytes"}  # said through WireError, BlobError
