@@ -3,7 +3,7 @@
 Everything another component reads by name lives here once: the pod environment the
 operator sets and the launcher reads, the environment the launcher gives its workers,
 the Kubernetes labels and annotations, and the launcher's exit codes. Change a name here
-only together with DESIGN.md, docs/ and the tests that pin it.
+only together with docs/ (architecture.md, "Environment") and the tests that pin it.
 """
 
 from __future__ import annotations

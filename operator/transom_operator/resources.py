@@ -6,7 +6,7 @@ what these return and the tests compare dicts. Every object carries an ownerRefe
 the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 
 - `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
-  the pod environment of DESIGN.md (the token only through a secretKeyRef), a node
+  the pod environment of contract.py (the token only through a secretKeyRef), a node
   affinity keeping it off the job's excluded nodes, the job's `<job>-worker`
   ServiceAccount with no token mounted, and a restricted security context wherever the
   template does not ask otherwise.
@@ -116,7 +116,7 @@ def worker_labels(job: api.TrainingJob, replica: int, node_rank: int, generation
 
 def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
                coordinator_url: str) -> list[dict[str, Any]]:
-    """The pod environment of DESIGN.md (read by the launcher: contract.ReplicaEnv)."""
+    """The pod environment of contract.py (read by the launcher: contract.ReplicaEnv)."""
     spec = job.spec
     plain = {
         contract.ENV_JOB: job_name(job),
