@@ -6,8 +6,9 @@
 #   make chaos     the same job through every fault a cluster throws (node loss, partition, drain,
 #                  coordinator and operator loss, S3 outage, OOM, image pull, containerd restart) on
 #                  three real nodes: a table and one JSON line (CHAOS_SCENARIOS=a,b for some)
-#   make test      unit, integration and e2e tests (installs and builds the test control plane
-#                  first), then `make test-compat`
+#   make lint      ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over the code
+#   make test      lint, then unit, integration and e2e tests (installs and builds the test control
+#                  plane first), then `make test-compat`
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
@@ -35,7 +36,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,15 @@ install: $(VENV)/.deps-installed
 	@# Re-point the editable install at this checkout (a cached venv may have served another).
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	ln -sfn $(VENV) .venv
+
+# ruff, then mypy (configured in pyproject.toml; its cache in .cache/mypy). Each test directory
+# with a conftest.py of its own is a mypy run of its own: one run cannot hold two `conftest`s.
+LINT_PATHS := launcher operator tests benchmarks hack examples
+MYPY_OWN_RUNS := tests/integration tests/e2e tests/fuzz
+lint: install
+	$(VENV)/bin/ruff check --quiet $(LINT_PATHS)
+	$(PY) -m mypy
+	@set -e; for d in $(MYPY_OWN_RUNS); do MYPYPATH=$$d $(PY) -m mypy $$d; done
 
 # The local Kubernetes control plane's binaries (built from source once, then cached).
 testenv: install
@@ -70,7 +80,7 @@ CHAOS_SCENARIOS ?=
 chaos: install testenv
 	$(PY) hack/chaos $(if $(CHAOS_SCENARIOS),--scenarios $(CHAOS_SCENARIOS))
 
-test: install testenv
+test: lint testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) test-compat
 

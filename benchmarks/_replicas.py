@@ -64,7 +64,7 @@ class Outcome:
     bit_identical: bool | None = None  # Transom: every replica ended with the same parameters
 
     @staticmethod
-    def of(ok: bool, what: str, log: Path, bit_identical: bool | None = None) -> "Outcome":
+    def of(ok: bool, what: str, log: Path, bit_identical: bool | None = None) -> Outcome:
         return Outcome(ok, "" if ok else f"{what}; output tail:\n{log.read_text(errors='replace')[-2500:]}",
                        bit_identical)
 

@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 from _common import require_room  # noqa: E402
 from transom import compat  # noqa: E402
-from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
 from transom.checkpoint import layout  # noqa: E402
+from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
 from transom.checkpoint.restore import load_latest  # noqa: E402
 from transom.checkpoint.storage import READ_STREAMS, Storage  # noqa: E402
 

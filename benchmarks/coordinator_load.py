@@ -41,7 +41,6 @@ import json
 import os
 import random
 import secrets
-import statistics
 import subprocess
 import sys
 import time
@@ -129,7 +128,7 @@ class Load:
         try:
             status, payload = await asyncio.wait_for(self.pool.post(path, json.dumps(body).encode()),
                                                      REQUEST_TIMEOUT_S)
-        except (OSError, ValueError, IndexError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        except (TimeoutError, OSError, ValueError, IndexError, asyncio.IncompleteReadError):
             status, payload = 0, b""
         if status != 200:
             self.errors += 1
@@ -228,7 +227,7 @@ def start_coordinator(replicas: int, token: str, key_file: Path) -> tuple[subpro
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the coordinator did not start: {proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"the coordinator did not start: {proc.stderr.read().decode()[-2000:]}") from None
             time.sleep(0.1)
 
 

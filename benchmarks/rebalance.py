@@ -119,7 +119,10 @@ def main() -> None:
 
     step = {m: statistics.median(x) if (x := [q["step_s"] for q in runs if q["mode"] == m and q["step_s"]]) else None
             for m in MODES}
-    ratio = (lambda a, b: round(step[a] / step[b], 3) if step[a] and step[b] else None)
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(step[a] / step[b], 3) if step[a] and step[b] else None
+
     # The slowdown the job's step actually shows (the injected one applies to the busy time
     # only, not to the exchange), and what a perfect rebalance would make of it.
     shown = ratio("report", "clean") or f

@@ -67,7 +67,7 @@ def main() -> None:
     # peer recovery and checkpoints, like the model and the optimizer.
     with ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state=scheduler) as trainer:
         optimizer = trainer.optimizer  # steps only committed steps
-        for step, (x, y) in trainer.batches(loader, args.steps):
+        for _step, (x, y) in trainer.batches(loader, args.steps):
             with torch.autocast(ctx.device.type, enabled=use_amp):
                 loss = nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
             scaler.scale(loss).backward()  # the gradients come back averaged across replicas

@@ -26,10 +26,10 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from model import GPT, GPTConfig
 from prepare import VOCAB, prepare
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from transom import ft
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import yaml
 
-from e2e_demo import BUCKET, EXAMPLE, use_test_image
 from chaos.world import World
+from e2e_demo import BUCKET, EXAMPLE, use_test_image
 from testenv import addons
 
 DIGEST = re.compile(r"replica (\d+) rank (\d+): final step (\d+) parameters ([0-9a-f]+)")

@@ -12,6 +12,9 @@ the binary it started, so a reused pid is never signalled) and removes the state
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import secrets
@@ -24,9 +27,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import contextlib
-import dataclasses
-import fcntl
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path

@@ -63,7 +63,7 @@ class Fault:
     mb: int | None = None  # oom: the most it allocates, in MiB
 
     @classmethod
-    def parse(cls, text: str) -> "Fault":
+    def parse(cls, text: str) -> Fault:
         action, _, rest = text.partition(":")
         if action not in ACTIONS:
             raise ValueError(f"fault action must be one of {ACTIONS}, got {action!r}")

@@ -21,7 +21,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kube_helpers import (
-    fail_pod, holds_for, make_node_not_ready, node_condition, read_or_none, restore_kwok_node, wait_for,
+    fail_pod,
+    holds_for,
+    make_node_not_ready,
+    node_condition,
+    read_or_none,
+    restore_kwok_node,
+    wait_for,
 )
 from testenv import build
 

@@ -14,7 +14,6 @@ import torch
 from test_checkpoint import assert_same
 from test_fault_tolerance import assert_consistent_finish
 from test_ftar import _average_worker, _run
-
 from transom import compat
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import load_latest

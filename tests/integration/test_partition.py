@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from launching import kill_all, start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity
 from transom.coordinator.server import CoordinatorThread
-from launching import kill_all, start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -25,15 +25,15 @@ import pytest
 import torch
 
 from transom import contract
+from transom.checkpoint import structure
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import QuorumResponse, RecoverySource
 from transom.coordinator.server import CoordinatorThread
-from transom.checkpoint import structure
 from transom.ft import transfer, wire
 from transom.ft.catchup import Joiner, record_of, small_part
 from transom.ft.expected import ExpectedState
-from transom.ft.sources import Sources
 from transom.ft.ftar import StepAllReduce
+from transom.ft.sources import Sources
 from transom.ft.state_server import StateServer
 
 pytestmark = pytest.mark.timeout(60)

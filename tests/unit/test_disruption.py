@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from transom_operator import api, disruption, resources
 from reconcile_world import make_job
+from transom_operator import api, disruption, resources
 
 
 def selects(selector: dict, labels: dict[str, str]) -> bool:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from transom import errors
-from transom.coordinator import client, membership, server
 from transom.checkpoint import blob, restore
+from transom.coordinator import client, membership, server
 from transom.ft import backend, wire
 
 PACKAGE = Path(errors.__file__).parent

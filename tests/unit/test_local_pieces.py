@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from transom import contract, inject
-from transom.ft.ftar import plan_buckets
 from transom.ft.config import FTConfig, lr_factor
+from transom.ft.ftar import plan_buckets
 from transom.launch.summary import stall_seconds, summarize
 
 

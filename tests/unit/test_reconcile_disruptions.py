@@ -19,12 +19,12 @@ from datetime import timedelta
 
 import pytest
 
+from reconcile_world import T0, World, cond, make_job
 from transom_operator import reasons
 from transom_operator.cache import DEPARTED_S
 from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ImagePull, ObservedNode
 from transom_operator.reconcile.replicas import plan
-from reconcile_world import T0, World, cond, make_job
 
 DRAINED = dict(deleting=True, disruption="EvictionByEvictionAPI")
 EVICTIONS = [

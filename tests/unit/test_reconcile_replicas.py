@@ -10,12 +10,12 @@ from datetime import timedelta
 
 import pytest
 
+from reconcile_world import T0, World, cond, make_job
 from transom import contract
 from transom_operator import reasons
 from transom_operator.reconcile import failures, observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
-from reconcile_world import T0, World, cond, make_job
 
 
 def test_first_pass_creates_every_pod_with_generation_zero():

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from reconcile_world import World, make_job
 from transom import contract
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile.replicas import plan
-
-from reconcile_world import World, make_job
 
 
 def spare_world(**spec) -> World:

@@ -93,7 +93,7 @@ class CheckpointConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
     @classmethod
-    def from_environ(cls, **overrides: Any) -> "CheckpointConfig | None":
+    def from_environ(cls, **overrides: Any) -> CheckpointConfig | None:
         """From the pod environment (the operator sets it from spec.checkpoint); None without a URI.
 
         Arguments that are not None win over TRANSOM_CHECKPOINT_URI, _INTERVAL_STEPS and _KEEP.

@@ -144,7 +144,7 @@ class Slot:
         return self.shards * self.writers
 
     @classmethod
-    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> "Slot":
+    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> Slot:
         """The slot of `rank` (of `world_size` in its replica) in replica `replica_rank` of the quorum."""
         if sharded:  # rank r of every replica holds shard r: the replicas split it
             return cls(writer=replica_rank, writers=num_replicas, shard=rank, shards=world_size)
@@ -171,7 +171,7 @@ class Entry(_Record):
     length: int = Field(default=0, ge=0, le=MAX_INT)  # and how long the blob is
 
     @model_validator(mode="after")
-    def _sizes_agree(self) -> "Entry":
+    def _sizes_agree(self) -> Entry:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"{self.key}: unknown dtype {self.dtype!r}")
         n = DTYPE_SIZES[self.dtype]
@@ -216,7 +216,7 @@ class Manifest(_Record):
     created: float  # unix seconds
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Manifest":
+    def _consistent(self) -> Manifest:
         if len(self.structures) != self.num_shards:
             raise ValueError(f"{len(self.structures)} structures for {self.num_shards} shards")
         for path in self.files:
@@ -242,7 +242,7 @@ class Manifest(_Record):
         return self.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> Manifest:
         """Parse and validate a manifest; ValueError (never anything else) if it is not one of ours."""
         if len(text) > MAX_MANIFEST_BYTES:
             raise ValueError(f"manifest of {len(text)} bytes")
