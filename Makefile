@@ -38,15 +38,19 @@ WHEELHOUSE ?= .cache/wheelhouse
 
 .PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
 
+# setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
+# --quiet keeps it) on every editable install of a project whose packages are in two roots.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e
+
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(EDITABLE) ".[dev]"
 	touch $@
 
 install: $(VENV)/.deps-installed
 	@# Re-point the editable install at this checkout (a cached venv may have served another).
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(EDITABLE) . --no-deps --no-build-isolation
 	ln -sfn $(VENV) .venv
 
 # ruff, then mypy (configured in pyproject.toml; its cache in .cache/mypy). Each test directory
@@ -88,13 +92,15 @@ $(COMPAT_VENV)/.deps-installed: pyproject.toml
 	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat needs Python 3.12: pyenv install 3.12 (or apt-get install python3.12 where Debian has it), or set COMPAT_PYTHON=/path/to/python3.12" >&2; exit 1; }
 	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip setuptools
-	$(COMPAT_PY) -m pip install --quiet "torch==$(COMPAT_TORCH)" -e ".[train,operator,s3]" pytest pytest-timeout hypothesis requests
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(COMPAT_PY) -m pip install --quiet "torch==$(COMPAT_TORCH)" \
+		-e ".[train,operator,s3]" pytest pytest-timeout hypothesis requests
 	touch $@
 
 # A smoke subset (import, a two-replica run with a SIGKILL, checkpoint save and restore, peer
 # state transfer, DCP interop) on the oldest supported torch, under Python 3.12.
 test-compat: $(COMPAT_VENV)/.deps-installed
-	$(COMPAT_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(COMPAT_PY) -m pip install --quiet --no-deps \
+		--no-build-isolation -e .
 	$(COMPAT_PY) -c 'import sys, torch; print("test-compat: Python", sys.version.split()[0], "torch", torch.__version__)'
 	$(COMPAT_PY) -m pytest -m compat tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
 
