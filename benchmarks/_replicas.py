@@ -238,7 +238,8 @@ def run_ddp(job: Job) -> Outcome:
     assert job.net is None and job.kill is None, "plain DDP runs only failure-free on loopback"
     spawn = ("import os, subprocess, sys\n"
              "cmd, n = sys.argv[2:], int(sys.argv[1])\n"
-             "ps = [subprocess.Popen(cmd, env={**os.environ, 'RANK': str(r), 'LOCAL_RANK': str(r)}) for r in range(n)]\n"
+             "ps = [subprocess.Popen(cmd, env={**os.environ, 'RANK': str(r), 'LOCAL_RANK': str(r)})\n"
+             "      for r in range(n)]\n"
              "sys.exit(max(abs(p.wait()) for p in ps))\n")
     env = {**job.base_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port("127.0.0.1")),
            "WORLD_SIZE": str(job.replicas)}

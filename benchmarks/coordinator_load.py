@@ -248,8 +248,9 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         key = ReplicaKeys("local", secret.encode()).mint(0, 0, 0)
         start_at = time.time() + (load.measure_from - time.monotonic())
         end_at = time.time() + (load.end - time.monotonic())
-        posters = [multiprocessing.get_context("fork").Process(target=flooder, args=(url, key, start_at, end_at, counts),
-                                                              daemon=True) for _ in range(flood)]
+        fork = multiprocessing.get_context("fork")
+        posters = [fork.Process(target=flooder, args=(url, key, start_at, end_at, counts), daemon=True)
+                   for _ in range(flood)]
         for p in posters:
             p.start()
         cpu0, mine0 = None, None

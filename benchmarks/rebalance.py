@@ -111,7 +111,8 @@ def main() -> None:
                 mode = MODES[(i + k) % len(MODES)]
                 run = one_run(args, mode, i, Path(tmp))
                 runs.append(run)
-                print(f"round {i} {mode:9s} step {run['step_s']} s  slow replica's samples {run['slow_replica_samples_at_end']}"
+                print(f"round {i} {mode:9s} step {run['step_s']} s"
+                      f"  slow replica's samples {run['slow_replica_samples_at_end']}"
                       f"  shares from step {run['shares_from_step']}  bit-identical {run['bit_identical']}"
                       f"  completed {run['completed']}  wall {run['seconds']} s", flush=True)
                 if "output_tail" in run:

@@ -18,8 +18,9 @@ Each process writes `<BENCH_OUT>/<system>-r<replica>-<pid>.jsonl`: a first line
 `{"start": t, "imported": t, "built": t, "joined": t}` with the wall times at which the
 process started (taken by the worker before torch is imported), had imported torch and its
 system, had built the model and optimizer, and had set up its fault tolerance (Transom's
-FaultTolerant, torchft's Manager: registered, for a spare taken over), then one line per step attempt: `{"step", "t" (end), "seconds",
-"committed", "contributing"}`, where `step` is the number of committed steps after it.
+FaultTolerant, torchft's Manager: registered, for a spare taken over), then one line per
+step attempt: `{"step", "t" (end), "seconds", "committed", "contributing"}`, where `step` is
+the number of committed steps after it.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ p.add_argument("--max-iters", type=int, default=300)
 p.add_argument("--eval-interval", type=int, default=100)
 p.add_argument("--eval-iters", type=int, default=10, help="batches per split in an evaluation")
 p.add_argument("--log-interval", type=int, default=10)
-p.add_argument("--gradient-accumulation-steps", type=int, default=2, help="micro steps per iteration, all ranks together")
+p.add_argument("--gradient-accumulation-steps", type=int, default=2,
+               help="micro steps per iteration, all ranks together")
 p.add_argument("--batch-size", type=int, default=8, help="sequences per micro step")
 p.add_argument("--block-size", type=int, default=64)
 p.add_argument("--n-layer", type=int, default=2)
@@ -56,7 +57,8 @@ args = p.parse_args()
 out_dir, data_dir, init_from, max_iters = args.out_dir, args.data_dir, args.init_from, args.max_iters
 eval_interval, eval_iters, log_interval = args.eval_interval, args.eval_iters, args.log_interval
 gradient_accumulation_steps, batch_size, block_size = args.gradient_accumulation_steps, args.batch_size, args.block_size
-learning_rate, warmup_iters, lr_decay_iters, min_lr = args.learning_rate, args.warmup_iters, args.lr_decay_iters, args.min_lr
+learning_rate, warmup_iters = args.learning_rate, args.warmup_iters
+lr_decay_iters, min_lr = args.lr_decay_iters, args.min_lr
 weight_decay, beta1, beta2, grad_clip, decay_lr = 0.1, 0.9, 0.99, 1.0, True
 
 ctx = ft.init()  # the replica's own world: torchrun's processes, now one replica of several

@@ -239,7 +239,8 @@ class ChaosJob:
             if failures:
                 verdict.problems.append(f"replicas failed where nothing should: {sorted(failures)}")
         if expect_reasons and not expect_reasons <= seen:
-            verdict.problems.append(f"expected reasons {sorted(expect_reasons)} in status and Events, saw {sorted(seen)}")
+            verdict.problems.append(
+                f"expected reasons {sorted(expect_reasons)} in status and Events, saw {sorted(seen)}")
         return verdict
 
     def steps_lost(self) -> int:

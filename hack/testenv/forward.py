@@ -164,7 +164,8 @@ async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]
             if ns in CUT:
                 raise ValueError(f"{target} is partitioned")
             upstream = await _open(ns, host, int(port))
-        except (TimeoutError, ValueError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, UnicodeDecodeError) as e:
+        except (TimeoutError, ValueError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                UnicodeDecodeError) as e:
             with contextlib.suppress(Exception):
                 writer.write(f"HTTP/1.1 502 Bad Gateway\r\n\r\n{e}\r\n".encode())
                 await writer.drain()

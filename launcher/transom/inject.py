@@ -27,8 +27,8 @@ joining), `serve` (a source, when it is asked for its `step`-th chunk of a snaps
 it sends it: a peer that dies mid-transfer) and `checkpoint` (in the checkpoint thread, once
 the snapshot of checkpoint `step` is taken and before the first object of its part is
 written: a node stopped or cut off in the middle of a checkpoint; `stop` stops the whole
-process there, whatever its training thread is doing). The local runner gives a replica's k-th fault to its k-th incarnation,
-so a restarted replica does not fail again unless asked to.
+process there, whatever its training thread is doing). The local runner gives a replica's
+k-th fault to its k-th incarnation, so a restarted replica does not fail again unless asked to.
 
 `replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
 environment is every replica's, so that is how a fault set there (`TRANSOM_FAULT` in

@@ -120,8 +120,9 @@ def make_node_not_ready(core_v1: client.CoreV1Api, node: str) -> client.V1Node:
     conditions = []
     for c in core_v1.api_client.sanitize_for_serialization(current.status.conditions or []):
         if c["type"] == "Ready":
-            c = {**c, "status": "False", "reason": "KubeletNotReady", "message": "kubelet stopped posting node status (e2e)",
-                 "lastHeartbeatTime": now, "lastTransitionTime": now}
+            c = {**c, "status": "False", "reason": "KubeletNotReady",
+                 "message": "kubelet stopped posting node status (e2e)", "lastHeartbeatTime": now,
+                 "lastTransitionTime": now}
         conditions.append(c)
     if not any(c["type"] == "Ready" for c in conditions):
         conditions.append({"type": "Ready", "status": "False", "reason": "KubeletNotReady",

@@ -51,7 +51,8 @@ def plain_values(obj) -> bool:
     if isinstance(obj, torch.Tensor):
         return type(obj) is torch.Tensor and obj.device.type == "cpu"
     if isinstance(obj, (dict, list, tuple)):
-        return type(obj) in (dict, list, tuple) and all(map(plain_values, obj.values() if isinstance(obj, dict) else obj))
+        items = obj.values() if isinstance(obj, dict) else obj
+        return type(obj) in (dict, list, tuple) and all(map(plain_values, items))
     return obj is None or isinstance(obj, (bool, int, float, str))
 
 

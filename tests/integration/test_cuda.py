@@ -71,7 +71,8 @@ def test_ftar_averages_cuda_gradients_between_replicas_sharing_the_gpu():
 
 
 def test_sigkill_with_the_model_on_the_gpu(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"], ["--steps", "60", "--device", "ctx"])
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"],
+                         ["--steps", "60", "--device", "ctx"])
     assert_consistent_finish(result, 60, 3)
     assert result.summary["replica_restarts"] >= 1 and result.incarnations(1) == 2
 

@@ -109,7 +109,8 @@ class World:
 
     def assert_quiet(self):
         again = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
-        assert (again.create, again.delete, again.relabel, again.events, again.excluded_nodes_added) == ([], [], [], [], [])
+        assert (again.create, again.delete, again.relabel, again.events,
+                again.excluded_nodes_added) == ([], [], [], [], [])
         assert again.status == self.job.status
 
 

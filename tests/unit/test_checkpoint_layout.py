@@ -110,7 +110,8 @@ def test_flatten_keeps_int_keys_tuples_and_escapes_slashes():
     assert sorted(tensors) == ["model/a%2Fb", "model/fc.weight", "optimizer/state/0/exp_avg"]
     import json
     back = structure.unflatten(json.loads(json.dumps(skeleton)), tensors)
-    assert back["optimizer"]["state"][0]["exp_avg"].v == 3 and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert back["optimizer"]["state"][0]["exp_avg"].v == 3
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
     assert back["model"]["a/b"].v == 2 and back["step"] == 7 and back["name"] is None
 
 

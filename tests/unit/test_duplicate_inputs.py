@@ -156,7 +156,8 @@ def test_a_digest_travels_in_a_row_and_a_bad_one_is_no_row():
 
 
 def test_a_trace_written_before_input_digests_is_read_as_before():
-    header = b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share\n"
+    header = (b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,"
+              b"batch_share\n")
     parser = TraceParser()
     (old,) = parser.feed(header + b"4,1,0,0.5,,,1.5,,1,7,0,\n")
     assert (old.step, old.fingerprint, old.input_digest) == (4, 7, None) and parser.skipped == 0

@@ -149,7 +149,8 @@ def test_transom_core_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['kopf'] = None; sys.modules['kubernetes'] = None\n"
         "import transom, transom.cli, transom.contract, transom.inject\n"
-        "import transom.coordinator.server, transom.coordinator.client, transom.launch.supervisor, transom.launch.local\n"
+        "import transom.coordinator.server, transom.coordinator.client\n"
+        "import transom.launch.supervisor, transom.launch.local\n"
         "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -211,7 +211,8 @@ def test_a_new_leader_after_the_status_write_and_the_creates_only_deletes_what_i
     assert sorted(p.delete) == left
     assert (p.create, p.events, p.excluded_nodes_added) == ([], [], [])
     s = p.status
-    assert (s.total_restarts, s.replicas[1].restarts, s.replicas[1].generation, len(s.restart_history)) == (1, 1, 1, counted)
+    assert (s.total_restarts, s.replicas[1].restarts, s.replicas[1].generation,
+            len(s.restart_history)) == (1, 1, 1, counted)
     assert [e.name for e in s.excluded_nodes] == ([bad.node_name] if excluded else [])
     w.assert_quiet()
     w.settle()
