@@ -141,11 +141,14 @@ def _exhaust_memory(mb: int | None) -> None:
 
     cgroup = oom.find()
     limit = cgroup.limit() if cgroup is not None else None
-    if mb is None and limit is None:
+    if mb is not None:
+        cap = mb << 20
+    elif limit is not None:
+        cap = 2 * limit
+    else:
         raise RuntimeError("injected oom: this process has no memory limit; refusing to exhaust the machine's "
                            "memory (give the fault mb=<MiB> to allocate that much anyway)")
-    cap = mb << 20 if mb is not None else 2 * limit
-    held = []
+    held: list[bytearray] = []
     while len(held) * OOM_CHUNK < cap:
         chunk = bytearray(OOM_CHUNK)
         chunk[::PAGE] = b"\x01" * (OOM_CHUNK // PAGE)  # touch every page: allocating alone maps none

@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -42,7 +42,7 @@ PART_DONE = "checksums.json"
 PART_SKIPPED = "skipped"
 DATA_FILE = "__0_0.distcp"  # DCP's name for a single writer's data file
 DCP_METADATA = ".metadata"
-FORMAT = "transom-dcp-3"
+FORMAT: Final = "transom-dcp-3"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not one of ours
 MAX_PARTS = 1 << 24
 MAX_SHARDS = 1 << 16

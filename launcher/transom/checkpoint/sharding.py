@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor import DeviceMesh, DTensor
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
     return module is not None and isinstance(value, module.DTensor)
 
