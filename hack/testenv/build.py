@@ -84,7 +84,10 @@ def _staging_modules(go: str, workdir: Path) -> list[str]:
     """The k8s.io/<name> modules the release's go.mod replaces with its staging tree."""
     env = _go_env(go)
     out = _run([go, "mod", "download", "-json", f"k8s.io/kubernetes@{K8S_VERSION}"], cwd=workdir, env=env)
-    gomod = Path(re.search(r'"GoMod":\s*"([^"]+)"', out).group(1)).read_text()
+    found = re.search(r'"GoMod":\s*"([^"]+)"', out)
+    if found is None:
+        raise RuntimeError(f"go mod download named no go.mod: {out[-2000:]}")
+    gomod = Path(found.group(1)).read_text()
     block = re.search(r"^replace \((.*?)^\)", gomod, re.S | re.M)
     assert block, "k8s.io/kubernetes go.mod has no replace block"
     return re.findall(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/", block.group(1), re.M)

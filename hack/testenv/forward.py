@@ -150,7 +150,8 @@ def owner(routes: list[tuple[ipaddress.IPv4Network, str]], host: str) -> str | N
     return next((ns for net, ns in routes if ip in net), None)
 
 
-async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]) -> asyncio.AbstractServer:
+async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]
+                      ) -> asyncio.AbstractServer:
     """HTTP CONNECT over a Unix socket, for the API server's egress selector."""
 
     async def handle(reader, writer):
