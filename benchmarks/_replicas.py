@@ -222,6 +222,7 @@ def _lighthouse(log, host: str) -> tuple[subprocess.Popen, str]:
             "print(s.address(), flush=True); time.sleep(3600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
+    assert proc.stdout is not None  # stdout=PIPE
     address = proc.stdout.readline().strip()  # the server prints it once it listens
     if not address:
         proc.kill()

@@ -227,7 +227,8 @@ def start_coordinator(replicas: int, token: str, key_file: Path) -> tuple[subpro
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the coordinator did not start: {proc.stderr.read().decode()[-2000:]}") from None
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"the coordinator did not start: {err[-2000:]}") from None
             time.sleep(0.1)
 
 
@@ -265,6 +266,7 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         t0 = time.monotonic()
         asyncio.run(measured())
         wall = time.monotonic() - max(t0, load.measure_from - WARMUP_S) - WARMUP_S
+        assert cpu0 is not None and mine0 is not None  # taken when the warm-up ended
         coordinator_cpu = (cpu_seconds(proc.pid) - cpu0) / wall
         generator_cpu = (time.process_time() - mine0) / wall
     finally:
@@ -285,7 +287,7 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         "quorum_rounds": len(load.quorums) // args.replicas,
         "quorum_p50_s": percentile(load.quorums, 0.5), "quorum_p99_s": percentile(load.quorums, 0.99),
         "errors": load.errors, "coordinator_cpu": round(coordinator_cpu, 3), "generator_cpu": round(generator_cpu, 3),
-        **({"flood_posters": flood, "flood_posts_per_s": round(sum(counts) / wall, 1),
+        **({"flood_posters": flood, "flood_posts_per_s": round(sum(counts[:]) / wall, 1),
             "flood_taken": counts[0], "flood_deferred": counts[1], "flood_other": counts[2]} if flood else {}),
     }
 

@@ -122,7 +122,7 @@ def main() -> None:
             for m in MODES}
 
     def ratio(a: str, b: str) -> float | None:
-        return round(step[a] / step[b], 3) if step[a] and step[b] else None
+        return round(x / y, 3) if (x := step[a]) and (y := step[b]) else None
 
     # The slowdown the job's step actually shows (the injected one applies to the busy time
     # only, not to the exchange), and what a perfect rebalance would make of it.
