@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,25 +94,24 @@ iter_num = 0
 best_val_loss = 1e9
 model_args = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=block_size,
                   vocab_size=len(VOCAB))
-checkpoint = None
+checkpoint: Any = None  # torch.load's dict
 if init_from == "resume":
     checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location=device, weights_only=True)
     model_args = checkpoint["model_args"]
-model = GPT(GPTConfig(**model_args))
+gpt = GPT(GPTConfig(**model_args))
 if init_from == "resume":
-    model.load_state_dict(checkpoint["model"])
+    gpt.load_state_dict(checkpoint["model"])
     iter_num = checkpoint["iter_num"]
     best_val_loss = checkpoint["best_val_loss"]
-model.to(device)
+gpt.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer: torch.optim.Optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
     scaler.load_state_dict(checkpoint["scaler"])
 checkpoint = None  # free the memory
-if ddp:
-    model = DDP(model, device_ids=[device.index] if device_type == "cuda" else None)
-raw_model = model.module if ddp else model
+model: torch.nn.Module = DDP(gpt, device_ids=[device.index] if device_type == "cuda" else None) if ddp else gpt
+raw_model = gpt
 script = ft.ScriptState(best_val_loss=best_val_loss)  # replica state: it travels as the weights do
 trainer = ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state={"script": script},
                            start_step=iter_num)

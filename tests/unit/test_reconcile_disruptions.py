@@ -62,7 +62,7 @@ def test_an_evicted_pod_replaces_its_replica_without_blaming_the_node_or_using_t
     w.assert_quiet()
 
 
-GONE = [
+GONE: list[tuple] = [
     ("drained", dict(DRAINED, phase="Failed", exit_code=143, reason="Error"), reasons.POD_EVICTED, []),
     ("deleted by a user", dict(deleting=True), reasons.POD_DELETED, None),
 ]
