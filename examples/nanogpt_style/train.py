@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from model import GPT, GPTConfig
-from prepare import VOCAB, prepare
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from model import GPT, GPTConfig
+from prepare import VOCAB, prepare
 from transom import ft
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

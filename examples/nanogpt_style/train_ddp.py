@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from model import GPT, GPTConfig
-from prepare import VOCAB, prepare
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT, GPTConfig
+from prepare import VOCAB, prepare
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--out-dir", default="out-nanogpt-style", help="where ckpt.pt is written and read")

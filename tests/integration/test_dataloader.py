@@ -17,7 +17,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from dataloader_job import BATCH, SAMPLES  # noqa: E402
-
 from transom.ft.data import ReplicaSampler  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

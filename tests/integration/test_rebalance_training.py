@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 from dataloader_job import BATCH, SAMPLES, dataset  # noqa: E402
-
 from launching import kill_all, start_launcher  # noqa: E402
 from test_dataloader import JOB, _committed  # noqa: E402
 from test_fault_tolerance import assert_consistent_finish  # noqa: E402
