@@ -68,7 +68,7 @@ def _own_control_plane() -> Iterator[cluster.Env]:
     try:
         env = _up_once_more_if_it_fails()
     except build.MissingTool as e:
-        missing = str(e)  # failed outside the handler: one message, no chained traceback
+        missing: str | None = str(e)  # failed outside the handler: one message, no chained traceback
     else:
         missing = None
     if missing is not None:

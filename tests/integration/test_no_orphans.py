@@ -50,7 +50,8 @@ def descendants(root: int) -> set[int]:
         fields = _stat(int(stat.parent.name))
         if fields is not None:
             parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = set(), {root}
+    found: set[int] = set()
+    frontier = {root}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier

@@ -33,6 +33,7 @@ def main() -> None:
                 g = trainer.generator(micro)
                 x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
                 last = micro == MICRO_STEPS - 1
+                quiet: contextlib.AbstractContextManager
                 if args.switch == "ddp-attribute":
                     model.require_backward_grad_sync = last
                     quiet = contextlib.nullcontext()
