@@ -117,7 +117,7 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str) -> torch.optim.AdamW:
+                             device_type: str) -> torch.optim.Optimizer:
         """AdamW with two parameter groups: weight decay on the matrices (2-D and more), none
         on biases and LayerNorm weights. `device_type` is nanoGPT's argument (it picks the
         fused kernel on CUDA); here the default implementation runs everywhere."""

@@ -98,20 +98,21 @@ checkpoint: Any = None  # torch.load's dict
 if init_from == "resume":
     checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location=device, weights_only=True)
     model_args = checkpoint["model_args"]
-gpt = GPT(GPTConfig(**model_args))
+model = GPT(GPTConfig(**model_args))
 if init_from == "resume":
-    gpt.load_state_dict(checkpoint["model"])
+    model.load_state_dict(checkpoint["model"])
     iter_num = checkpoint["iter_num"]
     best_val_loss = checkpoint["best_val_loss"]
-gpt.to(device)
+model.to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-optimizer: torch.optim.Optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
     scaler.load_state_dict(checkpoint["scaler"])
 checkpoint = None  # free the memory
-model: torch.nn.Module = DDP(gpt, device_ids=[device.index] if device_type == "cuda" else None) if ddp else gpt
-raw_model = gpt
+if ddp:  # nanoGPT's shape: one name for the model, wrapped or not
+    model = DDP(model, device_ids=[device.index] if device_type == "cuda" else None)  # type: ignore[assignment]
+raw_model = model.module if ddp else model
 script = ft.ScriptState(best_val_loss=best_val_loss)  # replica state: it travels as the weights do
 trainer = ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state={"script": script},
                            start_step=iter_num)
