@@ -165,12 +165,12 @@ class ReplicaEnv:
         """A hot spare still waiting for a replica identity."""
         return self.replica_id == UNASSIGNED
 
-    def promoted(self, replica_id: int, generation: int) -> "ReplicaEnv":
+    def promoted(self, replica_id: int, generation: int) -> ReplicaEnv:
         """This environment as the replica `replica_id`'s pod of `generation` would have it."""
         return replace(self, replica_id=replica_id, generation=generation, spare_id=None)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "ReplicaEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> ReplicaEnv:
         env = os.environ if environ is None else environ
 
         def num(name: str, default: int | None = None) -> int:

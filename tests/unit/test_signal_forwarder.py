@@ -16,7 +16,8 @@ FILE = "signals-r1-g2-a0-k0.csv"
 
 class FakeClient:
     def __init__(self, fail: int | None = None, pace: float = 1.0):
-        self.batches, self.fail, self.pace = [], fail, pace
+        self.batches: list = []
+        self.fail, self.pace = fail, pace
         self.duplicate_data: DuplicateDataFinding | None = None
 
     def report_signals(self, batch, timeout_s: float) -> SignalAnswer:

@@ -60,7 +60,7 @@ def crc32(t: torch.Tensor) -> int:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return 0
-    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
 def write(t: torch.Tensor, stream) -> None:

@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -43,7 +43,7 @@ PART_DONE = "checksums.json"
 PART_SKIPPED = "skipped"
 DATA_FILE = "__0_0.distcp"  # DCP's name for a single writer's data file
 DCP_METADATA = ".metadata"
-FORMAT = "transom-dcp-3"
+FORMAT: Final = "transom-dcp-3"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not one of ours
 MAX_PARTS = 1 << 24
 MAX_SHARDS = 1 << 16
@@ -138,7 +138,7 @@ class Slot:
         return self.shards * self.writers
 
     @classmethod
-    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> "Slot":
+    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> Slot:
         """The slot of `rank` (of `world_size` in its replica) in replica `replica_rank` of the quorum."""
         if sharded:  # rank r of every replica holds shard r: the replicas split it
             return cls(writer=replica_rank, writers=num_replicas, shard=rank, shards=world_size)
@@ -162,7 +162,7 @@ class Entry(TensorEntry):
     length: int = Field(default=0, ge=0, le=MAX_INT)  # and how long the blob is
 
     @model_validator(mode="after")
-    def _sizes_agree(self) -> "Entry":
+    def _sizes_agree(self) -> Entry:
         if self.size != self.nbytes:
             raise ValueError(f"{self.key}: {self.dtype}{self.shape} is {self.size} bytes, not {self.nbytes}")
         return self
@@ -200,7 +200,7 @@ class Manifest(_Record):
     created: float  # unix seconds
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Manifest":
+    def _consistent(self) -> Manifest:
         if len(self.structures) != self.num_shards:
             raise ValueError(f"{len(self.structures)} structures for {self.num_shards} shards")
         for path in self.files:
@@ -226,7 +226,7 @@ class Manifest(_Record):
         return self.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> Manifest:
         """Parse and validate a manifest; ValueError (never anything else) if it is not one of ours."""
         if len(text) > MAX_MANIFEST_BYTES:
             raise ValueError(f"manifest of {len(text)} bytes")
