@@ -39,7 +39,7 @@ class TensorEntry(BaseModel):
     shape: list[int] = Field(max_length=MAX_DIMS)
 
     @model_validator(mode="after")
-    def _known_dtype_and_shape(self) -> "TensorEntry":
+    def _known_dtype_and_shape(self) -> TensorEntry:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"{self.key}: unknown dtype {self.dtype!r}")
         if any(d < 0 or d > MAX_INT for d in self.shape):
