@@ -56,7 +56,7 @@ def _api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="transom-operator", description=__doc__.splitlines()[0])
     p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port; 0 disables")
@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="ClusterRole that lets a job's coordinator create TokenReviews (bound per job): how it "
                         "checks which replica a worker pod's token speaks for")
     p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.verbose:  # kopf logs every handler run at INFO: one line per pod event
