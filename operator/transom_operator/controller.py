@@ -194,11 +194,11 @@ class Controller:
                   and r.last_failure != old.last_failure and r.last_failure.reason == reasons.OOM_KILLED):
                 metrics.REPLICA_FAILURES.labels(reasons.OOM_KILLED).inc()  # restarted in place, or ended the job
             key = (namespace, name, r.id, r.generation)
-            if r.state == "Running" and key in self._replacing:
+            if r.state == api.ReplicaState.RUNNING and key in self._replacing:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
         was = job.status.state if job.status else None
         failed = next((c for c in plan.status.conditions if c.type == "Failed"), None)
-        if plan.status.state == "Failed" and was != "Failed" and failed is not None and failed.reason:
+        if plan.status.state == api.JobState.FAILED and was != api.JobState.FAILED and failed is not None and failed.reason:
             metrics.JOB_FAILURES.labels(failed.reason).inc()
 
     def _set_state(self, namespace: str, name: str, state: str | None) -> None:
@@ -206,7 +206,7 @@ class Controller:
             self._states.pop((namespace, name), None)
         else:
             self._states[(namespace, name)] = state
-        for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
+        for s in api.JobState:
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
 
 
