@@ -39,14 +39,12 @@ re-parented to the runner and stopped when the run ends.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from transom import contract
@@ -54,78 +52,19 @@ from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import JobStatus
 from transom.coordinator.server import CoordinatorThread
-from transom.defaults import LOCAL, heartbeat_interval_s
+from transom.defaults import heartbeat_interval_s
 from transom.detect.signals import DetectionSettings
-from transom.inject import Fault
-from transom.launch import gpus, processes
+from transom.launch import processes
 from transom.launch.display import Display, closing_table
+from transom.launch.config import RunConfig
 from transom.launch.job_view import EventFeed, caught_up, failed_incarnations, progress
 from transom.launch.local_pods import LocalPods
 from transom.launch.local_spares import SparePool
 from transom.launch.summary import finite_json, merge_trace, replica_rows, summarize
-from transom.launch.supervisor import check_command
 
 POLL_S = 0.05  # how often the runner looks at its launchers (and, with spares, at the job's status)
 SHOW_EVERY_S = 0.5  # how often the progress line is redrawn
 STATUS_TIMEOUT_S = 5.0  # one GET /v1/status, retries included (the coordinator is on loopback)
-
-
-@dataclass
-class RunConfig:
-    command: list[str]
-    replicas: int
-    nproc_per_replica: int = 1
-    min_replicas: int = 1
-    injects: list[tuple[int, str]] = field(default_factory=list)  # (replica, worker fault spec)
-    summary_json: str | None = None
-    stats_dir: str | None = None
-    collective_timeout_s: float = LOCAL.collective_timeout_s
-    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
-    max_restarts: int = 3
-    max_generations: int = 3
-    timeout_s: float = 3600.0
-    quiet: bool = False
-    checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
-    checkpoint_interval: int | None = None
-    checkpoint_keep: int | None = None
-    backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
-    log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
-    spares: int = 0  # hot spares (launch/spare.py)
-    detection: str | None = None  # spec.detection as JSON (TRANSOM_DETECTION); None: the defaults
-    trace_out: str | None = None  # write every rank's step signals here as one CSV trace
-    devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
-
-    def __post_init__(self) -> None:
-        """Everything a run could only find out by failing later is refused here, at once."""
-        check_command(self.command)
-        if not 1 <= self.replicas <= 64:
-            raise ValueError("--replicas must be between 1 and 64 in local mode")
-        if not 1 <= self.nproc_per_replica <= 1024:
-            raise ValueError("--nproc-per-replica must be between 1 and 1024")
-        if not 1 <= self.min_replicas <= self.replicas:
-            raise ValueError("--min-replicas must be between 1 and --replicas")
-        if self.max_restarts < 0:
-            raise ValueError("--max-restarts must not be negative")
-        for name, value in (("--collective-timeout", self.collective_timeout_s),
-                            ("--heartbeat-timeout", self.heartbeat_timeout_s), ("--timeout", self.timeout_s)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-        if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
-            raise ValueError("--checkpoint-interval must not be negative")
-        if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
-            raise ValueError("--checkpoint-keep must be at least 1")
-        if self.backend not in contract.BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
-        DetectionSettings.from_spec(self.detection)  # ValueError now, not in every process later
-        if not 0 <= self.spares <= 8:
-            raise ValueError("--spares must be between 0 and 8 in local mode")
-        self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)
-        for replica, spec in self.injects:
-            if replica >= self.replicas:
-                raise ValueError(f"--inject names replica {replica}, but there are only {self.replicas}")
-            if Fault.parse(spec).rank >= self.nproc_per_replica:
-                raise ValueError(f"--inject names rank {Fault.parse(spec).rank}, but a replica has only "
-                                 f"{self.nproc_per_replica} process(es) (--nproc-per-replica)")
 
 
 class LocalRun:

@@ -19,13 +19,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from transom import contract, script_errors
 from transom.coordinator.identity import ReplicaKeys
-
-if TYPE_CHECKING:
-    from transom.launch.local import RunConfig
+from transom.launch.config import RunConfig
 
 
 class LocalPods:

@@ -57,14 +57,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom import contract, defaults, script_errors
+from transom import contract, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.detect.signals import DetectionSettings
 from transom.launch import oom, processes, spare
+from transom.launch.config import LaunchConfig
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
 from transom.launch.processes import describe_exit
@@ -75,59 +74,6 @@ POLL_S = 0.05
 PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signal_forwarder.py)
 COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
 REPORT_TIMEOUT_S = 2.0  # a failure report: the coordinator also notices by heartbeat, so never wait long
-
-
-def check_command(command: list[str]) -> None:
-    """ValueError now for a command that could only fail later: an empty one, a program that is
-    not there, or `python SCRIPT` with no such script (rather than restarts that cannot help)."""
-    if not command:
-        raise ValueError("a command to run is required after --")
-    program = command[0]
-    if shutil.which(program) is None:
-        raise ValueError(f"{program}: command not found (not executable or not on PATH)")
-    if Path(program).name.startswith("python"):
-        script = _python_script(command[1:])
-        if script is not None and not Path(script).is_file():
-            raise ValueError(f"{program}: no such script: {script}")
-
-
-def _python_script(args: list[str]) -> str | None:
-    """The script a `python ARGS` command runs, or None (-c, -m, stdin)."""
-    options_with_value = {"-W", "-X", "--check-hash-based-pycs"}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg in ("-c", "-m", "-"):
-            return None
-        if arg in options_with_value:
-            i += 2
-            continue
-        if arg.startswith("-"):
-            i += 1
-            continue
-        return arg
-    return None
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    command: list[str]
-    nproc_per_node: int
-    max_restarts: int = 3
-    restart_backoff_s: float = 0.5
-    term_grace_s: float = 10.0
-    rendezvous_timeout_s: float = 300.0
-    detection: DetectionSettings = field(default_factory=DetectionSettings)
-    oom_kill_limit: int = defaults.OOM_KILL_LIMIT  # OOM kills before the launcher exits EXIT_OOM_KILLED
-
-    def __post_init__(self) -> None:
-        check_command(self.command)
-        if not 1 <= self.nproc_per_node <= 1024:
-            raise ValueError("nproc_per_node must be between 1 and 1024")
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must not be negative")
-        if self.oom_kill_limit < 1:
-            raise ValueError("oom_kill_limit must be at least 1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
