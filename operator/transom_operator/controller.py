@@ -198,7 +198,8 @@ class Controller:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
         was = job.status.state if job.status else None
         failed = next((c for c in plan.status.conditions if c.type == "Failed"), None)
-        if plan.status.state == api.JobState.FAILED and was != api.JobState.FAILED and failed is not None and failed.reason:
+        failed_now = plan.status.state == api.JobState.FAILED and was != api.JobState.FAILED
+        if failed_now and failed is not None and failed.reason:
             metrics.JOB_FAILURES.labels(failed.reason).inc()
 
     def _set_state(self, namespace: str, name: str, state: str | None) -> None:

@@ -27,9 +27,8 @@ SWEEP_EVERY_S = 600.0
 class Provisioner:
     kube: Kube
     coordinator_image: str
-    network_policy: bool = True  # give every job a NetworkPolicy that admits only its own pods
-    # The chart's ClusterRole that lets a coordinator create TokenReviews (its pods' identities).
-    token_reviewer_role: str = "transom-operator-token-reviewer"
+    network_policy: bool  # give every job a NetworkPolicy that admits only its own pods
+    token_reviewer_role: str  # the ClusterRole that lets a coordinator create TokenReviews
     # Per job: (metadata.generation, when) the coordinator was last checked against the spec.
     checked: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     # Jobs whose worker ServiceAccount, peer Secret and token review binding this process
