@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     own, command = _split_command(list(sys.argv[1:] if argv is None else argv))
     args = parser().parse_args(own)
     logging.basicConfig(
-        level=os.environ.get("TRANSOM_LOG_LEVEL", "WARNING"),
+        level=os.environ.get(contract.ENV_LOG_LEVEL, "WARNING"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     if args.cmd == "coordinator":

@@ -4,6 +4,11 @@ bad values at once. The CLI's flags take their defaults from these fields (cli.p
 default is written here only.
 
 Light on purpose: the `transom` CLI reads it for every command, the launcher in every pod.
+
+What a job's two settings share (timeouts that differ between LOCAL and CLUSTER, the OOM-kill
+limit) lives in transom/defaults.py. The launcher's own polling intervals and short waits
+(supervisor.py, local.py, local_spares.py, oom.py) stay beside the code they pace: nothing
+else reads them, and no flag or spec field sets them.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from transom.defaults import heartbeat_interval_s
 from transom.detect.signals import DetectionSettings
 from transom.launch import processes
 from transom.launch.display import Display, closing_table
-from transom.launch.config import RunConfig
+from transom.launch.config import LaunchConfig, RunConfig, default_of
 from transom.launch.job_view import EventFeed, caught_up, failed_incarnations, progress
 from transom.launch.local_pods import LocalPods
 from transom.launch.local_spares import SparePool
@@ -65,6 +65,8 @@ from transom.launch.summary import finite_json, merge_trace, replica_rows, summa
 POLL_S = 0.05  # how often the runner looks at its launchers (and, with spares, at the job's status)
 SHOW_EVERY_S = 0.5  # how often the progress line is redrawn
 STATUS_TIMEOUT_S = 5.0  # one GET /v1/status, retries included (the coordinator is on loopback)
+# How long a SIGTERMed launcher gets before SIGKILL: its own grace for its workers, and then some.
+LAUNCHER_GRACE_S = default_of(LaunchConfig, "term_grace_s") + 5.0
 
 
 class LocalRun:
@@ -263,7 +265,7 @@ class LocalRun:
             exit_code = self._supervise(received)
         finally:
             every = [*self.launchers.values(), *self.spares.launchers(), *self._retired]
-            processes.stop_launchers(every, self.say)
+            processes.stop_launchers(every, self.say, LAUNCHER_GRACE_S)
             completed_step, last_checkpoint, duplicate_data = self._outcome()
             self.coordinator.stop()
             for s, handler in previous.items():

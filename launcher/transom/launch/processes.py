@@ -27,9 +27,6 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-# How long `transom run` waits for a SIGTERMed launcher: its own grace for its workers
-# (LaunchConfig.term_grace_s, 10 s) and then some.
-LAUNCHER_GRACE_S = 15.0
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -196,8 +193,7 @@ def _kill_exact(pid: int, start: str) -> None:
             os.close(fd)
 
 
-def stop_launchers(launchers: list[subprocess.Popen], say: Callable[[str], None],
-                   grace_s: float = LAUNCHER_GRACE_S) -> None:
+def stop_launchers(launchers: list[subprocess.Popen], say: Callable[[str], None], grace_s: float) -> None:
     """SIGTERM the launchers still running (they stop their workers), SIGKILL after `grace_s`;
     then whatever a SIGKILLed launcher could not stop (`transom run` is their subreaper)."""
     for proc in launchers:
