@@ -205,3 +205,7 @@ class ReplicaEnv:
             identity_token_file=env.get(ENV_IDENTITY_TOKEN_FILE, ""),
             peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
         )
+
+
+ENV_LOG_LEVEL = "TRANSOM_LOG_LEVEL"  # the `transom` command's and the workers' log level (default WARNING)
+ENV_COORDINATOR_IMAGE = "TRANSOM_COORDINATOR_IMAGE"  # the operator's default --coordinator-image

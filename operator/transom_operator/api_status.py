@@ -63,7 +63,7 @@ class ReplicaStatus(StatusModel):
     generation: int = Field(
         0, ge=0, le=MAX_GENERATION, description="Incarnation of the replica; each replacement increments it.",
     )
-    state: ReplicaState = Field("Pending", description="Pending, Running, Replacing, Succeeded or Failed.")
+    state: ReplicaState = Field(ReplicaState.PENDING, description="Pending, Running, Replacing, Succeeded or Failed.")
     nodes: list[NodeNameItem] = Field(
         default_factory=list, max_length=MAX_NODES_PER_REPLICA,
         description="Nodes of the replica's pods, by node rank.",
@@ -91,7 +91,7 @@ class SpareStatus(StatusModel):
         0, ge=0, le=MAX_GENERATION,
         description="Incarnation of the spare; it increments when the spare is promoted or its pods are replaced.",
     )
-    state: SpareState = Field("Pending", description="Ready (every pod running, can take over) or Pending.")
+    state: SpareState = Field(SpareState.PENDING, description="Ready (every pod running, can take over) or Pending.")
     nodes: list[NodeNameItem] = Field(
         default_factory=list, max_length=MAX_NODES_PER_REPLICA,
         description="Nodes of the spare's pods, by node rank.",

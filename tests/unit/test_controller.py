@@ -190,7 +190,7 @@ def test_a_job_from_before_the_worker_service_account_gets_one_once(make_control
     assert kube.created[:3] == [("ServiceAccount", "demo-worker"), ("Secret", "demo-peer-token"),
                                 ("ClusterRoleBinding", "transom-ml-demo-token-review")]
     assert ("Deployment", "demo-coordinator") not in kube.created
-    ctl._coordinator_checked.clear()  # the next check of the coordinator (30 s later)
+    ctl.provisioner.checked.clear()  # the next check of the coordinator (30 s later)
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("ServiceAccount", "demo-worker")) == 1
 
@@ -331,7 +331,7 @@ def test_every_job_gets_a_disruption_budget_before_its_pods_and_it_follows_the_j
     assert ("patched PodDisruptionBudget", "demo-workers") in kube.created
     assert kube.budgets["demo-workers"]["spec"]["minAvailable"] == 3
     del kube.budgets["demo-workers"]  # deleted by hand: back at the next check
-    ctl._coordinator_checked.clear()
+    ctl.provisioner.checked.clear()
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("PodDisruptionBudget", "demo-workers")) == 2
 
@@ -355,7 +355,7 @@ def test_a_coordinator_from_before_its_node_loss_tolerations_gets_them_once_and_
     ctl = make_controller(kube)
     ctl.reconcile("ml", "demo")
     assert kube.deployment["spec"]["template"]["spec"]["tolerations"] == [admins, *resources.coordinator_tolerations()]
-    ctl._coordinator_checked.clear()  # the next check (30 s later) finds them and rolls nothing
+    ctl.provisioner.checked.clear()  # the next check (30 s later) finds them and rolls nothing
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("patched Deployment tolerations", "demo-coordinator")) == 1
 

@@ -13,7 +13,7 @@ import pytest
 from transom import cli, defaults
 from transom.coordinator.membership import Settings
 from transom.defaults import CLUSTER, LOCAL
-from transom.launch.local import RunConfig
+from transom.launch.config import RunConfig
 from transom_operator import api
 
 ROOT = Path(__file__).resolve().parents[2]
