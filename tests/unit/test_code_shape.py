@@ -34,20 +34,6 @@ ALLOWED: dict[str, str] = {
         "the trainer's wiring; being split into its stages (issue 31)",
     "launcher/transom/ft/transfer.py::fetch":
         "a peer transfer's retries and checks in one loop; being split (issue 31)",
-    "launcher/transom/launch/local.py::LocalRun":
-        "the local run's replicas, spares and faults; being split (issue 31)",
-    "launcher/transom/launch/supervisor.py::Launcher":
-        "the process supervisor; being split (issue 31)",
-    "launcher/transom/launch/supervisor.py::Launcher.run":
-        "the supervisor's main loop; being split (issue 31)",
-    "operator/transom_operator/controller.py::Controller":
-        "the operator's controller; being split (issue 31)",
-    "operator/transom_operator/controller.py::Controller._reconcile":
-        "one reconcile pass; being split (issue 31)",
-    "operator/transom_operator/main.py::main":
-        "the operator's flags and startup; being split (issue 31)",
-    "operator/transom_operator/reconcile/failures.py::detect":
-        "every failure kind a pod shows, in one pass; being split (issue 31)",
 }
 
 
