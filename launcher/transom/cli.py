@@ -76,7 +76,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def coordinator_settings(args: argparse.Namespace) -> "Settings":
+def coordinator_settings(args: argparse.Namespace) -> Settings:
     """The coordinator's Settings from its flags (coordinator/cli.py)."""
     from transom.coordinator import cli as coordinator_cli
 
@@ -118,7 +118,8 @@ def _wait_as_spare() -> int | None:
     from transom.launch import spare
 
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _f: received.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda signum, _f: received.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         directory = spare.podinfo_dir()
         logging.getLogger("transom.launch").info(
@@ -158,7 +159,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             max_restarts=args.max_restarts,
             timeout_s=args.timeout,
             quiet=args.quiet,
-            checkpoint_uri=os.path.abspath(args.checkpoint_uri) if args.checkpoint_uri and "://" not in args.checkpoint_uri
+            checkpoint_uri=os.path.abspath(args.checkpoint_uri)
+            if args.checkpoint_uri and "://" not in args.checkpoint_uri
             else (args.checkpoint_uri or ""),
             checkpoint_interval=args.checkpoint_interval,
             checkpoint_keep=args.checkpoint_keep,
@@ -210,7 +212,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--log-dir", help="write each replica's launcher and worker output to DIR/replica-<i>.log and the "
                                      "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
-    r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
+    r.add_argument("--checkpoint-uri",
+                   help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
     r.add_argument("--checkpoint-interval", type=between(0, MAX_STEPS),
                    help="committed steps between checkpoints (the script may override)")
     r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")

@@ -12,23 +12,23 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from transom_operator.api_base import (
-    MAX_REPLICAS,
-    MAX_NODES_PER_REPLICA,
-    MAX_STEP,
-    MAX_RESTARTS,
-    MAX_GENERATION,
-    MAX_COUNT,
-    MAX_INT,
     CAMEL_CASE,
+    MAX_COUNT,
+    MAX_GENERATION,
+    MAX_INT,
+    MAX_NODES_PER_REPLICA,
+    MAX_REPLICAS,
+    MAX_RESTARTS,
+    MAX_STEP,
     JobState,
-    ReplicaState,
-    SpareState,
-    Rule,
-    StatusModel,
-    Timestamp,
-    Reason,
     NodeName,
     NodeNameItem,
+    Reason,
+    ReplicaState,
+    Rule,
+    SpareState,
+    StatusModel,
+    Timestamp,
 )
 
 
@@ -162,10 +162,12 @@ class OomKills(StatusModel):
 
     replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica.")
     generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation the last kill was in.")
-    count: int = Field(ge=1, le=MAX_INT, description="Kills reported since the coordinator started, every generation's.")
+    count: int = Field(ge=1, le=MAX_INT,
+                       description="Kills reported since the coordinator started, every generation's.")
     time: Timestamp | None = Field(None, description="When the last one was reported.")
     message: str | None = Field(
-        None, max_length=1024, description="The last report, for example \"worker rank 0 was OOMKilled (memory limit 3Gi)\".",
+        None, max_length=1024,
+        description="The last report, for example \"worker rank 0 was OOMKilled (memory limit 3Gi)\".",
     )
 
 

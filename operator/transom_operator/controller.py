@@ -15,12 +15,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
 from transom import contract
-
 from transom_operator import api, metrics, reasons
 from transom_operator.cache import WatchCache
 from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
@@ -92,7 +91,7 @@ class Controller:
         pods = self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name), observe_pod)
         nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
         departed = self.cache.departed(namespace, name, observe_pod)  # why a pod that is gone went
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         plan = replicas.plan(job, pods, nodes, now, departed)
 
         # The pod creates go out with the status write, the deletes and relabels after it: a
@@ -146,7 +145,7 @@ class Controller:
         InvalidSpec and a Warning Event, once per spec generation; nothing else is touched
         until the spec is changed, which wakes the daemon."""
         generation = raw["metadata"].get("generation")
-        wanted = job_status.refused(raw.get("status"), message, generation, datetime.now(timezone.utc))
+        wanted = job_status.refused(raw.get("status"), message, generation, datetime.now(UTC))
         ops = status_ops(raw.get("status") if isinstance(raw.get("status"), dict) else None, wanted)
         if not ops:
             return  # reported already

@@ -22,9 +22,10 @@ from kubernetes import client, config
 from prometheus_client import start_http_server
 
 from transom import contract
-
-from transom_operator import handlers  # noqa: F401  (registers the handlers)
-from transom_operator import metrics
+from transom_operator import (
+    handlers,  # noqa: F401  (registers the handlers)
+    metrics,
+)
 from transom_operator.controller import DEFAULT_REQUEUE_S, Controller
 from transom_operator.kube import Kube
 from transom_operator.leader import LeaderElector
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     api = _api_client()
     identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
     leader = LeaderElector(api, args.lease_namespace, args.lease_name, identity)
-    node_actions = frozenset(a for a, on in (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon)) if on)
+    allowed = (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon))
+    node_actions = frozenset(a for a, on in allowed if on)
     controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy,
                             token_reviewer_role=args.token_reviewer_role)
     memo = kopf.Memo(controller=controller, leader=leader, wakeups={}, resync_s=args.resync_seconds)

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 from transom import contract
-
 from transom_operator import api, disruption, naming, resources
 from transom_operator.kube import Kube
 
@@ -82,7 +81,8 @@ class Provisioner:
             # A job from before the workers had a ServiceAccount, a peer Secret and an
             # identity of their own: their pods would be refused or unknown without them (a
             # 409 means it is there). Its coordinator rolls below: its command changed.
-            for manifest in (resources.worker_service_account(job), resources.peer_secret(job, secrets.token_urlsafe(32))):
+            manifests = (resources.worker_service_account(job), resources.peer_secret(job, secrets.token_urlsafe(32)))
+            for manifest in manifests:
                 self.kube.create(namespace, manifest)
             self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
             self.worker_accounts.add((namespace, name))

@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from transom import contract
-
 from transom_operator import api, naming
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -82,7 +81,8 @@ def owner_reference(job: api.TrainingJob) -> dict[str, Any]:
     }
 
 
-def owned_metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def owned_metadata(job: api.TrainingJob, name: str, component: str,
+                   labels: dict[str, str] | None = None) -> dict[str, Any]:
     """Metadata of an object the job owns: name, namespace, the job and component labels, and the
     ownerReference through which it goes with the job."""
     return {
@@ -400,7 +400,8 @@ def network_policy(job: api.TrainingJob) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": owned_metadata(job, naming.network_policy(job_name(job)), COMPONENT_NETWORK),
-        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": selector}]}]},
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": selector}]}]},
     }
 
 

@@ -55,8 +55,8 @@ from transom.coordinator.server import CoordinatorThread
 from transom.defaults import heartbeat_interval_s
 from transom.detect.signals import DetectionSettings
 from transom.launch import processes
-from transom.launch.display import Display, closing_table
 from transom.launch.config import LaunchConfig, RunConfig, default_of
+from transom.launch.display import Display, closing_table
 from transom.launch.job_view import EventFeed, caught_up, failed_incarnations, progress
 from transom.launch.local_pods import LocalPods
 from transom.launch.local_spares import SparePool

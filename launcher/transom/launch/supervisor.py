@@ -1,20 +1,20 @@
 """The in-pod launcher (`transom launch -- python train.py ...`): supervises one node's workers.
 
-It starts `nproc_per_node` workers with torchrun's environment for *its own replica*
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the
-replica as the unit of failure: when any worker exits non-zero, it tells the coordinator at
-once (so the other replicas stop waiting for this one), stops the remaining workers and
-starts them all again as a new attempt, up to `max_restarts`. It also watches the
-coordinator (a long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
-verdict) is killed and restarted the same way. It forwards the workers' step signals to the
-coordinator's detectors and restarts a replica whose workers stopped making progress, with
-their stacks in the log (launch/signal_forwarder.py). SIGTERM/SIGINT (the pod is going) are reported
-to the coordinator as the replica's failure, then forwarded to the workers. Each worker is
-the leader of a process group of its own, and signals go to the whole group: whatever a
-worker started is stopped with it, and after every attempt (however it ended) nothing of
-its groups is left running, nor anything that left them (a `setsid` child: the launcher is
-the subreaper of its workers' descendants; processes.py). Workers also die with the
-launcher itself.
+It starts `nproc_per_node` workers with torchrun's environment for *its own replica* (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the replica
+as the unit of failure: when any worker exits non-zero, it tells the coordinator at once (so
+the other replicas stop waiting for this one), stops the remaining workers and starts them
+all again as a new attempt, up to `max_restarts`. It also watches the coordinator (a
+long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed
+heartbeats, a hang, a detector's verdict) is killed and restarted the same way. It forwards
+the workers' step signals to the coordinator's detectors and restarts a replica whose
+workers stopped making progress, with their stacks in the log (launch/signal_forwarder.py).
+SIGTERM/SIGINT (the pod is going) are reported to the coordinator as the replica's failure,
+then forwarded to the workers. Each worker is the leader of a process group of its own, and
+signals go to the whole group: whatever a worker started is stopped with it, and after every
+attempt (however it ended) nothing of its groups is left running, nor anything that left
+them (a `setsid` child: the launcher is the subreaper of its workers' descendants;
+processes.py). Workers also die with the launcher itself.
 
 A worker the kernel OOM-killed (the container's memory cgroup counted a kill while it died:
 launch/oom.py) is reported as `OOMKilled: worker rank K was OOMKilled (memory limit X)` and
@@ -64,9 +64,9 @@ from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
 from transom.launch import oom, processes, spare
 from transom.launch.config import LaunchConfig
+from transom.launch.processes import describe_exit
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
-from transom.launch.processes import describe_exit
 from transom.launch.workers import WorkerGroup
 
 log = logging.getLogger("transom.launch")
@@ -143,7 +143,8 @@ class Launcher:
             return "127.0.0.1", free_port()
         if self.env.node_rank == 0:
             port = free_port("0.0.0.0")
-            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr, master_port=port)
+            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr,
+                                  master_port=port)
             self.client.put_rendezvous(info)
             return info.master_addr, port
         log.info("%s node %d: waiting up to %gs for node 0 to publish the replica's address", self.who,

@@ -150,7 +150,8 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
 
 
 def _failed(pod: ObservedPod, where: str, node: ObservedNode | None,
-            asked: list[tuple[str, str, str | None, str | None]], inc: Incarnation, history: list[api.RestartRecord]) -> tuple[str, str, str | None, str | None]:
+            asked: list[tuple[str, str, str | None, str | None]], inc: Incarnation,
+            history: list[api.RestartRecord]) -> tuple[str, str, str | None, str | None]:
     """The cause of a pod in phase Failed: its node lost, an eviction, a deletion, a script
     error, an OOM kill, or a failure (a second one on the same node blames the node)."""
     if pod.reason in NODE_LOST_POD_REASONS:

@@ -1,13 +1,13 @@
 """The replica policy: from a TrainingJob, its pods and the nodes, what to do and what status to write.
 
 `plan(job, pods, nodes, now)` is level-based and idempotent: it compares the world with the
-spec on every pass, and given the same world twice (after its status was written) the
-second plan asks for nothing new. One pass runs in stages: detect each replica's failure,
-count it against the restart budget, act per replica (suspend, freeze, or replace and
-create what is missing), settle what a final or complete job may still do, then the
-status (the job-level state and conditions are job_status.py's). All memory lives in the job's status, which a job's user
-cannot write: the replicas' generations, restarts and last failures in `status.replicas`,
-the excluded nodes in `status.excludedNodes`, and the restart history in
+spec on every pass, and given the same world twice (after its status was written) the second
+plan asks for nothing new. One pass runs in stages: detect each replica's failure, count it
+against the restart budget, act per replica (suspend, freeze, or replace and create what is
+missing), settle what a final or complete job may still do, then the status (the job-level
+state and conditions are job_status.py's). All memory lives in the job's status, which a
+job's user cannot write: the replicas' generations, restarts and last failures in
+`status.replicas`, the excluded nodes in `status.excludedNodes`, and the restart history in
 `status.restartHistory`. So an operator restarted mid-recovery converges.
 
 A pass writes the status at the same time as it creates pods (controller.py), and deletes
@@ -64,8 +64,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 from transom import contract

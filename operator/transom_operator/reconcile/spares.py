@@ -109,7 +109,8 @@ def plan(job: api.TrainingJob, spares: list[Spare], extra: list[ObservedPod], ac
     excluded = list(excluded)
     out = SparePlan(create=[], delete=[p.name for p in extra if not p.deleting], statuses=[], requeue_after=None)
     for s in spares:
-        generation, current, last_failure = s.generation, dict(s.current), s.recorded.last_failure if s.recorded else None
+        last_failure = s.recorded.last_failure if s.recorded else None
+        generation, current = s.generation, dict(s.current)
         stale = list(s.stale)
         if s.promoted_to is not None:
             generation, current = generation + 1, {}  # its pods now belong to the replica
