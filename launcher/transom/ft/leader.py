@@ -272,13 +272,16 @@ def outcome(future: concurrent.futures.Future, timeout_s: float) -> str | dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+NoAnswerKind = Literal["evicted", "completed", "error"]
+
+
 @dataclass(frozen=True)
 class NoQuorumAnswer:
     """A quorum request that brought no quorum, and why: the coordinator evicted this
     incarnation (with the state it holds it in), the job completed without it, or the
     request failed."""
 
-    kind: Literal["evicted", "completed", "error"]
+    kind: NoAnswerKind
     message: str
     state: str | None = None
 
@@ -287,5 +290,6 @@ def read_outcome(payload: str | dict) -> QuorumResponse | NoQuorumAnswer:
     """`outcome`'s payload, as every rank received it, typed again."""
     if isinstance(payload, str):
         return QuorumResponse.model_validate_json(payload)
-    kind = next(k for k in ("evicted", "completed", "error") if k in payload)
+    kinds: tuple[NoAnswerKind, ...] = ("evicted", "completed", "error")
+    kind = next(k for k in kinds if k in payload)
     return NoQuorumAnswer(kind=kind, message=payload[kind], state=payload.get("state"))

@@ -51,8 +51,12 @@ class LoopAids:
 
     ctx: Any
     model: torch.nn.Module
-    step: int
     num_steps: int | None
+
+    @property
+    def step(self) -> int:
+        """Committed optimizer steps: FaultTolerant's (its commit stage owns the count)."""
+        raise NotImplementedError
 
     # --- the loop ------------------------------------------------------------------------------
     def steps(self, num_steps: int) -> Iterator[int]:
