@@ -30,6 +30,9 @@ written: a node stopped or cut off in the middle of a checkpoint; `stop` stops t
 process there, whatever its training thread is doing). The local runner gives a replica's
 k-th fault to its k-th incarnation, so a restarted replica does not fail again unless asked to.
 
+The trainer never reads this module: `ft/hooks.py` builds its step hooks from
+`from_environ` when a fault is meant for this attempt, and a no-op otherwise.
+
 `replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
 environment is every replica's, so that is how a fault set there (`TRANSOM_FAULT` in
 `spec.template`) reaches one replica. In a pod the list restarts with every generation.
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 
 ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip", "oom")
 PHASES = ("allreduce", "forward", "catchup", "serve", "checkpoint")
-# Where the trainer offers each of the detection faults: they need what it holds there.
+# Where the step hooks (ft/hooks.py) offer each of the detection faults: they need what the step holds there.
 FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
 FOREVER = 1 << 62
 OOM_CHUNK = 64 << 20

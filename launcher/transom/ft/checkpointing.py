@@ -37,7 +37,6 @@ from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
 from transom.errors import MustRestart
-from transom.inject import Fault
 from transom.ft.replica import ReplicaContext
 from transom.ft.state import ReplicaState
 
@@ -57,13 +56,12 @@ class Writers:
 class Checkpoints:
     def __init__(self, config: CheckpointConfig, ctx: ReplicaContext, state: ReplicaState,
                  on_commit: Callable[[int, str], None] | None = None, fence: Callable[[str, str], None] | None = None,
-                 fault: Fault | None = None):
+                 before_persist: Callable[[int], None] | None = None):
         """`fence(action, what)`: may this incarnation write now (IncarnationFence.confirm);
-        `fault`: the fault to inject, if any, whose `checkpoint` phase fires in the engine's thread."""
+        `before_persist(step)`: the step hooks' `checkpoint` point, in the engine's thread (ft/hooks.py)."""
         self.config, self.ctx, self.replica_state = config, ctx, state
         self.model = state.model
         self.sharded = sharding.is_sharded(state.model.state_dict())
-        before_persist = (lambda step: fault.maybe_fire(step, ctx.rank, "checkpoint")) if fault else None
         self.engine = CheckpointEngine(config, on_commit=on_commit, fence=fence, before_persist=before_persist)
         self.last_saved: int | None = None
         self.skipped_restore_of: int | None = None  # newest checkpoint not restored: a peer was ahead

@@ -17,13 +17,17 @@ wire never holds the process's exit.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import logging
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.distributed as dist
 
 from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted, JobCompleted, NotRegistered
 from transom.ft.fencing import IncarnationFence
@@ -38,6 +42,8 @@ from transom.coordinator.models import (
     QuorumResponse,
     RegisterRequest,
 )
+from transom.ft.config import FTConfig
+from transom.ft.replica import ReplicaContext
 
 log = logging.getLogger("transom.ft")
 COMPLETION_ROUND_S = 180.0  # the most close() waits for the round a completion needs
@@ -162,6 +168,33 @@ class CoordinatorLink:
                 log.warning("heartbeat of replica %d failed: %s", self.identity.replica_id, e)
 
 
+def register(ctx: ReplicaContext, client: CoordinatorClient, identity: Identity, config: FTConfig,
+             fence: IncarnationFence, endpoints: list[str], progress: Callable[[], int],
+             ) -> tuple[dist.TCPStore | None, CoordinatorLink | None]:
+    """The leader's store and its link to the coordinator, registered at step `progress()`
+    with every rank's state endpoint (None, None on the other ranks)."""
+    if not ctx.is_leader:
+        return None, None
+    env = ctx.env
+    # This replica's store: the coordinator points a quorum at one member's store.
+    store = dist.TCPStore(ctx.bind_host, 0, is_master=True, wait_for_workers=False, use_libuv=True,
+                          timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+    registration = RegisterRequest(identity=identity, state_endpoints=endpoints, step=progress(),
+                                   store_addr=f"{env.advertise_addr}:{store.port}")
+    return store, CoordinatorLink(client, registration, config.quorum_timeout_s, progress, fence)
+
+
+def leave_request(identity: Identity, step: int, num_steps: int | None, completed: bool, completed_elsewhere: bool,
+                  end_job: bool) -> LeaveRequest | None:
+    """What the leader says as the replica leaves: a completion, or that it saw the job
+    completed elsewhere, and why; None for a failure (reported on its own)."""
+    if not (completed or completed_elsewhere):
+        return None
+    reason = "job completed elsewhere" if completed_elsewhere else \
+        "ended the job" if end_job and step < (num_steps or 0) else "completed"
+    return LeaveRequest(identity=identity, step=step, completed=completed, reason=reason)
+
+
 def coordinator_view(client: CoordinatorClient, replica_id: int) -> tuple[int | None, int | None]:
     """(the newest step a healthy peer reported, the newest checkpoint the coordinator
     recorded committed); None for what is unknown."""
@@ -237,3 +270,26 @@ def outcome(future: concurrent.futures.Future, timeout_s: float) -> str | dict:
         return {"completed": str(e)}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+NoAnswerKind = Literal["evicted", "completed", "error"]
+
+
+@dataclass(frozen=True)
+class NoQuorumAnswer:
+    """A quorum request that brought no quorum, and why: the coordinator evicted this
+    incarnation (with the state it holds it in), the job completed without it, or the
+    request failed."""
+
+    kind: NoAnswerKind
+    message: str
+    state: str | None = None
+
+
+def read_outcome(payload: str | dict) -> QuorumResponse | NoQuorumAnswer:
+    """`outcome`'s payload, as every rank received it, typed again."""
+    if isinstance(payload, str):
+        return QuorumResponse.model_validate_json(payload)
+    kinds: tuple[NoAnswerKind, ...] = ("evicted", "completed", "error")
+    kind = next(k for k in kinds if k in payload)
+    return NoQuorumAnswer(kind=kind, message=payload[kind], state=payload.get("state"))

@@ -1,4 +1,5 @@
-"""What a training loop asks of its trainer besides the step itself: its data's coordinates,
+"""What a training loop asks of its trainer besides the step itself: its iterators
+(`steps()`, `batches()`, which begin each step), its data's coordinates,
 random numbers that a retried step sees again, gradient accumulation, work outside the
 steps, one writer for the script's own files, and which steps are worth a log line.
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from transom.errors import UsageError
+from transom.ft import data
 
 
 def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
@@ -42,12 +45,42 @@ def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
 
 class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
-    _asked, _aside, _no_sync, _link, _guard, _clock, _writers, _loss, _shared, _inputs,
-    last_step_committed, last_batch_trained."""
+    _aside, _no_sync, _link, _guard, _clock, _loss, _shared, _inputs, _exchange (asked),
+    _commit (writers), last_step_committed, last_batch_trained, num_steps, state,
+    completed_elsewhere; and calls its begin_step()."""
 
     ctx: Any
     model: torch.nn.Module
-    step: int
+    num_steps: int | None
+
+    @property
+    def step(self) -> int:
+        """Committed optimizer steps: FaultTolerant's (its commit stage owns the count)."""
+        raise NotImplementedError
+
+    # --- the loop ------------------------------------------------------------------------------
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """Yield the index of the step to run until `num_steps` steps are committed.
+
+        `num_steps` is the job's target: `close()` completes the job only once it is reached.
+        """
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+        self.num_steps = num_steps
+        while self.step < num_steps and not self.completed_elsewhere:
+            self.begin_step()
+            yield self.step
+            if self._in_step:
+                raise UsageError("end every iteration of steps() with trainer.optimizer.step() "
+                                 "(or trainer.finish_step()), once")
+
+    def batches(self, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
+        """`(step, batch)` from a DataLoader over an `ft.ReplicaSampler` until `num_steps` steps
+        are committed; a retried step sees the same batch again (ft/data.py). The loader's
+        sampler becomes part of the replica state."""
+        if self.state.sampler is None and isinstance(getattr(loader, "sampler", None), data.ReplicaSampler):
+            self.state.sampler = loader.sampler
+        return data.batches(self, loader, num_steps)
 
     # --- data ---------------------------------------------------------------------------------
     @property
@@ -116,7 +149,7 @@ class LoopAids:
         long as it takes: the other replicas go on without it, and it catches up afterwards.
         Use it between steps, or in a step before its forward pass (nanoGPT evaluates at the
         top of the loop); every rank of the replica enters it."""
-        if self._in_step and self._asked:
+        if self._in_step and self._exchange.asked:
             raise UsageError("trainer.aside() after the step's forward pass: the other replicas are waiting for "
                              "this step's gradients. Enter it before the forward pass, or after optimizer.step()")
         if self._aside:
@@ -144,7 +177,7 @@ class LoopAids:
         step just committed (not one catching up); False everywhere before the first commit.
         Evaluate there (all of its ranks, in `trainer.aside()`); it can move to another
         replica after a failure."""
-        return self._writers is not None and self._writers.replica_rank == 0
+        return self._commit.writers is not None and self._commit.writers.replica_rank == 0
 
     @property
     def is_writer(self) -> bool:

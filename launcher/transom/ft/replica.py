@@ -48,6 +48,12 @@ class ReplicaContext:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def bind_host(self) -> str:
+        """Where this rank's servers listen: every interface, unless the replica advertises
+        loopback (a local run)."""
+        return "0.0.0.0" if self.env.advertise_addr != "127.0.0.1" else "127.0.0.1"
+
     # Agreements between the ranks of the replica, over its control group. Every rank must
     # call them in the same order; with one process they return their argument.
     def gather(self, value: Any) -> list[Any]:

@@ -39,6 +39,7 @@ from transom.ft.transfer import Published, http_get
 log = logging.getLogger("transom.ft")
 _SMALL_PATH = re.compile(r"^/small/(\d{1,18})$")
 _CHUNK_PATH = re.compile(r"^/snapshot/(\d{1,18})/chunk/(\d{1,9})$")
+_TEXT, _BYTES = "text/plain", "application/octet-stream"
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -69,6 +70,29 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):  # a client that went away: not our error
         log.debug("state server: connection from %s ended badly", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """HTTP around `StateServer.answer`; `state_server` and `timeout` (per socket read or
+    write: a stalled peer is dropped) are set per server."""
+
+    state_server: StateServer
+
+    def log_message(self, fmt, *args):  # quiet: the transfer is logged by its ends
+        pass
+
+    def do_GET(self):
+        if not self.state_server.authorized(self.headers.get("Authorization", "")):
+            return self._reply(401, [b"missing or wrong bearer token"], _TEXT)
+        self._reply(*self.state_server.answer(self.path))
+
+    def _reply(self, code: int, pieces: list, ctype: str):
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
+        self.end_headers()
+        for p in pieces:
+            self.wfile.write(p)
 
 
 class _Throttle:
@@ -103,56 +127,43 @@ class StateServer:
         self._small: tuple[int, bytes] | None = None
         self._snapshot: Published | None = None
         self._throttle = _Throttle(bytes_per_s)
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = idle_timeout_s  # per socket read or write: a stalled peer is dropped
-
-            def log_message(self, fmt, *args):  # quiet: the transfer is logged by its ends
-                pass
-
-            def do_GET(self):
-                header = self.headers.get("Authorization", "")
-                presented = header.partition(" ")[2].encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(presented, server._token):
-                    return self._reply(401, [b"missing or wrong bearer token"])
-                if server._refusal is not None and (why := server._refusal()) is not None:
-                    return self._reply(409, [why.encode()])
-                with server._lock:
-                    small, snapshot = server._small, server._snapshot
-                if (m := _SMALL_PATH.match(self.path)) is not None:
-                    if small is None or small[0] != int(m.group(1)):
-                        return self._reply(404, [b"no state for this round (yet)"])
-                    return self._reply(200, [memoryview(small[1])], "application/octet-stream")
-                if self.path == "/snapshot":
-                    if snapshot is None:
-                        return self._reply(404, [b"no snapshot kept"])
-                    return self._reply(200, [memoryview(snapshot.manifest_json)], "application/json")
-                if (m := _CHUNK_PATH.match(self.path)) is not None:
-                    step, i = int(m.group(1)), int(m.group(2))
-                    if snapshot is None or snapshot.manifest.step != step:
-                        return self._reply(404, [b"that snapshot is no longer kept"])
-                    if i >= len(snapshot.manifest.digests):
-                        return self._reply(400, [b"no such chunk"])
-                    yield_cpu()  # this connection's thread serves chunks: training first
-                    server._chunk_asked()
-                    pieces = snapshot.chunk(i)
-                    server._throttle.take(sum(len(p) for p in pieces))
-                    return self._reply(200, pieces, "application/octet-stream")
-                self._reply(400, [b"expected GET /small/<round>, /snapshot or /snapshot/<step>/chunk/<i>"])
-
-            def _reply(self, code: int, pieces: list, ctype: str = "text/plain"):
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(sum(len(p) for p in pieces)))
-                self.end_headers()
-                for p in pieces:
-                    self.wfile.write(p)
-
-        self._httpd = _BoundedServer((bind_host, 0), Handler, max_connections)
+        # One handler class per server: the socket timeout is a class attribute of the handler.
+        handler = type("Handler", (_Handler,), {"timeout": idle_timeout_s, "state_server": self})
+        self._httpd = _BoundedServer((bind_host, 0), handler, max_connections)
         self.url = f"http://{advertise_host}:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="transom-state-server", daemon=True)
         self._thread.start()
+
+    def authorized(self, header: str) -> bool:
+        presented = header.partition(" ")[2].encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(presented, self._token)
+
+    def answer(self, path: str) -> tuple[int, list, str]:
+        """(status, body pieces, content type) for a GET of `path` by an authorized peer."""
+        if self._refusal is not None and (why := self._refusal()) is not None:
+            return 409, [why.encode()], _TEXT
+        with self._lock:
+            small, snapshot = self._small, self._snapshot
+        if (m := _SMALL_PATH.match(path)) is not None:
+            if small is None or small[0] != int(m.group(1)):
+                return 404, [b"no state for this round (yet)"], _TEXT
+            return 200, [memoryview(small[1])], _BYTES
+        if path == "/snapshot":
+            if snapshot is None:
+                return 404, [b"no snapshot kept"], _TEXT
+            return 200, [memoryview(snapshot.manifest_json)], "application/json"
+        if (m := _CHUNK_PATH.match(path)) is not None:
+            step, i = int(m.group(1)), int(m.group(2))
+            if snapshot is None or snapshot.manifest.step != step:
+                return 404, [b"that snapshot is no longer kept"], _TEXT
+            if i >= len(snapshot.manifest.digests):
+                return 400, [b"no such chunk"], _TEXT
+            yield_cpu()  # this connection's thread serves chunks: training first
+            self._chunk_asked()
+            pieces = snapshot.chunk(i)
+            self._throttle.take(sum(len(p) for p in pieces))
+            return 200, pieces, _BYTES
+        return 400, [b"expected GET /small/<round>, /snapshot or /snapshot/<step>/chunk/<i>"], _TEXT
 
     def _chunk_asked(self) -> None:
         with self._lock:

@@ -282,73 +282,88 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
     SnapshotChanged when the sources answer that the step is gone; TimeoutError when no
     chunk arrived for `timeout_s`; WireError when every source failed.
     """
-    out = bytearray(manifest.total_bytes)
-    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for i in range(len(manifest.digests)):
-        todo.put(i)
-    remaining = [len(manifest.digests)]
-    lock = threading.Lock()
-    progress = [time.monotonic()]
-    errors: list[str] = []
-    changed: list[str] = []
-    done = threading.Event()
-    if remaining[0] == 0:
-        return out
-
-    def worker(ep: str, is_late: bool) -> None:
-        try:
-            if is_late and not _serves(ep, manifest, token, timeout_s, lambda: done.is_set() or stopped(),
-                                       max_manifest_bytes):
-                return
-        except (OSError, WireError, http.client.HTTPException) as e:
-            log.warning("state transfer: source %s dropped before it served: %s", ep, e)
-            return
-        while not done.is_set() and not stopped():
-            try:
-                i = todo.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if gate is not None:
-                gate.wait_free()
-            start, end = manifest.chunk_range(i)
-            try:
-                _chunk_into(ep, manifest, i, token, timeout_s, memoryview(out)[start:end])
-            except SnapshotChanged as e:
-                todo.put(i)
-                with lock:
-                    changed.append(str(e))
-                return
-            except (OSError, WireError, http.client.HTTPException) as e:
-                todo.put(i)
-                log.warning("state transfer: source %s dropped: %s", ep, e)
-                with lock:
-                    errors.append(f"{ep}: {e}")
-                return
-            with lock:
-                progress[0] = time.monotonic()
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    done.set()
-
-    threads = [threading.Thread(target=worker, args=(ep, is_late), name="transom-fetch", daemon=True)
+    fetch_ = _Fetch(manifest, token, timeout_s, stopped, gate, max_manifest_bytes)
+    if fetch_.remaining == 0:
+        return fetch_.out
+    threads = [threading.Thread(target=fetch_.worker, args=(ep, is_late), name="transom-fetch", daemon=True)
                for eps, is_late in ((endpoints, False), (late, True)) for ep in eps for _ in range(per_source)]
     for t in threads:
         t.start()
     try:
-        while not done.wait(0.05):
-            with lock:
-                stalled = time.monotonic() - progress[0]
-                alive = any(t.is_alive() for t in threads)
-                if changed and not alive:
-                    raise SnapshotChanged(changed[0])
-            if stopped():
-                raise InterruptedError("stopped")
-            if not alive:
-                raise WireError(f"every source failed: {'; '.join(errors[-3:])}")
-            if stalled > timeout_s:
-                raise TimeoutError(f"no chunk arrived for {timeout_s:g}s")
+        fetch_.wait(threads)
     finally:
-        done.set()
+        fetch_.done.set()
         for t in threads:  # each ends after its request in flight; stopping waits for none
             t.join(timeout=1.0 if stopped() else timeout_s + 1)
-    return out
+    return fetch_.out
+
+
+class _Fetch:
+    """One `fetch`: its chunk queue, shared by one worker thread per source connection."""
+
+    def __init__(self, manifest: Manifest, token: str, timeout_s: float, stopped: Callable[[], bool],
+                 gate: LinkGate | None, max_manifest_bytes: int):
+        self.manifest, self.token, self.timeout_s, self.stopped = manifest, token, timeout_s, stopped
+        self.gate, self.max_manifest_bytes = gate, max_manifest_bytes
+        self.out = bytearray(manifest.total_bytes)
+        self.todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(manifest.digests)):
+            self.todo.put(i)
+        self.remaining = len(manifest.digests)
+        self.lock = threading.Lock()
+        self.progress = time.monotonic()
+        self.errors: list[str] = []
+        self.changed: list[str] = []
+        self.done = threading.Event()
+
+    def worker(self, ep: str, is_late: bool) -> None:
+        """Take chunks from `ep` until all are in; a late source first waits to serve this snapshot."""
+        m = self.manifest
+        try:
+            if is_late and not _serves(ep, m, self.token, self.timeout_s,
+                                       lambda: self.done.is_set() or self.stopped(), self.max_manifest_bytes):
+                return
+        except (OSError, WireError, http.client.HTTPException) as e:
+            log.warning("state transfer: source %s dropped before it served: %s", ep, e)
+            return
+        while not self.done.is_set() and not self.stopped():
+            try:
+                i = self.todo.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if self.gate is not None:
+                self.gate.wait_free()
+            start, end = m.chunk_range(i)
+            try:
+                _chunk_into(ep, m, i, self.token, self.timeout_s, memoryview(self.out)[start:end])
+            except SnapshotChanged as e:
+                self.todo.put(i)
+                with self.lock:
+                    self.changed.append(str(e))
+                return
+            except (OSError, WireError, http.client.HTTPException) as e:
+                self.todo.put(i)  # back to the queue for the other sources
+                log.warning("state transfer: source %s dropped: %s", ep, e)
+                with self.lock:
+                    self.errors.append(f"{ep}: {e}")
+                return
+            with self.lock:
+                self.progress = time.monotonic()
+                self.remaining -= 1
+                if self.remaining == 0:
+                    self.done.set()
+
+    def wait(self, threads: list[threading.Thread]) -> None:
+        """Until every chunk is in; raises as `fetch` says when that cannot happen."""
+        while not self.done.wait(0.05):
+            with self.lock:
+                stalled = time.monotonic() - self.progress
+                alive = any(t.is_alive() for t in threads)
+                if self.changed and not alive:
+                    raise SnapshotChanged(self.changed[0])
+            if self.stopped():
+                raise InterruptedError("stopped")
+            if not alive:
+                raise WireError(f"every source failed: {'; '.join(self.errors[-3:])}")
+            if stalled > self.timeout_s:
+                raise TimeoutError(f"no chunk arrived for {self.timeout_s:g}s")

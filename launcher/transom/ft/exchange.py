@@ -1,0 +1,154 @@
+"""`Exchange`: the cross-replica half of a step, from its quorum request to its averaged gradients.
+
+The leader's quorum request leaves with the step's first forward pass (the trainer's
+forward hook calls `ask`) and overlaps it; the answer is awaited when the first bucket
+of gradients is ready, or at the end of the backward pass (`open`). The other ranks of
+the replica never talk to the coordinator: the leader hands them its answer
+(ft/leader.py). A changed quorum rebuilds the cross-replica group (ft/process_group.py);
+a round that serves a joiner publishes its small state first (ft/recovery.py); then the
+step's all-reduce (ft/ftar.py) starts, bucket by bucket as backward produces them
+(`bucket_ready`), and `finish` starts the rest and waits for all.
+
+What comes out is a `QuorumOutcome` (ft/step_values.py), or None where the job completed
+without this replica; an eviction raises. The trainer hands the outcome on to the
+recovery and the commit; what the commit reports back (`StepRecord`) goes into the next
+request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import torch
+
+from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
+from transom.errors import NoQuorum
+from transom.ft.config import FTConfig
+from transom.ft.fencing import IncarnationFence
+from transom.ft.ftar import StepAllReduce, bucket_params
+from transom.ft.guard import Guard
+from transom.ft.hooks import StepHooks
+from transom.ft.leader import CoordinatorLink, hand_outcome, read_outcome
+from transom.ft.process_group import QuorumGroups
+from transom.ft.recovery import Recovery
+from transom.ft.replica import ReplicaContext
+from transom.ft.shared_values import SharedValues
+from transom.ft.shares import BatchShares
+from transom.ft.step_clock import StepClock
+from transom.ft.step_values import QuorumOutcome, StepRecord
+
+log = logging.getLogger("transom.ft")
+
+
+class Exchange:
+    def __init__(self, ctx: ReplicaContext, identity: Identity, config: FTConfig, model: torch.nn.Module,
+                 groups: QuorumGroups, link: CoordinatorLink | None, fence: IncarnationFence, recovery: Recovery,
+                 shares: BatchShares, shared: SharedValues, guard: Guard | None, clock: StepClock, hooks: StepHooks):
+        """`link`: the leader's to the coordinator (None on the other ranks)."""
+        self.ctx, self.identity, self.config = ctx, identity, config
+        self.groups, self.link, self.fence, self.recovery = groups, link, fence, recovery
+        self.shares, self.shared, self.guard, self.clock, self.hooks = shares, shared, guard, clock, hooks
+        # Buckets in the order backward produces gradients (roughly the reverse of the parameters').
+        self.buckets = bucket_params(list(reversed(list(model.parameters()))), config.bucket_bytes)
+        self.last_round = -1  # the last round answered
+        self.evicted: str | None = None  # why the coordinator no longer counts this incarnation
+        self.completed_elsewhere = False  # the job finished without this replica
+        self.asked = False  # this step's quorum request left (on the leader; the flag on every rank)
+        self._step = 0
+        self._request: QuorumRequest | None = None  # this step's, until the forward pass sends it
+        self._future: concurrent.futures.Future | None = None
+        self._awaited = False  # this step's quorum is in (opened holds it, None if the job completed)
+        self.opened: QuorumOutcome | None = None
+        self.finished = False  # this step's gradients were exchanged
+
+    def begin(self, step: int, last: StepRecord, catching_up_from: int | None) -> None:
+        """A new step: refuse it if this incarnation was evicted, and prepare its request."""
+        self.evicted = self.evicted or (self.link.evicted if self.link is not None else None)
+        if self.evicted:
+            raise self.fence.evicted(self.evicted, None, f"step {step} not committed")
+        self._step, self.asked = step, False
+        self._awaited, self.opened, self.finished = False, None, False
+        if self.link is not None:
+            self._request = QuorumRequest(
+                identity=self.identity, step=step, commit_quorum_id=last.commit_quorum_id,
+                last_round=self.last_round, failed=last.failed, last_loss=last.loss, last_step_seconds=last.seconds,
+                catching_up_from=catching_up_from, follows_shares=self.shares.following,
+                shares_held=self.shares.schedule.pending, shares_held_from=self.shares.schedule.pending_from,
+                shared=self.shared.take(),
+            )
+
+    def ask(self) -> None:
+        """Send the step's quorum request (once); the leader alone talks to the coordinator."""
+        self.asked = True
+        if self._request is not None and self.link is not None:
+            self._future, self._request = self.link.ask(self._request), None
+
+    def open(self) -> QuorumOutcome | None:
+        """The part before any gradient moves, once per step: wait for the quorum, rebuild the
+        group for a changed one, serve joiners, and set up the step's all-reduce."""
+        if self._awaited:
+            return self.opened
+        with self.clock.waiting():
+            q = self._await_quorum()
+        self._awaited = True
+        if q is None:
+            return None
+        self.last_round = q.round
+        self.shared.apply(q.shared)  # before anything of this step is served or captured
+        # The prefix names a quorum uniquely, across coordinator restarts too.
+        changed = self.groups.changed(q.store_prefix)
+        error = self.groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
+            if changed else None
+        self.recovery.serve(q, self._step)
+        self.hooks.allreduce(self._step)
+        recovering = self.ctx.replica_id in q.recovering
+        if self.buckets:
+            self.hooks.gradients(self._step, self.buckets[0][0].grad)
+        self.shares.update(q)
+        ftar = StepAllReduce(self.groups.group, q.participants, contribute=not recovering,
+                             own=self.guard.own_bucket if self.guard is not None else None,
+                             weight=self.shares.weight(q, self.ctx.replica_id))
+        self.recovery.gate.busy()  # a catch-up in the background leaves the link to the buckets
+        if error:
+            ftar.fail(error)
+        self.opened = QuorumOutcome(quorum=q, ftar=ftar, recovering=recovering, changed=changed)
+        return self.opened
+
+    def bucket_ready(self, index: int) -> None:
+        """A bucket's gradients are final (mid-backward): its exchange starts now."""
+        outcome = self.open()
+        if outcome is not None:
+            outcome.ftar.start(self.buckets[index])
+
+    def finish(self, started: int) -> QuorumOutcome | None:
+        """The step's gradient exchange, once per step: the buckets from `started` on (the
+        backward pass started the others) start now; then all are awaited."""
+        outcome = self.open()
+        if outcome is not None and not self.finished:
+            for bucket in self.buckets[started:]:
+                outcome.ftar.start(bucket)
+            with self.clock.waiting():
+                outcome.ftar.finish()
+            self.recovery.gate.free()
+            if outcome.ftar.failed:
+                self.groups.drop()
+        self.finished = True
+        return outcome
+
+    def _await_quorum(self) -> QuorumResponse | None:
+        # Only the leader asked; it tells the other ranks.
+        self.ask()  # no forward pass went through the model (e.g. it called a submodule)
+        payload = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
+        self._future = None
+        answer = read_outcome(payload)
+        if isinstance(answer, QuorumResponse):
+            return answer
+        if answer.kind == "evicted":  # refused: this incarnation's update is discarded, on every rank
+            self.evicted = answer.message
+            raise self.fence.evicted(answer.message, answer.state, f"step {self._step} not committed")
+        if answer.kind == "completed":
+            log.warning("replica %d stops at step %d: %s", self.ctx.replica_id, self._step, answer.message)
+            self.completed_elsewhere = True
+            return None
+        raise NoQuorum(f"replica {self.ctx.replica_id}: no quorum: {answer.message}")

@@ -1,0 +1,46 @@
+"""The typed values a step's stages hand each other (ft/trainer.py sequences them).
+
+    exchange (ft/exchange.py)  --QuorumOutcome-->  recovery (ft/recovery.py), commit (ft/commit.py)
+    commit                     --Verdict-->        itself: apply the update, or count a failure
+    commit                     --StepRecord-->     exchange: what the next quorum request reports
+
+A stage never calls back into the trainer; it returns one of these and the trainer passes
+it on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transom.coordinator.models import QuorumResponse
+from transom.ft.ftar import StepAllReduce
+
+
+@dataclass(frozen=True)
+class QuorumOutcome:
+    """The cross-replica half of a step: its quorum, and the all-reduce of its gradients."""
+
+    quorum: QuorumResponse
+    ftar: StepAllReduce  # failed() and error say whether the gradients arrived
+    recovering: bool  # this replica catches up this round: it contributed zeros
+    changed: bool  # the quorum differs from the last step's: its group was rebuilt
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The vote of a step's end, the same on every rank of the replica."""
+
+    committed: bool  # every rank's exchange succeeded: the step counts
+    skip: bool = False  # committed without an update: the guard judged the step bad (ft/guard.py)
+    loss: float | None = None  # the guard's view of the step, for the detectors
+    norm: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """A finished step as the next quorum request reports it."""
+
+    failed: bool = False
+    loss: float | None = None  # of a committed step trained on this replica's own batch
+    seconds: float | None = None
+    commit_quorum_id: int = -1  # the quorum of the last committed step
