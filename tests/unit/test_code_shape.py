@@ -26,14 +26,8 @@ ALLOWED: dict[str, str] = {
         "one gauge family after another; being split (issue 31)",
     "launcher/transom/coordinator/server.py::CoordinatorServer":
         "every HTTP route of the coordinator; being split (issue 31)",
-    "launcher/transom/ft/state_server.py::StateServer.__init__":
-        "the state server's routes wired in its constructor; being split (issue 31)",
     "launcher/transom/ft/trainer.py::FaultTolerant":
         "the trainer facade; being split into its stages (issue 31)",
-    "launcher/transom/ft/trainer.py::FaultTolerant.__init__":
-        "the trainer's wiring; being split into its stages (issue 31)",
-    "launcher/transom/ft/transfer.py::fetch":
-        "a peer transfer's retries and checks in one loop; being split (issue 31)",
 }
 
 
