@@ -10,17 +10,17 @@ state (parameters and optimizer moments). Until it has them it contributes zero 
 records each committed step's update: the averaged gradients as the optimizer would have
 consumed them, the hyperparameters, whether the scaler skipped the step (`Record`).
 
-Meanwhile, in a background thread (`Joiner`), it fetches a snapshot of a committed step
-S from its sources' host memory (ft/transfer.py: chunks with checksums, from every source
-in parallel, resumed on the others when one dies; ft/sources.py: only a snapshot that fits
-its own model and that a majority of its sources serve), builds a *shadow* copy of the
-parameters and of the optimizer from it, verifies it if asked to (`verify`), and replays
-the recorded updates S, S+1, ... on the shadow. When the shadow has reached the step the
-replica is committing, the main thread swaps it in (parameter storage and optimizer state, no copy) and commits that step
-normally: the replica is bit-identical to the others and contributes from the next round.
-A transfer that outlasts many steps only means more records to replay, whose memory is
-bounded (`max_record_bytes`): past it the joiner drops its records and asks for a newer
-snapshot.
+Meanwhile, in a background thread (`Joiner`), it fetches a snapshot of a committed step S
+from its sources' host memory (ft/transfer.py: chunks with checksums, from every source in
+parallel, resumed on the others when one dies; ft/sources.py: only a snapshot that fits its
+own model and that a majority of its sources serve), builds a *shadow* copy of the
+parameters and of the optimizer from it, verifies it if asked to (`verify`), and replays the
+recorded updates S, S+1, ... on the shadow. When the shadow has reached the step the replica
+is committing, the main thread swaps it in (parameter storage and optimizer state, no copy)
+and commits that step normally: the replica is bit-identical to the others and contributes
+from the next round. A transfer that outlasts many steps only means more records to replay,
+whose memory is bounded (`max_record_bytes`): past it the joiner drops its records and asks
+for a newer snapshot.
 
 A source (`Source`) takes its snapshot after a commit, when the coordinator asks for one
 newer than what it keeps: the host copy runs in the background during the next forward

@@ -78,7 +78,7 @@ class FTConfig:
             raise ValueError(f"catchup_buffer_bytes must be >= 0, got {self.catchup_buffer_bytes}")
 
     @classmethod
-    def from_environ(cls, **overrides: Any) -> "FTConfig":
+    def from_environ(cls, **overrides: Any) -> FTConfig:
         env = {
             "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
             "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),

@@ -53,7 +53,7 @@ class Spec:
     nbytes: int
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "Spec":
+    def of(cls, t: torch.Tensor) -> Spec:
         return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel(), t.numel() * t.element_size())
 
     def __str__(self) -> str:
@@ -82,7 +82,7 @@ class ExpectedState:
         self.max_manifest_bytes = min(MAX_MANIFEST_BYTES, 2 * own + lazy_chars + digests + _SLACK_CHARS)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> "ExpectedState":
+    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ExpectedState:
         """From the live objects, as a source's snapshot (catchup.snapshot_part) flattens them.
         Call it on the training thread: it reads the optimizer's state."""
         own = {"step": 0, "model": model.state_dict(), "optimizer": optimizer.state_dict()}

@@ -158,7 +158,8 @@ class StepAllReduce:
             return False
         return bool(flag.item() > 0)
 
-    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def allreduce_gradients(self, params: Iterable[torch.nn.Parameter],
+                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         """Average the gradients of `params` over the participants (or by weight), in place, all at once."""
         plist = [p for p in params if p.requires_grad]
         for bucket in bucket_params(plist, bucket_bytes):

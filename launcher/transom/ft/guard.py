@@ -120,7 +120,8 @@ class Guard:
         self.spike = bool(self.finite and loss_value is not None and self._losses.is_spike(loss_value))
         return (not self.finite or self.spike), loss_value, norm
 
-    def decide(self, loss, ftar, ctx, contributes: bool, device: torch.device) -> tuple[bool, float | None, float | None]:
+    def decide(self, loss, ftar, ctx, contributes: bool,
+               device: torch.device) -> tuple[bool, float | None, float | None]:
         """(skip the step's update on every replica, this rank's loss, its own gradient norm).
         `ftar` (ft/ftar.py) agrees across replicas, `ctx.all_ok` across the replica's ranks;
         a replica that contributes nothing (it catches up) cannot make anyone skip."""

@@ -30,7 +30,6 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from transom.coordinator.client import CoordinatorClient, CoordinatorError, Evicted, JobCompleted, NotRegistered
-from transom.ft.fencing import IncarnationFence
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -43,6 +42,7 @@ from transom.coordinator.models import (
     RegisterRequest,
 )
 from transom.ft.config import FTConfig
+from transom.ft.fencing import IncarnationFence
 from transom.ft.replica import ReplicaContext
 
 log = logging.getLogger("transom.ft")

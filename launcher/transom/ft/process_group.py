@@ -79,7 +79,8 @@ class CrossReplicaGroup:
         store.set(f"device/{self.rank}", f"{mine.type}|{gpu}")
         seen = [store.get(f"device/{r}").decode().split("|", 1) for r in range(self.size)]
         kinds = {kind for kind, _ in seen}
-        tensor_device = "cuda" if kinds == {"cuda"} else "cpu" if kinds == {"cpu"} else "mixed (" + ", ".join(sorted(kinds)) + ")"
+        tensor_device = ("cuda" if kinds == {"cuda"} else "cpu" if kinds == {"cpu"}
+                         else "mixed (" + ", ".join(sorted(kinds)) + ")")
         return placement.cross_replica(choice, tensor_device=tensor_device, member_gpus=[g or None for _, g in seen])
 
     def allreduce_sum(self, tensors: list[torch.Tensor]) -> list[dist.Work]:

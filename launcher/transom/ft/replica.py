@@ -150,7 +150,8 @@ def _log_to_stderr(level: str | None, rank: int) -> None:
     if not level or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [pid %(process)d rank {rank}] %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [pid %(process)d rank {rank}] %(name)s %(levelname)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False

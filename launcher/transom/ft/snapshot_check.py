@@ -47,7 +47,7 @@ class SnapshotCheck:
     def __init__(self, client: CoordinatorClient, rank: int, enabled: bool = True, wait_s: float = WAIT_S):
         self.client, self.rank, self.enabled, self.wait_s = client, rank, enabled, wait_s
 
-    def __call__(self, manifest: "Manifest", shadow: "Shadow") -> bool:
+    def __call__(self, manifest: Manifest, shadow: Shadow) -> bool:
         if not self.enabled:
             return True  # detection off: no replica fingerprints anything
         mine = int(fingerprint(shadow.model_params).item())
@@ -66,7 +66,8 @@ class SnapshotCheck:
                 return True
             time.sleep(POLL_S)
         if record.state == "disputed":
-            log.warning("rank %d: the replicas disagree about step %d; its snapshot is refused", self.rank, manifest.step)
+            log.warning("rank %d: the replicas disagree about step %d; its snapshot is refused",
+                        self.rank, manifest.step)
             return False
         if record.value != mine:
             log.warning("rank %d: the snapshot of step %d is not the state the replicas committed (fingerprint %d, "

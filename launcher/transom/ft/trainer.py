@@ -145,7 +145,8 @@ class FaultTolerant(LoopAids):
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
         self.hooks = hooks.from_environ(env.attempt, env.replica_id, self.ctx.rank)
         self.fence = IncarnationFence(self.client, self.identity)  # may this incarnation still act?
-        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt, self.ctx.rank)
+        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
+                                 self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
         self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica
         self.state.on_applied = self._shared.reapply
@@ -159,9 +160,9 @@ class FaultTolerant(LoopAids):
         self._build_stages(checkpoint, start_step, backend, gradients_judged=not scales(scaler))
         # An uncaught exception ends this worker, but interpreter teardown can take seconds
         # while peers sit in a collective with us: report and close our sockets first.
-        self._previous_excepthook = sys.excepthook
-        sys.excepthook = self._on_uncaught
-        log.info("replica %d rank %d joined (generation %d attempt %d)", env.replica_id, self.ctx.rank, env.generation, env.attempt)
+        self._uncaught = _ReportUncaught(self)
+        log.info("replica %d rank %d joined (generation %d attempt %d)", env.replica_id, self.ctx.rank,
+                 env.generation, env.attempt)
         if spare_id is not None:
             log.info("spare %d took over replica %d: registered %.2fs after its promotion", spare_id, env.replica_id,
                      time.monotonic() - promoted_at)
@@ -300,7 +301,7 @@ class FaultTolerant(LoopAids):
         return self._exchange.opened
 
     # --- the end --------------------------------------------------------------------------------
-    def __enter__(self) -> "FaultTolerant":
+    def __enter__(self) -> FaultTolerant:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -325,8 +326,7 @@ class FaultTolerant(LoopAids):
         self._closed = True
         if self._guard is not None:
             self._guard.waiting(True)  # a final checkpoint may take long: that is not a hang
-        if sys.excepthook == self._on_uncaught:
-            sys.excepthook = self._previous_excepthook
+        self._uncaught.uninstall()
         done = end_job or (self.num_steps is not None and self.step >= self.num_steps)
         gone = self.completed_elsewhere or bool(self._exchange.evicted)
         completed, failed = done and not gone, not done and not gone
@@ -353,12 +353,27 @@ class FaultTolerant(LoopAids):
         if self._link is not None and self.checkpoints is not None:
             self._link.report_checkpoint(step, uri, self.checkpoints.engine.last_stall_s)
 
-    def _on_uncaught(self, exc_type, exc, tb) -> None:
+
+class _ReportUncaught:
+    """`sys.excepthook` while a trainer is open: an exception that escapes the script reports
+    its replica's failure at once, before the interpreter prints it and exits, so the other
+    replicas stop waiting for this one; then the previous hook runs."""
+
+    def __init__(self, trainer: FaultTolerant):
+        self.trainer, self.previous = trainer, sys.excepthook
+        sys.excepthook = self
+
+    def uninstall(self) -> None:
+        if sys.excepthook is self:
+            sys.excepthook = self.previous
+
+    def __call__(self, exc_type, exc, tb) -> None:
+        t = self.trainer
         try:
-            script_errors.record_escaping(exc)  # before the report (see close())
-            self._groups.drop()
-            if not self._exchange.evicted and not self._closed:
-                reason = f"uncaught {exc_type.__name__} in rank {self.ctx.rank}: {exc}"
-                report_failure(self.client, self.identity, reason, timeout_s=1.0)
+            script_errors.record_escaping(exc)  # before the report (see FaultTolerant.close)
+            t._groups.drop()
+            if not t._exchange.evicted and not t._closed:
+                reason = f"uncaught {exc_type.__name__} in rank {t.ctx.rank}: {exc}"
+                report_failure(t.client, t.identity, reason, timeout_s=1.0)
         finally:
-            self._previous_excepthook(exc_type, exc, tb)
+            self.previous(exc_type, exc, tb)

@@ -68,7 +68,7 @@ class Manifest(BaseModel):
     digests: list[int] = Field(max_length=MAX_CHUNKS)  # CRC-32 of each chunk
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Manifest":
+    def _consistent(self) -> Manifest:
         end = 0
         for e in self.entries:
             if e.offset != _aligned(end):
@@ -77,7 +77,8 @@ class Manifest(BaseModel):
         if end != self.total_bytes:
             raise ValueError(f"the tensors hold {end} bytes, the manifest says {self.total_bytes}")
         if len(self.digests) != -(-self.total_bytes // self.chunk_bytes):
-            raise ValueError(f"{len(self.digests)} digests for {self.total_bytes} bytes in chunks of {self.chunk_bytes}")
+            raise ValueError(f"{len(self.digests)} digests for {self.total_bytes} bytes "
+                             f"in chunks of {self.chunk_bytes}")
         keys = [e.key for e in self.entries]
         if len(set(keys)) != len(keys) or not set(structure.tensor_keys(self.skeleton)) <= set(keys):
             raise ValueError("the entries and the skeleton disagree about the tensors")

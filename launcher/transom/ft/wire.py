@@ -40,7 +40,7 @@ class _Entry(TensorEntry):
     length: int = Field(ge=0)
 
     @model_validator(mode="after")
-    def _fits(self) -> "_Entry":
+    def _fits(self) -> _Entry:
         if self.length < self.size:
             raise ValueError(f"{self.key}: {self.length} bytes cannot hold {self.dtype}{self.shape}")
         return self
