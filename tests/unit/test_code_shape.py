@@ -26,8 +26,6 @@ ALLOWED: dict[str, str] = {
         "one gauge family after another; being split (issue 31)",
     "launcher/transom/coordinator/server.py::CoordinatorServer":
         "every HTTP route of the coordinator; being split (issue 31)",
-    "launcher/transom/ft/trainer.py::FaultTolerant":
-        "the trainer facade; being split into its stages (issue 31)",
 }
 
 
