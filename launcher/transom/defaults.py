@@ -69,6 +69,15 @@ FENCE_TIMEOUT_S = 5.0
 # lease only costs more questions, never a wrong answer.
 FENCE_LEASE_S = LOCAL.heartbeat_timeout_s
 
+# The coordinator's own timers, the same in both settings (coordinator/ and detect/).
+# A failed round waits for an absent member at least this many of the job's recent rounds:
+# a member still computing its step meets the failed exchange only at the step's end, and
+# on a loaded machine that can be well past `failed_grace_s`.
+FAILED_GRACE_ROUNDS = 3
+COORDINATOR_TICK_S = 0.05  # how often heartbeat expiry and round grace periods are checked
+MAX_STATE_WAIT_S = 60.0  # the longest a replica-state long-poll (GET /v1/replicas/{id}) is held
+KUBE_REQUEST_TIMEOUT_S = 10.0  # every request of the coordinator to the API server
+
 
 def heartbeat_interval_s(timeout_s: float) -> float:
     """One beat a second, or three per timeout when the timeout is shorter than 3 s."""

@@ -126,7 +126,7 @@ class Detection:
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
         """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
         replica = batch.identity.replica_id
-        rep = self.membership._live(batch.identity)
+        rep = self.membership.live(batch.identity)
         self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []
@@ -173,7 +173,7 @@ class Detection:
     def _compare_inputs(self, signals: list[Signal], now: float) -> None:
         for s in signals:
             if s.input_digest is not None and self.duplicates.observe(s.step, s.replica, s.rank, s.input_digest):
-                self.membership._event(now, "duplicate_data", self.duplicates.finding.message)
+                self.membership.event(now, "duplicate_data", self.duplicates.finding.message)
 
     def duplicate_data(self) -> DuplicateDataFinding | None:
         """The job's finding that ranks trained on identical inputs, if there is one."""
@@ -206,7 +206,7 @@ class Detection:
 
     def _restore(self, replica: int, now: float, why: str) -> None:
         if self.membership.shares.restore(replica):
-            self.membership._event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
+            self.membership.event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
 
     def _act(self, v: Verdict, now: float) -> None:
         reason = REASONS[v.kind]
@@ -217,7 +217,7 @@ class Detection:
         self.verdicts_total[v.kind] += 1
         action = self.settings.action_for(v.kind)
         m = self.membership
-        m._event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
+        m.event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
         rep = m.replicas.get(v.replica)
         if action == "Rebalance":
             m.shares.slow(v.replica, v.slowdown)  # published by the next decision
@@ -231,7 +231,7 @@ class Detection:
             entry["nodeRank"] = self._node_of.get((v.replica, v.rank if v.rank is not None else 0), 0)
         self._status[v.replica] = entry
         if rep.state == "healthy":
-            m._fail(rep, now, f"{reason}: {message}", "detected")
+            m.fail(rep, now, f"{reason}: {message}", "detected")
 
     def status_verdicts(self) -> list[dict]:
         """status.training.verdicts: the newest Replace verdict of each replica."""

@@ -355,7 +355,7 @@ class CoordinatorServer:
         req = await _parse(request, FenceRequest)
         await self._authorize(request, req.identity)
         request[_SUBJECT] = (req.identity, req.what)
-        self.membership._live(req.identity)  # Evicted or NotRegistered; no await: no lock needed
+        self.membership.live(req.identity)  # Evicted or NotRegistered; no await: no lock needed
         return _ok(FenceAnswer(lease_s=self.settings.heartbeat_timeout_s))
 
     def _refused(self, request: web.Request, e: Evicted) -> web.Response:
@@ -372,7 +372,7 @@ class CoordinatorServer:
         if self.refusals.record(endpoint, identity):
             current = self.membership.replicas.get(identity.replica_id)
             message = refusal_message(identity, endpoint, known, current.identity if current else None, what)
-            self.membership._event(self.clock(), "refused", message)  # no await since: no handler in between
+            self.membership.event(self.clock(), "refused", message)  # no await since: no handler in between
             log.warning("%s", message)
         state = e.state or (known.state if known.state in EVICTED_STATES else None)
         return _error(409, str(e), state=state)
@@ -418,7 +418,7 @@ class CoordinatorServer:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
-                m._live(req.identity)  # raises Evicted if declared dead meanwhile
+                m.live(req.identity)  # raises Evicted if declared dead meanwhile
                 decision = m.answer_for(req)
                 if decision is None and m.completed_step is not None:
                     raise JobCompleted(f"the job completed at step {m.completed_step}")
