@@ -35,7 +35,7 @@ from transom.coordinator.models import (
     SignalBatch,
     SignalRow,
 )
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 
 TOKEN = "fuzz-token"
 ENDPOINTS = ["/v1/register", "/v1/heartbeat", "/v1/quorum", "/v1/failure", "/v1/leave", "/v1/checkpoint",

@@ -33,7 +33,7 @@ import pytest
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from launching import kill_all, start_launcher
 from waiting import wait_until
 

@@ -8,7 +8,13 @@ import time
 from typing import TYPE_CHECKING
 
 from transom.coordinator.goodput import as_decimal
-from transom.coordinator.models import JobProgress, JobStatus, QuorumResponse, RecoverySource, ReplicaStatus
+from transom.coordinator.models import (
+    JobProgress,
+    JobStatus,
+    QuorumResponse,
+    RecoverySource,
+    ReplicaStatus,
+)
 from transom.coordinator.records import Decision
 
 if TYPE_CHECKING:

@@ -59,7 +59,7 @@ from transom.detect.signals import DetectionSettings, read_trace, write_trace
 from transom.inject import Fault
 from transom.launch import gpus, processes
 from transom.launch.supervisor import check_command
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.launch.display import Display, closing_table, progress_line
 from transom.launch.summary import finite_json, replica_rows, summarize
 
