@@ -76,7 +76,7 @@ DEFAULT_BACKEND = "auto"
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).
 ENV_STATS_DIR = "TRANSOM_STATS_DIR"
-# spec.detection as JSON (transom/detect/signals.py), for the coordinator, launchers and workers
+# spec.detection as JSON (transom/detect/step_rows.py), for the coordinator, launchers and workers
 ENV_DETECTION = "TRANSOM_DETECTION"
 # where a launcher's workers write their step signals and, on request, their stacks
 ENV_SIGNALS_DIR = "TRANSOM_SIGNALS_DIR"

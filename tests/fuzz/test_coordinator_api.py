@@ -22,7 +22,7 @@ from conftest import JSON
 from transom.coordinator.claims import SIGNAL_STEP_WINDOW, step_limit
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,

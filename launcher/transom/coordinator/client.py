@@ -50,7 +50,7 @@ from transom.coordinator.models import (
     RendezvousInfo,
     SignalAnswer,
     SignalBatch,
-    ReplicaState,
+    IncarnationAnswer,
 )
 from transom.errors import (  # noqa: F401  (the family lives in errors.py)
     CoordinatorError,
@@ -275,9 +275,9 @@ class CoordinatorClient:
             self._expect(status, _payload(raw), "quorum")
             raise CoordinatorError(f"quorum: unexpected answer {status}", status)
 
-    def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> ReplicaState:
+    def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> IncarnationAnswer:
         status, payload = self._call("GET", replica_state_path(identity), timeout_s=timeout_s)
-        return ReplicaState.model_validate(self._expect(status, payload, "replica state"))
+        return IncarnationAnswer.model_validate(self._expect(status, payload, "replica state"))
 
     def progress(self, timeout_s: float = 5.0) -> JobProgress:
         """What a starting replica needs: the newest step of a healthy peer, the newest checkpoint."""

@@ -22,7 +22,7 @@ one that lies about its inputs can raise it, never restart or exclude anyone.
 
 It also paces the launchers: each answer says how long to wait before the next post, so
 that all of them together post about `SIGNAL_POSTS_PER_S` times a second
-(transom/detect/signals.py `post_interval`, over the posters heard from lately).
+(transom/detect/step_rows.py `post_interval`, over the posters heard from lately).
 
 What a post may claim is bounded like progress (claims.py): a row's step at most one past
 what its replica can have committed, its rank below the replica's size (the ranks it
@@ -48,7 +48,7 @@ from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, 
 from transom.errors import TooManyRequests
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.duplicates import DuplicateInputs
-from transom.detect.signals import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
+from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 
 # The CRD's reason for each kind (status.training.verdicts[].reason, one CamelCase word).
 REASONS = {"slow": "FailSlow", "hang": "Hang", "nan": "NonFinite", "loss_spike": "LossSpike",

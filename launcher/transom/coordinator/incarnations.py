@@ -17,7 +17,7 @@ from transom.coordinator.models import (
     LeaveRequest,
     RegisterRequest,
     RegisterResponse,
-    ReplicaState,
+    IncarnationAnswer,
 )
 from transom.coordinator.records import Replica
 from transom.errors import Evicted
@@ -111,14 +111,14 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
     m.event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {why}")
 
 
-def replica_state(m: Membership, identity: Identity) -> ReplicaState:
+def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
     rep = m.replicas.get(identity.replica_id)
     done = m.completed_step is not None
     if rep is None or rep.identity.key() < identity.key():
-        return ReplicaState(replica_id=identity.replica_id, state="unknown", job_completed=done)
+        return IncarnationAnswer(replica_id=identity.replica_id, state="unknown", job_completed=done)
     if rep.identity.key() > identity.key():
-        return ReplicaState(replica_id=identity.replica_id, state="superseded", job_completed=done)
-    return ReplicaState(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure,
+        return IncarnationAnswer(replica_id=identity.replica_id, state="superseded", job_completed=done)
+    return IncarnationAnswer(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure,
                         job_completed=done)
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from transom.coordinator import claims, incarnations, reports, rounds
 from transom.coordinator.goodput import GoodputClock
-from transom.detect.rebalance import BatchShares, describe, newest_held
+from transom.detect.rebalance import SharePolicy, describe, newest_held
 from transom.coordinator.models import (
     MAX_SHARED_BYTES,
     AsideRequest,
@@ -57,7 +57,7 @@ from transom.coordinator.models import (
     QuorumResponse,
     RegisterRequest,
     RegisterResponse,
-    ReplicaState,
+    IncarnationAnswer,
 )
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
@@ -103,10 +103,10 @@ class Membership:
     goodput: GoodputClock = field(default_factory=GoodputClock)
     # Rebalance (spec.detection.slowAction): the detectors set who is slow, a decision
     # publishes the shares (transom/detect/rebalance.py).
-    shares: BatchShares = field(init=False)
+    shares: SharePolicy = field(init=False)
 
     def __post_init__(self) -> None:
-        self.shares = BatchShares(self.settings.num_replicas)
+        self.shares = SharePolicy(self.settings.num_replicas)
 
     # --- helpers -----------------------------------------------------------------------
     def event(self, now: float, kind: str, message: str) -> None:
@@ -153,7 +153,7 @@ class Membership:
     def leave(self, req: LeaveRequest, now: float) -> None:
         return incarnations.leave(self, req, now)
 
-    def replica_state(self, identity: Identity) -> ReplicaState:
+    def replica_state(self, identity: Identity) -> IncarnationAnswer:
         return incarnations.replica_state(self, identity)
 
     def expire(self, now: float) -> bool:

@@ -20,7 +20,7 @@ Endpoints (bearer token required on everything under /v1/):
                                                      act; asked before each checkpoint write: fencing)
     POST /v1/signals             SignalBatch      -> SignalAnswer (verdicts, the pace, the DuplicateData
                                                      finding; 429 = too soon or the detectors' budget is spent)
-    GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> ReplicaState (with
+    GET  /v1/replicas/{id}?generation=G&attempt=A[&known=S&wait_s=W] -> IncarnationAnswer (with
                                                      `known`, a long-poll: answered when the
                                                      state is no longer S, or after W <= 60 s)
     PUT  /v1/rendezvous          RendezvousInfo   -> {}
@@ -73,7 +73,7 @@ from transom.coordinator.models import (
 )
 from transom.coordinator.oom_kills import OomKills
 from transom.defaults import COORDINATOR_TICK_S
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.errors import EVICTED_STATES, Evicted, JobCompleted
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from transom.coordinator.identity import ReplicaKeys
 from transom.coordinator.server import CoordinatorServer
 from transom.coordinator.settings import Settings
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 
 
 class CoordinatorThread:

@@ -33,7 +33,7 @@ from typing import Literal
 
 from transom.detect.loss import LossHistory
 from transom.detect.sdc import minority
-from transom.detect.signals import DetectionSettings, Signal
+from transom.detect.step_rows import DetectionSettings, Signal
 from transom.detect.slow import FailSlow
 
 Kind = Literal["slow", "hang", "nan", "loss_spike", "sdc"]

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_DETECTION, ENV_STATS_DIR
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import Identity, LeaveRequest, QuorumRequest, QuorumResponse, RegisterRequest
 from transom import inject, script_errors

@@ -55,7 +55,7 @@ from transom import contract, script_errors
 from transom.coordinator.identity import ReplicaKeys
 from transom.coordinator.membership import Settings
 from transom.defaults import LOCAL, heartbeat_interval_s
-from transom.detect.signals import DetectionSettings, read_trace, write_trace
+from transom.detect.step_rows import DetectionSettings, read_trace, write_trace
 from transom.inject import Fault
 from transom.launch import gpus, processes
 from transom.launch.supervisor import check_command

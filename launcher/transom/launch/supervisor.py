@@ -63,7 +63,7 @@ from pathlib import Path
 from transom import contract, defaults, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.launch import oom, processes, spare
 from transom.launch.signals import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
