@@ -21,6 +21,7 @@ import collections
 from dataclasses import dataclass, field
 
 from transom.coordinator.models import Identity, IncarnationAnswer
+from transom.words import IncarnationState
 
 # The endpoints that refuse an incarnation that is no longer current: the metric shows each
 # of them from the start (0 until something is refused), so a scrape before and after a
@@ -36,7 +37,7 @@ def refusal_message(identity: Identity, endpoint: str, known: IncarnationAnswer,
     `current`: the replica's incarnation on record; `what`: what the caller was about to do."""
     who = f"replica {identity.replica_id} generation {identity.generation} attempt {identity.attempt}"
     doing = f" ({what})" if what else ""
-    if known.state == "superseded" and current is not None:
+    if known.state == IncarnationState.SUPERSEDED and current is not None:
         why = f"superseded by generation {current.generation} attempt {current.attempt}"
     else:
         why = f"declared {known.state}" + (f": {known.reason}" if known.reason else "")

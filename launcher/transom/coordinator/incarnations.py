@@ -14,13 +14,14 @@ from transom.coordinator.models import (
     FailureReport,
     HeartbeatRequest,
     Identity,
+    IncarnationAnswer,
     LeaveRequest,
     RegisterRequest,
     RegisterResponse,
-    IncarnationAnswer,
 )
 from transom.coordinator.records import Replica
 from transom.errors import Evicted
+from transom.words import FailureKind, IncarnationState
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Membership
@@ -35,7 +36,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
     if old is not None and old.identity.key() > req.identity.key():
         raise Evicted(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
     if old is not None and old.identity.key() == req.identity.key():
-        if old.state != "healthy":
+        if old.state != IncarnationState.HEALTHY:
             raise Evicted(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
         old.store_addr, old.state_endpoints, old.last_heartbeat = req.store_addr, list(req.state_endpoints), now
         if rid not in m.answers:
@@ -43,8 +44,8 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
     else:
         failures, last_failure = 0, None
         if old is not None:
-            if old.state == "healthy":
-                m.fail(old, now, "replaced by a newer incarnation", "superseded")
+            if old.state == IncarnationState.HEALTHY:
+                m.fail(old, now, "replaced by a newer incarnation", FailureKind.SUPERSEDED)
             failures, last_failure = old.failures, old.last_failure
         m.replicas[rid] = Replica(
             identity=req.identity,
@@ -88,10 +89,10 @@ def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
 def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
     """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
     rep = m.replicas.get(req.identity.replica_id)
-    if rep is None or rep.identity.key() != req.identity.key() or rep.state != "healthy":
+    if rep is None or rep.identity.key() != req.identity.key() or rep.state != IncarnationState.HEALTHY:
         return False
     code = f" (exit code {req.exit_code})" if req.exit_code is not None else ""
-    m.fail(rep, now, req.reason + code, "reported")
+    m.fail(rep, now, req.reason + code, FailureKind.REPORTED)
     return True
 
 
@@ -100,7 +101,7 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
     claims.check(m, req.identity.replica_id, req.step, "leave")
     if req.completed:
         claims.check_completion(m, req.identity.replica_id, req.step)
-    rep.state = "left"
+    rep.state = IncarnationState.LEFT
     rep.step = max(rep.step, req.step)
     if req.completed and m.completed_step is None:
         m.completed_step = req.step
@@ -115,9 +116,9 @@ def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
     rep = m.replicas.get(identity.replica_id)
     done = m.completed_step is not None
     if rep is None or rep.identity.key() < identity.key():
-        return IncarnationAnswer(replica_id=identity.replica_id, state="unknown", job_completed=done)
+        return IncarnationAnswer(replica_id=identity.replica_id, state=IncarnationState.UNKNOWN, job_completed=done)
     if rep.identity.key() > identity.key():
-        return IncarnationAnswer(replica_id=identity.replica_id, state="superseded", job_completed=done)
+        return IncarnationAnswer(replica_id=identity.replica_id, state=IncarnationState.SUPERSEDED, job_completed=done)
     return IncarnationAnswer(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure,
                         job_completed=done)
 
@@ -127,8 +128,8 @@ def expire(m: Membership, now: float) -> bool:
     changed = False
     for rep in m.replicas.values():
         age = now - rep.last_heartbeat
-        if rep.state == "healthy" and age > m.settings.heartbeat_timeout_s:
-            m.fail(rep, now, f"no heartbeat for {age:.1f}s", "heartbeat")
+        if rep.state == IncarnationState.HEALTHY and age > m.settings.heartbeat_timeout_s:
+            m.fail(rep, now, f"no heartbeat for {age:.1f}s", FailureKind.HEARTBEAT)
             changed = True
     return changed
 

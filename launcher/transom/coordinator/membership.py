@@ -62,6 +62,7 @@ from transom.coordinator.models import (
 from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exported: the records it keeps)
+from transom.words import FailureKind, IncarnationState
 
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
 
@@ -123,13 +124,13 @@ class Membership:
             raise Evicted(
                 f"replica {identity.replica_id} incarnation {identity.key()} is superseded by {rep.identity.key()}"
             )
-        if rep.state != "healthy":
+        if rep.state != IncarnationState.HEALTHY:
             raise Evicted(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
         return rep
 
     def fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
         """Declare incarnation `rep` failed (`kind`: why, as the failures metric counts it)."""
-        rep.state = "failed"
+        rep.state = IncarnationState.FAILED
         rep.failures += 1
         rep.last_failure = reason
         self.failures_total[kind] += 1
@@ -225,7 +226,7 @@ class Membership:
         ready: dict[int, QuorumRequest] = {}
         for rid, req in list(self.pending.items()):
             rep = self.replicas.get(rid)
-            if rep is None or rep.state != "healthy" or rep.identity.key() != req.identity.key():
+            if rep is None or rep.state != IncarnationState.HEALTHY or rep.identity.key() != req.identity.key():
                 del self.pending[rid]
                 self.pending_since.pop(rid, None)
             else:
@@ -243,7 +244,7 @@ class Membership:
             for m in self.current.members
             if m.replica_id not in ready
             and (rep := self.replicas.get(m.replica_id)) is not None
-            and rep.state == "healthy"
+            and rep.state == IncarnationState.HEALTHY
             and rep.identity.key() == m.key()
         ]
         missing = [rid for rid in absent if not self.replicas[rid].aside]
@@ -265,7 +266,7 @@ class Membership:
         # A member left behind is hung (its heartbeat thread may still run): declare it
         # failed so that its launcher restarts it and it rejoins as a new incarnation.
         for rid in missing:
-            self.fail(self.replicas[rid], now, why, "hung")
+            self.fail(self.replicas[rid], now, why, FailureKind.HUNG)
         if len(ready) < self.settings.min_replicas:
             self.event(now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas")
             self.paused = True
@@ -279,7 +280,7 @@ class Membership:
         newest, ahead = rounds.diverged(ready)
         for rid in ahead:
             self.fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
-                       f"replica holding the state did (at step {newest}); it catches up again", "diverged")
+                       f"replica holding the state did (at step {newest}); it catches up again", FailureKind.DIVERGED)
         return {rid: r for rid, r in ready.items() if rid not in ahead}
 
     def failed_grace_s(self, ready: dict[int, QuorumRequest], missing: list[int]) -> float:
@@ -366,7 +367,7 @@ class Membership:
         return max((r.step for r in self.replicas.values()), default=0)
 
     def healthy_count(self) -> int:
-        return sum(1 for r in self.replicas.values() if r.state == "healthy")
+        return sum(1 for r in self.replicas.values() if r.state == IncarnationState.HEALTHY)
 
     def training(self, now: float) -> dict:
         return reports.training(self, now)

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from transom.coordinator.membership import Membership
 from transom.detect.detectors import KINDS
+from transom.words import FailureKind
 
 if TYPE_CHECKING:
     from transom.coordinator.server import CoordinatorServer
@@ -52,7 +53,7 @@ class MembershipCollector:
         c = CounterMetricFamily(
             "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
         )
-        for reason in ("reported", "heartbeat", "hung", "superseded", "detected", "diverged"):
+        for reason in FailureKind:
             c.add_metric([reason], m.failures_total.get(reason, 0))
         yield c
         yield from self._refused()

@@ -16,6 +16,7 @@ from transom.coordinator.models import (
     ReplicaStatus,
 )
 from transom.coordinator.records import Decision
+from transom.words import IncarnationState
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Membership
@@ -71,7 +72,7 @@ def training(m: Membership, now: float) -> dict:
 
 def progress(m: Membership, caller: int | None) -> JobProgress:
     """What replica `caller` (None: the job's token holder) needs when it starts."""
-    peers = [r.step for r in m.replicas.values() if r.state == "healthy" and r.identity.replica_id != caller]
+    peers = [r.step for r in m.replicas.values() if r.state == IncarnationState.HEALTHY and r.identity.replica_id != caller]
     return JobProgress(peer_step=max(peers, default=None), completed_step=m.completed_step,
                        last_checkpoint=m.last_checkpoint[0] if m.last_checkpoint else None)
 
@@ -99,7 +100,7 @@ def status(m: Membership, now: float) -> JobStatus:
                 state=r.state,
                 step=r.step,
                 last_loss=r.last_loss,
-                heartbeat_age_s=round(now - r.last_heartbeat, 3) if r.state == "healthy" else None,
+                heartbeat_age_s=round(now - r.last_heartbeat, 3) if r.state == IncarnationState.HEALTHY else None,
                 failures=r.failures,
                 last_failure=r.last_failure,
             )
