@@ -205,3 +205,8 @@ class ReplicaEnv:
             identity_token_file=env.get(ENV_IDENTITY_TOKEN_FILE, ""),
             peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
         )
+
+# Set by Kubernetes in every pod (not Transom's): where the coordinator finds the API server
+# (coordinator/kube_api.py).
+ENV_KUBERNETES_SERVICE_HOST = "KUBERNETES_SERVICE_HOST"
+ENV_KUBERNETES_SERVICE_PORT = "KUBERNETES_SERVICE_PORT"

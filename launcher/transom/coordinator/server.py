@@ -72,7 +72,7 @@ from transom.coordinator.models import (
     SignalBatch,
 )
 from transom.coordinator.oom_kills import OomKills
-from transom.defaults import COORDINATOR_TICK_S
+from transom.defaults import COORDINATOR_TICK_S, QUORUM_WAKE_S
 from transom.detect.step_rows import DetectionSettings
 from transom.errors import EVICTED_STATES, Evicted, JobCompleted
 
@@ -80,7 +80,6 @@ if TYPE_CHECKING:
     from transom.coordinator.kube_identity import KubeIdentity
 
 log = logging.getLogger("transom.coordinator")
-QUORUM_WAKE_S = 1.0  # a held quorum request checks at least this often whether it was evicted
 
 
 class CoordinatorServer:

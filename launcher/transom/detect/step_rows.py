@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, TextIO
 
+from transom.defaults import FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S  # noqa: F401  (re-exported)
 from transom.words import DetectAction, VerdictKind
 
 # How often a launcher posts its pod's rows: once a second, or less often when many post.
@@ -38,8 +39,6 @@ from transom.words import DetectAction, VerdictKind
 # launcher in its answer how long to wait (`post_interval`): a 100,000-GPU job's 12,500
 # launchers post every 12.5 s instead of sending 12,500 requests a second, while a small
 # job keeps its once-a-second verdicts.
-FORWARD_INTERVAL_S = 1.0
-MAX_FORWARD_INTERVAL_S = 30.0
 SIGNAL_POSTS_PER_S = 1000.0
 
 

@@ -33,9 +33,10 @@ from urllib.parse import urlsplit
 
 from transom.coordinator.client import replica_state_path
 from transom.coordinator.models import Identity, IncarnationAnswer
+from transom.defaults import MAX_STATE_WAIT_S
 
 log = logging.getLogger("transom.launch")
-WAIT_S = 60.0  # the longest the coordinator holds one poll (at most MAX_STATE_WAIT_S there)
+WAIT_S = MAX_STATE_WAIT_S  # each poll asks the coordinator to hold it as long as it may
 RETRY_S = 1.0  # after a failed poll
 CONNECT_TIMEOUT_S = 5.0  # beyond the poll's own wait
 
