@@ -106,8 +106,7 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
     if req.completed and m.completed_step is None:
         m.completed_step = req.step
         m.event(now, "completed", f"replica {rep.identity.replica_id} completed the job at step {req.step}")
-    m.pending.pop(rep.identity.replica_id, None)
-    m.pending_since.pop(rep.identity.replica_id, None)
+    m.open.drop(rep.identity.replica_id)
     why = req.reason or ("completed" if req.completed else "no reason given")
     m.event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {why}")
 

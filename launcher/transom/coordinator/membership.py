@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 from transom.coordinator import claims, incarnations, reports, rounds
 from transom.coordinator.goodput import GoodputClock
-from transom.detect.rebalance import SharePolicy, describe, newest_held
 from transom.coordinator.models import (
     MAX_SHARED_BYTES,
     AsideRequest,
@@ -50,6 +49,7 @@ from transom.coordinator.models import (
     FailureReport,
     HeartbeatRequest,
     Identity,
+    IncarnationAnswer,
     JobProgress,
     JobStatus,
     LeaveRequest,
@@ -57,11 +57,11 @@ from transom.coordinator.models import (
     QuorumResponse,
     RegisterRequest,
     RegisterResponse,
-    IncarnationAnswer,
 )
-from transom.errors import Evicted, JobCompleted, NotRegistered
-from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exported: the records it keeps)
+from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
+from transom.detect.rebalance import SharePolicy, describe, newest_held
+from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.words import FailureKind, IncarnationState
 
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
@@ -74,20 +74,15 @@ class Membership:
     # after a restart, and group prefixes must never repeat (a reused prefix hangs).
     epoch: str = field(default_factory=lambda: secrets.token_hex(4))
     replicas: dict[int, Replica] = field(default_factory=dict)
-    pending: dict[int, QuorumRequest] = field(default_factory=dict)
+    open: rounds.OpenRound = field(default_factory=rounds.OpenRound)  # the requests not yet answered
     answers: dict[int, Decision] = field(default_factory=dict)
     current: Decision | None = None
     # One past the highest max_step of any decided round: no replica can hold more steps.
     step_limit: int = 0
     next_round: int = 0
     last_quorum_id: int = -1
-    round_failed_since: float | None = None
     decided_at: float | None = None  # when the newest round was decided
     round_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=ROUNDS_TIMED))
-    pending_since: dict[int, float] = field(default_factory=dict)  # when each waiter first asked
-    # Script values set aside (trainer.aside()) by replicas that asked since the last decision:
-    # the next decision hands them to every member. Later ones win; bounded like one request.
-    shared_pending: dict = field(default_factory=dict)
     paused: bool = False
     # Set when the first replica leaves with `completed`: the job's last step. A replica
     # still asking for a quorum after that cannot be helped (its peers are gone).
@@ -134,8 +129,7 @@ class Membership:
         rep.failures += 1
         rep.last_failure = reason
         self.failures_total[kind] += 1
-        self.pending.pop(rep.identity.replica_id, None)
-        self.pending_since.pop(rep.identity.replica_id, None)
+        self.open.drop(rep.identity.replica_id)
         self.event(now, "failed", f"replica {rep.identity.replica_id}: {reason}")
 
     # --- calls about one incarnation (incarnations.py) ----------------------------------------
@@ -179,18 +173,10 @@ class Membership:
             rep.last_loss = req.last_loss
         if answered is not None:
             return answered
-        self.pending[req.identity.replica_id] = req
-        self.pending_since.setdefault(req.identity.replica_id, now)
-        if req.shared:
-            merged = rounds.merged_shared(self.shared_pending, req.shared)
-            if merged is not None:
-                self.shared_pending = merged
-            else:
-                self.event(now, "shared", f"replica {req.identity.replica_id}: shared script values dropped "
-                                           f"(more than {rounds.MAX_SHARED_KEYS} keys or {MAX_SHARED_BYTES} bytes "
-                                           f"since the last round)")
-        if req.failed and self.round_failed_since is None:
-            self.round_failed_since = now
+        if not self.open.enter(req, now):
+            self.event(now, "shared", f"replica {req.identity.replica_id}: shared script values dropped "
+                                       f"(more than {rounds.MAX_SHARED_KEYS} keys or {MAX_SHARED_BYTES} bytes "
+                                       f"since the last round)")
         self.try_decide(now)
         return self.answer_for(req)
 
@@ -207,7 +193,7 @@ class Membership:
         self.expire(now)
         ready = self._ready()
         if not ready:  # the round is empty again: its failure report and clock go with it
-            self.round_failed_since = None
+            self.open.failed_since = None
             return None
         if self._waits(ready, now):
             return None
@@ -224,11 +210,10 @@ class Membership:
     def _ready(self) -> dict[int, QuorumRequest]:
         """The open round's requests from current, healthy incarnations (the others are dropped)."""
         ready: dict[int, QuorumRequest] = {}
-        for rid, req in list(self.pending.items()):
+        for rid, req in list(self.open.requests.items()):
             rep = self.replicas.get(rid)
             if rep is None or rep.state != IncarnationState.HEALTHY or rep.identity.key() != req.identity.key():
-                del self.pending[rid]
-                self.pending_since.pop(rid, None)
+                self.open.drop(rid)
             else:
                 ready[rid] = req
         return ready
@@ -237,31 +222,16 @@ class Membership:
         """Whether the round still waits: for the first replicas, or for absent members of the
         current quorum (those waited for too long are declared hung here)."""
         if self.current is None:
-            opened = min(self.pending_since.get(r, now) for r in ready)
+            opened = self.open.opened(ready, now)
             return len(ready) < self.settings.num_replicas and now - opened < self.settings.startup_wait_s
-        absent = [
-            m.replica_id
-            for m in self.current.members
-            if m.replica_id not in ready
-            and (rep := self.replicas.get(m.replica_id)) is not None
-            and rep.state == IncarnationState.HEALTHY
-            and rep.identity.key() == m.key()
-        ]
+        absent = rounds.absent(self.current, self.replicas, ready)
         missing = [rid for rid in absent if not self.replicas[rid].aside]
         if len(missing) < len(absent) and not rounds.holder_in(self.current, ready):
             return True  # the state's only holders stepped aside: without them the step is lost
         if not missing:
             return False
-        # The round timeout runs from the first *member* that asked: a replacement may ask in
-        # the middle of the members' step, which proves nothing.
-        member_ids = {m.replica_id for m in self.current.members}
-        opened = min((self.pending_since.get(r, now) for r in ready if r in member_ids), default=now)
-        grace = self.failed_grace_s(ready, missing)
-        if self.round_failed_since is not None and now - self.round_failed_since >= grace:
-            why = f"did not return within {grace:.3g}s of a failed step"
-        elif now - opened >= self.settings.round_timeout_s:
-            why = f"did not ask for its next quorum within {self.settings.round_timeout_s:g}s"
-        else:
+        why = rounds.overdue(self.settings, self.open, self.current, ready, self.failed_grace_s(ready, missing), now)
+        if why is None:
             return True
         # A member left behind is hung (its heartbeat thread may still run): declare it
         # failed so that its launcher restarts it and it rejoins as a new incarnation.
@@ -309,7 +279,7 @@ class Membership:
             snapshot_from=p.snapshot_from,
             shares=tuple(self.shares.published) if self.shares.published is not None else None,
             shares_from=self.shares.published_from,
-            shared=self.shared_pending or None,
+            shared=self.open.shared or None,
         )
         self._record(decision, now)
         return decision
@@ -343,7 +313,6 @@ class Membership:
 
     def _record(self, decision: Decision, now: float) -> None:
         """Make `decision` the current round: answer its members, time it, open the next."""
-        self.shared_pending = {}
         self.next_round += 1
         if self.decided_at is not None:
             self.round_seconds.append(now - self.decided_at)
@@ -353,10 +322,12 @@ class Membership:
         self.goodput.observe(now, decision.max_step)
         for i in decision.member_ids():
             self.answers[i] = decision
-            del self.pending[i]
-            self.pending_since.pop(i, None)
-        # Stragglers from a decided round start the next one, with their failure reports.
-        self.round_failed_since = now if any(req.failed for req in self.pending.values()) else None
+        self.open.close(decision.member_ids(), now)
+
+    @property
+    def pending(self) -> dict[int, QuorumRequest]:
+        """The open round's requests, by replica id."""
+        return self.open.requests
 
     def response(self, decision: Decision, replica_id: int) -> QuorumResponse:
         return reports.response(self, decision, replica_id)

@@ -7,14 +7,57 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transom.coordinator.models import MAX_SHARED_BYTES, Identity, QuorumRequest
 from transom.coordinator.records import Decision, Replica
 from transom.coordinator.settings import Settings
 from transom.defaults import FAILED_GRACE_ROUNDS
+from transom.words import IncarnationState
 
 MAX_SHARED_KEYS = 256  # script values one round hands on, at most (bytes: MAX_SHARED_BYTES)
+
+
+@dataclass
+class OpenRound:
+    """The round not decided yet: who asked and since when, since when one of them reports a
+    failed step, and the script values they set aside (trainer.aside()), which the decision
+    hands to every member (later ones win; bounded like one request)."""
+
+    requests: dict[int, QuorumRequest] = field(default_factory=dict)
+    since: dict[int, float] = field(default_factory=dict)  # when each first asked
+    failed_since: float | None = None
+    shared: dict = field(default_factory=dict)
+
+    def enter(self, req: QuorumRequest, now: float) -> bool:
+        """Add `req` to the round; False when its script values had to be dropped."""
+        rid = req.identity.replica_id
+        self.requests[rid] = req
+        self.since.setdefault(rid, now)
+        if req.failed and self.failed_since is None:
+            self.failed_since = now
+        if req.shared:
+            merged = merged_shared(self.shared, req.shared)
+            if merged is None:
+                return False
+            self.shared = merged
+        return True
+
+    def drop(self, replica_id: int) -> None:
+        self.requests.pop(replica_id, None)
+        self.since.pop(replica_id, None)
+
+    def opened(self, replica_ids: Iterable[int], now: float) -> float:
+        """When the first of `replica_ids` asked (`now` for none)."""
+        return min((self.since.get(r, now) for r in replica_ids), default=now)
+
+    def close(self, answered: Iterable[int], now: float) -> None:
+        """The round was decided for `answered`; stragglers start the next one, with their
+        failure reports."""
+        for rid in answered:
+            self.drop(rid)
+        self.shared = {}
+        self.failed_since = now if any(req.failed for req in self.requests.values()) else None
 
 
 @dataclass(frozen=True)
@@ -63,6 +106,30 @@ def diverged(ready: Mapping[int, QuorumRequest]) -> tuple[int | None, list[int]]
     if newest is None:
         return None, []
     return newest, [rid for rid, r in ready.items() if r.catching_up_from is not None and r.step > newest]
+
+
+def absent(current: Decision, replicas: Mapping[int, Replica], ready: Mapping[int, QuorumRequest]) -> list[int]:
+    """The members of the current round whose incarnation is still healthy but did not ask."""
+    return [m.replica_id for m in current.members
+            if m.replica_id not in ready
+            and (rep := replicas.get(m.replica_id)) is not None
+            and rep.state == IncarnationState.HEALTHY
+            and rep.identity.key() == m.key()]
+
+
+def overdue(settings: Settings, open_round: OpenRound, current: Decision, ready: Mapping[int, QuorumRequest],
+            grace_s: float, now: float) -> str | None:
+    """Why the round's absent members are waited for no longer (they are hung), or None while
+    it still waits: `grace_s` after a failed step, `round_timeout_s` after the first member
+    asked (not a replacement: it may ask in the middle of the members' step, which proves
+    nothing)."""
+    member_ids = {m.replica_id for m in current.members}
+    opened = open_round.opened([r for r in ready if r in member_ids], now)
+    if open_round.failed_since is not None and now - open_round.failed_since >= grace_s:
+        return f"did not return within {grace_s:.3g}s of a failed step"
+    if now - opened >= settings.round_timeout_s:
+        return f"did not ask for its next quorum within {settings.round_timeout_s:g}s"
+    return None
 
 
 def failed_grace_s(settings: Settings, current: Decision, replicas: Mapping[int, Replica],
