@@ -30,7 +30,10 @@ Because one process decides and every member of a round gets the same answer, tw
 of replicas can never train apart (no split brain).
 
 Progress that cannot have happened is refused (ValueError, HTTP 400): the bounds are
-claims.py's.
+claims.py's. The calls about one incarnation (register, heartbeat, leave...) are
+incarnations.py's, the pure parts of a round (the open round, its plan, who is overdue)
+rounds.py's, and what the membership tells others reports.py's; this class holds the state
+they share and decides.
 """
 
 from __future__ import annotations
