@@ -6,8 +6,9 @@
 #   make chaos     the same job through every fault a cluster throws (node loss, partition, drain,
 #                  coordinator and operator loss, S3 outage, OOM, image pull, containerd restart) on
 #                  three real nodes: a table and one JSON line (CHAOS_SCENARIOS=a,b for some)
-#   make test      unit, integration and e2e tests (installs and builds the test control plane
-#                  first), then `make test-compat`
+#   make lint      ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over the code
+#   make test      lint, then unit, integration and e2e tests (installs and builds the test control
+#                  plane first), then `make test-compat`
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
@@ -35,18 +36,31 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
+
+# setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
+# --quiet keeps it) on every editable install of a project whose packages are in two roots.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e
 
 $(VENV)/.deps-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(EDITABLE) ".[dev]"
 	touch $@
 
 install: $(VENV)/.deps-installed
 	@# Re-point the editable install at this checkout (a cached venv may have served another).
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(EDITABLE) . --no-deps --no-build-isolation
 	ln -sfn $(VENV) .venv
+
+# ruff, then mypy (configured in pyproject.toml; its cache in .cache/mypy). Each test directory
+# with a conftest.py of its own is a mypy run of its own: one run cannot hold two `conftest`s.
+LINT_PATHS := launcher operator tests benchmarks hack examples
+MYPY_OWN_RUNS := tests/integration tests/e2e tests/fuzz
+lint: install
+	$(VENV)/bin/ruff check --quiet $(LINT_PATHS)
+	$(PY) -m mypy
+	@set -e; for d in $(MYPY_OWN_RUNS); do MYPYPATH=$$d $(PY) -m mypy $$d; done
 
 # The local Kubernetes control plane's binaries (built from source once, then cached).
 testenv: install
@@ -70,7 +84,7 @@ CHAOS_SCENARIOS ?=
 chaos: install testenv
 	$(PY) hack/chaos $(if $(CHAOS_SCENARIOS),--scenarios $(CHAOS_SCENARIOS))
 
-test: install testenv
+test: lint testenv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) test-compat
 
@@ -78,13 +92,15 @@ $(COMPAT_VENV)/.deps-installed: pyproject.toml
 	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat needs Python 3.12: pyenv install 3.12 (or apt-get install python3.12 where Debian has it), or set COMPAT_PYTHON=/path/to/python3.12" >&2; exit 1; }
 	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip setuptools
-	$(COMPAT_PY) -m pip install --quiet "torch==$(COMPAT_TORCH)" -e ".[train,operator,s3]" pytest pytest-timeout hypothesis requests
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(COMPAT_PY) -m pip install --quiet "torch==$(COMPAT_TORCH)" \
+		-e ".[train,operator,s3]" pytest pytest-timeout hypothesis requests
 	touch $@
 
 # A smoke subset (import, a two-replica run with a SIGKILL, checkpoint save and restore, peer
 # state transfer, DCP interop) on the oldest supported torch, under Python 3.12.
 test-compat: $(COMPAT_VENV)/.deps-installed
-	$(COMPAT_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(COMPAT_PY) -m pip install --quiet --no-deps \
+		--no-build-isolation -e .
 	$(COMPAT_PY) -c 'import sys, torch; print("test-compat: Python", sys.version.split()[0], "torch", torch.__version__)'
 	$(COMPAT_PY) -m pytest -m compat tests/unit tests/integration -p no:cacheprovider $(PYTEST_ARGS)
 

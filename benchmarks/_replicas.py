@@ -64,7 +64,7 @@ class Outcome:
     bit_identical: bool | None = None  # Transom: every replica ended with the same parameters
 
     @staticmethod
-    def of(ok: bool, what: str, log: Path, bit_identical: bool | None = None) -> "Outcome":
+    def of(ok: bool, what: str, log: Path, bit_identical: bool | None = None) -> Outcome:
         return Outcome(ok, "" if ok else f"{what}; output tail:\n{log.read_text(errors='replace')[-2500:]}",
                        bit_identical)
 
@@ -222,6 +222,7 @@ def _lighthouse(log, host: str) -> tuple[subprocess.Popen, str]:
             "print(s.address(), flush=True); time.sleep(3600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
+    assert proc.stdout is not None  # stdout=PIPE
     address = proc.stdout.readline().strip()  # the server prints it once it listens
     if not address:
         proc.kill()
@@ -238,7 +239,8 @@ def run_ddp(job: Job) -> Outcome:
     assert job.net is None and job.kill is None, "plain DDP runs only failure-free on loopback"
     spawn = ("import os, subprocess, sys\n"
              "cmd, n = sys.argv[2:], int(sys.argv[1])\n"
-             "ps = [subprocess.Popen(cmd, env={**os.environ, 'RANK': str(r), 'LOCAL_RANK': str(r)}) for r in range(n)]\n"
+             "ps = [subprocess.Popen(cmd, env={**os.environ, 'RANK': str(r), 'LOCAL_RANK': str(r)})\n"
+             "      for r in range(n)]\n"
              "sys.exit(max(abs(p.wait()) for p in ps))\n")
     env = {**job.base_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port("127.0.0.1")),
            "WORLD_SIZE": str(job.replicas)}

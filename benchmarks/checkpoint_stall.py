@@ -26,6 +26,7 @@ ends with one JSON line. Targets: stall <= 0.1x (a) and <= (b); persist >= 80% o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +47,8 @@ import torch  # noqa: E402
 
 from _common import require_room  # noqa: E402
 from transom import compat  # noqa: E402
-from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
 from transom.checkpoint import layout  # noqa: E402
+from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine  # noqa: E402
 from transom.checkpoint.restore import load_latest  # noqa: E402
 from transom.checkpoint.storage import READ_STREAMS, Storage  # noqa: E402
 
@@ -110,24 +112,26 @@ def raw_reads(uri: str, step: int) -> tuple[float, float]:
     return one, time.monotonic() - t0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--target", choices=["file", "s3"], default="file")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", help="directory for --target file (default: a temp dir on local disk)")
-    args = p.parse_args()
+    return p.parse_args()
 
-    # At most three copies of the state on storage at once (Transom keeps two checkpoints,
-    # plus the file of the method being measured; each is deleted once measured), and in
-    # host memory the state (on the CPU), Transom's snapshot, DCP's staging copy and a restore.
-    size = args.size_mb * 2**20
-    if args.dir:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    require_room(disk_path=None if args.target == "s3" else (args.dir or tempfile.gettempdir()), disk_bytes=int(3.2 * size),
-                 memory_bytes=(4 if args.device == "cpu" else 3) * size + 2**30,
-                 what=f"checkpoint_stall --size-mb {args.size_mb}")
+
+def remove(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@contextlib.contextmanager
+def target(args: argparse.Namespace) -> Iterator[str]:
+    """The base URL every method writes under: a fresh S3 bucket, or a directory. On every
+    path out, also an exception or Ctrl-C, nothing of the run stays behind."""
     if args.target == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("TRANSOM_S3_ENDPOINT")
         if not endpoint or not os.environ.get("AWS_ACCESS_KEY_ID"):
@@ -137,83 +141,78 @@ def main() -> int:
         bucket = f"bench-{secrets.token_hex(4)}"
         fs = fsspec.filesystem("s3")
         fs.mkdir(bucket)
-        base = f"s3://{bucket}"
-        local_dir = None
-    else:
-        local_dir = Path(args.dir or tempfile.mkdtemp(prefix="transom-ckpt-bench-"))
-        local_dir.mkdir(parents=True, exist_ok=True)
-        base = str(local_dir)
-
-    state = make_state(args.size_mb, args.device)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    gib = nbytes / 2**30
-    sync, dcp_stall, dcp_total, tr_stall, tr_overlap, tr_persist, raw, restore = ([] for _ in range(8))
-    read_one, read_many = [], []
-    engine = CheckpointEngine(CheckpointConfig(uri=f"{base}/transom", keep=2))
-
-    def remove(url: str) -> None:
-        fs, path = fsspec.core.url_to_fs(url)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-
+        try:
+            yield f"s3://{bucket}"
+        finally:
+            fs.rm(bucket, recursive=True)
+        return
+    local_dir = Path(args.dir or tempfile.mkdtemp(prefix="transom-ckpt-bench-"))
+    local_dir.mkdir(parents=True, exist_ok=True)
+    base = str(local_dir)
     try:
-        for r in range(args.repeats):
-            sync.append(sync_save(state, f"{base}/sync-{r}.pt"))
-            remove(f"{base}/sync-{r}.pt")
-            s, total = dcp_async(state, f"{base}/dcp-{r}")
-            remove(f"{base}/dcp-{r}")
-            dcp_stall.append(s)
-            dcp_total.append(total)
-            raw.append(raw_copy(nbytes, f"{base}/raw-{r}.bin"))
-            remove(f"{base}/raw-{r}.bin")
-
-            t0 = time.monotonic()
-            assert engine.save(2 * r + 1, state)
-            engine.wait_snapshot()
-            tr_stall.append(time.monotonic() - t0)
-            assert engine.wait_persisted(1800)
-            tr_persist.append(engine.last_persist_s + tr_stall[-1])
-
-            t0 = time.monotonic()
-            assert engine.save(2 * r + 2, state)
-            blocked = time.monotonic() - t0
-            time.sleep(0.5)  # the next step's forward/backward, during which the copy runs
-            t1 = time.monotonic()
-            engine.wait_snapshot()
-            tr_overlap.append(blocked + time.monotonic() - t1)
-            assert engine.wait_persisted(1800)
-
-            t0 = time.monotonic()
-            restored = load_latest(f"{base}/transom")
-            restore.append(time.monotonic() - t0)
-            assert restored.step == 2 * r + 2
-            del restored
-            one, many = raw_reads(f"{base}/transom", 2 * r + 2)
-            read_one.append(one)
-            read_many.append(many)
-    finally:  # every path, also an exception or Ctrl-C: nothing of the run stays behind
-        engine.close()
-        if local_dir is not None and not args.dir:
+        yield base
+    finally:
+        if not args.dir:
             shutil.rmtree(local_dir, ignore_errors=True)
-        elif local_dir is not None:
+        else:
             for name in os.listdir(local_dir):
                 if name in ("transom",) or name.startswith(("sync-", "dcp-", "raw-")):
                     remove(f"{base}/{name}")
-        else:
-            fs.rm(bucket, recursive=True)
 
+
+def one_round(r: int, state: dict[str, torch.Tensor], nbytes: int, base: str, engine: CheckpointEngine,
+              times: dict[str, list[float]]) -> None:
+    """Round `r` of every method, each one's seconds appended to `times`."""
+    times["sync"].append(sync_save(state, f"{base}/sync-{r}.pt"))
+    remove(f"{base}/sync-{r}.pt")
+    s, total = dcp_async(state, f"{base}/dcp-{r}")
+    remove(f"{base}/dcp-{r}")
+    times["dcp_stall"].append(s)
+    times["dcp_total"].append(total)
+    times["raw"].append(raw_copy(nbytes, f"{base}/raw-{r}.bin"))
+    remove(f"{base}/raw-{r}.bin")
+
+    t0 = time.monotonic()
+    assert engine.save(2 * r + 1, state)
+    engine.wait_snapshot()
+    times["tr_stall"].append(time.monotonic() - t0)
+    assert engine.wait_persisted(1800)
+    times["tr_persist"].append(engine.last_persist_s + times["tr_stall"][-1])
+
+    t0 = time.monotonic()
+    assert engine.save(2 * r + 2, state)
+    blocked = time.monotonic() - t0
+    time.sleep(0.5)  # the next step's forward/backward, during which the copy runs
+    t1 = time.monotonic()
+    engine.wait_snapshot()
+    times["tr_overlap"].append(blocked + time.monotonic() - t1)
+    assert engine.wait_persisted(1800)
+
+    t0 = time.monotonic()
+    restored = load_latest(f"{base}/transom")
+    times["restore"].append(time.monotonic() - t0)
+    assert restored.step == 2 * r + 2
+    del restored
+    one, many = raw_reads(f"{base}/transom", 2 * r + 2)
+    times["read_one"].append(one)
+    times["read_many"].append(many)
+
+
+def summarize(args: argparse.Namespace, nbytes: int, times: dict[str, list[float]]) -> dict:
     med = statistics.median
+    gib = nbytes / 2**30
     result = {
         "benchmark": "checkpoint_stall", "size_mb": round(nbytes / 2**20), "target": args.target,
         "device": args.device, "repeats": args.repeats,
-        "sync_stall_s": round(med(sync), 3), "dcp_async_stall_s": round(med(dcp_stall), 3),
-        "dcp_async_total_s": round(med(dcp_total), 3), "transom_stall_s": round(med(tr_stall), 3),
-        "transom_stall_overlapped_s": round(med(tr_overlap), 3),
-        "transom_persist_gib_s": round(gib / med(tr_persist), 3), "raw_copy_gib_s": round(gib / med(raw), 3),
-        "restore_s": round(med(restore), 3),
-        "restore_gib_s": round(gib / med(restore), 3),
-        "raw_read_one_stream_gib_s": round(gib / med(read_one), 3),
-        "raw_read_aggregate_gib_s": round(gib / med(read_many), 3),
+        "sync_stall_s": round(med(times["sync"]), 3), "dcp_async_stall_s": round(med(times["dcp_stall"]), 3),
+        "dcp_async_total_s": round(med(times["dcp_total"]), 3), "transom_stall_s": round(med(times["tr_stall"]), 3),
+        "transom_stall_overlapped_s": round(med(times["tr_overlap"]), 3),
+        "transom_persist_gib_s": round(gib / med(times["tr_persist"]), 3),
+        "raw_copy_gib_s": round(gib / med(times["raw"]), 3),
+        "restore_s": round(med(times["restore"]), 3),
+        "restore_gib_s": round(gib / med(times["restore"]), 3),
+        "raw_read_one_stream_gib_s": round(gib / med(times["read_one"]), 3),
+        "raw_read_aggregate_gib_s": round(gib / med(times["read_many"]), 3),
     }
     best = max(result["raw_read_one_stream_gib_s"], result["raw_read_aggregate_gib_s"])
     result["restore_vs_best_raw_read"] = round(result["restore_gib_s"] / best, 3)
@@ -222,6 +221,10 @@ def main() -> int:
     result["persist_vs_raw"] = round(result["transom_persist_gib_s"] / result["raw_copy_gib_s"], 3)
     result["ok"] = (result["ratio_vs_sync"] <= 0.1 and result["ratio_vs_dcp"] <= 1.0
                     and result["persist_vs_raw"] >= 0.8)
+    return result
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
     print(f"state {result['size_mb']} MiB on {args.device}, target {args.target}, median of {args.repeats}:")
     print(f"stall: torch.save+fsync {result['sync_stall_s']:.3f}s, dcp.async_save {result['dcp_async_stall_s']:.3f}s "
           f"(done after {result['dcp_async_total_s']:.3f}s), transom {result['transom_stall_s']:.3f}s "
@@ -234,6 +237,32 @@ def main() -> int:
           f"same files raw: one stream {result['raw_read_one_stream_gib_s']:.3f} GiB/s, {READ_STREAMS} streams "
           f"{result['raw_read_aggregate_gib_s']:.3f} GiB/s; restore/best raw {result['restore_vs_best_raw_read']:.3f}")
     print(json.dumps(result))
+
+
+def main() -> int:
+    args = parse_args()
+    # At most three copies of the state on storage at once (Transom keeps two checkpoints,
+    # plus the file of the method being measured; each is deleted once measured), and in
+    # host memory the state (on the CPU), Transom's snapshot, DCP's staging copy and a restore.
+    size = args.size_mb * 2**20
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    require_room(disk_path=None if args.target == "s3" else (args.dir or tempfile.gettempdir()),
+                 disk_bytes=int(3.2 * size), memory_bytes=(4 if args.device == "cpu" else 3) * size + 2**30,
+                 what=f"checkpoint_stall --size-mb {args.size_mb}")
+    state = make_state(args.size_mb, args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    times: dict[str, list[float]] = {k: [] for k in (
+        "sync", "dcp_stall", "dcp_total", "tr_stall", "tr_overlap", "tr_persist", "raw", "restore", "read_one",
+        "read_many")}
+    with target(args) as base:
+        engine = CheckpointEngine(CheckpointConfig(uri=f"{base}/transom", keep=2))
+        try:
+            for r in range(args.repeats):
+                one_round(r, state, nbytes, base, engine, times)
+        finally:
+            engine.close()
+    report(args, summarize(args, nbytes, times))
     return 0
 
 

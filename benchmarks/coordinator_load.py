@@ -41,7 +41,6 @@ import json
 import os
 import random
 import secrets
-import statistics
 import subprocess
 import sys
 import time
@@ -129,7 +128,7 @@ class Load:
         try:
             status, payload = await asyncio.wait_for(self.pool.post(path, json.dumps(body).encode()),
                                                      REQUEST_TIMEOUT_S)
-        except (OSError, ValueError, IndexError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        except (TimeoutError, OSError, ValueError, IndexError, asyncio.IncompleteReadError):
             status, payload = 0, b""
         if status != 200:
             self.errors += 1
@@ -228,7 +227,8 @@ def start_coordinator(replicas: int, token: str, key_file: Path) -> tuple[subpro
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the coordinator did not start: {proc.stderr.read().decode()[-2000:]}")
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"the coordinator did not start: {err[-2000:]}") from None
             time.sleep(0.1)
 
 
@@ -249,8 +249,9 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         key = ReplicaKeys("local", secret.encode()).mint(0, 0, 0)
         start_at = time.time() + (load.measure_from - time.monotonic())
         end_at = time.time() + (load.end - time.monotonic())
-        posters = [multiprocessing.get_context("fork").Process(target=flooder, args=(url, key, start_at, end_at, counts),
-                                                              daemon=True) for _ in range(flood)]
+        fork = multiprocessing.get_context("fork")
+        posters = [fork.Process(target=flooder, args=(url, key, start_at, end_at, counts), daemon=True)
+                   for _ in range(flood)]
         for p in posters:
             p.start()
         cpu0, mine0 = None, None
@@ -265,6 +266,7 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         t0 = time.monotonic()
         asyncio.run(measured())
         wall = time.monotonic() - max(t0, load.measure_from - WARMUP_S) - WARMUP_S
+        assert cpu0 is not None and mine0 is not None  # taken when the warm-up ended
         coordinator_cpu = (cpu_seconds(proc.pid) - cpu0) / wall
         generator_cpu = (time.process_time() - mine0) / wall
     finally:
@@ -285,7 +287,7 @@ def run_case(agents: int, args: argparse.Namespace, flood: int = 0) -> dict:
         "quorum_rounds": len(load.quorums) // args.replicas,
         "quorum_p50_s": percentile(load.quorums, 0.5), "quorum_p99_s": percentile(load.quorums, 0.99),
         "errors": load.errors, "coordinator_cpu": round(coordinator_cpu, 3), "generator_cpu": round(generator_cpu, 3),
-        **({"flood_posters": flood, "flood_posts_per_s": round(sum(counts) / wall, 1),
+        **({"flood_posters": flood, "flood_posts_per_s": round(sum(counts[:]) / wall, 1),
             "flood_taken": counts[0], "flood_deferred": counts[1], "flood_other": counts[2]} if flood else {}),
     }
 

@@ -135,13 +135,13 @@ def liars(seed: int, settings: DetectionSettings) -> dict[str, int | None]:
     against = 0
     for replicas in (3, 4):
         for lie in LIES:
-            rows = generate(TraceSpec(replicas=replicas, ranks=1, steps=INJECT_AT + 200, seed=seed + 3))
+            trace = generate(TraceSpec(replicas=replicas, ranks=1, steps=INJECT_AT + 200, seed=seed + 3))
             rows = [dataclasses.replace(r, step_seconds=r.step_seconds * lie) if r.replica == replicas - 1 else r
-                    for r in rows]
+                    for r in trace]
             against += len([v for v in transom_verdicts(rows, settings) if v.replica != replicas - 1])
-    rows = generate(TraceSpec(replicas=3, ranks=1, steps=INJECT_AT + 200, seed=seed + 3,
-                              injections=[Injection("slow", 0, 0, INJECT_AT, 1.5)]))
-    rows = [dataclasses.replace(r, step_seconds=r.step_seconds * 1e-5) if r.replica == 2 else r for r in rows]
+    trace = generate(TraceSpec(replicas=3, ranks=1, steps=INJECT_AT + 200, seed=seed + 3,
+                               injections=[Injection("slow", 0, 0, INJECT_AT, 1.5)]))
+    rows = [dataclasses.replace(r, step_seconds=r.step_seconds * 1e-5) if r.replica == 2 else r for r in trace]
     found = [v for v in transom_verdicts(rows, settings) if v.kind == "slow" and v.replica == 0]
     return {"liar_cases": 2 * len(LIES), "liar_verdicts_against_others": against,
             "slow_beside_liar_delay_steps": found[0].reached_step - INJECT_AT if found else None}
@@ -185,8 +185,8 @@ def main() -> int:
         **{f"naive_delay_steps_{_key(k)}": v["naive_delay_steps"] for k, v in slow.items()},
         **faults,
         **lying,
-        "sdc_caught": faults["sdc_delay_steps"] is not None
-        and faults["sdc_delay_steps"] <= faults["sdc_next_fingerprint_delay"],
+        "sdc_caught": (sdc := faults["sdc_delay_steps"]) is not None
+        and sdc <= (faults["sdc_next_fingerprint_delay"] or 0),
         "seconds": round(time.monotonic() - started, 1),
     }
     result["ok"] = (result["false_alarms_per_10k"] == 0 and result["delay_steps_1_3x"] is not None

@@ -37,6 +37,7 @@ How to run
     .venv/bin/python benchmarks/ftar_overhead.py                                  # both models
     .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30   # quick
     .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 5  # fixed cost
+    .venv/bin/python benchmarks/ftar_overhead.py --base 91de83f --systems transom,transom_base  # vs a commit
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _base import BASE, base_env  # noqa: E402
 from _replicas import RUNNERS, Job  # noqa: E402
 
 TARGET_RATIO = 1.02
@@ -66,7 +68,8 @@ def step_times(out: Path, system: str, warmup: int) -> list[float]:
     return times
 
 
-def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Path) -> dict:
+def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Path,
+              base: dict[str, str] | None = None) -> dict:
     steps = args.steps or STEPS[model]
     medians: dict[str, list[float]] = {s: [] for s in systems}
     load_avg: list[float] = []
@@ -77,8 +80,10 @@ def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Pa
             out = work / f"{model}-{system}-{rnd}"
             out.mkdir()
             load_avg.append(round(os.getloadavg()[0], 2))
-            outcome = RUNNERS[system](Job(out, model, steps, replicas=args.replicas, timeout_s=args.run_timeout))
-            times = step_times(out, system, args.warmup)
+            runner, logs = (RUNNERS["transom"], "transom") if system == BASE else (RUNNERS[system], system)
+            outcome = runner(Job(out, model, steps, replicas=args.replicas, timeout_s=args.run_timeout,
+                                 env=(base or {}) if system == BASE else {}))
+            times = step_times(out, logs, args.warmup)
             if not outcome.ok or not times:
                 raise SystemExit(f"{system} on {model} failed: {outcome.detail}")
             if system == "transom":
@@ -96,6 +101,7 @@ def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Pa
         figures["overhead_vs_ddp"] = round(100 * (transom / others["ddp"] - 1), 2)
         rounds = [t / d - 1 for t, d in zip(medians["transom"], medians["ddp"])]
         figures["round_overhead_vs_ddp"] = round(100 * statistics.median(rounds), 2)
+    others.pop(BASE, None)  # an older Transom is no other system
     if others:
         figures["ratio_vs_faster"] = round(transom / min(others.values()), 4)
     figures.update(steps=steps, transom_bit_identical=all(identical), load_avg=load_avg)
@@ -111,15 +117,24 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
+    p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
+    p.add_argument("--systems", help="a subset of ddp,transom,torchft (and transom_base with --base)")
     args = p.parse_args()
     systems = ["ddp", "transom"] + (["torchft"] if importlib.util.find_spec("torchft") else [])
     if "torchft" not in systems:
         print("torchft is not installed (make bench-deps): comparing with DDP only", flush=True)
+    systems += [BASE] if args.base else []
+    if args.systems:
+        systems = [s for s in systems if s in args.systems.split(",")]
+    if "transom" not in systems:
+        p.error("--systems must include transom")
     result: dict = {"benchmark": "ftar_overhead", "replicas": args.replicas, "backend": "gloo", "cpus": os.cpu_count(),
                     "repeats": args.repeats, "warmup": args.warmup, "target_ratio": TARGET_RATIO}
-    with tempfile.TemporaryDirectory(prefix="transom-ftar-") as tmp:
+    if args.base:
+        result["base"] = args.base
+    with tempfile.TemporaryDirectory(prefix="transom-ftar-") as tmp, base_env(args.base) as base:
         for model in args.models.split(","):
-            result[model] = run_model(args, model, systems, Path(tmp))
+            result[model] = run_model(args, model, systems, Path(tmp), base)
     result["ok"] = all(result[m].get("ratio_vs_faster", 9) <= TARGET_RATIO and result[m]["transom_bit_identical"]
                        for m in args.models.split(","))
     print(json.dumps(result), flush=True)

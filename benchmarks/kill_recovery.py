@@ -113,7 +113,8 @@ def healthy_step_seconds(stats_dir: Path, faulty: int) -> float | None:
 
 def describe(run: dict) -> str:
     stall = f"{run['stall_s']:.3f} s" if run["stall_s"] is not None else "-"
-    state = "completed" if run["completed"] else ("TIMED OUT" if run["timed_out"] else f"FAILED (exit {run['exit_code']})")
+    failed = "TIMED OUT" if run["timed_out"] else f"FAILED (exit {run['exit_code']})"
+    state = "completed" if run["completed"] else failed
     return (
         f"{run['kind']:4s} run {run['index']}: stall {stall:>9s}  {state}  restarts {run['replica_restarts']}  "
         f"rejoined {run['rejoined']}  bit-identical {run['replicas_bit_identical']}  "
@@ -121,7 +122,8 @@ def describe(run: dict) -> str:
     )
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, and the kinds of fault to run."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=100, help="steps per run; leave room for the restart and rejoin")
@@ -129,7 +131,8 @@ def main() -> None:
     p.add_argument("--fault-replica", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="runs of each kind")
     p.add_argument("--kinds", default="kill,hang", help="comma-separated subset of kill,hang")
-    p.add_argument("--collective-timeout", type=float, default=3.0, help="transom run --collective-timeout (both kinds)")
+    p.add_argument("--collective-timeout", type=float, default=3.0,
+                   help="transom run --collective-timeout (both kinds)")
     p.add_argument("--run-timeout", type=float, default=180.0, help="transom run --timeout; hard kill 30 s later")
     p.add_argument("--model-args", default="",
                    help='extra arguments of examples/train_tiny_gpt.py, e.g. "--device ctx --dim 512 --layers 8" '
@@ -141,7 +144,39 @@ def main() -> None:
         p.error(f"--kinds must be a subset of {sorted(KINDS)}")
     if not 0 <= args.fault_replica < args.replicas or not 0 < args.fault_step < args.steps:
         p.error("--fault-replica must name a replica and --fault-step must lie inside the run")
+    return args, kinds
 
+
+def summarize(kind: str, runs: list[dict], kinds: list[str], target_s: float, result: dict) -> bool:
+    """One kind's figures into `result`, its line printed: whether it met its target."""
+    mine = [r for r in runs if r["kind"] == kind]
+    stalls = [r["stall_s"] for r in mine if r["completed"]]
+    med = round(statistics.median(stalls), 3) if stalls else None
+    mx = max(stalls) if stalls else None
+    good = kind not in kinds or (
+        len(stalls) == len(mine)
+        and all(r["rejoined"] and r["replicas_bit_identical"] for r in mine)
+        and mx is not None
+        and mx <= target_s
+    )
+    result[f"{kind}_stall_s"] = med
+    result[f"{kind}_stall_max_s"] = mx
+    result[f"{kind}_runs_completed"] = f"{len(stalls)}/{len(mine)}"
+    result[f"{kind}_bit_identical"] = [r["replicas_bit_identical"] for r in mine]
+    result[f"{kind}_rejoined"] = [r["rejoined"] for r in mine]
+    result[f"{kind}_ok"] = good
+    if kind in kinds:
+        fig = f"median {med:.3f} s, max {mx:.3f} s" if stalls else "no completed run"
+        print(
+            f"{kind}: stall {fig} over {len(stalls)}/{len(mine)} completed runs "
+            f"(target <= {target_s:.1f} s): {'OK' if good else 'NOT MET'}",
+            flush=True,
+        )
+    return good
+
+
+def main() -> None:
+    args, kinds = parse_args()
     targets = {"kill": KILL_TARGET_S, "hang": args.collective_timeout + HANG_MARGIN_S}
     print(
         f"kill_recovery: {args.replicas} replicas, fault in replica {args.fault_replica} at step {args.fault_step} "
@@ -161,30 +196,7 @@ def main() -> None:
     result: dict = {"benchmark": "kill_recovery"}
     ok = True
     for kind in ("kill", "hang"):
-        mine = [r for r in runs if r["kind"] == kind]
-        stalls = [r["stall_s"] for r in mine if r["completed"]]
-        med = round(statistics.median(stalls), 3) if stalls else None
-        mx = max(stalls) if stalls else None
-        good = kind not in kinds or (
-            len(stalls) == len(mine)
-            and all(r["rejoined"] and r["replicas_bit_identical"] for r in mine)
-            and mx is not None
-            and mx <= targets[kind]
-        )
-        ok = ok and good
-        result[f"{kind}_stall_s"] = med
-        result[f"{kind}_stall_max_s"] = mx
-        result[f"{kind}_runs_completed"] = f"{len(stalls)}/{len(mine)}"
-        result[f"{kind}_bit_identical"] = [r["replicas_bit_identical"] for r in mine]
-        result[f"{kind}_rejoined"] = [r["rejoined"] for r in mine]
-        result[f"{kind}_ok"] = good
-        if kind in kinds:
-            fig = f"median {med:.3f} s, max {mx:.3f} s" if stalls else "no completed run"
-            print(
-                f"{kind}: stall {fig} over {len(stalls)}/{len(mine)} completed runs "
-                f"(target <= {targets[kind]:.1f} s): {'OK' if good else 'NOT MET'}",
-                flush=True,
-            )
+        ok = summarize(kind, runs, kinds, targets[kind], result) and ok
     result.update(
         {
             "step_s": statistics.median(steps) if (steps := [r["step_s"] for r in runs if r["step_s"]]) else None,

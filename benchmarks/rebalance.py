@@ -111,7 +111,8 @@ def main() -> None:
                 mode = MODES[(i + k) % len(MODES)]
                 run = one_run(args, mode, i, Path(tmp))
                 runs.append(run)
-                print(f"round {i} {mode:9s} step {run['step_s']} s  slow replica's samples {run['slow_replica_samples_at_end']}"
+                print(f"round {i} {mode:9s} step {run['step_s']} s"
+                      f"  slow replica's samples {run['slow_replica_samples_at_end']}"
                       f"  shares from step {run['shares_from_step']}  bit-identical {run['bit_identical']}"
                       f"  completed {run['completed']}  wall {run['seconds']} s", flush=True)
                 if "output_tail" in run:
@@ -119,7 +120,10 @@ def main() -> None:
 
     step = {m: statistics.median(x) if (x := [q["step_s"] for q in runs if q["mode"] == m and q["step_s"]]) else None
             for m in MODES}
-    ratio = (lambda a, b: round(step[a] / step[b], 3) if step[a] and step[b] else None)
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(x / y, 3) if (x := step[a]) and (y := step[b]) else None
+
     # The slowdown the job's step actually shows (the injected one applies to the busy time
     # only, not to the exchange), and what a perfect rebalance would make of it.
     shown = ratio("report", "clean") or f

@@ -42,6 +42,7 @@ How to run
     .venv/bin/python benchmarks/recovery.py
     .venv/bin/python benchmarks/recovery.py --systems transom --repeats 1   # Transom only, once
     .venv/bin/python benchmarks/recovery.py --network netns --rate-mbit 1000  # as root
+    .venv/bin/python benchmarks/recovery.py --systems transom --base 91de83f   # beside an older commit
 
     BENCH_THREADS sets torch's threads per replica (default 1; the replicas share the
     machine). Every process is bounded by `--run-timeout` and killed with its tree.
@@ -59,11 +60,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _base import BASE, base_env  # noqa: E402
 from _replicas import Job, run_torchft, run_transom  # noqa: E402
 from netns import Cluster  # noqa: E402
 
 KILLED = 1  # the replica that is killed
-SYSTEMS = ("transom", "transom_spare", "torchft")
+SYSTEMS = ("transom", "transom_spare", "torchft", BASE)  # BASE only with --base
 
 
 # --- analysis (pure) ------------------------------------------------------------------------------
@@ -165,6 +167,10 @@ def comparison(result: dict) -> dict:
         total_f = f["healthy_stall_at_kill_s"] + f["healthy_stall_at_rejoin_s"]
         flat["ratio_step_vs_torchft"] = round(t["step_s"] / f["step_s"], 3)
         flat["ratio_total_healthy_stall_vs_torchft"] = round(total_t / total_f, 3) if total_f > 0 else None
+    b = result.get(BASE, {})
+    for key in ("step_s", "healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s", "rejoin_time_s"):
+        if t.get(key) and b.get(key):
+            flat[f"ratio_{key}_vs_base"] = round(t[key] / b[key], 3)
     for name in ("transom", "transom_spare"):
         figs = result.get(name, {})
         if "step_s" in figs:
@@ -173,11 +179,12 @@ def comparison(result: dict) -> dict:
 
 
 # --- running --------------------------------------------------------------------------------------
-def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | None) -> dict:
+def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | None,
+             base: dict[str, str] | None = None) -> dict:
     out = work / system
     out.mkdir()
     job = Job(out, "mlp", args.steps, timeout_s=args.run_timeout, kill=(KILLED, args.kill_step),
-              spares=1 if system == "transom_spare" else 0, net=net)
+              spares=1 if system == "transom_spare" else 0, net=net, env=(base or {}) if system == BASE else {})
     outcome = run_torchft(job) if system == "torchft" else run_transom(job)
     figures = analyse(load(out, "transom" if system.startswith("transom") else system), args.kill_step)
     if outcome.bit_identical is not None:
@@ -192,7 +199,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--kill-step", type=int, default=20)
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != BASE))
+    p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
     p.add_argument("--run-timeout", type=float, default=400)
     p.add_argument("--repeats", type=int, default=3, help="runs per system; figures are medians")
     p.add_argument("--network", choices=["loopback", "netns"], default="loopback",
@@ -200,6 +208,10 @@ def main() -> None:
     p.add_argument("--rate-mbit", type=float, default=1000, help="netns: each link's rate")
     args = p.parse_args()
     systems = args.systems.split(",")
+    if args.base and BASE not in systems:
+        systems.append(BASE)
+    if BASE in systems and not args.base:
+        p.error(f"{BASE} needs --base REV")
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     if "torchft" in systems and importlib.util.find_spec("torchft") is None:
@@ -211,13 +223,17 @@ def main() -> None:
     if net is not None:
         result["rate_mbit"] = args.rate_mbit
         net.up()
+    if args.base:
+        result["base"] = args.base
     try:
-        for rep in range(args.repeats):  # the systems alternate, so all see the same machine
-            for system in systems:
-                with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
-                    figures = run_once(args, system, Path(tmp), net)
-                print(f"run {rep} {system:13s} " + "  ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
-                runs[system].append(figures)
+        with base_env(args.base) as base:
+            for rep in range(args.repeats):  # the systems alternate, so all see the same machine
+                for system in systems:
+                    with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
+                        figures = run_once(args, system, Path(tmp), net, base)
+                    print(f"run {rep} {system:13s} " + "  ".join(f"{k} {v}" for k, v in figures.items()),
+                          flush=True)
+                    runs[system].append(figures)
     finally:
         if net is not None:
             net.down()

@@ -58,7 +58,7 @@ def main() -> None:
 
     torch.manual_seed(0)  # every replica starts from the same weights
     model = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)).to(ctx.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     use_amp = ctx.device.type == "cuda"
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=use_amp)
@@ -67,7 +67,7 @@ def main() -> None:
     # peer recovery and checkpoints, like the model and the optimizer.
     with ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state=scheduler) as trainer:
         optimizer = trainer.optimizer  # steps only committed steps
-        for step, (x, y) in trainer.batches(loader, args.steps):
+        for _step, (x, y) in trainer.batches(loader, args.steps):
             with torch.autocast(ctx.device.type, enabled=use_amp):
                 loss = nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device))
             scaler.scale(loss).backward()  # the gradients come back averaged across replicas

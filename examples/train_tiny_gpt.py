@@ -82,7 +82,7 @@ def batch(data: torch.Tensor, step: int, shard: int, sub: int, num_sub: int, siz
     return x, y
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
@@ -97,27 +97,36 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every this many steps")
     p.add_argument("--checkpoint-interval", type=int, default=None,
                    help="steps between checkpoints when a checkpoint URI is set (TRANSOM_CHECKPOINT_URI)")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def build_model(args: argparse.Namespace, ctx: ft.ReplicaContext, vocab: int, device: torch.device) -> nn.Module:
+    """The same weights on every replica, wrapped for the data parallelism inside a replica."""
+    torch.manual_seed(0)  # every replica starts from the same weights
+    gpt = TinyGPT(vocab, dim=args.dim, layers=args.layers, context=args.context).to(device)
+    if args.inner == "fsdp" and ctx.world_size < 2:
+        raise SystemExit("--inner fsdp needs --nproc-per-replica >= 2")
+    if args.inner == "ddp":
+        return nn.parallel.DistributedDataParallel(gpt, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.inner == "fsdp":  # FSDP2: each rank holds a shard; FTAR runs per shard index
+        from torch.distributed.fsdp import fully_shard
+
+        for block in gpt.blocks:
+            fully_shard(block)
+        fully_shard(gpt)
+    return gpt
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     ctx = ft.init()
     text = make_corpus()
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
 
-    torch.manual_seed(0)  # every replica starts from the same weights
     device = ctx.device if args.device == "ctx" else torch.device("cpu")
-    model: nn.Module = TinyGPT(len(chars), dim=args.dim, layers=args.layers, context=args.context).to(device)
-    if args.inner == "fsdp" and ctx.world_size < 2:
-        raise SystemExit("--inner fsdp needs --nproc-per-replica >= 2")
-    if args.inner == "ddp":
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    elif args.inner == "fsdp":  # FSDP2: each rank holds a shard; FTAR runs per shard index
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+    model = build_model(args, ctx, len(chars), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # None without a checkpoint URI in the environment: then nothing is checkpointed.
     checkpoint = ft.CheckpointConfig.from_environ(interval_steps=args.checkpoint_interval)
@@ -138,7 +147,7 @@ def main() -> None:
                 print(f"replica {trainer.replica_id}: step {trainer.step} loss {loss.item():.4f}", flush=True)
     finally:
         trainer.close()  # completes the job after the last step; before it, reports a failure
-    if ctx.rank == 0 and trainer.last_batch_trained:
+    if ctx.rank == 0 and trainer.last_batch_trained and loss is not None:
         print(f"replica {trainer.replica_id}: {trainer.step} steps, last loss {loss.item():.4f}", flush=True)
     if trainer.last_batch_trained:  # every rank: replicas that end bit-identical print one digest per rank
         print(f"replica {trainer.replica_id} rank {ctx.rank}: final step {trainer.step} parameters "

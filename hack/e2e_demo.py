@@ -176,7 +176,8 @@ class Scenario:
         # /metrics of the operator and of the job's coordinator, through the API server's
         # service proxy (as a Prometheus scraping the Services would see them).
         self.metrics_paths = {
-            "operator": f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/services/transom-operator-metrics:metrics/proxy/metrics",
+            "operator":
+                f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/services/transom-operator-metrics:metrics/proxy/metrics",
             "coordinator": f"/api/v1/namespaces/{namespace}/services/{self.job}-coordinator:http/proxy/metrics",
         }
 
@@ -297,7 +298,8 @@ class Scenario:
             self.wait(f"step {STEP_BEFORE_DELETE}", lambda: self.step() >= STEP_BEFORE_DELETE, 180)
             self.delete_a_pod()
             final = self.wait("the job Succeeded or Failed",
-                              lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s, JOB_TIMEOUT_S)
+                              lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s,
+                              JOB_TIMEOUT_S)
         self.seen.status = final
         self.log(self.kubectl("get", "tj", "-n", self.ns).stdout.rstrip())
         self._after(uids)
@@ -305,7 +307,8 @@ class Scenario:
         return self.seen
 
     def _after(self, uids: tuple[str, str]) -> None:
-        pods = {p["metadata"]["name"]: p for p in self.get("pods", "-n", self.ns, "-l", f"transom.io/job={self.job}")["items"]}
+        listed = self.get("pods", "-n", self.ns, "-l", f"transom.io/job={self.job}")["items"]
+        pods = {p["metadata"]["name"]: p for p in listed}
         killed = pods.get(self.seen.killed_pod)
         self.seen.killed_pod_uid = (uids[0], killed["metadata"]["uid"] if killed else "")
         untouched = pods.get(self.seen.untouched_pod)
@@ -344,8 +347,10 @@ def main() -> int:
     print(f"steps {s['steps']}, in-place restarts {s['in_place_restarts']}, replica replacements "
           f"{s['replica_replacements']} (replica 1 from {seen.deleted_pod_node} to {seen.replacement_node} "
           f"in {s['replacement_seconds']}s), loss {s['first_loss']} -> {s['last_loss']}, last checkpoint "
-          f"step {s['last_checkpoint_step']}, {len(seen.checkpoint_keys)} checkpoint objects, on {s['container_runtime']}")
-    print("# the test environment keeps running: `eval \"$(hack/testenv.sh env)\"`; stop it with `hack/testenv.sh down`")
+          f"step {s['last_checkpoint_step']}, {len(seen.checkpoint_keys)} checkpoint objects, "
+          f"on {s['container_runtime']}")
+    print("# the test environment keeps running: `eval \"$(hack/testenv.sh env)\"`; "
+          "stop it with `hack/testenv.sh down`")
     print(json.dumps(s))
     return 0 if s["succeeded"] else 1
 

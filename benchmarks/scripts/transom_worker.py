@@ -13,6 +13,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402, F401  (imported here so that the figure says what the import costs)
+
 from transom import ft  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -18,8 +18,9 @@ Each process writes `<BENCH_OUT>/<system>-r<replica>-<pid>.jsonl`: a first line
 `{"start": t, "imported": t, "built": t, "joined": t}` with the wall times at which the
 process started (taken by the worker before torch is imported), had imported torch and its
 system, had built the model and optimizer, and had set up its fault tolerance (Transom's
-FaultTolerant, torchft's Manager: registered, for a spare taken over), then one line per step attempt: `{"step", "t" (end), "seconds",
-"committed", "contributing"}`, where `step` is the number of committed steps after it.
+FaultTolerant, torchft's Manager: registered, for a spare taken over), then one line per
+step attempt: `{"step", "t" (end), "seconds", "committed", "contributing"}`, where `step` is
+the number of committed steps after it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Workload:
         if kind in ("mlp", "small15"):
             dim, depth, self._batch = (MLP_DIM, MLP_LAYERS, BATCH) if kind == "mlp" else \
                 (SMALL_DIM, SMALL_LAYERS, SMALL_BATCH)
+            self._dim = dim
             layers: list[torch.nn.Module] = []
             for _ in range(depth):
                 layers += [torch.nn.Linear(dim, dim), torch.nn.ReLU()]
@@ -83,7 +85,7 @@ class Workload:
 
     def _mlp_loss(self, model: Callable, replica: int, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(replica * 1_000_003 + step)
-        dim = self.model[0].in_features
+        dim = self._dim
         x, y = torch.randn(self._batch, dim, generator=g), torch.randn(self._batch, dim, generator=g)
         return torch.nn.functional.mse_loss(model(x), y)
 

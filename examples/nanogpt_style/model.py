@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -77,7 +78,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
+        # Its parts by attribute, as nanoGPT names them (transformer.wte, .h, ...): a ModuleDict's
+        # attributes are dynamic, so Any rather than Module | Tensor at every use.
+        self.transformer: Any = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
@@ -85,7 +88,7 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as in nanoGPT
+        self.transformer["wte"].weight = self.lm_head.weight  # weight tying, as in nanoGPT
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("c_proj.weight"):
@@ -114,7 +117,7 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str) -> torch.optim.AdamW:
+                             device_type: str) -> torch.optim.Optimizer:
         """AdamW with two parameter groups: weight decay on the matrices (2-D and more), none
         on biases and LayerNorm weights. `device_type` is nanoGPT's argument (it picks the
         fused kernel on CUDA); here the default implementation runs everywhere."""

@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ p.add_argument("--max-iters", type=int, default=300)
 p.add_argument("--eval-interval", type=int, default=100)
 p.add_argument("--eval-iters", type=int, default=10, help="batches per split in an evaluation")
 p.add_argument("--log-interval", type=int, default=10)
-p.add_argument("--gradient-accumulation-steps", type=int, default=2, help="micro steps per iteration, all ranks together")
+p.add_argument("--gradient-accumulation-steps", type=int, default=2,
+               help="micro steps per iteration, all ranks together")
 p.add_argument("--batch-size", type=int, default=8, help="sequences per micro step")
 p.add_argument("--block-size", type=int, default=64)
 p.add_argument("--n-layer", type=int, default=2)
@@ -56,7 +58,8 @@ args = p.parse_args()
 out_dir, data_dir, init_from, max_iters = args.out_dir, args.data_dir, args.init_from, args.max_iters
 eval_interval, eval_iters, log_interval = args.eval_interval, args.eval_iters, args.log_interval
 gradient_accumulation_steps, batch_size, block_size = args.gradient_accumulation_steps, args.batch_size, args.block_size
-learning_rate, warmup_iters, lr_decay_iters, min_lr = args.learning_rate, args.warmup_iters, args.lr_decay_iters, args.min_lr
+learning_rate, warmup_iters = args.learning_rate, args.warmup_iters
+lr_decay_iters, min_lr = args.lr_decay_iters, args.min_lr
 weight_decay, beta1, beta2, grad_clip, decay_lr = 0.1, 0.9, 0.99, 1.0, True
 
 ctx = ft.init()  # the replica's own world: torchrun's processes, now one replica of several
@@ -91,7 +94,7 @@ iter_num = 0
 best_val_loss = 1e9
 model_args = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=block_size,
                   vocab_size=len(VOCAB))
-checkpoint = None
+checkpoint: Any = None  # torch.load's dict
 if init_from == "resume":
     checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location=device, weights_only=True)
     model_args = checkpoint["model_args"]
@@ -107,8 +110,8 @@ if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
     scaler.load_state_dict(checkpoint["scaler"])
 checkpoint = None  # free the memory
-if ddp:
-    model = DDP(model, device_ids=[device.index] if device_type == "cuda" else None)
+if ddp:  # nanoGPT's shape: one name for the model, wrapped or not
+    model = DDP(model, device_ids=[device.index] if device_type == "cuda" else None)  # type: ignore[assignment]
 raw_model = model.module if ddp else model
 script = ft.ScriptState(best_val_loss=best_val_loss)  # replica state: it travels as the weights do
 trainer = ft.FaultTolerant(model, optimizer, ctx, scaler=scaler, extra_state={"script": script},

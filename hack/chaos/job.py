@@ -30,8 +30,8 @@ from pathlib import Path
 
 import yaml
 
-from e2e_demo import BUCKET, EXAMPLE, use_test_image
 from chaos.world import World
+from e2e_demo import BUCKET, EXAMPLE, use_test_image
 from testenv import addons
 
 DIGEST = re.compile(r"replica (\d+) rank (\d+): final step (\d+) parameters ([0-9a-f]+)")
@@ -48,7 +48,7 @@ class Sample:
     healthy: int | None
     contributing: float | None  # transom_coordinator_contributing_replicas; None: coordinator not answering
     generations: dict[int, int]
-    failures: dict[int, str]  # replica -> lastFailure.reason
+    failures: dict[int, str | None]  # replica -> lastFailure.reason
     excluded: list[str]
     last_checkpoint: int | None
     fenced: float | None  # calls the coordinator refused: a superseded incarnation's (409) or a gone pod's (401)
@@ -98,6 +98,12 @@ class Watch:
 
     def last(self) -> Sample | None:
         return self.samples[-1] if self.samples else None
+
+    def now(self) -> Sample:
+        """The newest sample, once there is one (a scenario runs on a started job)."""
+        if not self.samples:
+            raise RuntimeError("no sample of the job yet")
+        return self.samples[-1]
 
 
 @dataclass
@@ -186,6 +192,12 @@ class ChaosJob:
     def mark_fault(self) -> None:
         self.fault_at = time.monotonic()
 
+    def since_fault(self) -> float:
+        """Seconds since the fault was marked."""
+        if self.fault_at is None:
+            raise RuntimeError("no fault marked")
+        return time.monotonic() - self.fault_at
+
     def wait_contributing(self, timeout_s: float = 240) -> float:
         """Seconds from the fault until every replica contributes again, after the first
         sample since the fault in which one did not (or the coordinator did not answer)."""
@@ -231,7 +243,8 @@ class ChaosJob:
                 tail = " | ".join(text.strip().splitlines()[-4:])[-600:]
                 verdict.notes.append(f"no digest from {pod.metadata.name}: ... {tail}")
         seen = self.reasons(final)
-        failures = {(x.get("lastFailure") or {}).get("reason") for x in final.get("replicas") or []} - {None}
+        failures: set[str] = {r for x in final.get("replicas") or []
+                              if (r := (x.get("lastFailure") or {}).get("reason")) is not None}
         if expect_reasons:
             verdict.reason = ",".join(sorted(seen & expect_reasons)) or ",".join(sorted(seen)) or "none"
         else:  # nothing should have failed: the failures are the reason column, else "none"
@@ -239,7 +252,8 @@ class ChaosJob:
             if failures:
                 verdict.problems.append(f"replicas failed where nothing should: {sorted(failures)}")
         if expect_reasons and not expect_reasons <= seen:
-            verdict.problems.append(f"expected reasons {sorted(expect_reasons)} in status and Events, saw {sorted(seen)}")
+            verdict.problems.append(
+                f"expected reasons {sorted(expect_reasons)} in status and Events, saw {sorted(seen)}")
         return verdict
 
     def steps_lost(self) -> int:

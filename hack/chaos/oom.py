@@ -27,7 +27,7 @@ def _once(job: ChaosJob, v: Verdict) -> set[str]:
         r = next((x for x in job.status().get("replicas") or [] if x["id"] == 1), {})
         return r if (r.get("lastFailure") or {}).get("reason") == "OOMKilled" else None
     r = job.world.wait("replica 1's OOM kill in status", shown, 180)
-    v.detect_s = time.monotonic() - job.fault_at
+    v.detect_s = job.since_fault()
     v.notes.append(f"status: {r['lastFailure'].get('message')}")
     if r.get("generation") != 0:
         v.problems.append(f"replica 1 was replaced (generation {r.get('generation')}), not restarted in place")
@@ -44,7 +44,7 @@ def oom(world: World, steps: int) -> Verdict:
     with tended(job, verdict, "repeated OOM kills"):
         job.start()
         final = job.finish(REPEATED_TIMEOUT_S)
-        failed = next((c for c in final.get("conditions") or [] if c["type"] == "Failed"), {})
+        failed: dict = next((c for c in final.get("conditions") or [] if c["type"] == "Failed"), {})
         message = failed.get("message") or ""
         verdict.notes.append(f"repeated OOM kills: {final.get('state')} after {time.monotonic() - t0:.0f} s: {message}")
         if final.get("state") != "Failed" or failed.get("reason") != "OOMKilled" or "limits.memory" not in message:

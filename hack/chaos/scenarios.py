@@ -102,8 +102,8 @@ def detected(job: ChaosJob, replica: int | None = None) -> float | None:
 
 
 def training_goes_on(job: ChaosJob, steps: int, timeout_s: float) -> None:
-    start = job.watch.last().step or 0
-    job.world.wait(f"{job.ns}: {steps} more steps committed", lambda: (job.watch.last().step or 0) >= start + steps,
+    start = job.watch.now().step or 0
+    job.world.wait(f"{job.ns}: {steps} more steps committed", lambda: (job.watch.now().step or 0) >= start + steps,
                    timeout_s)
 
 
@@ -120,7 +120,7 @@ def node_loss(job: ChaosJob, v: Verdict) -> set[str]:
         v.recover_s = job.wait_contributing()
         v.detect_s = detected(job, replica)
         v.notes.append(f"replica {replica} moved to {moved_to}")
-        excluded = job.watch.last().excluded
+        excluded = job.watch.now().excluded
         if node not in excluded:
             v.problems.append(f"{node} not excluded (excludedNodes {excluded})")
     finally:
@@ -139,7 +139,7 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
         wait_moved(job, replica, node)
         v.recover_s = job.wait_contributing()
         v.detect_s = detected(job, replica)
-        before = job.watch.last()
+        before = job.watch.now()
         fenced_before, unauth_before = before.fenced or 0, before.unauthenticated or 0
     finally:
         faults.heal(index)
@@ -148,9 +148,9 @@ def partition(job: ChaosJob, v: Verdict) -> set[str]:
     # its pod, 401 once the pod is gone (its token no longer authenticates).
     try:
         job.world.wait("the healed incarnation refused by the coordinator",
-                       lambda: (job.watch.last().fenced or 0) > fenced_before, 90)
+                       lambda: (job.watch.now().fenced or 0) > fenced_before, 90)
         time.sleep(5)  # what else it tried before its kubelet stopped it
-        now = job.watch.last()
+        now = job.watch.now()
         unauth = (now.unauthenticated or 0) - unauth_before
         v.notes.append(f"the healed incarnation refused {(now.fenced or 0) - fenced_before - unauth:.0f} times as "
                        f"superseded (409) and {unauth:.0f} times as a gone pod (401)")
@@ -184,6 +184,8 @@ def drain(job: ChaosJob, v: Verdict) -> set[str]:
 def coordinator_loss(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(30)
     coord = job.world.coordinator_pod(job.ns, job.name)
+    if coord is None:
+        raise RuntimeError(f"{job.ns}: no running coordinator pod to delete")
     job.mark_fault()
     job.world.kubectl("delete", "pod", coord.metadata.name, "-n", job.ns, "--wait=false")
     v.recover_s = job.wait_contributing()
@@ -243,19 +245,19 @@ def operator_loss(job: ChaosJob, v: Verdict) -> set[str]:
 def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(CHECKPOINT_INTERVAL + 5)
     # Stop S3 just after a checkpoint began (its persist runs behind the next steps).
-    job.world.wait("a checkpoint step", lambda: 1 <= (job.watch.last().step or 0) % CHECKPOINT_INTERVAL <= 8, 120, 0.2)
-    before = job.watch.last()
+    job.world.wait("a checkpoint step", lambda: 1 <= (job.watch.now().step or 0) % CHECKPOINT_INTERVAL <= 8, 120, 0.2)
+    before = job.watch.now()
     job.mark_fault()
     cluster.stop_s3()
     try:
         training_goes_on(job, 2 * CHECKPOINT_INTERVAL, 180)
-        v.notes.append(f"S3 down from step {before.step} to {job.watch.last().step} "
-                       f"({time.monotonic() - job.fault_at:.0f} s); last checkpoint {job.watch.last().last_checkpoint}")
+        v.notes.append(f"S3 down from step {before.step} to {job.watch.now().step} "
+                       f"({job.since_fault():.0f} s); last checkpoint {job.watch.now().last_checkpoint}")
     finally:
         cluster.start_s3()
     job.world.wait("a checkpoint committed after the outage",
-                   lambda: (job.watch.last().last_checkpoint or 0) > (before.step or 0), 180)
-    v.recover_s = time.monotonic() - job.fault_at
+                   lambda: (job.watch.now().last_checkpoint or 0) > (before.step or 0), 180)
+    v.recover_s = job.since_fault()
     # A whole-job restart restores the newest complete checkpoint.
     return whole_job_restart(job, v)
 
@@ -335,7 +337,7 @@ def image_pull(job: ChaosJob, v: Verdict) -> set[str]:
     names = {p.metadata.name for p in w.all_pods(job.ns) if p.metadata.labels.get("transom.io/replica") == str(replica)}
     if len(names - {old}) != 1:
         v.problems.append(f"replica {replica} got pods {sorted(names - {old})} while the image could not be pulled")
-    v.detect_s = time.monotonic() - job.fault_at
+    v.detect_s = job.since_fault()
     # The user fixes the image; the stuck pod is replaced with it.
     fix = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": good},
            {"op": "replace", "path": "/spec/template/spec/containers/0/imagePullPolicy", "value": "Never"}]

@@ -152,6 +152,7 @@ class World:
     def wait(self, what: str, check, timeout_s: float, every_s: float = 0.5):
         """Poll `check` until it returns something true; TimeoutError names `what`."""
         deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
         while True:
             try:
                 value = check()

@@ -45,11 +45,11 @@ def main() -> int:
             with cluster.session_lock(CLI_LOCK_TIMEOUT_S):
                 cluster.down()
         else:
-            env = cluster.current()
-            if env is None:
+            running = cluster.current()
+            if running is None:
                 print("no control plane is running: hack/testenv.sh up", file=sys.stderr)
                 return 1
-            print(env.exports())
+            print(running.exports())
     except build.MissingTool as e:
         print(f"hack/testenv.sh {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -57,14 +57,16 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> st
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}")
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
+                           f"{proc.stdout[-3000:]}{proc.stderr[-5000:]}")
     return proc.stdout
 
 
 def go_binary() -> str:
     go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
     if go is None:
-        raise MissingTool("Go is not installed: `apt-get install -y golang-go` (Go >= 1.25 needed) or see go.dev/doc/install")
+        raise MissingTool("Go is not installed: `apt-get install -y golang-go` (Go >= 1.25 needed) "
+                          "or see go.dev/doc/install")
     out = _run([go, "env", "GOVERSION"]).strip()  # e.g. go1.26.8
     m = re.match(r"go(\d+)\.(\d+)", out)
     if not m or (int(m.group(1)), int(m.group(2))) < GO_MIN:
@@ -82,7 +84,10 @@ def _staging_modules(go: str, workdir: Path) -> list[str]:
     """The k8s.io/<name> modules the release's go.mod replaces with its staging tree."""
     env = _go_env(go)
     out = _run([go, "mod", "download", "-json", f"k8s.io/kubernetes@{K8S_VERSION}"], cwd=workdir, env=env)
-    gomod = Path(re.search(r'"GoMod":\s*"([^"]+)"', out).group(1)).read_text()
+    found = re.search(r'"GoMod":\s*"([^"]+)"', out)
+    if found is None:
+        raise RuntimeError(f"go mod download named no go.mod: {out[-2000:]}")
+    gomod = Path(found.group(1)).read_text()
     block = re.search(r"^replace \((.*?)^\)", gomod, re.S | re.M)
     assert block, "k8s.io/kubernetes go.mod has no replace block"
     return re.findall(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/", block.group(1), re.M)
@@ -92,7 +97,8 @@ def build_kubernetes(go: str) -> None:
     work = cache_root() / "src" / "k8s"
     work.mkdir(parents=True, exist_ok=True)
     staging_version = "v0." + K8S_VERSION.removeprefix("v1.")
-    (work / "go.mod").write_text(f"module transom.local/k8sbuild\n\ngo 1.25.0\n\nrequire k8s.io/kubernetes {K8S_VERSION}\n")
+    (work / "go.mod").write_text(
+        f"module transom.local/k8sbuild\n\ngo 1.25.0\n\nrequire k8s.io/kubernetes {K8S_VERSION}\n")
     modules = _staging_modules(go, work)
     lines = [f"\t{m} => {m} {staging_version}" for m in modules]
     with open(work / "go.mod", "a") as f:

@@ -12,6 +12,9 @@ the binary it started, so a reused pid is never signalled) and removes the state
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import json
 import os
 import secrets
@@ -24,9 +27,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import contextlib
-import dataclasses
-import fcntl
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -222,7 +222,8 @@ def current() -> Env | None:
     env = Env(**{**state["env"], "kubeconfig": Path(state["env"]["kubeconfig"]),
                  "state_dir": Path(state["env"]["state_dir"]), "bin_dir": Path(state["env"]["bin_dir"])})
     try:
-        if not _https_ok(state["readyz"], Path(state["ca"]), certs.Pair(Path(state["admin_cert"]), Path(state["admin_key"]))):
+        admin = certs.Pair(Path(state["admin_cert"]), Path(state["admin_key"]))
+        if not _https_ok(state["readyz"], Path(state["ca"]), admin):
             return None
     except Exception:
         return None
@@ -266,20 +267,42 @@ def _cluster_state(d: Path, tools: dict[str, Path]) -> str:
 def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs: dict) -> Env:
     pki = d / "pki"
     ca = certs.CA(pki)
+    admin = ca.issue("admin", "transom-admin", organizations=("system:masters",))
+    sa = certs.service_account_keys(pki)
+    api_port = free_port()
+    server = f"https://127.0.0.1:{api_port}"
+    readyz = _start_apiserver(d, tools, ca, admin, sa, api_port, real_nodes, procs)
+    admin_kc = _kubeconfig(d / "admin.kubeconfig", server, ca.pair.cert, admin, "transom-admin")
+    _start_controllers(d, tools, ca, sa, server, procs)
+    s3_port, access, secret = _start_s3(d, tools, procs)
+
+    kubectl = [str(tools["kubectl"]), f"--kubeconfig={admin_kc}"]
+    nodes = _add_kwok_nodes(d, kubectl, num_nodes)
+    s3_endpoint = f"http://127.0.0.1:{s3_port}"
+    _wait("S3 server", lambda: _http_ok(s3_endpoint), d)
+
+    real = realnodes.up(d, tools, ca, real_nodes, api_port, s3_port, kubectl,
+                        start=lambda name, argv, exe=None: _start(name, argv, d, procs, exe=exe),
+                        kubeconfig=_kubeconfig, save=lambda update: _save(d, update),
+                        wait=lambda what, check, timeout_s=START_TIMEOUT_S: _wait(what, check, d, timeout_s))
+    env = Env(kubeconfig=admin_kc, s3_endpoint=s3_endpoint, s3_access_key=access, s3_secret_key=secret,
+              version=build.K8S_VERSION, state_dir=d, nodes=nodes, bin_dir=build.bin_dir(),
+              real_nodes=real, s3_url_in_cluster=realnodes.S3_URL_IN_CLUSTER if real else "")
+    _save(d, {"env": asdict(env), "readyz": readyz, "ca": str(ca.pair.cert),
+              "admin_cert": str(admin.cert), "admin_key": str(admin.key)})
+    return env
+
+
+def _start_apiserver(d: Path, tools: dict[str, Path], ca: certs.CA, admin: certs.Pair, sa: certs.Pair,
+                     api_port: int, real_nodes: int, procs: dict) -> str:
+    """etcd and the API server, started and ready: the API server's /readyz URL."""
     serving = ca.issue(
         "apiserver", "kube-apiserver", server=True,
         dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
              "kubernetes.default.svc.cluster.local"),
         ips=("127.0.0.1", "10.0.0.1", realnodes.SERVICES_IP),
     )
-    admin = ca.issue("admin", "transom-admin", organizations=("system:masters",))
-    kcm = ca.issue("controller-manager", "system:kube-controller-manager")
-    sched = ca.issue("scheduler", "system:kube-scheduler")
-    kwok_client = ca.issue("kwok", "kwok-controller", organizations=("system:masters",))
-    sa = certs.service_account_keys(pki)
-
-    etcd_port, etcd_peer, api_port, sched_port, kwok_port = (free_port() for _ in range(5))
-    server = f"https://127.0.0.1:{api_port}"
+    etcd_port, etcd_peer = free_port(), free_port()
     _start("etcd", [
         str(tools["etcd"]), "--name", "default", "--data-dir", str(d / "etcd"),
         "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
@@ -310,10 +333,18 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs:
         # pods only on relists, tens of seconds late. Off, clients fall back to list+watch.
         "--feature-gates=WatchList=false",
     ], d, procs)
-    readyz = f"{server}/readyz"
+    readyz = f"https://127.0.0.1:{api_port}/readyz"
     _wait("kube-apiserver", lambda: _https_ok(readyz, ca.pair.cert, admin), d)
+    return readyz
 
-    admin_kc = _kubeconfig(d / "admin.kubeconfig", server, ca.pair.cert, admin, "transom-admin")
+
+def _start_controllers(d: Path, tools: dict[str, Path], ca: certs.CA, sa: certs.Pair, server: str,
+                       procs: dict) -> None:
+    """The controller manager, the scheduler and kwok, each with a client certificate of its own."""
+    kcm = ca.issue("controller-manager", "system:kube-controller-manager")
+    sched = ca.issue("scheduler", "system:kube-scheduler")
+    kwok_client = ca.issue("kwok", "kwok-controller", organizations=("system:masters",))
+    sched_port, kwok_port = free_port(), free_port()
     kcm_kc = _kubeconfig(d / "controller-manager.kubeconfig", server, ca.pair.cert, kcm, "controller-manager")
     sched_kc = _kubeconfig(d / "scheduler.kubeconfig", server, ca.pair.cert, sched, "scheduler")
     kwok_kc = _kubeconfig(d / "kwok.kubeconfig", server, ca.pair.cert, kwok_client, "kwok")
@@ -342,7 +373,10 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs:
         f"--server-address=127.0.0.1:{kwok_port}",
     ], d, procs)
 
-    # S3: SeaweedFS with one identity; every one of its ports is a free loopback port.
+
+def _start_s3(d: Path, tools: dict[str, Path], procs: dict) -> tuple[int, str, str]:
+    """SeaweedFS with one identity; every one of its ports is a free loopback port: the S3
+    port, the access key and the secret key."""
     access, secret = "transom-" + secrets.token_hex(4), secrets.token_urlsafe(24)
     (d / "s3.json").write_text(json.dumps({"identities": [{
         "name": "transom", "credentials": [{"accessKey": access, "secretKey": secret}],
@@ -359,8 +393,11 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs:
         "-s3.port.iceberg=0", "-s3.port.lance=0",  # off: their defaults are fixed ports
         *(f"-{k}={v}" for k, v in weed_ports.items()),
     ], d, procs)
+    return s3_port, access, secret
 
-    kubectl = [str(tools["kubectl"]), f"--kubeconfig={admin_kc}"]
+
+def _add_kwok_nodes(d: Path, kubectl: list[str], num_nodes: int) -> list[str]:
+    """The fake nodes, created and Ready: their names."""
     nodes = [f"kwok-node-{i}" for i in range(num_nodes)]
     manifest = {"apiVersion": "v1", "kind": "List", "items": [_node_manifest(n) for n in nodes]}
     applied = subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(manifest), text=True,
@@ -378,19 +415,7 @@ def _up(d: Path, tools: dict[str, Path], num_nodes: int, real_nodes: int, procs:
         return ready >= num_nodes
 
     _wait("kwok nodes", nodes_ready, d)
-    s3_endpoint = f"http://127.0.0.1:{s3_port}"
-    _wait("S3 server", lambda: _http_ok(s3_endpoint), d)
-
-    real = realnodes.up(d, tools, ca, real_nodes, api_port, s3_port, kubectl,
-                        start=lambda name, argv, exe=None: _start(name, argv, d, procs, exe=exe),
-                        kubeconfig=_kubeconfig, save=lambda update: _save(d, update),
-                        wait=lambda what, check, timeout_s=START_TIMEOUT_S: _wait(what, check, d, timeout_s))
-    env = Env(kubeconfig=admin_kc, s3_endpoint=s3_endpoint, s3_access_key=access, s3_secret_key=secret,
-              version=build.K8S_VERSION, state_dir=d, nodes=nodes, bin_dir=build.bin_dir(),
-              real_nodes=real, s3_url_in_cluster=realnodes.S3_URL_IN_CLUSTER if real else "")
-    _save(d, {"env": asdict(env), "readyz": readyz, "ca": str(ca.pair.cert),
-              "admin_cert": str(admin.cert), "admin_key": str(admin.key)})
-    return env
+    return nodes
 
 
 def _stop(entries: list[dict]) -> None:

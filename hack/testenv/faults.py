@@ -124,7 +124,7 @@ def restart_containerd(index: int) -> None:
     nodes.wait_containerd({"ctr": _ctr()}, d, node)
 
 
-def _ctr() -> Path:
+def _ctr() -> str:
     from testenv import build
     return build.NODE_TOOLS["ctr"]
 

@@ -133,7 +133,7 @@ async def serve_listener(ns: str, addr: str, port: int, target_port: int) -> asy
             return
         try:
             upstream = await _open(None, "127.0.0.1", target_port)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             writer.close()
             return
         await _splice((reader, writer), upstream, ns)
@@ -150,7 +150,8 @@ def owner(routes: list[tuple[ipaddress.IPv4Network, str]], host: str) -> str | N
     return next((ns for net, ns in routes if ip in net), None)
 
 
-async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]) -> asyncio.AbstractServer:
+async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str]]
+                      ) -> asyncio.AbstractServer:
     """HTTP CONNECT over a Unix socket, for the API server's egress selector."""
 
     async def handle(reader, writer):
@@ -164,8 +165,8 @@ async def serve_proxy(path: str, routes: list[tuple[ipaddress.IPv4Network, str]]
             if ns in CUT:
                 raise ValueError(f"{target} is partitioned")
             upstream = await _open(ns, host, int(port))
-        except (ValueError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError, UnicodeDecodeError) as e:
+        except (TimeoutError, ValueError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                UnicodeDecodeError) as e:
             with contextlib.suppress(Exception):
                 writer.write(f"HTTP/1.1 502 Bad Gateway\r\n\r\n{e}\r\n".encode())
                 await writer.drain()

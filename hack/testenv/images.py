@@ -34,8 +34,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from testenv import build
-from testenv import oci
+from testenv import build, oci
 from testenv.oci import Rootfs
 
 ROOT = Path(__file__).resolve().parents[2]

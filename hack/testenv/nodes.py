@@ -137,7 +137,8 @@ def write_configs(d: Path, node: network.NodeNet, ca: certs.CA, kubeconfig_for, 
     paths = {
         "containerd": nd / "containerd.toml",
         "kubelet": nd / "kubelet.yaml",
-        "kubelet-kubeconfig": kubeconfig_for(nd / "kubelet.kubeconfig", server, kubelet_cert, f"system:node:{node.name}"),
+        "kubelet-kubeconfig": kubeconfig_for(nd / "kubelet.kubeconfig", server, kubelet_cert,
+                                             f"system:node:{node.name}"),
         "kube-proxy-kubeconfig": kubeconfig_for(nd / "kube-proxy.kubeconfig", server, proxy_cert, "kube-proxy"),
         "kube-proxy": nd / "kube-proxy.yaml",
     }

@@ -133,6 +133,7 @@ def _write_tar(fs: Rootfs, fileobj) -> None:
                 info.size = len(entry.data)
                 tar.addfile(info, io.BytesIO(entry.data))
             else:
+                assert entry.source is not None  # a file entry has its data or its source
                 with open(entry.source, "rb") as f:
                     info.size = os.fstat(f.fileno()).st_size
                     tar.addfile(info, f)

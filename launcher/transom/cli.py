@@ -16,7 +16,6 @@ import sys
 from typing import TYPE_CHECKING
 
 from transom import contract
-from transom.defaults import LOCAL
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Settings
@@ -77,7 +76,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def coordinator_settings(args: argparse.Namespace) -> "Settings":
+def coordinator_settings(args: argparse.Namespace) -> Settings:
     """The coordinator's Settings from its flags (coordinator/cli.py)."""
     from transom.coordinator import cli as coordinator_cli
 
@@ -86,7 +85,8 @@ def coordinator_settings(args: argparse.Namespace) -> "Settings":
 
 def _launch(args: argparse.Namespace, command: list[str]) -> int:
     from transom.launch import processes
-    from transom.launch.supervisor import LaunchConfig, Launcher
+    from transom.launch.config import LaunchConfig
+    from transom.launch.supervisor import Launcher
 
     owner = os.environ.get(contract.ENV_OWNER_PID)
     if owner and owner.isdigit() and not processes.follow_parent(int(owner)):
@@ -118,7 +118,8 @@ def _wait_as_spare() -> int | None:
     from transom.launch import spare
 
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _f: received.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda signum, _f: received.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         directory = spare.podinfo_dir()
         logging.getLogger("transom.launch").info(
@@ -141,7 +142,8 @@ def _wait_as_spare() -> int | None:
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:
     from transom.inject import parse_targeted
-    from transom.launch.local import LocalRun, RunConfig
+    from transom.launch.config import RunConfig
+    from transom.launch.local import LocalRun
 
     try:
         config = RunConfig(
@@ -157,7 +159,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             max_restarts=args.max_restarts,
             timeout_s=args.timeout,
             quiet=args.quiet,
-            checkpoint_uri=os.path.abspath(args.checkpoint_uri) if args.checkpoint_uri and "://" not in args.checkpoint_uri
+            checkpoint_uri=os.path.abspath(args.checkpoint_uri)
+            if args.checkpoint_uri and "://" not in args.checkpoint_uri
             else (args.checkpoint_uri or ""),
             checkpoint_interval=args.checkpoint_interval,
             checkpoint_keep=args.checkpoint_keep,
@@ -174,6 +177,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from transom.launch.config import LaunchConfig, RunConfig, default_of
+
     p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -182,13 +187,14 @@ def parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
     la.add_argument("--nproc-per-node", type=count, default=None)
-    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS), default=3)
+    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
+                    default=default_of(LaunchConfig, "max_restarts"))
 
     r = sub.add_parser("run", help="run a whole fault-tolerant job locally")
     r.add_argument("--replicas", type=count, required=True)
-    r.add_argument("--nproc-per-replica", type=count, default=1)
-    r.add_argument("--min-replicas", type=count, default=1)
-    r.add_argument("--spares", type=non_negative, default=0,
+    r.add_argument("--nproc-per-replica", type=count, default=default_of(RunConfig, "nproc_per_replica"))
+    r.add_argument("--min-replicas", type=count, default=default_of(RunConfig, "min_replicas"))
+    r.add_argument("--spares", type=non_negative, default=default_of(RunConfig, "spares"),
                    help="hot spares: launchers whose workers load the model and wait; a failed replica is replaced "
                         "by one at once (as spec.spareReplicas on Kubernetes)")
     r.add_argument(
@@ -197,15 +203,17 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--summary-json", help="write the end summary here")
     r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
-    r.add_argument("--collective-timeout", type=wait_seconds, default=LOCAL.collective_timeout_s)
-    r.add_argument("--heartbeat-timeout", type=wait_seconds, default=LOCAL.heartbeat_timeout_s)
-    r.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS), default=3,
-                   help="in-place restarts per launcher")
-    r.add_argument("--timeout", type=seconds, default=3600.0, help="give up after this many seconds")
+    r.add_argument("--collective-timeout", type=wait_seconds, default=default_of(RunConfig, "collective_timeout_s"))
+    r.add_argument("--heartbeat-timeout", type=wait_seconds, default=default_of(RunConfig, "heartbeat_timeout_s"))
+    r.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
+                   default=default_of(RunConfig, "max_restarts"), help="in-place restarts per launcher")
+    r.add_argument("--timeout", type=seconds, default=default_of(RunConfig, "timeout_s"),
+                   help="give up after this many seconds")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--log-dir", help="write each replica's launcher and worker output to DIR/replica-<i>.log and the "
                                      "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
-    r.add_argument("--checkpoint-uri", help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
+    r.add_argument("--checkpoint-uri",
+                   help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
     r.add_argument("--checkpoint-interval", type=between(0, MAX_STEPS),
                    help="committed steps between checkpoints (the script may override)")
     r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")
@@ -213,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
                    help='anomaly detection settings, as spec.detection (e.g. \'{"hangTimeoutSeconds": 60}\')')
     r.add_argument("--trace-out", metavar="FILE",
                    help="write every rank's step signals as one CSV trace (transom detect replay FILE)")
-    r.add_argument("--backend", choices=contract.BACKENDS, default=contract.DEFAULT_BACKEND,
+    r.add_argument("--backend", choices=contract.BACKENDS, default=default_of(RunConfig, "backend"),
                    help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
                         "GPU of its own and the tensors are on it, Gloo otherwise")
     d = sub.add_parser("detect", help="anomaly detection over recorded traces")
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     own, command = _split_command(list(sys.argv[1:] if argv is None else argv))
     args = parser().parse_args(own)
     logging.basicConfig(
-        level=os.environ.get("TRANSOM_LOG_LEVEL", "WARNING"),
+        level=os.environ.get(contract.ENV_LOG_LEVEL, "WARNING"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     if args.cmd == "coordinator":

@@ -33,22 +33,20 @@ def torch_version() -> tuple[int, int]:
 
 def fsspec_writer(url: str, **kwargs: Any):
     """DCP's FsspecWriter for `url` (a directory or an s3:// prefix)."""
-    import torch.distributed.checkpoint as dcp
-
-    cls = getattr(dcp, "FsspecWriter", None)
-    if cls is None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as cls  # torch < 2.7
-    return cls(url, **kwargs)
+    try:
+        from torch.distributed.checkpoint import FsspecWriter
+    except ImportError:  # torch < 2.7
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    return FsspecWriter(url, **kwargs)
 
 
 def fsspec_reader(url: str, **kwargs: Any):
     """DCP's FsspecReader for `url`."""
-    import torch.distributed.checkpoint as dcp
-
-    cls = getattr(dcp, "FsspecReader", None)
-    if cls is None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as cls  # torch < 2.7
-    return cls(url, **kwargs)
+    try:
+        from torch.distributed.checkpoint import FsspecReader
+    except ImportError:  # torch < 2.7
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    return FsspecReader(url, **kwargs)
 
 
 def _no_dist(fn: Any) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Everything another component reads by name lives here once: the pod environment the
 operator sets and the launcher reads, the environment the launcher gives its workers,
 the Kubernetes labels and annotations, and the launcher's exit codes. Change a name here
-only together with DESIGN.md, docs/ and the tests that pin it.
+only together with docs/ (architecture.md, "Environment") and the tests that pin it.
 """
 
 from __future__ import annotations
@@ -165,12 +165,12 @@ class ReplicaEnv:
         """A hot spare still waiting for a replica identity."""
         return self.replica_id == UNASSIGNED
 
-    def promoted(self, replica_id: int, generation: int) -> "ReplicaEnv":
+    def promoted(self, replica_id: int, generation: int) -> ReplicaEnv:
         """This environment as the replica `replica_id`'s pod of `generation` would have it."""
         return replace(self, replica_id=replica_id, generation=generation, spare_id=None)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "ReplicaEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> ReplicaEnv:
         env = os.environ if environ is None else environ
 
         def num(name: str, default: int | None = None) -> int:
@@ -205,6 +205,10 @@ class ReplicaEnv:
             identity_token_file=env.get(ENV_IDENTITY_TOKEN_FILE, ""),
             peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
         )
+
+
+ENV_LOG_LEVEL = "TRANSOM_LOG_LEVEL"  # the `transom` command's and the workers' log level (default WARNING)
+ENV_COORDINATOR_IMAGE = "TRANSOM_COORDINATOR_IMAGE"  # the operator's default --coordinator-image
 
 # Set by Kubernetes in every pod (not Transom's): where the coordinator finds the API server
 # (coordinator/kube_api.py).

@@ -105,7 +105,8 @@ def table() -> str:
             "| setting | local (`transom run`, by hand) | cluster (TrainingJob) | what it bounds |",
             "|---|---|---|---|"]
     for f in fields(Timeouts):
-        rows.append(f"| `{f.name}` | {getattr(LOCAL, f.name):g} | {getattr(CLUSTER, f.name):g} | {DESCRIPTIONS[f.name]} |")
+        local, cluster = getattr(LOCAL, f.name), getattr(CLUSTER, f.name)
+        rows.append(f"| `{f.name}` | {local:g} | {cluster:g} | {DESCRIPTIONS[f.name]} |")
     rows += ["", "The heartbeat interval follows the timeout: `min(1, timeout / 3)` seconds.", "",
              f"Fencing (the same in both): a replica's question to the coordinator before each checkpoint "
              f"object it writes or deletes waits at most {FENCE_TIMEOUT_S:g} s; a state server that has not been "

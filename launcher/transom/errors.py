@@ -33,9 +33,11 @@ BackendError is not one: a pod that sees no GPU, or replicas that share one, is 
 or the placement's doing, which a replica started elsewhere can escape.
 
 The coordinator raises the same CoordinatorError classes that its client raises (it
-maps each to its HTTP status), so one name means one thing on both ends. Each class also
-derives from the builtin its callers caught before it existed (RuntimeError, ValueError,
-LookupError, TimeoutError), so older `except ValueError:` code still works. Imports nothing heavy.
+maps each to its HTTP status), so one name means one thing on both ends. A class that took
+the place of a builtin its callers caught before it existed also derives from that builtin
+(RuntimeError, ValueError, LookupError, TimeoutError), so older `except ValueError:` code
+still works; CoordinatorError and its subclasses, ScriptError and CheckpointError derive from
+TransomError alone. Imports nothing heavy.
 """
 
 from __future__ import annotations

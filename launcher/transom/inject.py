@@ -27,8 +27,8 @@ joining), `serve` (a source, when it is asked for its `step`-th chunk of a snaps
 it sends it: a peer that dies mid-transfer) and `checkpoint` (in the checkpoint thread, once
 the snapshot of checkpoint `step` is taken and before the first object of its part is
 written: a node stopped or cut off in the middle of a checkpoint; `stop` stops the whole
-process there, whatever its training thread is doing). The local runner gives a replica's k-th fault to its k-th incarnation,
-so a restarted replica does not fail again unless asked to.
+process there, whatever its training thread is doing). The local runner gives a replica's
+k-th fault to its k-th incarnation, so a restarted replica does not fail again unless asked to.
 
 `replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
 environment is every replica's, so that is how a fault set there (`TRANSOM_FAULT` in
@@ -63,7 +63,7 @@ class Fault:
     mb: int | None = None  # oom: the most it allocates, in MiB
 
     @classmethod
-    def parse(cls, text: str) -> "Fault":
+    def parse(cls, text: str) -> Fault:
         action, _, rest = text.partition(":")
         if action not in ACTIONS:
             raise ValueError(f"fault action must be one of {ACTIONS}, got {action!r}")
@@ -141,11 +141,14 @@ def _exhaust_memory(mb: int | None) -> None:
 
     cgroup = oom.find()
     limit = cgroup.limit() if cgroup is not None else None
-    if mb is None and limit is None:
+    if mb is not None:
+        cap = mb << 20
+    elif limit is not None:
+        cap = 2 * limit
+    else:
         raise RuntimeError("injected oom: this process has no memory limit; refusing to exhaust the machine's "
                            "memory (give the fault mb=<MiB> to allocate that much anyway)")
-    cap = mb << 20 if mb is not None else 2 * limit
-    held = []
+    held: list[bytearray] = []
     while len(held) * OOM_CHUNK < cap:
         chunk = bytearray(OOM_CHUNK)
         chunk[::PAGE] = b"\x01" * (OOM_CHUNK // PAGE)  # touch every page: allocating alone maps none

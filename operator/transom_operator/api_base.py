@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,9 +53,37 @@ DNS_LABEL_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 CAMEL_CASE = r"^[A-Z][A-Za-z0-9]*$"
 
-JobState = Literal["Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"]
-ReplicaState = Literal["Pending", "Running", "Replacing", "Succeeded", "Failed"]
-SpareState = Literal["Pending", "Ready"]
+
+
+class JobState(StrEnum):
+    """status.state: the job as a whole."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    DEGRADED = "Degraded"
+    RECOVERING = "Recovering"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+class ReplicaState(StrEnum):
+    """status.replicas[].state."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    REPLACING = "Replacing"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class SpareState(StrEnum):
+    """status.spares[].state."""
+
+    PENDING = "Pending"
+    READY = "Ready"
+
+
 ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"]
 CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
 NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]

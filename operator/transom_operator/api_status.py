@@ -12,23 +12,23 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from transom_operator.api_base import (
-    MAX_REPLICAS,
-    MAX_NODES_PER_REPLICA,
-    MAX_STEP,
-    MAX_RESTARTS,
-    MAX_GENERATION,
-    MAX_COUNT,
-    MAX_INT,
     CAMEL_CASE,
+    MAX_COUNT,
+    MAX_GENERATION,
+    MAX_INT,
+    MAX_NODES_PER_REPLICA,
+    MAX_REPLICAS,
+    MAX_RESTARTS,
+    MAX_STEP,
     JobState,
-    ReplicaState,
-    SpareState,
-    Rule,
-    StatusModel,
-    Timestamp,
-    Reason,
     NodeName,
     NodeNameItem,
+    Reason,
+    ReplicaState,
+    Rule,
+    SpareState,
+    StatusModel,
+    Timestamp,
 )
 
 
@@ -63,7 +63,7 @@ class ReplicaStatus(StatusModel):
     generation: int = Field(
         0, ge=0, le=MAX_GENERATION, description="Incarnation of the replica; each replacement increments it.",
     )
-    state: ReplicaState = Field("Pending", description="Pending, Running, Replacing, Succeeded or Failed.")
+    state: ReplicaState = Field(ReplicaState.PENDING, description="Pending, Running, Replacing, Succeeded or Failed.")
     nodes: list[NodeNameItem] = Field(
         default_factory=list, max_length=MAX_NODES_PER_REPLICA,
         description="Nodes of the replica's pods, by node rank.",
@@ -91,7 +91,7 @@ class SpareStatus(StatusModel):
         0, ge=0, le=MAX_GENERATION,
         description="Incarnation of the spare; it increments when the spare is promoted or its pods are replaced.",
     )
-    state: SpareState = Field("Pending", description="Ready (every pod running, can take over) or Pending.")
+    state: SpareState = Field(SpareState.PENDING, description="Ready (every pod running, can take over) or Pending.")
     nodes: list[NodeNameItem] = Field(
         default_factory=list, max_length=MAX_NODES_PER_REPLICA,
         description="Nodes of the spare's pods, by node rank.",
@@ -162,10 +162,12 @@ class OomKills(StatusModel):
 
     replica: int = Field(ge=0, le=MAX_REPLICAS - 1, description="The replica.")
     generation: int = Field(ge=0, le=MAX_GENERATION, description="The incarnation the last kill was in.")
-    count: int = Field(ge=1, le=MAX_INT, description="Kills reported since the coordinator started, every generation's.")
+    count: int = Field(ge=1, le=MAX_INT,
+                       description="Kills reported since the coordinator started, every generation's.")
     time: Timestamp | None = Field(None, description="When the last one was reported.")
     message: str | None = Field(
-        None, max_length=1024, description="The last report, for example \"worker rank 0 was OOMKilled (memory limit 3Gi)\".",
+        None, max_length=1024,
+        description="The last report, for example \"worker rank 0 was OOMKilled (memory limit 3Gi)\".",
     )
 
 

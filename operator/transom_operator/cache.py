@@ -21,7 +21,8 @@ as missing, or one it deleted as present. The writes are idempotent (determinist
 409 on create is "exists", 404 on delete is "gone"), and a pod missing from a replica
 counts as lost only once the status recorded the replica Running with it, so such a pass
 repeats a write at most. A deleted pod's last state stays readable for `DEPARTED_S`
-(`departed`): a pass that finds a pod gone learns from it why. Thread-safe: events arrive on kopf's loop, passes run in threads.
+(`departed`): a pass that finds a pod gone learns from it why. Thread-safe: events arrive on
+kopf's loop, passes run in threads.
 """
 
 from __future__ import annotations

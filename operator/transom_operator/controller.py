@@ -10,21 +10,20 @@ mid-recovery) is simply repeated by the next one.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
 from transom import contract
-
-from transom_operator import api, disruption, metrics, naming, reasons, resources
+from transom_operator import api, metrics, reasons
 from transom_operator.cache import WatchCache
 from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
+from transom_operator.provision import Provisioner
 from transom_operator.reconcile import failures, job_status, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
 from transom_operator.reconcile.status_diff import status_ops
@@ -34,8 +33,6 @@ DEFAULT_REQUEUE_S = 10.0
 # Pod writes of one pass in flight at once: a replica's 8 or 32 pods are replaced in about one
 # round trip instead of one after another (the kubernetes client pools 10+ connections).
 WRITE_CONCURRENCY = 16
-COORDINATOR_RECHECK_S = 30.0
-SWEEP_EVERY_S = 600.0
 # Past any write's own end: kube.REQUEST_TIMEOUT_S per attempt, and urllib3 tries an idempotent
 # request (a delete) up to four times.
 WRITE_TIMEOUT_S = 4 * sum(REQUEST_TIMEOUT_S) + 5.0
@@ -54,14 +51,13 @@ class Controller:
     # (namespace, job, replica, generation) -> monotonic time its predecessor's failure was seen
     _replacing: dict[tuple[str, str, int, int], float] = field(default_factory=dict)
     _states: dict[tuple[str, str], str] = field(default_factory=dict)
-    # Per job: (metadata.generation, when) the coordinator was last checked against the spec.
-    _coordinator_checked: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
-    # Jobs whose worker ServiceAccount, peer Secret and token review binding this process
-    # created or found (once per job and process).
-    _worker_accounts: set[tuple[str, str]] = field(default_factory=set)
-    _swept_at: float | None = None  # when token review bindings of deleted jobs were last looked for
     _writers: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(WRITE_CONCURRENCY, thread_name_prefix="transom-write"))
+
+    def __post_init__(self) -> None:
+        # The job's coordinator and the rest of what it needs besides its pods (provision.py).
+        self.provisioner = Provisioner(self.kube, self.coordinator_image, self.network_policy,
+                                       self.token_reviewer_role)
 
     def close(self) -> None:
         """Stop the write threads (main.py, when kopf has stopped every daemon)."""
@@ -81,24 +77,21 @@ class Controller:
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self._set_state(namespace, name, None)
             self.cache.forget_job(namespace, name)
-            self._coordinator_checked.pop((namespace, name), None)
-            self._worker_accounts.discard((namespace, name))
-            # Owned objects go with it (ownerReferences); the one cluster-wide object cannot be owned.
-            self.kube.delete_cluster_role_binding(naming.token_review_binding(namespace, name))
+            self.provisioner.forget(namespace, name)
             return None
-        self._sweep_bindings()
+        self.provisioner.sweep_bindings()
         try:
             job = api.TrainingJob.model_validate(raw)
         except ValidationError as e:
             self._refuse(namespace, name, raw, spec_error(e))
             return DEFAULT_REQUEUE_S
-        self._ensure_coordinator(namespace, job)
+        self.provisioner.ensure(namespace, job)
         # From the watches' cache (cache.py): a pass lists nothing, whatever the job's size, and
         # observes again only the pods that changed.
         pods = self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name), observe_pod)
         nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
         departed = self.cache.departed(namespace, name, observe_pod)  # why a pod that is gone went
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         plan = replicas.plan(job, pods, nodes, now, departed)
 
         # The pod creates go out with the status write, the deletes and relabels after it: a
@@ -108,6 +101,22 @@ class Controller:
         # Only what changed is written (reconcile/status_diff.py), and nothing when nothing
         # did: most passes are woken by events that change nothing.
         t_plan = time.monotonic()
+        policy = self._record(namespace, name, raw, job, plan)
+        t_status = time.monotonic()
+        self._act(namespace, pods, plan)
+        t_act = time.monotonic()
+        log.debug("%s/%s pass: read+plan %.3fs, status and %d creates %.3fs, %d deletes %d relabels %.3fs",
+                  namespace, name, t_plan - t0, len(plan.create), t_status - t_plan, len(plan.delete),
+                  len(plan.relabel), t_act - t_status)
+        for node, reason in plan.excluded_nodes_added:
+            self.kube.exclude_node(node, policy, reason)
+        self._observe(namespace, name, job, plan)
+        self._set_state(namespace, name, plan.status.state)
+        return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
+
+    def _record(self, namespace: str, name: str, raw: dict, job: api.TrainingJob, plan: replicas.Plan) -> str:
+        """The plan's pod creates, its status write and its Events; the node exclusion policy
+        the cluster admin allows for this job."""
         creates = [self._writers.submit(self.kube.create, namespace, manifest) for manifest in plan.create]
         ops = status_ops(raw.get("status"), plan.status_patch())
         try:
@@ -128,17 +137,7 @@ class Controller:
             self.kube.event(raw, type_, reason, message)
             log.info("%s/%s: %s", namespace, name, message)
         _first_error(creates)
-        t_status = time.monotonic()
-        self._act(namespace, pods, plan)
-        t_act = time.monotonic()
-        log.debug("%s/%s pass: read+plan %.3fs, status and %d creates %.3fs, %d deletes %d relabels %.3fs",
-                  namespace, name, t_plan - t0, len(plan.create), t_status - t_plan, len(plan.delete),
-                  len(plan.relabel), t_act - t_status)
-        for node, reason in plan.excluded_nodes_added:
-            self.kube.exclude_node(node, policy, reason)
-        self._observe(namespace, name, job, plan)
-        self._set_state(namespace, name, plan.status.state)
-        return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S
+        return policy
 
     def _refuse(self, namespace: str, name: str, raw: dict, message: str) -> None:
         """A job whose spec the models refuse (what the API server cannot check, such as the
@@ -146,7 +145,7 @@ class Controller:
         InvalidSpec and a Warning Event, once per spec generation; nothing else is touched
         until the spec is changed, which wakes the daemon."""
         generation = raw["metadata"].get("generation")
-        wanted = job_status.refused(raw.get("status"), message, generation, datetime.now(timezone.utc))
+        wanted = job_status.refused(raw.get("status"), message, generation, datetime.now(UTC))
         ops = status_ops(raw.get("status") if isinstance(raw.get("status"), dict) else None, wanted)
         if not ops:
             return  # reported already
@@ -182,97 +181,6 @@ class Controller:
         if patched is not None:
             self.cache.pod_event("MODIFIED", patched)
 
-    def _ensure_coordinator(self, namespace: str, job: api.TrainingJob) -> None:
-        """Create the job's coordinator and its replicas' disruption budget, or roll the coordinator
-        and resize the budget when the spec changed what they follow. Read again when the spec
-        changed (metadata.generation) or every COORDINATOR_RECHECK_S (one deleted by hand comes
-        back), not on every pass."""
-        name = job.metadata["name"]
-        key, generation = (namespace, name), job.metadata.get("generation", 0)
-        checked = self._coordinator_checked.get(key)
-        if checked is not None and checked[0] == generation and time.monotonic() - checked[1] < COORDINATOR_RECHECK_S:
-            return
-        self._ensure_coordinator_now(namespace, job)
-        self._ensure_budget(namespace, job)
-        self._coordinator_checked[key] = (generation, time.monotonic())
-
-    def _ensure_budget(self, namespace: str, job: api.TrainingJob) -> None:
-        """The replicas' PodDisruptionBudget (disruption.py): created where it is missing (a new
-        job, one from before budgets, one deleted by hand), patched when the job's size changed.
-        A budget only holds drains back, so failing to make one (an installation whose RBAC is
-        older than budgets) is logged and tried again at the next check, and never stops the
-        pass that replaces the job's replicas."""
-        wanted = disruption.worker_budget(job)
-        name = wanted["metadata"]["name"]
-        try:
-            current = self.kube.get_disruption_budget(namespace, name)
-            if current is None:
-                self.kube.create(namespace, wanted)
-            elif (patch := disruption.spec_patch(current, wanted)) is not None:
-                self.kube.patch_disruption_budget(namespace, name, patch)
-                log.info("%s/%s: disruption budget %s now %s", namespace, job.metadata["name"], name, patch["spec"])
-        except Exception as e:
-            log.warning("%s/%s: could not make the disruption budget %s: %s", namespace, job.metadata["name"], name, e)
-
-    def _ensure_coordinator_now(self, namespace: str, job: api.TrainingJob) -> None:
-        name = job.metadata["name"]
-        deployment = self.kube.get_deployment(namespace, naming.coordinator(name))
-        if deployment is not None and (namespace, name) not in self._worker_accounts:
-            # A job from before the workers had a ServiceAccount, a peer Secret and an
-            # identity of their own: their pods would be refused or unknown without them (a
-            # 409 means it is there). Its coordinator rolls below: its command changed.
-            for manifest in (resources.worker_service_account(job), resources.peer_secret(job, secrets.token_urlsafe(32))):
-                self.kube.create(namespace, manifest)
-            self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
-            self._worker_accounts.add((namespace, name))
-        if deployment is not None:
-            # A spec change the coordinator must know (replicas, minReplicas, heartbeat
-            # timeout) rolls it; the replicas register again with the new one on their own.
-            want = resources.coordinator_command(job)
-            containers = deployment["spec"]["template"]["spec"]["containers"]
-            current = next((c for c in containers if c["name"] == "coordinator"), None)
-            if current is not None and current.get("command") != want:
-                self.kube.set_container_command(namespace, naming.coordinator(name), "coordinator", want)
-                log.info("%s/%s: coordinator settings changed; rolling it", namespace, name)
-            tolerations = _with_node_loss_tolerations(deployment["spec"]["template"]["spec"].get("tolerations"))
-            if tolerations is not None:  # a coordinator from before them: it would wait 300 s on a lost node
-                self.kube.set_tolerations(namespace, naming.coordinator(name), tolerations)
-                log.info("%s/%s: coordinator tolerations of a lost node set; rolling it", namespace, name)
-            return
-        # A fresh token only matters if the Secret does not exist yet: a 409 keeps the old one.
-        # The policy comes first, so no pod of the job is ever reachable from outside it.
-        manifests = [resources.network_policy(job)] if self.network_policy else []
-        manifests += resources.coordinator_resources(job, secrets.token_urlsafe(32), self.coordinator_image,
-                                                     peer_token=secrets.token_urlsafe(32))
-        # Before the Deployment: a coordinator that cannot review tokens refuses every replica.
-        self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
-        for manifest in manifests:
-            self.kube.create(namespace, manifest)
-        self._worker_accounts.add((namespace, name))
-
-    def _sweep_bindings(self) -> None:
-        """Delete the token review bindings of jobs that are gone: a job deleted while no
-        operator ran left its binding behind (it has no owner to be collected with). At most
-        every SWEEP_EVERY_S, from whichever job's pass comes first."""
-        now = time.monotonic()
-        if self._swept_at is not None and now - self._swept_at < SWEEP_EVERY_S:
-            return
-        self._swept_at = now
-        selector = f"{resources.LABEL_COMPONENT}={resources.COMPONENT_TOKEN_REVIEW}"
-        for binding in self.kube.list_cluster_role_bindings(selector):
-            labels = binding["metadata"].get("labels") or {}
-            namespace, job = labels.get(resources.LABEL_NAMESPACE), labels.get(contract.LABEL_JOB)
-            if not (namespace and job):
-                continue
-            try:
-                gone = self.kube.get_job(namespace, job) is None
-            except Exception as e:  # a namespace this operator does not watch: another one's to sweep
-                log.debug("not sweeping %s: %s", binding["metadata"]["name"], e)
-                continue
-            if gone:
-                log.info("deleting %s: job %s/%s is gone", binding["metadata"]["name"], namespace, job)
-                self.kube.delete_cluster_role_binding(binding["metadata"]["name"])
-
     def _observe(self, namespace: str, name: str, job: api.TrainingJob, plan: replicas.Plan) -> None:
         before = {r.id: r for r in (job.status.replicas if job.status and job.status.replicas else [])}
         for r in plan.status.replicas or []:
@@ -285,11 +193,12 @@ class Controller:
                   and r.last_failure != old.last_failure and r.last_failure.reason == reasons.OOM_KILLED):
                 metrics.REPLICA_FAILURES.labels(reasons.OOM_KILLED).inc()  # restarted in place, or ended the job
             key = (namespace, name, r.id, r.generation)
-            if r.state == "Running" and key in self._replacing:
+            if r.state == api.ReplicaState.RUNNING and key in self._replacing:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
         was = job.status.state if job.status else None
         failed = next((c for c in plan.status.conditions if c.type == "Failed"), None)
-        if plan.status.state == "Failed" and was != "Failed" and failed is not None and failed.reason:
+        failed_now = plan.status.state == api.JobState.FAILED and was != api.JobState.FAILED
+        if failed_now and failed is not None and failed.reason:
             metrics.JOB_FAILURES.labels(failed.reason).inc()
 
     def _set_state(self, namespace: str, name: str, state: str | None) -> None:
@@ -297,20 +206,8 @@ class Controller:
             self._states.pop((namespace, name), None)
         else:
             self._states[(namespace, name)] = state
-        for s in ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed", "Suspended"):
+        for s in api.JobState:
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
-
-
-def _with_node_loss_tolerations(current: list[dict] | None) -> list[dict] | None:
-    """The coordinator template's tolerations with resources.coordinator_tolerations() in place of
-    any of the same taint; None when they are there already. Others are kept (an admin's, a
-    webhook's), so that nothing is patched back and forth."""
-    ours = resources.coordinator_tolerations()
-    current = list(current or [])
-    if all(t in current for t in ours):
-        return None
-    keys = {t["key"] for t in ours}
-    return [t for t in current if t.get("key") not in keys] + ours
 
 
 def spec_error(error: ValidationError, limit: int = 5) -> str:

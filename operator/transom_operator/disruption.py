@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 from transom import contract
-
 from transom_operator import api, naming, resources
 
 ALWAYS_ALLOW = "AlwaysAllow"

@@ -48,7 +48,7 @@ async def job_daemon(name, namespace, stopped, memo, **_):
                 wait_s = max(0.05, min(requeue, memo.resync_s))
             try:
                 await asyncio.wait_for(wakeup.wait(), timeout=wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         memo.wakeups.pop(key, None)

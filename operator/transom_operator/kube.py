@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, dynamic
@@ -224,7 +224,7 @@ class Kube:
 
     def event(self, job: dict, type_: str, reason: str, message: str) -> None:
         meta = job["metadata"]
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         body = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -23,7 +23,7 @@ log = logging.getLogger("transom.operator")
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _fmt(t: datetime) -> str:

@@ -9,6 +9,7 @@ Lease in --lease-namespace makes a second instance stand by until the first stop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -20,9 +21,12 @@ import kopf
 from kubernetes import client, config
 from prometheus_client import start_http_server
 
-from transom_operator import handlers  # noqa: F401  (registers the handlers)
-from transom_operator import metrics
-from transom_operator.controller import Controller
+from transom import contract
+from transom_operator import (
+    handlers,  # noqa: F401  (registers the handlers)
+    metrics,
+)
+from transom_operator.controller import DEFAULT_REQUEUE_S, Controller
 from transom_operator.kube import Kube
 from transom_operator.leader import LeaderElector
 
@@ -56,27 +60,37 @@ def _api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _default(name: str) -> object:
+    """The default of the Controller's field `name`: its flag's too."""
+    return next(f.default for f in dataclasses.fields(Controller) if f.name == name)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="transom-operator", description=__doc__.splitlines()[0])
     p.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port; 0 disables")
     p.add_argument("--metrics-address", default="0.0.0.0")
     p.add_argument("--health-port", type=int, default=0, help="liveness endpoint /healthz; 0 disables")
-    p.add_argument("--coordinator-image", default=os.environ.get("TRANSOM_COORDINATOR_IMAGE", DEFAULT_IMAGE))
+    p.add_argument("--coordinator-image", default=os.environ.get(contract.ENV_COORDINATOR_IMAGE, DEFAULT_IMAGE))
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="transom-operator")
-    p.add_argument("--resync-seconds", type=float, default=10.0, help="longest time between two passes of a job")
+    p.add_argument("--resync-seconds", type=float, default=DEFAULT_REQUEUE_S,
+                   help="longest time between two passes of a job")
     p.add_argument("--allow-node-taint", action="store_true",
                    help="carry out nodeExclusionPolicy Taint (else a job's blamed node is excluded for it only)")
     p.add_argument("--allow-node-cordon", action="store_true",
                    help="carry out nodeExclusionPolicy Cordon (else a job's blamed node is excluded for it only)")
-    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=_default("network_policy"),
                    help="give every job a NetworkPolicy that admits only the job's own pods (default: on)")
-    p.add_argument("--token-reviewer-role", default="transom-operator-token-reviewer",
+    p.add_argument("--token-reviewer-role", default=_default("token_reviewer_role"),
                    help="ClusterRole that lets a job's coordinator create TokenReviews (bound per job): how it "
                         "checks which replica a worker pod's token speaks for")
     p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.verbose:  # kopf logs every handler run at INFO: one line per pod event
@@ -86,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     api = _api_client()
     identity = f"{os.environ.get('POD_NAME', socket.gethostname())}-{uuid.uuid4().hex[:6]}"
     leader = LeaderElector(api, args.lease_namespace, args.lease_name, identity)
-    node_actions = frozenset(a for a, on in (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon)) if on)
+    allowed = (("Taint", args.allow_node_taint), ("Cordon", args.allow_node_cordon))
+    node_actions = frozenset(a for a, on in allowed if on)
     controller = Controller(Kube(api), args.coordinator_image, node_actions, args.network_policy,
                             token_reviewer_role=args.token_reviewer_role)
     memo = kopf.Memo(controller=controller, leader=leader, wakeups={}, resync_s=args.resync_seconds)

@@ -38,4 +38,5 @@ RECONCILE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=REGISTRY,
 )
 IS_LEADER = Gauge("transom_operator_leader", "1 while this operator instance holds the lease", registry=REGISTRY)
-API_REQUESTS = Counter("transom_operator_api_requests", "Requests the operator sent to the API server", registry=REGISTRY)
+API_REQUESTS = Counter("transom_operator_api_requests", "Requests the operator sent to the API server",
+                       registry=REGISTRY)

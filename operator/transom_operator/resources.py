@@ -6,7 +6,7 @@ what these return and the tests compare dicts. Every object carries an ownerRefe
 the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 
 - `worker_pod`: one pod of one replica, from `spec.template`, with the transom.io labels,
-  the pod environment of DESIGN.md (the token only through a secretKeyRef), a node
+  the pod environment of contract.py (the token only through a secretKeyRef), a node
   affinity keeping it off the job's excluded nodes, the job's `<job>-worker`
   ServiceAccount with no token mounted, and a restricted security context wherever the
   template does not ask otherwise.
@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from transom import contract
-
 from transom_operator import api, naming
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -82,7 +81,8 @@ def owner_reference(job: api.TrainingJob) -> dict[str, Any]:
     }
 
 
-def owned_metadata(job: api.TrainingJob, name: str, component: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+def owned_metadata(job: api.TrainingJob, name: str, component: str,
+                   labels: dict[str, str] | None = None) -> dict[str, Any]:
     """Metadata of an object the job owns: name, namespace, the job and component labels, and the
     ownerReference through which it goes with the job."""
     return {
@@ -116,7 +116,7 @@ def worker_labels(job: api.TrainingJob, replica: int, node_rank: int, generation
 
 def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: int,
                coordinator_url: str) -> list[dict[str, Any]]:
-    """The pod environment of DESIGN.md (read by the launcher: contract.ReplicaEnv)."""
+    """The pod environment of contract.py (read by the launcher: contract.ReplicaEnv)."""
     spec = job.spec
     plain = {
         contract.ENV_JOB: job_name(job),
@@ -400,7 +400,8 @@ def network_policy(job: api.TrainingJob) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": owned_metadata(job, naming.network_policy(job_name(job)), COMPONENT_NETWORK),
-        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": selector}]}]},
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": selector}]}]},
     }
 
 

@@ -22,10 +22,9 @@ from kubernetes import client, config
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "hack"))
 
+from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
 from testenv import build, cluster, hostguard  # noqa: E402
 from testenv.tools import KubeTools, Tool, kube_tools  # noqa: E402
-
-from kube_helpers import namespace_name, read_or_none, wait_for  # noqa: E402
 
 # The session's test environment: kwok nodes for the operator's tests at scale, and three real
 # nodes (kubelet + containerd) for the tests that run containers (test_real_nodes.py).
@@ -69,7 +68,7 @@ def _own_control_plane() -> Iterator[cluster.Env]:
     try:
         env = _up_once_more_if_it_fails()
     except build.MissingTool as e:
-        missing = str(e)  # failed outside the handler: one message, no chained traceback
+        missing: str | None = str(e)  # failed outside the handler: one message, no chained traceback
     else:
         missing = None
     if missing is not None:

@@ -11,7 +11,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from kubernetes import client
@@ -61,7 +61,7 @@ def namespace_name(test_name: str) -> str:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def fail_pod(core_v1: client.CoreV1Api, namespace: str, name: str, exit_code: int, reason: str = "Error",
@@ -120,8 +120,9 @@ def make_node_not_ready(core_v1: client.CoreV1Api, node: str) -> client.V1Node:
     conditions = []
     for c in core_v1.api_client.sanitize_for_serialization(current.status.conditions or []):
         if c["type"] == "Ready":
-            c = {**c, "status": "False", "reason": "KubeletNotReady", "message": "kubelet stopped posting node status (e2e)",
-                 "lastHeartbeatTime": now, "lastTransitionTime": now}
+            c = {**c, "status": "False", "reason": "KubeletNotReady",
+                 "message": "kubelet stopped posting node status (e2e)", "lastHeartbeatTime": now,
+                 "lastTransitionTime": now}
         conditions.append(c)
     if not any(c["type"] == "Ready" for c in conditions):
         conditions.append({"type": "Ready", "status": "False", "reason": "KubeletNotReady",

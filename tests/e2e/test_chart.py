@@ -8,11 +8,11 @@ certificate), so any permission the chart forgot makes this test fail.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
-from pathlib import Path
 from kube_helpers import wait_for
 from test_operator import EXAMPLE, Operator, _wait_running, delete_jobs
 

@@ -14,11 +14,11 @@ import boto3
 import pytest
 import torch
 
+from testenv import cluster  # noqa: E402  (hack/ is on sys.path: tests/e2e/conftest.py)
 from transom import compat
 from transom.checkpoint import layout
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import load_latest
-from testenv import cluster  # noqa: E402  (hack/ is on sys.path: tests/e2e/conftest.py)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
-
 from invalid_specs import INVALID_SPECS, INVALID_UPDATES, VALID_MANIFEST
-
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "trainingjobs.transom.io.yaml"

@@ -47,8 +47,10 @@ def _register(client: CoordinatorClient, replica: int, generation: int = 0) -> N
                                     store_addr="10.0.0.1:1", state_endpoints=["http://10.0.0.1:2"]))
 
 
-def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(kubectl, helm, namespace,
-                                                                                 control_plane, tmp_path):
+def _create_job(kubectl, helm, namespace: str) -> tuple[dict[str, dict], dict, str]:
+    """The example job, its service accounts and RBAC as the operator makes them, and three of
+    its pods (replicas 0 and 1, a spare), created by hand: the pods' manifests by name, the
+    token-review binding and the reviewer role's name (to delete at the end)."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds" / "trainingjobs.transom.io.yaml"))
     kubectl("wait", "--for=condition=Established", "crd/trainingjobs.transom.io", "--timeout=60s", timeout_s=90)
     manifest = yaml.safe_load((ROOT / "examples" / "trainingjob.yaml").read_text())
@@ -65,14 +67,39 @@ def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(
     for m in (resources.worker_service_account(job), resources.coordinator_service_account(job),
               resources.coordinator_role(job), resources.coordinator_role_binding(job), *pods.values()):
         kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(m))
+    return pods, binding, reviewer
 
+
+def _assert_only_the_coordinator_reviews_tokens(kubectl, namespace: str) -> None:
     coordinator_sa = f"system:serviceaccount:{namespace}:tiny-gpt-coordinator"
-    can = lambda *a: kubectl("auth", "can-i", *a, "--as", coordinator_sa, check=False).stdout.strip()  # noqa: E731
+
+    def can(*a: str) -> str:
+        return kubectl("auth", "can-i", *a, "--as", coordinator_sa, check=False).stdout.strip()
+
     assert can("create", "tokenreviews.authentication.k8s.io") == "yes"
     assert can("get", "pods", "-n", namespace) == "yes" and can("list", "pods", "-n", namespace) == "no"
     worker_sa = f"system:serviceaccount:{namespace}:tiny-gpt-worker"
     assert kubectl("auth", "can-i", "create", "tokenreviews.authentication.k8s.io", "--as", worker_sa,
                    check=False).stdout.strip() == "no"
+
+
+def _start_coordinator(control_plane, namespace: str, token_file: Path, port: int) -> subprocess.Popen:
+    """`transom coordinator` for the job, checking pods' tokens with the API server."""
+    admin = yaml.safe_load(control_plane.kubeconfig.read_text())
+    cluster = admin["clusters"][0]["cluster"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "transom", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+         "--job", "tiny-gpt", "--replicas", "3", "--namespace", namespace, "--worker-service-account",
+         "tiny-gpt-worker", "--kube-api", cluster["server"], "--kube-token-file", str(token_file),
+         "--kube-ca-file", cluster["certificate-authority"]],
+        env={**os.environ, contract.ENV_COORDINATOR_TOKEN: "job-token"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(kubectl, helm, namespace,
+                                                                                 control_plane, tmp_path):
+    pods, binding, reviewer = _create_job(kubectl, helm, namespace)
+    _assert_only_the_coordinator_reviews_tokens(kubectl, namespace)
 
     audience = contract.identity_audience(namespace, "tiny-gpt")
 
@@ -83,18 +110,13 @@ def test_a_pods_token_speaks_for_its_own_replica_and_follows_a_spares_promotion(
 
     coordinator_token = tmp_path / "coordinator-token"
     coordinator_token.write_text(token("", None, "tiny-gpt-coordinator"))
-    admin = yaml.safe_load(control_plane.kubeconfig.read_text())
-    cluster = admin["clusters"][0]["cluster"]
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "transom", "coordinator", "--host", "127.0.0.1", "--port", str(port),
-         "--job", "tiny-gpt", "--replicas", "3", "--namespace", namespace, "--worker-service-account",
-         "tiny-gpt-worker", "--kube-api", cluster["server"], "--kube-token-file", str(coordinator_token),
-         "--kube-ca-file", cluster["certificate-authority"]],
-        env={**os.environ, contract.ENV_COORDINATOR_TOKEN: "job-token"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _start_coordinator(control_plane, namespace, coordinator_token, port)
     url = f"http://127.0.0.1:{port}"
-    as_pod = lambda t: CoordinatorClient(url, t, timeout_s=20)  # noqa: E731
+
+    def as_pod(t: str) -> CoordinatorClient:
+        return CoordinatorClient(url, t, timeout_s=20)
+
     try:
         as_pod("job-token").progress()  # retried while the coordinator starts (the client's timeout)
         r0, r1 = as_pod(token("r0")), as_pod(token("r1"))

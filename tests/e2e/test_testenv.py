@@ -21,7 +21,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kube_helpers import (
-    fail_pod, holds_for, make_node_not_ready, node_condition, read_or_none, restore_kwok_node, wait_for,
+    fail_pod,
+    holds_for,
+    make_node_not_ready,
+    node_condition,
+    read_or_none,
+    restore_kwok_node,
+    wait_for,
 )
 from testenv import build
 
@@ -147,7 +153,8 @@ def test_scheduler_places_pod_and_kwok_runs_it(control_plane, core_v1, namespace
 
 def test_garbage_collector_deletes_dependents(core_v1, namespace):
     owner = core_v1.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}, "data": {"k": "v"}})
-    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid, "blockOwnerDeletion": True}
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid,
+           "blockOwnerDeletion": True}
     core_v1.create_namespaced_pod(namespace, pod_manifest("dependent", ownerReferences=[ref]))
     wait_running(core_v1, namespace, "dependent")
 
@@ -257,7 +264,8 @@ def test_node_made_not_ready_reads_back_not_ready(core_v1, lost_node):
     node = core_v1.read_node(lost_node)
     assert "kwok.x-k8s.io/node" not in (node.metadata.annotations or {})
     # kube-controller-manager's node lifecycle controller acts on it like on a real lost node
-    wait_for(lambda: any(t.key == "node.kubernetes.io/not-ready" for t in core_v1.read_node(lost_node).spec.taints or []),
+    wait_for(lambda: any(t.key == "node.kubernetes.io/not-ready"
+                         for t in core_v1.read_node(lost_node).spec.taints or []),
              60, f"the node lifecycle controller to taint {lost_node} not-ready")
     assert ready_status()[0] in ("False", "Unknown")  # Unknown once its lease expires
 

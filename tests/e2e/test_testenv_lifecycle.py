@@ -53,7 +53,8 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path, control_plane):
 
     again = run("up", "--nodes", "1")  # reuses what runs: same processes, same credentials
     assert again.returncode == 0 and again.stdout.splitlines()[:5] == first.stdout.splitlines()[:5]
-    assert {n: p["pid"] for n, p in json.loads((tmp_path / "state" / "state.json").read_text())["procs"].items()} == pids
+    procs = json.loads((tmp_path / "state" / "state.json").read_text())["procs"]
+    assert {n: p["pid"] for n, p in procs.items()} == pids
     assert run("env").stdout.splitlines()[0] == f"export KUBECONFIG={kubeconfig}"
 
     down = run("down")

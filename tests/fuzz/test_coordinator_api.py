@@ -22,8 +22,6 @@ from conftest import JSON
 from transom.coordinator.claims import SIGNAL_STEP_WINDOW, step_limit
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
-from transom.detect.step_rows import DetectionSettings
-from transom.errors import Evicted, JobCompleted, NotRegistered
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
@@ -36,6 +34,8 @@ from transom.coordinator.models import (
     SignalRow,
 )
 from transom.coordinator.thread import CoordinatorThread
+from transom.detect.step_rows import DetectionSettings
+from transom.errors import Evicted, JobCompleted, NotRegistered
 
 TOKEN = "fuzz-token"
 ENDPOINTS = ["/v1/register", "/v1/heartbeat", "/v1/quorum", "/v1/failure", "/v1/leave", "/v1/checkpoint",

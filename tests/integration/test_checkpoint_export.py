@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def export_cli(*args: str) -> subprocess.CompletedProcess:
 def tiny_gpt(context: int = 32) -> torch.nn.Module:
     """A fresh model of the example's architecture with SMALL's sizes (other weights than any run's)."""
     spec = importlib.util.spec_from_file_location("train_tiny_gpt", ROOT / "examples" / "train_tiny_gpt.py")
+    assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     torch.manual_seed(123)
@@ -51,7 +53,8 @@ def plain_values(obj) -> bool:
     if isinstance(obj, torch.Tensor):
         return type(obj) is torch.Tensor and obj.device.type == "cpu"
     if isinstance(obj, (dict, list, tuple)):
-        return type(obj) in (dict, list, tuple) and all(map(plain_values, obj.values() if isinstance(obj, dict) else obj))
+        items = obj.values() if isinstance(obj, dict) else obj
+        return type(obj) in (dict, list, tuple) and all(map(plain_values, items))
     return obj is None or isinstance(obj, (bool, int, float, str))
 
 
@@ -124,8 +127,8 @@ def write_checkpoint(uri: Path, step: int) -> dict:
     """A committed checkpoint of a small model's state, written by two writers; the model's state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-    state = {"model": model.state_dict(), "optimizer": torch.optim.Adam(model.parameters()).state_dict(),
-             "step": step}
+    state: dict[str, Any] = {"model": model.state_dict(),
+                             "optimizer": torch.optim.Adam(model.parameters()).state_dict(), "step": step}
     engines = [CheckpointEngine(CheckpointConfig(uri=str(uri))) for _ in range(2)]
     for writer, engine in enumerate(engines):
         assert engine.save(step, state, layout.Slot(writer=writer, writers=2), attempt="run-1")

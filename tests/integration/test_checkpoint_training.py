@@ -22,7 +22,8 @@ SMALL = ["--dim", "32", "--context", "32", "--batch-size", "8"]
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(layout.parse_step_dir(p.name) for p in root.iterdir() if (p / layout.MANIFEST).exists())
+    return sorted(step for p in root.iterdir()
+                  if (p / layout.MANIFEST).exists() and (step := layout.parse_step_dir(p.name)) is not None)
 
 
 def manifest(root: Path, step: int) -> layout.Manifest:

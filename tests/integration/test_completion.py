@@ -42,8 +42,8 @@ def test_the_with_form_completes_the_job_when_the_block_ends_normally(transom_ru
 
 
 def test_the_with_form_reports_a_failure_when_the_block_raises(transom_run):
-    result = transom_run(["--replicas", "2", "--max-restarts", "0"], ["--steps", "20", "--with-form", "--raise-at", "5"],
-                         script=SMALL_JOB, timeout_s=120)
+    result = transom_run(["--replicas", "2", "--max-restarts", "0"],
+                         ["--steps", "20", "--with-form", "--raise-at", "5"], script=SMALL_JOB, timeout_s=120)
     assert result.returncode == 1, result.output[-3000:]
     assert result.summary["completed_step"] is None
     assert "a bug at step 5" in result.output

@@ -12,9 +12,13 @@ import random
 import requests
 
 from test_coordinator_http import (  # noqa: F401  (start_coordinator is a fixture)
-    AUTH, HTTP_TIMEOUT, VALID_REGISTER, client, reg_req, start_coordinator,
+    AUTH,
+    HTTP_TIMEOUT,
+    VALID_REGISTER,
+    client,
+    reg_req,
+    start_coordinator,
 )
-
 
 TEMPLATES = {
     "/v1/register": VALID_REGISTER,
@@ -75,7 +79,7 @@ def mutate(rng: random.Random, template: dict):
     return body
 
 
-def test_fuzzed_bodies_never_cause_a_server_error(start_coordinator):
+def test_fuzzed_bodies_never_cause_a_server_error(start_coordinator):  # noqa: F811  (the imported fixture)
     # One replica: any body that happens to be a valid quorum request is decided at once,
     # so no request of the loop can block on a long-poll.
     ct = start_coordinator(num_replicas=1, heartbeat_timeout_s=30.0)

@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -140,7 +141,7 @@ def test_a_flood_of_signal_posts_does_not_starve_heartbeats(coord, keys):
             # The probe's batches: new rank ids every time (they grew the detectors' state).
             rows = [{"step": 999, "rank": (k * 10**5 + n * 4096 + i) % (1 << 20), "step_seconds": 0.5, "tokens": 1.0}
                     for i in range(4096)]
-            body = {"identity": ident(2).model_dump(), "node_rank": 0, "rows": rows}
+            body: dict[str, Any] = {"identity": ident(2).model_dump(), "node_rank": 0, "rows": rows}
             n += 1
             code = s.post(coord.url + "/v1/signals", json=body, timeout=TIMEOUT,
                           headers={"Authorization": f"Bearer {keys.mint(2, 0)}"}).status_code

@@ -14,7 +14,6 @@ import torch
 from test_checkpoint import assert_same
 from test_fault_tolerance import assert_consistent_finish
 from test_ftar import _average_worker, _run
-
 from transom import compat
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import load_latest
@@ -72,7 +71,8 @@ def test_ftar_averages_cuda_gradients_between_replicas_sharing_the_gpu():
 
 
 def test_sigkill_with_the_model_on_the_gpu(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"], ["--steps", "60", "--device", "ctx"])
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"],
+                         ["--steps", "60", "--device", "ctx"])
     assert_consistent_finish(result, 60, 3)
     assert result.summary["replica_restarts"] >= 1 and result.incarnations(1) == 2
 

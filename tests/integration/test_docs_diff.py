@@ -78,6 +78,7 @@ def _docstring_end(path: Path) -> int:
     """The last line of the module's docstring."""
     first = ast.parse(path.read_text()).body[0]
     assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), f"{path} has no docstring"
+    assert first.end_lineno is not None
     return first.end_lineno
 
 
@@ -92,7 +93,9 @@ def nanogpt_diff() -> str:
     header, *hunks = re.split(r"^(?=@@ )", proc.stdout, flags=re.M)
 
     def in_docstrings(hunk: str) -> bool:
-        old, new = map(int, re.match(r"@@ -(\d+)(?:,\d+)? \+(\d+)", hunk).groups())
+        at = re.match(r"@@ -(\d+)(?:,\d+)? \+(\d+)", hunk)
+        assert at, hunk
+        old, new = map(int, at.groups())
         line = {"-": old, "+": new}
         for text in hunk.splitlines()[1:]:
             if text[:1] in "-+" and line[text[0]] > ends[text[0]]:

@@ -22,6 +22,12 @@ from transom.ft.process_group import CrossReplicaGroup
 pytestmark = pytest.mark.timeout(120)
 
 
+def grad(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient, which the step has set."""
+    assert p.grad is not None
+    return p.grad
+
+
 def _params(value: float, device: str = "cpu") -> list[torch.nn.Parameter]:
     ps = [torch.nn.Parameter(torch.zeros(5, device=device)), torch.nn.Parameter(torch.zeros(2, 3, device=device))]
     for p in ps:
@@ -37,7 +43,7 @@ def _average_worker(rank: int, port: int, out: mp.Queue, choice: str = "gloo", d
     step.allreduce_gradients(params)
     # Plain values, not tensors: a tensor sent through the queue is shared by a file
     # descriptor that vanishes when this process exits before the parent reads it.
-    out.put((rank, step.failed, [p.grad.cpu().tolist() for p in params], group.backend))
+    out.put((rank, step.failed, [grad(p).cpu().tolist() for p in params], group.backend))
 
 
 def _forced_nccl_worker(rank: int, port: int, out: mp.Queue) -> None:
@@ -63,18 +69,18 @@ def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
     step.allreduce_gradients(params)
     detected = time.monotonic() - t0
     del group
-    before = [p.grad.clone() for p in params]
+    before = [grad(p).clone() for p in params]
     step.allreduce_gradients(params)  # no-op after the failure
-    untouched = all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    untouched = all(torch.equal(a, grad(p)) for a, p in zip(before, params))
     # Rebuild among the survivors under a fresh prefix, as the next quorum does.
     new_rank = 0 if rank == 0 else 1
     t1 = time.monotonic()
     survivors = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/kill-q2", new_rank, 2, timeout_s=10)
     retry = StepAllReduce(survivors, 2, True)
     for p in params:
-        p.grad.fill_(rank)
+        grad(p).fill_(rank)
     retry.allreduce_gradients(params)
-    out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, params[0].grad[0].item()))
+    out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, grad(params[0])[0].item()))
 
 
 def _run(target, n: int, *extra) -> list:

@@ -80,7 +80,7 @@ def _rank(rank: int, port: int, every_s: float, results) -> None:
     quorum answer comes after 5 s."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
-    future = None
+    future: concurrent.futures.Future | None = None
     if rank == 0:
         future = concurrent.futures.Future()
         threading.Timer(5.0, lambda: future.set_result(_request(7))).start()
@@ -92,6 +92,7 @@ def _rank(rank: int, port: int, every_s: float, results) -> None:
 
     try:
         answer = hand_outcome(from_leader, future, timeout_s=30.0, every_s=every_s)
+        assert isinstance(answer, str), answer
         results[rank] = QuorumRequest.model_validate_json(answer).step
     except Exception as e:  # the control group's timeout
         results[rank] = f"{type(e).__name__}: {e}"

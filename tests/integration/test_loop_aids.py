@@ -9,20 +9,19 @@ one writer; a start step from the script's own checkpoint; script values as repl
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_trainer_api import _batch, run_replicas
 from transom import contract
-from transom.launch import summary
 from transom.errors import UsageError
-from transom.ft import ScriptState
+from transom.ft import ScriptState, wire
 from transom.ft.loop_aids import step_seed
 from transom.ft.script_state import StateBundle, bundle
-from transom.ft import wire
+from transom.launch import summary
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from launching import start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
-from launching import start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -50,7 +50,8 @@ def descendants(root: int) -> set[int]:
         fields = _stat(int(stat.parent.name))
         if fields is not None:
             parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = set(), {root}
+    found: set[int] = set()
+    frontier = {root}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier

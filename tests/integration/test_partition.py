@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from launching import kill_all, start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity
 from transom.coordinator.thread import CoordinatorThread
-from launching import kill_all, start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -79,6 +79,34 @@ def committed(stats_dir: Path, identity: Identity) -> set[tuple[int, int]]:
     return {(r["step"], r["quorum_id"]) for r in rows if r.get("committed")}
 
 
+def cut_off(zombie_launcher, coordinator: CoordinatorThread) -> int:
+    """The cut: replica 1's worker stops itself mid-checkpoint, its launcher goes with it, and
+    the coordinator declares the replica failed. The stopped worker's pid."""
+    m = coordinator.server.membership
+    wait_until(lambda: (w := child_of(zombie_launcher.pid)) is not None and process_state(w) == "T", 120,
+               "replica 1 stopped in the middle of the checkpoint of step 10")
+    worker = child_of(zombie_launcher.pid)
+    assert worker is not None
+    zombie_launcher.send_signal(signal.SIGSTOP)
+    wait_until(lambda: coordinator.call(lambda: m.replicas[1].state) == "failed", 30,
+               "replica 1 declared failed after the heartbeat timeout")
+    return worker
+
+
+def assert_refused(coordinator: CoordinatorThread, output: str, counted: dict[str, int]) -> None:
+    """The zombie was told it is fenced, and the coordinator counted and recorded its refusals
+    (`counted`: the counts before it woke)."""
+    server, m = coordinator.server, coordinator.server.membership
+    assert "fenced: replica 1 generation 0 attempt 0 was superseded; checkpoint part 1 of step 10 not written" \
+        in output, output[-3000:]
+    after = coordinator.call(lambda: dict(server.refusals.counts))
+    assert after.get("/v1/fence", 0) > counted.get("/v1/fence", 0), (counted, after)
+    assert sum(after.get(e, 0) for e in ("/v1/quorum", "/v1/heartbeat")) >= 1, after
+    events = [e.message for e in coordinator.call(lambda: m.status(0).events) if e.kind == "refused"]
+    assert "refused replica 1 generation 0 attempt 0 on /v1/fence (write checkpoint part 1 of step 10): " \
+           "superseded by generation 1 attempt 0" in events, events
+
+
 def test_a_partitioned_incarnation_healed_after_its_replacement_joined_commits_and_writes_nothing(tmp_path):
     ckpt, stats = tmp_path / "ckpt", tmp_path / "stats"
     settings = Settings(job="partition", num_replicas=2, min_replicas=1)  # heartbeat timeout 3 s
@@ -98,13 +126,7 @@ def test_a_partitioned_incarnation_healed_after_its_replacement_joined_commits_a
     launchers = [launch(FIRST), launch(ZOMBIE, TRANSOM_FAULT="stop:step=10,phase=checkpoint")]
     zombie_launcher, worker = launchers[1], None
     try:
-        # The cut: its worker stops itself mid-checkpoint; its launcher goes with it.
-        wait_until(lambda: (w := child_of(zombie_launcher.pid)) is not None and process_state(w) == "T", 120,
-                   "replica 1 stopped in the middle of the checkpoint of step 10")
-        worker = child_of(zombie_launcher.pid)
-        zombie_launcher.send_signal(signal.SIGSTOP)
-        wait_until(lambda: coordinator.call(lambda: m.replicas[1].state) == "failed", 30,
-                   "replica 1 declared failed after the heartbeat timeout")
+        worker = cut_off(zombie_launcher, coordinator)
         launchers.append(launch(REPLACEMENT))
         wait_until(lambda: coordinator.call(lambda: m.current is not None and REPLACEMENT in m.current.members), 120,
                    "the replacement joined a round")
@@ -124,14 +146,7 @@ def test_a_partitioned_incarnation_healed_after_its_replacement_joined_commits_a
         # Nothing appeared (replica 0, its committer, still waits for part 1), and so no commit.
         assert files_under(step10) - before == set(), "the zombie wrote into the checkpoint after it was replaced"
         assert not (step10 / "manifest.json").exists()
-        assert "fenced: replica 1 generation 0 attempt 0 was superseded; checkpoint part 1 of step 10 not written" \
-            in output, output[-3000:]
-        after = coordinator.call(lambda: dict(server.refusals.counts))
-        assert after.get("/v1/fence", 0) > counted.get("/v1/fence", 0), (counted, after)
-        assert sum(after.get(e, 0) for e in ("/v1/quorum", "/v1/heartbeat")) >= 1, after
-        events = [e.message for e in coordinator.call(lambda: m.status(0).events) if e.kind == "refused"]
-        assert "refused replica 1 generation 0 attempt 0 on /v1/fence (write checkpoint part 1 of step 10): " \
-               "superseded by generation 1 attempt 0" in events, events
+        assert_refused(coordinator, output, counted)
         # No step of its own: whatever it committed, replica 0 committed under the same quorum.
         mine = committed(stats, ZOMBIE)
         assert mine - steps_before <= committed(stats, FIRST), (steps_before, mine)

@@ -14,11 +14,11 @@ import signal
 
 import pytest
 
+from launching import kill_all, start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
-from launching import kill_all, start_launcher
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

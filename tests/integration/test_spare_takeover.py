@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from launching import start_launcher
+from test_fault_tolerance import assert_consistent_finish
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
-from launching import start_launcher
-from test_fault_tolerance import assert_consistent_finish
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -25,15 +25,15 @@ import pytest
 import torch
 
 from transom import contract
+from transom.checkpoint import structure
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import QuorumResponse, RecoverySource
 from transom.coordinator.thread import CoordinatorThread
-from transom.checkpoint import structure
 from transom.ft import transfer, wire
 from transom.ft.catchup import Joiner, record_of, small_part
 from transom.ft.expected import ExpectedState
-from transom.ft.sources import Sources
 from transom.ft.ftar import StepAllReduce
+from transom.ft.sources import Sources
 from transom.ft.state_server import StateServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,7 +87,8 @@ HOSTILE = {
     "unknown field": _payload_with_index({"entries": [], "skeleton": None, "run": "rm -rf"}),
     "skeleton names a missing tensor": _payload_with_index({"entries": [], "skeleton": {"__tensor__": "w"}}),
     "entry outside the payload": _payload_with_index({"entries": [
-        {"key": "w", "dtype": "float32", "shape": [2], "offset": 16, "length": 2000}], "skeleton": {"__tensor__": "w"}}),
+        {"key": "w", "dtype": "float32", "shape": [2], "offset": 16, "length": 2000}],
+        "skeleton": {"__tensor__": "w"}}),
     "unknown dtype": _payload_with_index({"entries": [
         {"key": "w", "dtype": "object", "shape": [2], "offset": 16, "length": 8}], "skeleton": None}),
     "deep skeleton": _payload_with_index({"entries": [], "skeleton": json.loads("[" * 200 + "]" * 200)}),
@@ -119,6 +120,31 @@ def _published(step: int, state: dict) -> transfer.Published:
     return transfer.publish(step, {k: v.detach().clone() for k, v in tensors.items()}, skeleton, chunk_bytes=512)
 
 
+def _joiner_environment(monkeypatch, url: str, token: str) -> None:
+    """This process as replica 1 of 2, without checkpoints or detection."""
+    for name, value in {contract.ENV_COORDINATOR_URL: url, contract.ENV_COORDINATOR_TOKEN: token,
+                        contract.ENV_REPLICA_ID: "1", contract.ENV_NUM_REPLICAS: "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(contract.ENV_CHECKPOINT_URI, raising=False)
+    # A hand-driven source posts no signal rows: no fingerprint to check the snapshot against
+    # (ft/snapshot_check.py would wait for one); this test is about what is decoded and replayed.
+    monkeypatch.setenv(contract.ENV_DETECTION, '{"enabled": false}')
+
+
+def _refuses_a_pickle_with_code(trainer, source: StateServer) -> None:
+    """A small state that is a pickle with code is refused: nothing runs, the joiner stays
+    where it was."""
+    buf = io.BytesIO()
+    torch.save({"step": 5, "model": RunsCode(), "optimizer": {}, "extra": None}, buf)
+    source.publish_small(3, buf.getvalue())
+    ftar = StepAllReduce(None, 1, contribute=False)
+    ftar.error = None
+    assert trainer._rejoin.round(_joiner_round(3, source.url), ftar) is None
+    assert ftar.failed and ftar.error and "bad header" in ftar.error
+    assert not RunsCode.marker.exists(), "the joiner ran code its source sent"
+    assert trainer.step == 0 and not trainer._rejoin.active
+
+
 def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_real_one(tmp_path, monkeypatch):
     """The joiner's whole path in one process against a hand-driven source: a small state
     that is a pickle with code is refused (nothing runs, nothing changes); a real small state
@@ -129,28 +155,13 @@ def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_r
     RunsCode.marker = tmp_path / "code-ran"
     token = "transfer-token"
     coordinator = CoordinatorThread(Settings(job="transfer", num_replicas=2), token)
-    url = coordinator.start()
-    for name, value in {contract.ENV_COORDINATOR_URL: url, contract.ENV_COORDINATOR_TOKEN: token,
-                        contract.ENV_REPLICA_ID: "1", contract.ENV_NUM_REPLICAS: "2"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv(contract.ENV_CHECKPOINT_URI, raising=False)
-    # A hand-driven source posts no signal rows: no fingerprint to check the snapshot against
-    # (ft/snapshot_check.py would wait for one); this test is about what is decoded and replayed.
-    monkeypatch.setenv(contract.ENV_DETECTION, '{"enabled": false}')
+    _joiner_environment(monkeypatch, coordinator.start(), token)
     source = StateServer(token)
     model, opt = trained(0)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = ft.FaultTolerant(model, opt, ft.init(backend="gloo"))
     try:
-        buf = io.BytesIO()
-        torch.save({"step": 5, "model": RunsCode(), "optimizer": {}, "extra": None}, buf)
-        source.publish_small(3, buf.getvalue())
-        ftar = StepAllReduce(None, 1, contribute=False)
-        ftar.error = None
-        assert trainer._rejoin.round(_joiner_round(3, source.url), ftar) is None
-        assert ftar.failed and "bad header" in ftar.error
-        assert not RunsCode.marker.exists(), "the joiner ran code its source sent"
-        assert trainer.step == 0 and not trainer._rejoin.active
+        _refuses_a_pickle_with_code(trainer, source)
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
         # A real source: its small state at step 5, then its snapshot of step 5.
@@ -325,7 +336,8 @@ def test_a_non_ascii_token_is_just_a_wrong_token(token):
     coordinator = CoordinatorThread(Settings(job="auth", num_replicas=1), "tok")
     try:
         for url, path in ((server.url, b"/small/1"), (server.url, b"/snapshot"), (coordinator.start(), b"/v1/status")):
-            got = _raw_get(url, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token + b"\r\n\r\n")
+            request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token + b"\r\n\r\n"
+            got = _raw_get(url, request)
             assert got.split()[1] == b"401", (url, got)
     finally:
         server.close()

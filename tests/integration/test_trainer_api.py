@@ -90,7 +90,9 @@ def _local_grads(model: torch.nn.Module, replica: int, step: int) -> list[torch.
     copy.load_state_dict(model.state_dict())
     x, y = _batch(replica, step)
     torch.nn.functional.mse_loss(copy(x), y).backward()
-    return [p.grad.clone() for p in copy.parameters()]
+    grads = [p.grad for p in copy.parameters()]
+    assert all(g is not None for g in grads)
+    return [g.clone() for g in grads if g is not None]
 
 
 def test_backward_leaves_the_average_across_replicas_and_step_commits():

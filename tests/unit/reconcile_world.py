@@ -11,7 +11,7 @@ pending ones; `coordinator()` writes status.training as the job's coordinator wo
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from transom import contract
 from transom_operator import api
@@ -20,7 +20,7 @@ from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
 
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def make_job(**spec) -> api.TrainingJob:
@@ -109,7 +109,8 @@ class World:
 
     def assert_quiet(self):
         again = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
-        assert (again.create, again.delete, again.relabel, again.events, again.excluded_nodes_added) == ([], [], [], [], [])
+        assert (again.create, again.delete, again.relabel, again.events,
+                again.excluded_nodes_added) == ([], [], [], [], [])
         assert again.status == self.job.status
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transom_operator import disruption, kube, resources
 from reconcile_world import make_job
+from transom_operator import disruption, kube, resources
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "transom"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from transom.checkpoint import layout, structure
@@ -37,7 +39,7 @@ def test_retention(done, incomplete, keep, expected):
 
 def _manifest(**changes) -> layout.Manifest:
     data = "attempt-x/part-1/__0_0.distcp"
-    fields = dict(step=3, attempt="q1/round5", num_parts=2,
+    fields: dict[str, Any] = dict(step=3, attempt="q1/round5", num_parts=2,
                   entries=[layout.Entry(key="model/w", dtype="float32", shape=[2, 2], nbytes=16, crc32=7, part=1,
                                         file=data, offset=64, length=1600)],
                   structures=[{"model": {"w": {"__tensor__": "model/w"}}}], created=1.5,
@@ -110,7 +112,8 @@ def test_flatten_keeps_int_keys_tuples_and_escapes_slashes():
     assert sorted(tensors) == ["model/a%2Fb", "model/fc.weight", "optimizer/state/0/exp_avg"]
     import json
     back = structure.unflatten(json.loads(json.dumps(skeleton)), tensors)
-    assert back["optimizer"]["state"][0]["exp_avg"].v == 3 and back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert back["optimizer"]["state"][0]["exp_avg"].v == 3
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
     assert back["model"]["a/b"].v == 2 and back["step"] == 7 and back["name"] is None
 
 

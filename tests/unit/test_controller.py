@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from test_resources import nested
 from transom import contract
 from transom_operator import api, controller, reasons, resources
+from transom_operator.kube import Kube
 
 TEMPLATE = {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}
 
@@ -43,7 +44,7 @@ class MemoryKube:
         self.status_writes = 0
         self.budgets: dict[str, dict[str, Any]] = {}  # PodDisruptionBudgets by name
 
-    def get_job(self, namespace: str, name: str) -> dict:
+    def get_job(self, namespace: str, name: str) -> dict | None:
         return _copy(self.job)
 
     def list_pods(self, namespace: str, job: str) -> tuple[list[dict], int]:
@@ -63,6 +64,7 @@ class MemoryKube:
 
     def set_tolerations(self, namespace: str, deployment: str, tolerations: list[dict]) -> None:
         self.created.append(("patched Deployment tolerations", deployment))
+        assert self.deployment is not None
         self.deployment["spec"]["template"]["spec"]["tolerations"] = _copy(tolerations)
 
     def get_disruption_budget(self, namespace: str, name: str) -> dict | None:
@@ -113,7 +115,7 @@ def make_controller():
     made = []
 
     def make(kube: MemoryKube) -> controller.Controller:
-        made.append(controller.Controller(kube=kube, coordinator_image="transom:1"))
+        made.append(controller.Controller(kube=cast(Kube, kube), coordinator_image="transom:1"))
         return made[-1]
 
     yield make
@@ -188,7 +190,7 @@ def test_a_job_from_before_the_worker_service_account_gets_one_once(make_control
     assert kube.created[:3] == [("ServiceAccount", "demo-worker"), ("Secret", "demo-peer-token"),
                                 ("ClusterRoleBinding", "transom-ml-demo-token-review")]
     assert ("Deployment", "demo-coordinator") not in kube.created
-    ctl._coordinator_checked.clear()  # the next check of the coordinator (30 s later)
+    ctl.provisioner.checked.clear()  # the next check of the coordinator (30 s later)
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("ServiceAccount", "demo-worker")) == 1
 
@@ -283,7 +285,7 @@ def test_a_promoted_spare_is_kept_by_the_next_pass_before_the_watch_reports_its_
 
 
 def test_a_new_leader_finishes_a_replacement_its_predecessor_was_killed_in_without_doing_anything_twice(
-        make_controller):
+        make_controller) -> None:
     """The leader wrote the status, created the new generation's pods, posted the Events and
     was killed in its deletes; another operator process (a fresh cache, nothing but the API
     server's state) takes over."""
@@ -329,7 +331,7 @@ def test_every_job_gets_a_disruption_budget_before_its_pods_and_it_follows_the_j
     assert ("patched PodDisruptionBudget", "demo-workers") in kube.created
     assert kube.budgets["demo-workers"]["spec"]["minAvailable"] == 3
     del kube.budgets["demo-workers"]  # deleted by hand: back at the next check
-    ctl._coordinator_checked.clear()
+    ctl.provisioner.checked.clear()
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("PodDisruptionBudget", "demo-workers")) == 2
 
@@ -353,12 +355,12 @@ def test_a_coordinator_from_before_its_node_loss_tolerations_gets_them_once_and_
     ctl = make_controller(kube)
     ctl.reconcile("ml", "demo")
     assert kube.deployment["spec"]["template"]["spec"]["tolerations"] == [admins, *resources.coordinator_tolerations()]
-    ctl._coordinator_checked.clear()  # the next check (30 s later) finds them and rolls nothing
+    ctl.provisioner.checked.clear()  # the next check (30 s later) finds them and rolls nothing
     ctl.reconcile("ml", "demo")
     assert kube.created.count(("patched Deployment tolerations", "demo-coordinator")) == 1
 
 
-def test_a_budget_the_operator_may_not_make_never_stops_the_replicas_recovery(make_controller, caplog):
+def test_a_budget_the_operator_may_not_make_never_stops_the_replicas_recovery(make_controller, caplog) -> None:
     """An installation whose RBAC is older than disruption budgets: a warning, and the pass goes on."""
     kube = MemoryKube(raw_job())
 

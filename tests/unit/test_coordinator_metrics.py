@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 from types import SimpleNamespace
+from typing import Any
 
 from membership_world import make, qreq, register, started
 from transom.coordinator.fencing import Refusals
@@ -13,7 +14,7 @@ from transom.coordinator.metrics import MembershipCollector
 
 
 def _gauges(m) -> dict[str, float]:
-    server = SimpleNamespace(
+    server: Any = SimpleNamespace(  # the parts of a CoordinatorServer the collector reads
         membership=m, clock=lambda: 2.0, signal_gate=SimpleNamespace(deferred=0), refusals=Refusals(),
         detection=SimpleNamespace(verdicts_total=collections.Counter(), rows_refused=0))
     return {s.name: s.value for family in MembershipCollector(server).collect() for s in family.samples

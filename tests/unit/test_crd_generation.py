@@ -240,12 +240,14 @@ def test_valid_manifest_round_trips_in_camel_case():
 
 
 def test_crd_defaults_equal_model_defaults():
-    full = api.TrainingJob.model_validate(cases.VALID_MANIFEST).model_dump(by_alias=True, exclude_none=True, mode="json")
+    full = api.TrainingJob.model_validate(cases.VALID_MANIFEST).model_dump(by_alias=True, exclude_none=True,
+                                                                           mode="json")
     assert apply_crd_defaults(SCHEMA, cases.VALID_MANIFEST) == full
     minimal = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "m"},
                "spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "t"}]}}}}
     defaulted = apply_crd_defaults(SCHEMA, minimal)
-    assert defaulted == api.TrainingJob.model_validate(minimal).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert defaulted == api.TrainingJob.model_validate(minimal).model_dump(by_alias=True, exclude_none=True,
+                                                                           mode="json")
     assert defaulted["spec"]["faultTolerance"]["nodeExclusionPolicy"] == "Exclude"
 
 

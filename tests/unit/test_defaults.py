@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from transom import cli, defaults
 from transom.coordinator.membership import Settings
 from transom.defaults import CLUSTER, LOCAL
-from transom.launch.local import RunConfig
+from transom.launch.config import RunConfig
 from transom_operator import api
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,7 @@ def test_the_docs_table_is_generated_from_the_module():
 
 
 def _cli_defaults(command: str) -> dict:
-    sub = next(a for a in cli.parser()._actions if a.dest == "cmd" or getattr(a, "choices", None))
+    sub: Any = next(a for a in cli.parser()._actions if a.dest == "cmd" or getattr(a, "choices", None))
     return {a.dest: a.default for a in sub.choices[command]._actions}
 
 

@@ -182,8 +182,10 @@ def test_settings_from_the_spec_and_bad_ones_refused():
     s = DetectionSettings.from_spec('{"hangTimeoutSeconds": 5, "slowFactorPercent": 130, "action": "Report"}')
     assert (s.hang_timeout_s, s.slow_factor, s.action, s.bad_steps) == (5, 1.3, "Report", 3)
     assert DetectionSettings.from_spec(s.to_spec()) == s
-    for bad, why in [('{"slowFactorPercent": 100}', "slowFactorPercent must be between 101 and 10000"), ('{"nope": 1}', "unknown"), ('{"badSteps": true}', "type"),
-                     ('{"slowAction": "Restart"}', "Replace, Report or Rebalance"), ("[1]", "object"), ("{", "not JSON")]:
+    for bad, why in [('{"slowFactorPercent": 100}', "slowFactorPercent must be between 101 and 10000"),
+                     ('{"nope": 1}', "unknown"), ('{"badSteps": true}', "type"),
+                     ('{"slowAction": "Restart"}', "Replace, Report or Rebalance"), ("[1]", "object"),
+                     ("{", "not JSON")]:
         with pytest.raises(ValueError, match=why):
             DetectionSettings.from_spec(bad)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from transom_operator import api, disruption, resources
 from reconcile_world import make_job
+from transom_operator import api, disruption, resources
 
 
 def selects(selector: dict, labels: dict[str, str]) -> bool:
@@ -43,7 +43,8 @@ def test_the_budget_covers_the_replicas_pods_not_the_spares_nor_the_coordinator_
 def test_a_drain_may_take_one_pod_and_so_one_replica_at_a_time(replicas, nodes_per_replica, min_available):
     """Once one pod of a replica is evicted the operator takes the rest of it down itself and
     starts the next generation, whose pods are not Ready yet: the next eviction waits for them."""
-    spec = disruption.worker_budget(make_job(replicas=replicas, minReplicas=1, nodesPerReplica=nodes_per_replica))["spec"]
+    job = make_job(replicas=replicas, minReplicas=1, nodesPerReplica=nodes_per_replica)
+    spec = disruption.worker_budget(job)["spec"]
     assert spec["minAvailable"] == min_available and "maxUnavailable" not in spec
     assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a pod that is not Ready never blocks a drain
 

@@ -12,8 +12,16 @@ from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
 from transom.detect.duplicates import MAX_STEPS, DuplicateInputs, message
-from transom.detect.step_rows import (INPUT_DIGEST_INTERVAL, OPTIONAL_COLUMNS, TRACE_COLUMNS, DetectionSettings, Signal,
-                                    TraceParser, input_digest_due, write_trace)
+from transom.detect.step_rows import (
+    INPUT_DIGEST_INTERVAL,
+    OPTIONAL_COLUMNS,
+    TRACE_COLUMNS,
+    DetectionSettings,
+    Signal,
+    TraceParser,
+    input_digest_due,
+    write_trace,
+)
 
 ACROSS_FIX = ("seed or shard the data by the data-parallel rank across replicas (trainer.data_rank / "
               "trainer.data_world_size, or trainer.generator(micro_step)), not by ctx.rank alone")
@@ -148,7 +156,8 @@ def test_a_digest_travels_in_a_row_and_a_bad_one_is_no_row():
 
 
 def test_a_trace_written_before_input_digests_is_read_as_before():
-    header = b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share\n"
+    header = (b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,"
+              b"batch_share\n")
     parser = TraceParser()
     (old,) = parser.feed(header + b"4,1,0,0.5,,,1.5,,1,7,0,\n")
     assert (old.step, old.fingerprint, old.input_digest) == (4, 7, None) and parser.skipped == 0

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from transom import errors
-from transom.coordinator import client, membership, server
 from transom.checkpoint import blob, restore
+from transom.coordinator import client, membership, server
 from transom.ft import backend, wire
 
 PACKAGE = Path(errors.__file__).parent
@@ -60,6 +60,7 @@ def test_coordinator_errors_carry_their_http_status():
 
 
 def test_errors_imports_nothing_heavy():
-    code = "import sys, transom.errors; print(sorted(m for m in ('torch', 'kopf', 'kubernetes', 'aiohttp') if m in sys.modules))"
+    code = ("import sys, transom.errors; "
+            "print(sorted(m for m in ('torch', 'kopf', 'kubernetes', 'aiohttp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

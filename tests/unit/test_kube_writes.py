@@ -66,8 +66,10 @@ def test_a_create_and_a_status_patch_that_succeed(kube):
     assert kube.patch_pod_labels("ns", "p", {"a": None}) == {"echo": {"metadata": {"labels": {"a": None}}}}
     assert _Refusing.seen == [
         ("POST", "/api/v1/namespaces/ns/pods", "application/json", POD),
-        ("PATCH", "/apis/transom.io/v1alpha1/namespaces/ns/trainingjobs/demo/status", "application/json-patch+json", ops),
-        ("PATCH", "/api/v1/namespaces/ns/pods/p", "application/merge-patch+json", {"metadata": {"labels": {"a": None}}}),
+        ("PATCH", "/apis/transom.io/v1alpha1/namespaces/ns/trainingjobs/demo/status", "application/json-patch+json",
+         ops),
+        ("PATCH", "/api/v1/namespaces/ns/pods/p", "application/merge-patch+json",
+         {"metadata": {"labels": {"a": None}}}),
     ]
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from transom import contract, inject
-from transom.ft.ftar import plan_buckets
 from transom.ft.config import FTConfig, lr_factor
+from transom.ft.ftar import plan_buckets
 from transom.launch.summary import stall_seconds, summarize
 
 
@@ -149,7 +149,8 @@ def test_transom_core_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['kopf'] = None; sys.modules['kubernetes'] = None\n"
         "import transom, transom.cli, transom.contract, transom.inject\n"
-        "import transom.coordinator.server, transom.coordinator.client, transom.launch.supervisor, transom.launch.local\n"
+        "import transom.coordinator.server, transom.coordinator.client\n"
+        "import transom.launch.supervisor, transom.launch.local\n"
         "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -20,8 +20,8 @@ import pytest
 
 from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
 from transom.coordinator.membership import Settings
-from transom.errors import Evicted, NotRegistered
 from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
+from transom.errors import Evicted, NotRegistered
 
 
 # --- Settings ----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from membership_world import ident, make, next_round, qreq, register, started
-from transom.errors import Evicted, JobCompleted
 from transom.coordinator.models import CheckpointReport, HeartbeatRequest, LeaveRequest
+from transom.errors import Evicted, JobCompleted
 
 
 # --- retries, completion ---------------------------------------------------------------------------------------

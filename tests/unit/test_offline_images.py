@@ -39,7 +39,7 @@ DOCKERFILE = ROOT / "images" / "operator.Dockerfile"
 def read_archive(path: Path) -> dict:
     """The archive's parts, each blob checked against the digest and size that name it."""
     with tarfile.open(path) as tar:
-        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        files = {m.name: f.read() for m in tar.getmembers() if m.isfile() and (f := tar.extractfile(m)) is not None}
 
     def blob(desc: dict) -> bytes:
         data = files[f"blobs/sha256/{desc['digest'].removeprefix('sha256:')}"]
@@ -123,7 +123,9 @@ def dockerfile_final_stage() -> tuple[str, list[str], list[str]]:
     final = text[text.rindex("\nFROM "):]
     user = re.findall(r"^USER\s+(\S+)", final, re.M)[-1]
     entrypoint = json.loads(re.findall(r"^ENTRYPOINT\s+(.+)$", final, re.M)[-1])
-    extras = re.search(r'pip install .*"\.\[(.*)\]"', text).group(1).split(",")
+    installed = re.search(r'pip install .*"\.\[(.*)\]"', text)
+    assert installed, "the Dockerfile installs no extras"
+    extras = installed.group(1).split(",")
     return user, entrypoint, extras
 
 

@@ -23,8 +23,8 @@ HOST_V1 = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 """
 POD = "/kubepods/burstable/pod1234/abcd"
-CONTAINER_V1 = f"1210 1209 0:32 {POD} /sys/fs/cgroup/memory ro,nosuid,nodev,noexec,relatime master:16 - cgroup cgroup " \
-               "rw,memory\n"
+CONTAINER_V1 = f"1210 1209 0:32 {POD} /sys/fs/cgroup/memory ro,nosuid,nodev,noexec,relatime master:16 - " \
+               "cgroup cgroup rw,memory\n"
 CONTAINER_V2 = "1300 1299 0:27 / /sys/fs/cgroup ro,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw,nsdelegate\n"
 HOST_V2 = "29 23 0:27 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
 

@@ -14,9 +14,15 @@ from membership_world import ident, make, register, round_all
 from transom.coordinator.detection import Detection
 from transom.coordinator.models import QuorumRequest, SignalBatch, SignalRow
 from transom.detect.detectors import Detectors
-from transom.detect.rebalance import (MAX_SLOWNESS, SharePolicy, ShareSchedule, exchange_weight, newest_held,
-                                      samples_per_rank,
-                                      share_vector)
+from transom.detect.rebalance import (
+    MAX_SLOWNESS,
+    SharePolicy,
+    ShareSchedule,
+    exchange_weight,
+    newest_held,
+    samples_per_rank,
+    share_vector,
+)
 from transom.detect.step_rows import DetectionSettings, Signal
 
 

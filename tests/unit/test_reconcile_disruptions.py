@@ -19,12 +19,12 @@ from datetime import timedelta
 
 import pytest
 
+from reconcile_world import T0, World, cond, make_job
 from transom_operator import reasons
 from transom_operator.cache import DEPARTED_S
 from transom_operator.reconcile import observe
 from transom_operator.reconcile.observe import ImagePull, ObservedNode
 from transom_operator.reconcile.replicas import plan
-from reconcile_world import T0, World, cond, make_job
 
 DRAINED = dict(deleting=True, disruption="EvictionByEvictionAPI")
 EVICTIONS = [
@@ -62,7 +62,7 @@ def test_an_evicted_pod_replaces_its_replica_without_blaming_the_node_or_using_t
     w.assert_quiet()
 
 
-GONE = [
+GONE: list[tuple] = [
     ("drained", dict(DRAINED, phase="Failed", exit_code=143, reason="Error"), reasons.POD_EVICTED, []),
     ("deleted by a user", dict(deleting=True), reasons.POD_DELETED, None),
 ]
@@ -211,7 +211,8 @@ def test_a_new_leader_after_the_status_write_and_the_creates_only_deletes_what_i
     assert sorted(p.delete) == left
     assert (p.create, p.events, p.excluded_nodes_added) == ([], [], [])
     s = p.status
-    assert (s.total_restarts, s.replicas[1].restarts, s.replicas[1].generation, len(s.restart_history)) == (1, 1, 1, counted)
+    assert (s.total_restarts, s.replicas[1].restarts, s.replicas[1].generation,
+            len(s.restart_history)) == (1, 1, 1, counted)
     assert [e.name for e in s.excluded_nodes] == ([bad.node_name] if excluded else [])
     w.assert_quiet()
     w.settle()

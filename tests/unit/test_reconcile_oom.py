@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from reconcile_world import T0, World, cond, make_job
 from transom import contract, defaults
 from transom_operator import api, reasons
 from transom_operator.reconcile import observe, oom
-from reconcile_world import T0, World, cond, make_job
 
 ADVICE = "raise resources.limits.memory or lower the batch size"
 

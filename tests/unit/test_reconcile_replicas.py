@@ -10,12 +10,12 @@ from datetime import timedelta
 
 import pytest
 
+from reconcile_world import T0, World, cond, make_job
 from transom import contract
 from transom_operator import reasons
 from transom_operator.reconcile import failures, observe
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod
 from transom_operator.reconcile.replicas import plan
-from reconcile_world import T0, World, cond, make_job
 
 
 def test_first_pass_creates_every_pod_with_generation_zero():
@@ -446,7 +446,8 @@ def test_operator_killed_between_the_creates_and_the_status_write_loses_no_resta
     w.set_pod(bad.name, **change)
     cut = plan(w.job, list(w.pods.values()), w.nodes, w.now)
     for manifest in cut.create:  # the creates only: no deletes, no status
-        pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
+        pod = observe.observe_pod({**manifest,
+                                   "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
         w.pods[pod.name] = pod
     assert w.job.status.replicas[1].generation == 0
     p = w.step()
@@ -471,7 +472,8 @@ def test_a_deleted_pod_whose_replacement_was_not_recorded_is_still_counted():
     del w.pods["demo-r1-n0-g0"]
     cut = plan(w.job, list(w.pods.values()), w.nodes, w.now)
     for manifest in cut.create:
-        pod = observe.observe_pod({**manifest, "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
+        pod = observe.observe_pod({**manifest,
+                                   "metadata": {**manifest["metadata"], "uid": manifest["metadata"]["name"]}})
         w.pods[pod.name] = pod
     p = w.step()
     r1 = p.status.replicas[1]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from reconcile_world import T0, World, cond, make_job
 from transom import contract
 from transom_operator import reasons
 from transom_operator.reconcile import failures, observe
 from transom_operator.reconcile.observe import ObservedNode
-from reconcile_world import T0, World, cond, make_job
 
 ERROR = "ScriptError: UsageError: a second backward pass in one step (rank 0)"
 

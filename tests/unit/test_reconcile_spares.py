@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from reconcile_world import World, make_job
 from transom import contract
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile.replicas import plan
-
-from reconcile_world import World, make_job
 
 
 def spare_world(**spec) -> World:
@@ -63,7 +62,8 @@ def test_failed_replica_is_taken_over_by_the_ready_spare_at_once():
     assert p.create == [] and p.status.replicas[1].state == "Running" and p.status.state == "Running"
     w.settle()
     w.step()
-    assert w.job.status.ready_spare_replicas == 1 and [p.name for p in spare_pods(w)] == ["demo-s0-n0-g1", "demo-s0-n1-g1"]
+    assert w.job.status.ready_spare_replicas == 1
+    assert [p.name for p in spare_pods(w)] == ["demo-s0-n0-g1", "demo-s0-n1-g1"]
     w.assert_quiet()
 
 
@@ -103,7 +103,8 @@ def test_spare_on_a_node_excluded_by_the_failure_is_not_promoted_and_is_replaced
     w.nodes[spare_node] = replace(w.nodes[spare_node], ready=False, not_ready_since=w.now - timedelta(seconds=60))
     p = w.step()
     assert p.relabel == []
-    assert {"demo-r1-n0-g1", "demo-r1-n1-g1", "demo-s0-n0-g1", "demo-s0-n1-g1"} <= {m["metadata"]["name"] for m in p.create}
+    created = {m["metadata"]["name"] for m in p.create}
+    assert {"demo-r1-n0-g1", "demo-r1-n1-g1", "demo-s0-n0-g1", "demo-s0-n1-g1"} <= created
     assert spare_node in {e.name for e in p.status.excluded_nodes}
     assert p.status.spares[0].last_failure.reason == reasons.NODE_EXCLUDED
     spare_manifest = next(m for m in p.create if m["metadata"]["name"] == "demo-s0-n0-g1")
@@ -157,7 +158,8 @@ def test_operator_killed_between_status_and_relabel_converges():
     p = w.step()
     # The spare's old generation is now stale: deleted; the replica's pods are created anew.
     assert {"demo-s0-n0-g0", "demo-s0-n1-g0", "demo-r1-n0-g0", "demo-r1-n1-g0"} <= set(p.delete)
-    assert {"demo-r1-n0-g1", "demo-r1-n1-g1", "demo-s0-n0-g1", "demo-s0-n1-g1"} <= {m["metadata"]["name"] for m in p.create}
+    created = {m["metadata"]["name"] for m in p.create}
+    assert {"demo-r1-n0-g1", "demo-r1-n1-g1", "demo-s0-n0-g1", "demo-s0-n1-g1"} <= created
     w.settle()
     w.step()
     assert w.job.status.state == "Running" and w.job.status.ready_spare_replicas == 1

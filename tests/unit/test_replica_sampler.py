@@ -118,7 +118,8 @@ def test_batches_refuses_a_loader_without_a_replica_sampler():
 
 
 def _ranks(replicas=3, world=2, size=48, seed=4):
-    return [ReplicaSampler(range(size), Ctx(r, replicas, k, world), seed=seed) for r in range(replicas) for k in range(world)]
+    return [ReplicaSampler(range(size), Ctx(r, replicas, k, world), seed=seed)
+            for r in range(replicas) for k in range(world)]
 
 
 def test_rebalanced_slices_of_each_step_partition_the_nominal_global_batch():

@@ -292,7 +292,8 @@ def test_coordinator_role_is_least_privilege():
                                                                       "pods"}
     assert [r["verbs"] for r in role["rules"] if r["resources"] == ["pods"]] == [["get"]]
     for r in role["rules"]:
-        assert not {"*", "delete", "create", "list", "watch", "update"} & set(r["verbs"]) or r["resources"] == ["events"]
+        broad = {"*", "delete", "create", "list", "watch", "update"} & set(r["verbs"])
+        assert not broad or r["resources"] == ["events"]
         assert "*" not in r["resources"] and "*" not in r["apiGroups"]
     binding = resources.coordinator_role_binding(make_job())
     assert binding["roleRef"]["name"] == "demo-coordinator"
@@ -365,7 +366,8 @@ def test_the_coordinator_leaves_a_lost_node_within_seconds_not_the_default_five_
     wait = resources.COORDINATOR_NODE_LOSS_TOLERATION_S
     assert pod["tolerations"] == [
         {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": wait},
-        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": wait},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": wait},
     ]
     # Back before that node's replicas are replaced (the default nodeNotReadyGraceSeconds).
     assert 0 < wait < make_job().spec.fault_tolerance.node_not_ready_grace_seconds
@@ -408,7 +410,8 @@ def test_spec_detection_reaches_the_coordinator_and_every_worker_as_the_detector
 
     default = make_job()
     assert DetectionSettings.from_spec(resources.detection_json(default)) == DetectionSettings()
-    job = make_job(detection={"hangTimeoutSeconds": 90, "slowFactorPercent": 130, "action": "Report", "fingerprintInterval": 0})
+    job = make_job(detection={"hangTimeoutSeconds": 90, "slowFactorPercent": 130, "action": "Report",
+                              "fingerprintInterval": 0})
     wanted = DetectionSettings(hang_timeout_s=90, slow_factor=1.3, action="Report", fingerprint_interval=0)
     env = env_of(resources.worker_pod(job, 0, 0, 0, coordinator_url="http://c")["spec"]["containers"][0])
     assert DetectionSettings.from_spec(env[contract.ENV_DETECTION]["value"]) == wanted

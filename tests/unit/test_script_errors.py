@@ -27,7 +27,8 @@ def run_script(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedPro
 ], ids=["usage", "checkpoint", "crash", "backend"])
 def test_an_escaping_script_error_is_recorded_and_the_traceback_still_printed(tmp_path, raised, recorded):
     out = tmp_path / "error.json"
-    code = f"from transom import errors, script_errors\nscript_errors.install_hook()\nscript_errors.install_hook()\nraise {raised}"
+    code = (f"from transom import errors, script_errors\n"
+            f"script_errors.install_hook()\nscript_errors.install_hook()\nraise {raised}")
     proc = run_script(code, tmp_path, **{contract.ENV_SCRIPT_ERROR_FILE: str(out)})
     assert proc.returncode == 1 and "Traceback" in proc.stderr and proc.stderr.count("Traceback") == 1
     found = script_errors.read(out)

@@ -1,4 +1,4 @@
-"""The launcher's forwarding of step rows and its hang watchdog (launch/signals.py), on real files."""
+"""The launcher's forwarding of step rows and its hang watchdog (launch/signal_forwarder.py), on real files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from transom.coordinator.models import DuplicateDataFinding, Identity, SignalAnswer
 from transom.detect.step_rows import DetectionSettings, Signal, write_trace
 from transom.errors import CoordinatorError
-from transom.launch.signals import SignalForwarder
+from transom.launch.signal_forwarder import SignalForwarder
 
 ME = Identity(replica_id=1, generation=2, attempt=0)
 FILE = "signals-r1-g2-a0-k0.csv"
@@ -16,7 +16,8 @@ FILE = "signals-r1-g2-a0-k0.csv"
 
 class FakeClient:
     def __init__(self, fail: int | None = None, pace: float = 1.0):
-        self.batches, self.fail, self.pace = [], fail, pace
+        self.batches: list = []
+        self.fail, self.pace = fail, pace
         self.duplicate_data: DuplicateDataFinding | None = None
 
     def report_signals(self, batch, timeout_s: float) -> SignalAnswer:

@@ -4,6 +4,7 @@ and the detectors' record it reads (detect/detectors.py, coordinator/detection.p
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import FingerprintRecord, Identity, RegisterRequest, SignalBatch, SignalRow
 from transom.detect.step_rows import DetectionSettings
+from transom.ft.catchup import Shadow
 from transom.ft.guard import fingerprint
 from transom.ft.snapshot_check import SnapshotCheck
+from transom.ft.transfer import Manifest
 
 PARAMS = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
 MINE = int(fingerprint(PARAMS).item())
@@ -23,7 +26,8 @@ class Records:
     """A coordinator that answers with `answers` in turn (the last one again and again)."""
 
     def __init__(self, *answers: FingerprintRecord):
-        self.answers, self.asked = list(answers), []
+        self.answers = list(answers)
+        self.asked: list[tuple[int, int]] = []
 
     def fingerprint(self, committed: int, rank: int, timeout_s: float) -> FingerprintRecord:
         self.asked.append((committed, rank))
@@ -32,7 +36,7 @@ class Records:
 
 def check(client, **kw) -> bool:
     return SnapshotCheck(client, rank=1, wait_s=kw.pop("wait_s", 2.0), **kw)(
-        SimpleNamespace(step=40), SimpleNamespace(model_params=PARAMS))
+        cast(Manifest, SimpleNamespace(step=40)), cast(Shadow, SimpleNamespace(model_params=PARAMS)))
 
 
 @pytest.mark.parametrize("record, used", [

@@ -63,7 +63,8 @@ def test_a_spare_pod_environment_has_no_replica_until_promoted():
 
 
 def test_the_launcher_of_a_spare_takes_the_identity_its_labels_name(tmp_path):
-    from transom.launch.supervisor import LaunchConfig, Launcher
+    from transom.launch.config import LaunchConfig
+    from transom.launch.supervisor import Launcher
 
     (tmp_path / "labels").write_text(f'{contract.LABEL_SPARE}="0"\n')
     pod = {contract.ENV_SPARE_ID: "0", contract.ENV_NUM_REPLICAS: "2", contract.ENV_COORDINATOR_URL: "http://c:1",

@@ -13,7 +13,8 @@ import pytest
 
 from transom.detect.step_rows import MAX_LINE_BYTES, Signal, TraceParser, read_trace, write_trace
 
-HEADER = b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share,input_digest\n"
+HEADER = (b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share,"
+          b"input_digest\n")
 # One of each kind of line that is no row; each used to raise, or to be taken as it was.
 MALFORMED = {
     "a cell past csv's 131,072-character limit": b"1,0,0,0.5," + b"9" * 200_000 + b",,,,,,,,\n",

@@ -100,8 +100,8 @@ def chunk_length(n: int, ranks: int, rank: int) -> int:
 def _described(meta: Any, where: str) -> tuple[list, list[int]]:
     """(placements, global shape) of a stored description; CorruptCheckpoint if it is not one
     `sharding.localize` writes (it came from storage: data to check)."""
-    placements = meta.get("placements") if isinstance(meta, dict) else None
-    shape = meta.get("shape") if isinstance(meta, dict) else None
+    placements: Any = meta.get("placements") if isinstance(meta, dict) else None
+    shape: Any = meta.get("shape") if isinstance(meta, dict) else None
     valid = (isinstance(placements, list) and placements
              and all(p == ["replicate"] or (isinstance(p, list) and len(p) == 2 and p[0] == "shard"
                                             and _is_int(p[1])) for p in placements)

@@ -25,13 +25,12 @@ from collections.abc import Mapping
 import numpy
 import torch
 
-from transom.checkpoint import layout
+from transom.checkpoint.tensor_entry import DTYPE_SIZES, MAX_DIMS
 from transom.errors import BlobError  # noqa: F401  (raised here; the family lives in errors.py)
 
 # The dtypes a checkpoint or a peer transfer may carry, by the name the manifest records
-# (layout.DTYPE_SIZES is the one list; an older torch may lack some of them).
-DTYPES: Mapping[str, torch.dtype] = {name: getattr(torch, name) for name in layout.DTYPE_SIZES if hasattr(torch, name)}
-MAX_DIMS = 64
+# (tensor_entry.DTYPE_SIZES is the one list; an older torch may lack some of them).
+DTYPES: Mapping[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
 _LOCAL_MAGIC = 0x04034B50
 
@@ -61,7 +60,7 @@ def crc32(t: torch.Tensor) -> int:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return 0
-    return zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
 def write(t: torch.Tensor, stream) -> None:

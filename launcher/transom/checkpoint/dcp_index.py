@@ -30,6 +30,7 @@ def build(entries: Iterable[layout.Entry]) -> bytes:
     """The pickled `Metadata` of a step whose tensors are `entries` (paths relative to the step)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
+        STORAGE_TYPES,
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
@@ -37,7 +38,7 @@ def build(entries: Iterable[layout.Entry]) -> bytes:
         TensorStorageMetadata,
     )
 
-    state_dict_metadata = {}
+    state_dict_metadata: dict[str, STORAGE_TYPES] = {}
     storage_data = {}
     for e in entries:
         size = torch.Size(e.shape)

@@ -41,6 +41,7 @@ storage error). Without a fence (the engine used on its own) nothing is asked.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -93,7 +94,7 @@ class CheckpointConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
     @classmethod
-    def from_environ(cls, **overrides: Any) -> "CheckpointConfig | None":
+    def from_environ(cls, **overrides: Any) -> CheckpointConfig | None:
         """From the pod environment (the operator sets it from spec.checkpoint); None without a URI.
 
         Arguments that are not None win over TRANSOM_CHECKPOINT_URI, _INTERVAL_STEPS and _KEEP.
@@ -247,23 +248,24 @@ class CheckpointEngine:
         buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
         if self.before_persist is not None:
             self.before_persist(job.step)
-        backoff = dict(stopped=self._stopped, first_s=self.config.retry_first_s, max_s=self.config.retry_max_s)
+        retrying = functools.partial(retry, stopped=self._stopped, first_s=self.config.retry_first_s,
+                                     max_s=self.config.retry_max_s)
         t0 = time.monotonic()
-        retry(f"writing part {job.slot.part} of step {job.step}",
-              lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
-                                 job.skeleton), **backoff)
+        retrying(f"writing part {job.slot.part} of step {job.step}",
+                 lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
+                                    job.skeleton))
         if job.slot.part != 0:
             return
         wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))
-        done = retry(f"committing step {job.step}",
-                     lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped), **backoff)
+        done = retrying(f"committing step {job.step}",
+                        lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped))
         if not done:
             self.failed += 1
             log.error("checkpoint of step %d not committed: a part was skipped or not written within %.0fs",
                       job.step, wait_s)
             return
         self.committed_step = job.step
-        retry("pruning old checkpoints", self._prune, **backoff)
+        retrying("pruning old checkpoints", self._prune)
         if self.on_commit is not None:
             try:
                 self.on_commit(job.step, self.storage.url(layout.step_dir(job.step)))

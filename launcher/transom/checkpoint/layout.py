@@ -31,29 +31,23 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from transom.checkpoint import structure
+from transom.checkpoint.tensor_entry import MAX_INT, TensorEntry
 
 MANIFEST = "manifest.json"
 PART_DONE = "checksums.json"
 PART_SKIPPED = "skipped"
 DATA_FILE = "__0_0.distcp"  # DCP's name for a single writer's data file
 DCP_METADATA = ".metadata"
-FORMAT = "transom-dcp-3"
+FORMAT: Final = "transom-dcp-3"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not one of ours
 MAX_PARTS = 1 << 24
 MAX_SHARDS = 1 << 16
-MAX_INT = 1 << 62
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
-# Bytes per element of every dtype a checkpoint may hold (blob.DTYPES maps them to torch).
-DTYPE_SIZES: Mapping[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-}
 _REL_PATH = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_./-]{0,255}$")
 
 
@@ -144,7 +138,7 @@ class Slot:
         return self.shards * self.writers
 
     @classmethod
-    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> "Slot":
+    def of(cls, replica_rank: int, num_replicas: int, rank: int, world_size: int, sharded: bool) -> Slot:
         """The slot of `rank` (of `world_size` in its replica) in replica `replica_rank` of the quorum."""
         if sharded:  # rank r of every replica holds shard r: the replicas split it
             return cls(writer=replica_rank, writers=num_replicas, shard=rank, shards=world_size)
@@ -156,12 +150,9 @@ class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class Entry(_Record):
+class Entry(TensorEntry):
     """One tensor of the checkpoint, as the manifest records it."""
 
-    key: str = Field(min_length=1, max_length=4096)
-    dtype: str  # torch dtype name without "torch.", e.g. "float32" (one of DTYPE_SIZES)
-    shape: list[int] = Field(max_length=64)
     nbytes: int = Field(ge=0, le=MAX_INT)
     crc32: int = Field(ge=0, lt=1 << 32)
     part: int = Field(ge=0, lt=MAX_PARTS)
@@ -171,16 +162,9 @@ class Entry(_Record):
     length: int = Field(default=0, ge=0, le=MAX_INT)  # and how long the blob is
 
     @model_validator(mode="after")
-    def _sizes_agree(self) -> "Entry":
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"{self.key}: unknown dtype {self.dtype!r}")
-        n = DTYPE_SIZES[self.dtype]
-        for d in self.shape:
-            if d < 0 or d > MAX_INT:
-                raise ValueError(f"{self.key}: invalid shape {self.shape}")
-            n *= d
-        if n != self.nbytes:
-            raise ValueError(f"{self.key}: {self.dtype}{self.shape} is {n} bytes, not {self.nbytes}")
+    def _sizes_agree(self) -> Entry:
+        if self.size != self.nbytes:
+            raise ValueError(f"{self.key}: {self.dtype}{self.shape} is {self.size} bytes, not {self.nbytes}")
         return self
 
 
@@ -216,7 +200,7 @@ class Manifest(_Record):
     created: float  # unix seconds
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Manifest":
+    def _consistent(self) -> Manifest:
         if len(self.structures) != self.num_shards:
             raise ValueError(f"{len(self.structures)} structures for {self.num_shards} shards")
         for path in self.files:
@@ -242,7 +226,7 @@ class Manifest(_Record):
         return self.model_dump_json()
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> Manifest:
         """Parse and validate a manifest; ValueError (never anything else) if it is not one of ours."""
         if len(text) > MAX_MANIFEST_BYTES:
             raise ValueError(f"manifest of {len(text)} bytes")

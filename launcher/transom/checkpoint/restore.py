@@ -86,7 +86,7 @@ def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", s
     return structure.unflatten(manifest.structures[mine], tensors, rebuild)
 
 
-def _verified_files(storage: Storage, step: int, infos: dict[str, layout.FileInfo]) -> dict[str, bytearray]:
+def _verified_files(storage: Storage, step: int, infos: dict[str, layout.FileInfo]) -> dict[str, memoryview]:
     """Data files' bytes, read in parallel, once each one's size and CRC-32 match the
     manifest; CorruptCheckpoint if not."""
     name = layout.step_dir(step)

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor import DeviceMesh, DTensor
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
     return module is not None and isinstance(value, module.DTensor)
 
@@ -69,12 +69,12 @@ def localize(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
     return t.to_local(), meta
 
 
-def mesh_of(module: torch.nn.Module) -> "DeviceMesh | None":
+def mesh_of(module: torch.nn.Module) -> DeviceMesh | None:
     """The device mesh of the module's first DTensor parameter, or None if it has none."""
     return next((p.device_mesh for p in module.parameters() if _is_dtensor(p)), None)
 
 
-def rebuilder(mesh: "DeviceMesh | None") -> Callable[[torch.Tensor, dict], torch.Tensor]:
+def rebuilder(mesh: DeviceMesh | None) -> Callable[[torch.Tensor, dict], torch.Tensor]:
     """Turns a stored local part back into a DTensor on `mesh`."""
     def rebuild(local: torch.Tensor, meta: dict) -> torch.Tensor:
         if mesh is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import io
 import logging
 import os
 import random
@@ -117,8 +118,8 @@ class Storage:
         (LOCAL_READ_STREAMS), straight into the buffer; an object store's default is
         READ_STREAMS. The CRC-32 is computed while the reads go on, over each file's ranges
         in order as they arrive (zlib releases the GIL), so the check costs no pass of its
-        own after the last byte; None without `checksums`. ValueError if a file holds another number of bytes;
-        StorageStalled if no range arrived for `stall_s`."""
+        own after the last byte; None without `checksums`. ValueError if a file holds another
+        number of bytes; StorageStalled if no range arrived for `stall_s`."""
         streams = streams or (LOCAL_READ_STREAMS if self.local else READ_STREAMS)
         # Uninitialised buffers (not bytearray(size), which writes zeros over every page
         # first), aligned for any dtype: a restore's tensors are views of them (blob.decode).
@@ -128,17 +129,7 @@ class Storage:
 
         def one(r: tuple[str, int, int]) -> tuple[str, int, int]:
             path, start, end = r
-            target = memoryview(out[path])[start:end]
-            if self.local:  # straight into the buffer: no intermediate bytes object to fill and copy
-                with _open_regular(self.path(path)) as f:
-                    f.seek(start)
-                    got = f.readinto(target)
-            else:
-                data = self.fs.cat_file(self.path(path), start=start, end=end)
-                got = len(data)
-                if got == end - start:
-                    target[:] = data
-            if got != end - start:
+            if self._read_range(path, start, end, out[path].data[start:end]) != end - start:
                 raise ValueError(f"{path} does not hold the {sizes[path]} bytes the manifest says")
             return r
 
@@ -157,7 +148,7 @@ class Storage:
                     arrived[path][start] = end
                     while hashed[path] in arrived[path]:
                         upto = arrived[path].pop(hashed[path])
-                        crc[path] = zlib.crc32(memoryview(out[path])[hashed[path]:upto], crc[path])
+                        crc[path] = zlib.crc32(out[path].data[hashed[path]:upto], crc[path])
                         hashed[path] = upto
             except StorageStalled:
                 stalled = True
@@ -169,7 +160,18 @@ class Storage:
         for path, size in sizes.items():
             if self.size(path) != size:  # longer than the manifest says: not the file it describes
                 raise ValueError(f"{path} does not hold the {size} bytes the manifest says")
-        return {path: (memoryview(out[path]), crc[path] if checksums else None) for path in sizes}
+        return {path: (out[path].data, crc[path] if checksums else None) for path in sizes}
+
+    def _read_range(self, path: str, start: int, end: int, target: memoryview) -> int:
+        """Bytes [start, end) of `path` into `target`: how many there were."""
+        if self.local:  # straight into the buffer: no intermediate bytes object to fill and copy
+            with _open_regular(self.path(path)) as f:
+                f.seek(start)
+                return f.readinto(target)
+        data = self.fs.cat_file(self.path(path), start=start, end=end)
+        if len(data) == end - start:
+            target[:] = data
+        return len(data)
 
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
@@ -234,7 +236,7 @@ class Storage:
 PERMANENT_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, ImportError)
 
 
-def _open_regular(path: str) -> BinaryIO:
+def _open_regular(path: str) -> io.BufferedReader:
     """A local regular file open for reading; ValueError for anything else. Checked before
     the open (opening a device can act on it) and again on what was opened, which is opened
     non-blocking so that a FIFO swapped in meanwhile cannot hold the open either."""
@@ -276,7 +278,8 @@ def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -
     """Each future's result as it completes; StorageStalled when none completed for `stall_s`."""
     pending = set(futures)
     while pending:
-        done, pending = concurrent.futures.wait(pending, timeout=stall_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        done, pending = concurrent.futures.wait(pending, timeout=stall_s,
+                                                return_when=concurrent.futures.FIRST_COMPLETED)
         if not done:
             raise StorageStalled(f"storage returned none of {len(pending)} reads in {stall_s:.0f}s")
         for future in done:

@@ -109,7 +109,7 @@ class ExpectedState:
                 return f"{e.key} is {e.dtype}{e.shape} there, larger than its parameter {param} here"
             index = int(found.group(1))
             entries, total = lazy_used.get(index, (0, 0))
-            entries, total = entries + 1, total + e.nbytes
+            entries, total = entries + 1, total + e.size
             if entries > LAZY_ENTRIES or total > self._lazy_budget(param):
                 return (f"{e.key}: more optimizer state for its parameter {param} than an optimizer keeps "
                         f"({entries} tensors, {total} bytes)")

@@ -20,7 +20,7 @@ Per step, each rank:
   step less the time spent waiting for the quorum, the exchange and the votes), the workload
   the script reported, loss, gradient norm, finiteness, fingerprint, and on some steps the
   digest of its input (ft/input_digest.py). The launcher forwards the rows to the
-  coordinator (launch/signals.py), which runs the detectors.
+  coordinator (launch/signal_forwarder.py), which runs the detectors.
 
 It also registers a handler that writes every thread's stack to `stacks-...-k<rank>.txt` on
 SIGUSR1: the launcher's hang watchdog asks for it before it restarts a hung replica. And it

@@ -35,6 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from transom.checkpoint import blob, structure
+from transom.checkpoint.tensor_entry import TensorEntry
 from transom.errors import SnapshotChanged, WireError
 
 log = logging.getLogger("transom.ft")
@@ -48,17 +49,10 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _Entry(TensorEntry):
+    """A tensor of the snapshot: where it starts in the served bytes (they lie back to back)."""
 
-    key: str = Field(min_length=1, max_length=4096)
-    dtype: str
-    shape: list[int] = Field(max_length=blob.MAX_DIMS)
     offset: int = Field(ge=0)
-
-    @property
-    def nbytes(self) -> int:
-        return blob.nbytes_of(self.dtype, self.shape)
 
 
 class Manifest(BaseModel):
@@ -79,7 +73,7 @@ class Manifest(BaseModel):
         for e in self.entries:
             if e.offset != _aligned(end):
                 raise ValueError(f"{e.key}: offset {e.offset}, expected {_aligned(end)} (tensors lie back to back)")
-            end = e.offset + e.nbytes
+            end = e.offset + e.size
         if end != self.total_bytes:
             raise ValueError(f"the tensors hold {end} bytes, the manifest says {self.total_bytes}")
         if len(self.digests) != -(-self.total_bytes // self.chunk_bytes):
@@ -174,7 +168,7 @@ def assemble(manifest: Manifest, data: bytearray | memoryview, device: torch.dev
     tensors: dict[str, torch.Tensor] = {}
     for e in manifest.entries:
         dtype = blob.DTYPES[e.dtype]
-        n = e.nbytes
+        n = e.size
         if n == 0:
             t = torch.empty(e.shape, dtype=dtype)
         else:

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from transom.checkpoint import blob, structure
+from transom.checkpoint.tensor_entry import TensorEntry
 from transom.errors import WireError  # noqa: F401  (raised here; the family lives in errors.py)
 
 MAGIC = b"transom-state/1\n"
@@ -32,18 +33,15 @@ MAX_INDEX_BYTES = 256 << 20
 _LENGTH = struct.Struct("<Q")
 
 
-class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _Entry(TensorEntry):
+    """A tensor of the message: its blob's place in the payload."""
 
-    key: str = Field(min_length=1, max_length=4096)
-    dtype: str
-    shape: list[int] = Field(max_length=blob.MAX_DIMS)
     offset: int = Field(ge=0)
     length: int = Field(ge=0)
 
     @model_validator(mode="after")
     def _fits(self) -> "_Entry":
-        if self.length < blob.nbytes_of(self.dtype, self.shape):
+        if self.length < self.size:
             raise ValueError(f"{self.key}: {self.length} bytes cannot hold {self.dtype}{self.shape}")
         return self
 

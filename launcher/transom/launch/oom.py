@@ -22,9 +22,13 @@ Standard library only: the launcher imports this without torch.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from transom import contract
+from transom.launch.processes import describe_exit
 
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit number; anything this
 # large is no limit.
@@ -189,3 +193,21 @@ class Counter:
         """The cgroup's memory limit as a quantity ("3Gi"); None if none or unknown."""
         limit = self.cgroup.limit() if self.cgroup is not None else None
         return quantity(limit) if limit is not None else None
+
+    def limit_text(self) -> str:
+        """"memory limit 3Gi", or "no memory limit" (none, or unknown)."""
+        limit = self.limit()
+        return f"memory limit {limit}" if limit else "no memory limit"
+
+    def report(self, rank: int, code: int) -> str | None:
+        """The failure report of worker `rank` (exit `code`, negative: a signal) that died
+        while the kernel OOM-killed a process of the container: the worker itself (SIGKILL),
+        or a process it started (a DataLoader worker), whose death it then died of. None when
+        the counter did not rise, or is unknown."""
+        killed = code == -signal.SIGKILL
+        if not self.rose(COUNT_PATIENCE_S if killed else 0.0):
+            return None
+        if killed:
+            return f"{contract.OOM_KILLED}: worker rank {rank} was {contract.OOM_KILLED} ({self.limit_text()})"
+        return (f"{contract.OOM_KILLED}: worker rank {rank} {describe_exit(code)} after the kernel OOM-killed "
+                f"a process of its container ({self.limit_text()})")

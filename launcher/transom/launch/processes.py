@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -190,3 +191,33 @@ def _kill_exact(pid: int, start: str) -> None:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def stop_launchers(launchers: list[subprocess.Popen], say: Callable[[str], None], grace_s: float) -> None:
+    """SIGTERM the launchers still running (they stop their workers), SIGKILL after `grace_s`;
+    then whatever a SIGKILLed launcher could not stop (`transom run` is their subreaper)."""
+    for proc in launchers:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in launchers:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: the others still get stopped
+                say(f"launcher pid {proc.pid} did not end after SIGKILL")
+    # A launcher SIGKILLed (here or by anyone) could not stop what its workers started outside
+    # their process groups: this process adopted it (a subreaper) and stops it now.
+    if not kill_descendants():
+        say("processes the replicas started survive SIGKILL")
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"

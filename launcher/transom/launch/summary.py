@@ -15,11 +15,14 @@ written null: NaN and Infinity are not JSON (`finite_json`).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from transom.detect.step_rows import read_trace, write_trace
 
 FINAL_LOSS_STEPS = 10
 _STEPS = re.compile(r"steps-r(\d+)-g(\d+)-a(\d+)\.jsonl$")
@@ -148,3 +151,18 @@ def replica_rows(directory: Path, num_replicas: int, logs: dict[int, str] | None
             final_step=final_step.get(r), log=(logs or {}).get(r),
         ))
     return rows
+
+
+def merge_trace(directory: Path, out: Path) -> int:
+    """Every worker's signal rows (all incarnations) as one CSV trace in step order."""
+    rows = []
+    for path in sorted(directory.glob("signals-*.csv")):
+        try:
+            for row in read_trace(path):
+                rows.append(row)
+        except ValueError as e:  # a worker killed mid-row: keep what it wrote before
+            logging.getLogger("transom.launch").info("trace: %s", e)
+    rows.sort(key=lambda r: (r.step, r.replica, r.rank))
+    with open(out, "w", newline="") as f:
+        write_trace(rows, f)
+    return len(rows)

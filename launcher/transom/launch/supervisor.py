@@ -1,20 +1,20 @@
 """The in-pod launcher (`transom launch -- python train.py ...`): supervises one node's workers.
 
-It starts `nproc_per_node` workers with torchrun's environment for *its own replica*
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the
-replica as the unit of failure: when any worker exits non-zero, it tells the coordinator at
-once (so the other replicas stop waiting for this one), stops the remaining workers and
-starts them all again as a new attempt, up to `max_restarts`. It also watches the
-coordinator (a long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed heartbeats, a hang, a detector's
-verdict) is killed and restarted the same way. It forwards the workers' step signals to the
-coordinator's detectors and restarts a replica whose workers stopped making progress, with
-their stacks in the log (launch/signals.py). SIGTERM/SIGINT (the pod is going) are reported
-to the coordinator as the replica's failure, then forwarded to the workers. Each worker is
-the leader of a process group of its own, and signals go to the whole group: whatever a
-worker started is stopped with it, and after every attempt (however it ended) nothing of
-its groups is left running, nor anything that left them (a `setsid` child: the launcher is
-the subreaper of its workers' descendants; processes.py). Workers also die with the
-launcher itself.
+It starts `nproc_per_node` workers with torchrun's environment for *its own replica* (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and treats the replica
+as the unit of failure: when any worker exits non-zero, it tells the coordinator at once (so
+the other replicas stop waiting for this one), stops the remaining workers and starts them
+all again as a new attempt, up to `max_restarts`. It also watches the coordinator (a
+long-poll, launch/state_watch.py): a replica the coordinator declared dead (missed
+heartbeats, a hang, a detector's verdict) is killed and restarted the same way. It forwards
+the workers' step signals to the coordinator's detectors and restarts a replica whose
+workers stopped making progress, with their stacks in the log (launch/signal_forwarder.py).
+SIGTERM/SIGINT (the pod is going) are reported to the coordinator as the replica's failure,
+then forwarded to the workers. Each worker is the leader of a process group of its own, and
+signals go to the whole group: whatever a worker started is stopped with it, and after every
+attempt (however it ended) nothing of its groups is left running, nor anything that left
+them (a `setsid` child: the launcher is the subreaper of its workers' descendants;
+processes.py). Workers also die with the launcher itself.
 
 A worker the kernel OOM-killed (the container's memory cgroup counted a kill while it died:
 launch/oom.py) is reported as `OOMKilled: worker rank K was OOMKilled (memory limit X)` and
@@ -57,74 +57,23 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom import contract, defaults, script_errors
+from transom import contract, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.detect.step_rows import DetectionSettings
 from transom.launch import oom, processes, spare
-from transom.launch.signals import LAST_FLUSH_PATIENCE_S, SignalForwarder
+from transom.launch.config import LaunchConfig
+from transom.launch.processes import describe_exit
+from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
+from transom.launch.workers import WorkerGroup
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
-PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signals.py)
+PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signal_forwarder.py)
 COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
-
-
-def check_command(command: list[str]) -> None:
-    """ValueError now for a command that could only fail later: an empty one, a program that is
-    not there, or `python SCRIPT` with no such script (rather than restarts that cannot help)."""
-    if not command:
-        raise ValueError("a command to run is required after --")
-    program = command[0]
-    if shutil.which(program) is None:
-        raise ValueError(f"{program}: command not found (not executable or not on PATH)")
-    if Path(program).name.startswith("python"):
-        script = _python_script(command[1:])
-        if script is not None and not Path(script).is_file():
-            raise ValueError(f"{program}: no such script: {script}")
-
-
-def _python_script(args: list[str]) -> str | None:
-    """The script a `python ARGS` command runs, or None (-c, -m, stdin)."""
-    options_with_value = {"-W", "-X", "--check-hash-based-pycs"}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg in ("-c", "-m", "-"):
-            return None
-        if arg in options_with_value:
-            i += 2
-            continue
-        if arg.startswith("-"):
-            i += 1
-            continue
-        return arg
-    return None
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    command: list[str]
-    nproc_per_node: int
-    max_restarts: int = 3
-    restart_backoff_s: float = 0.5
-    term_grace_s: float = 10.0
-    rendezvous_timeout_s: float = 300.0
-    detection: DetectionSettings = field(default_factory=DetectionSettings)
-    oom_kill_limit: int = defaults.OOM_KILL_LIMIT  # OOM kills before the launcher exits EXIT_OOM_KILLED
-
-    def __post_init__(self) -> None:
-        check_command(self.command)
-        if not 1 <= self.nproc_per_node <= 1024:
-            raise ValueError("nproc_per_node must be between 1 and 1024")
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must not be negative")
-        if self.oom_kill_limit < 1:
-            raise ValueError("oom_kill_limit must be at least 1")
+REPORT_TIMEOUT_S = 2.0  # a failure report: the coordinator also notices by heartbeat, so never wait long
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -140,15 +89,6 @@ def restart_delay_s(attempt: int, backoff_s: float) -> float:
     return 0.0 if attempt <= 1 else min(backoff_s * 2.0 ** min(attempt - 2, 64), 30.0)  # 2**1024: OverflowError
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class Launcher:
     """Owns the worker processes of one node; `run()` returns the launcher's exit code."""
 
@@ -161,31 +101,17 @@ class Launcher:
         self._podinfo = spare.podinfo_dir(self._environ) if env.is_spare else None  # while a spare
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token),
                                         timeout_s=10)
-        self.workers: list[subprocess.Popen] = []
+        self.group = WorkerGroup(config.command, config.nproc_per_node, self.who)
         self._signal: int | None = None
-        # Where the workers write their step signals (ft/guard.py); ours unless given.
-        given = self._environ.get(contract.ENV_SIGNALS_DIR)
-        self._own_signals_dir = not given
-        self._signals_dir: Path | None = None
-        try:
-            self._signals_dir = Path(given or tempfile.mkdtemp(prefix="transom-signals-"))
-            self._signals_dir.mkdir(parents=True, exist_ok=True)
-            self._environ[contract.ENV_SIGNALS_DIR] = str(self._signals_dir)
-        except OSError as e:  # a read-only file system without a writable /tmp: train without them
-            log.warning("no directory for the workers' step signals (%s): anomaly detection and the hang "
-                        "watchdog are off for this pod", e)
-            self._environ.pop(contract.ENV_SIGNALS_DIR, None)
+        self._signals_dir, self._own_signals_dir = _signals_dir(self._environ)
         self._forwarder: SignalForwarder | None = None
-        # Where each worker writes a ScriptError that ends it (script_errors.py).
-        self._errors_dir: Path | None = None
-        try:
-            self._errors_dir = Path(tempfile.mkdtemp(prefix="transom-errors-"))
-        except OSError as e:
-            log.warning("no directory for the workers' script errors (%s): a bug in the script is restarted "
-                        "like a crash", e)
         # The container's OOM-kill counter (launch/oom.py): how an OOM kill is told from a SIGKILL.
         self._oom = oom.Counter(oom.find())
         self._oom_kills = 0  # of this launcher's workers, all attempts
+
+    @property
+    def workers(self) -> list[subprocess.Popen]:
+        return self.group.procs
 
     def identity(self, attempt: int) -> Identity:
         return Identity(replica_id=self.env.replica_id, generation=self.env.generation, attempt=attempt)
@@ -208,6 +134,7 @@ class Launcher:
         self.env = self.env.promoted(found.replica_id, found.generation)
         self._environ = spare.promoted_environ(self._environ, found)
         self._podinfo = None
+        self.group.who = self.who
 
     # --- one attempt -----------------------------------------------------------------------
     def _master(self, attempt: int) -> tuple[str, int] | None:
@@ -216,7 +143,8 @@ class Launcher:
             return "127.0.0.1", free_port()
         if self.env.node_rank == 0:
             port = free_port("0.0.0.0")
-            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr, master_port=port)
+            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr,
+                                  master_port=port)
             self.client.put_rendezvous(info)
             return info.master_addr, port
         log.info("%s node %d: waiting up to %gs for node 0 to publish the replica's address", self.who,
@@ -230,61 +158,16 @@ class Launcher:
         master = self._master(attempt)
         if master is None:
             return
-        addr, port = master
-        n = self.config.nproc_per_node
         self._oom.mark()
-        for local_rank in range(n):
-            env = dict(self._environ)
-            env.update(
-                {
-                    "RANK": str(self.env.node_rank * n + local_rank),
-                    "LOCAL_RANK": str(local_rank),
-                    "WORLD_SIZE": str(self.env.nnodes * n),
-                    "LOCAL_WORLD_SIZE": str(n),
-                    "GROUP_RANK": str(self.env.node_rank),
-                    "MASTER_ADDR": addr,
-                    "MASTER_PORT": str(port),
-                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
-                    contract.ENV_ATTEMPT: str(attempt),
-                    contract.ENV_NPROC_PER_NODE: str(n),
-                }
-            )
-            if self._errors_dir is not None:
-                env[contract.ENV_SCRIPT_ERROR_FILE] = str(self._error_file(attempt, local_rank))
-            # Its own session (and process group), so a signal meant for the launcher's terminal
-            # is not delivered twice; the launcher forwards what the workers must see, to the group.
-            self.workers.append(subprocess.Popen(self.config.command, env=env, start_new_session=True,
-                                                 preexec_fn=processes.dies_with_parent()))
-        log.info("%s node %d attempt %d: started %d workers (master %s:%d)", self.who, self.env.node_rank,
-                 attempt, n, addr, port)
-
-    def _stop_workers(self, first: int, grace_s: float) -> None:
-        """Send `first` to every worker's process group, then SIGKILL whatever of the groups
-        still runs after grace_s (at once for workers that already exited), and every other
-        descendant of the launcher."""
-        for w in self.workers:
-            if w.poll() is None:
-                processes.signal_group(w.pid, first)
-        deadline = time.monotonic() + grace_s
-        for w in self.workers:
-            try:
-                w.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            if not processes.kill_group(w.pid):  # its pgid is its pid: the leader of a new session
-                log.error("%s: processes of worker %d's group survive SIGKILL", self.who, w.pid)
-            w.wait(timeout=10)
-        self.workers = []
-        # What left the groups (setsid, a daemon's double fork) is still below this process.
-        if not processes.kill_descendants():
-            log.error("%s: processes the workers started survive SIGKILL", self.who)
+        self.group.spawn(self._environ, self.env.node_rank, self.env.nnodes, attempt, *master)
 
     def _report(self, attempt: int, reason: str, exit_code: int | None) -> None:
         if self.env.is_spare:
             return  # no replica to speak for: nobody waits for a spare
         try:
             self.client.report_failure(
-                FailureReport(identity=self.identity(attempt), reason=reason, exit_code=exit_code), timeout_s=2.0
+                FailureReport(identity=self.identity(attempt), reason=reason, exit_code=exit_code),
+                timeout_s=REPORT_TIMEOUT_S,
             )
         except Exception as e:  # the coordinator also notices by heartbeat; never block on it
             log.warning("could not report failure of %s: %s", self.who, e)
@@ -338,28 +221,17 @@ class Launcher:
             if watch is not None:
                 watch.stop()
 
-    def _error_file(self, attempt: int, local_rank: int) -> Path:
-        assert self._errors_dir is not None
-        return self._errors_dir / f"a{attempt}-r{local_rank}.json"
-
-    def _script_failure(self, attempt: int) -> script_errors.ScriptFailure | None:
-        """The ScriptError some worker of this attempt ended with, if any: any worker's, not
-        only the one that exited first (the others may fail on the ranks it left behind)."""
-        if self._errors_dir is None:
-            return None
-        found = (script_errors.read(self._error_file(attempt, k)) for k in range(self.config.nproc_per_node))
-        return next((f for f in found if f is not None), None)
-
     def _workers_ended(self, attempt: int) -> tuple[str, str] | None:
-        codes = [w.poll() for w in self.workers]
+        codes = self.group.codes()
         for rank, code in enumerate(codes):
             if code not in (None, 0):
-                failure = self._script_failure(attempt)
+                failure = self.group.script_failure(attempt)
                 if failure is not None:  # reported as what it is, not as a crash
                     reason = failure.describe(self.who)
                     self._report(attempt, reason, code if code >= 0 else None)
                     return "script_error", reason
-                reason = self._oom_reason(rank, code) or f"worker local rank {rank} {describe_exit(code)}"
+                global_rank = self.env.node_rank * self.config.nproc_per_node + rank
+                reason = self._oom.report(global_rank, code) or f"worker local rank {rank} {describe_exit(code)}"
                 self._report(attempt, reason, code if code >= 0 else None)
                 return "failed", reason
         if all(c == 0 for c in codes):
@@ -367,23 +239,6 @@ class Launcher:
                 return "failed", "the workers of a spare exited before it was promoted"
             return self._finished(attempt)
         return None
-
-    def _oom_reason(self, local_rank: int, code: int) -> str | None:
-        """The report of a worker that died while the kernel OOM-killed a process of the
-        container: the worker itself (SIGKILL), or a process it started (a DataLoader worker),
-        whose death it then died of. None when the counter did not rise, or is unknown."""
-        killed = code == -signal.SIGKILL
-        if not self._oom.rose(oom.COUNT_PATIENCE_S if killed else 0.0):
-            return None
-        rank = self.env.node_rank * self.config.nproc_per_node + local_rank
-        if killed:
-            return f"{contract.OOM_KILLED}: worker rank {rank} was {contract.OOM_KILLED} ({self._limit()})"
-        return (f"{contract.OOM_KILLED}: worker rank {rank} {describe_exit(code)} after the kernel OOM-killed "
-                f"a process of its container ({self._limit()})")
-
-    def _limit(self) -> str:
-        limit = self._oom.limit()
-        return f"memory limit {limit}" if limit else "no memory limit"
 
     def _finished(self, attempt: int) -> tuple[str, str]:
         """Every worker exited 0: 'ok' if the coordinator says the job completed, else 'failed'."""
@@ -403,13 +258,6 @@ class Launcher:
         advice = contract.oom_advice(self.who, self._oom_kills, self._oom.limit())
         return f"{contract.OOM_KILLED}: {advice}"
 
-    def _give_up_oom(self) -> int:
-        """The OOM_KILL_LIMIT-th OOM kill: restarting again at the same limit is a crash loop."""
-        message = self._oom_message()
-        log.error("%s: %s; not restarting", self.who, message)
-        script_errors.write_termination_log(message, self._environ)
-        return contract.EXIT_OOM_KILLED
-
     def _backoff(self, seconds: float) -> bool:
         """Sleep before a restart; False if a signal came meanwhile (nothing is started then)."""
         deadline = time.monotonic() + seconds
@@ -417,12 +265,45 @@ class Launcher:
             time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
         return self._signal is None
 
+    def _ended(self, attempt: int, outcome: str, reason: str) -> int | None:
+        """The exit code once an attempt that did not succeed ends the launcher, else None
+        (restart). Its workers are stopped already."""
+        # A worker writes its ScriptError before it reports the replica failed, so the file is
+        # there also when the coordinator's word came before the worker's exit.
+        failure = self.group.script_failure(attempt) if outcome == "failed" else None
+        if failure is not None:
+            outcome, reason = "script_error", failure.describe(self.who)
+        if outcome == "superseded":
+            log.error("%s: %s; exiting", self.who, reason)
+            return contract.EXIT_EVICTED
+        if outcome == "script_error":
+            log.error("%s: %s; not restarting: every attempt would fail the same way", self.who, reason)
+            script_errors.write_termination_log(reason, self._environ)
+            return contract.EXIT_SCRIPT_ERROR
+        oom_killed = bool(self._oom.rose())  # also when the coordinator's word came first
+        if oom_killed:
+            self._oom_kills += 1
+            if not reason.startswith(contract.OOM_KILLED):
+                reason = (f"{contract.OOM_KILLED}: the kernel OOM-killed a process of the container "
+                          f"({self._oom.limit_text()}); {reason}")
+        log.warning("%s attempt %d failed: %s", self.who, attempt, reason)
+        if self._oom_kills >= self.config.oom_kill_limit:  # restarting at the same limit: a crash loop
+            log.error("%s: %s; not restarting", self.who, self._oom_message())
+            script_errors.write_termination_log(self._oom_message(), self._environ)
+            return contract.EXIT_OOM_KILLED
+        if attempt >= self.config.max_restarts:
+            log.error("%s: giving up after %d restarts", self.who, attempt)
+            if oom_killed:  # whoever started it learns why from the termination message
+                script_errors.write_termination_log(self._oom_message(), self._environ)
+            return contract.EXIT_WORKERS_FAILED
+        return None
+
     def run(self) -> int:
         def on_signal(signum, _frame):
             self._signal = signum
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        processes.adopt_orphans()  # so that _stop_workers finds what left the workers' groups
+        processes.adopt_orphans()  # so that stopping the workers finds what left their groups
         try:
             attempt = 0
             while True:
@@ -433,7 +314,7 @@ class Launcher:
                     self._forwarder.flush(patience_s=LAST_FLUSH_PATIENCE_S)
                     self._forwarder = None
                 if outcome == "ok":
-                    self._stop_workers(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left
+                    self.group.stop(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left
                     return contract.EXIT_OK
                 if outcome == "signal":
                     assert self._signal is not None
@@ -441,46 +322,36 @@ class Launcher:
                     # the other replicas' next round need not wait for this one to be missed.
                     if self.workers:
                         self._report(attempt, f"{reason}: the launcher is stopping", 128 + self._signal)
-                    self._stop_workers(self._signal, self.config.term_grace_s)
+                    self.group.stop(self._signal, self.config.term_grace_s)
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
-                self._stop_workers(signal.SIGKILL, 0.0)
-                # A worker writes its ScriptError before it reports the replica failed, so the
-                # file is there also when the coordinator's word came before the worker's exit.
-                failure = self._script_failure(attempt) if outcome == "failed" else None
-                if failure is not None:
-                    outcome, reason = "script_error", failure.describe(self.who)
-                if outcome == "superseded":
-                    log.error("%s: %s; exiting", self.who, reason)
-                    return contract.EXIT_EVICTED
-                if outcome == "script_error":
-                    log.error("%s: %s; not restarting: every attempt would fail the same way", self.who, reason)
-                    script_errors.write_termination_log(reason, self._environ)
-                    return contract.EXIT_SCRIPT_ERROR
-                oom_killed = bool(self._oom.rose())  # also when the coordinator's word came first
-                if oom_killed:
-                    self._oom_kills += 1
-                    if not reason.startswith(contract.OOM_KILLED):
-                        reason = (f"{contract.OOM_KILLED}: the kernel OOM-killed a process of the container "
-                                  f"({self._limit()}); {reason}")
-                log.warning("%s attempt %d failed: %s", self.who, attempt, reason)
-                if self._oom_kills >= self.config.oom_kill_limit:
-                    return self._give_up_oom()
-                if attempt >= self.config.max_restarts:
-                    log.error("%s: giving up after %d restarts", self.who, attempt)
-                    if oom_killed:  # whoever started it learns why from the termination message
-                        script_errors.write_termination_log(self._oom_message(), self._environ)
-                    return contract.EXIT_WORKERS_FAILED
+                self.group.stop(signal.SIGKILL, 0.0)
+                code = self._ended(attempt, outcome, reason)
+                if code is not None:
+                    return code
                 attempt += 1
                 if not self._backoff(restart_delay_s(attempt, self.config.restart_backoff_s)):
                     assert self._signal is not None
                     return 128 + self._signal
         finally:
-            if self.workers:
-                self._stop_workers(signal.SIGKILL, 0.0)
+            self.group.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             if self._own_signals_dir and self._signals_dir is not None:
                 shutil.rmtree(self._signals_dir, ignore_errors=True)
-            if self._errors_dir is not None:
-                shutil.rmtree(self._errors_dir, ignore_errors=True)
+
+
+def _signals_dir(environ: dict[str, str]) -> tuple[Path | None, bool]:
+    """Where the workers write their step signals (ft/guard.py): TRANSOM_SIGNALS_DIR, or a
+    directory of the launcher's own (True: remove it at the end). Sets it in `environ`."""
+    given = environ.get(contract.ENV_SIGNALS_DIR)
+    try:
+        directory = Path(given or tempfile.mkdtemp(prefix="transom-signals-"))
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only file system without a writable /tmp: train without them
+        log.warning("no directory for the workers' step signals (%s): anomaly detection and the hang "
+                    "watchdog are off for this pod", e)
+        environ.pop(contract.ENV_SIGNALS_DIR, None)
+        return None, False
+    environ[contract.ENV_SIGNALS_DIR] = str(directory)
+    return directory, not given

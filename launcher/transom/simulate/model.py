@@ -59,7 +59,7 @@ class Scenario:
     def mtbf_minutes(self) -> float:
         return 60.0 / (self.failures_per_gpu_hour * self.gpus)
 
-    def scaled(self, gpus: int) -> "Scenario":
+    def scaled(self, gpus: int) -> Scenario:
         """The same per-GPU failure rate and replica size on a cluster of `gpus` GPUs."""
         per_replica = self.gpus / self.replicas
         return replace(self, gpus=gpus, replicas=max(1, round(gpus / per_replica)))

@@ -57,7 +57,7 @@ def write_png(path: Path, scenario: Scenario, seed: int, days: float) -> None:
     for title, points in curves(scenario, seed, days).items():
         ax.plot([g for g, _ in points], [e for _, e in points], marker="o", label=title)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("GPUs (replicas of %d GPUs)" % round(scenario.gpus / scenario.replicas))
+    ax.set_xlabel(f"GPUs (replicas of {round(scenario.gpus / scenario.replicas)} GPUs)")
     ax.set_ylabel("effective training time")
     ax.set_ylim(0, 1)
     ax.grid(True, alpha=0.3)

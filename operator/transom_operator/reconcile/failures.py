@@ -121,30 +121,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
             continue  # the common case, and nothing below applies to it
         where = f" on node {pod.node_name}" if pod.node_name else ""
         if pod.phase == "Failed":
-            if pod.reason in NODE_LOST_POD_REASONS:
-                causes.append((reasons.NODE_LOST, f"pod {pod.name}{where} lost with its node ({pod.reason})",
-                               pod.node_name, reasons.NODE_LOST if pod.node_name else None))
-            elif pod.reason == "Evicted":
-                causes.append((reasons.POD_EVICTED, f"pod {pod.name}{where} evicted", pod.node_name, None))
-            elif pod.deleting:
-                # Deleted (by a user, a drain), and its containers' exit on the way out (143:
-                # the SIGTERM) says nothing about the node: a deletion, not a pod failure.
-                causes.append(_deleted(pod, where, node, asked))
-            elif pod.exit_code == contract.EXIT_SCRIPT_ERROR:
-                causes.append((reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None))
-            elif oom.is_oom_killed(pod):
-                causes.append((reasons.OOM_KILLED, oom.pod_message(pod, where), pod.node_name, None))
-            else:
-                code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
-                repeated = pod.node_name is not None and any(
-                    h.node == pod.node_name and (h.replica, h.generation) != (inc.replica, inc.generation)
-                    for h in history
-                )
-                message = f"pod {pod.name}{where} failed{code}"
-                if repeated:
-                    message += f"; a second failure on node {pod.node_name} within the restart window"
-                causes.append((reasons.POD_FAILED, message, pod.node_name,
-                               reasons.REPEATED_FAILURES if repeated else None))
+            causes.append(_failed(pod, where, node, asked, inc, history))
         elif pod.phase == "Succeeded" and not completed:
             waited = (now - pod.finished).total_seconds() if pod.finished else COMPLETION_WAIT_S
             if waited >= COMPLETION_WAIT_S:
@@ -170,6 +147,34 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
         if why and bad_node and all(bad_node != n for n, _ in exclude):
             exclude.append((bad_node, why))
     return ReplicaFailure(reason, message, node, exclude, voluntary=causes[0] in asked), None
+
+
+def _failed(pod: ObservedPod, where: str, node: ObservedNode | None,
+            asked: list[tuple[str, str, str | None, str | None]], inc: Incarnation,
+            history: list[api.RestartRecord]) -> tuple[str, str, str | None, str | None]:
+    """The cause of a pod in phase Failed: its node lost, an eviction, a deletion, a script
+    error, an OOM kill, or a failure (a second one on the same node blames the node)."""
+    if pod.reason in NODE_LOST_POD_REASONS:
+        return (reasons.NODE_LOST, f"pod {pod.name}{where} lost with its node ({pod.reason})",
+                pod.node_name, reasons.NODE_LOST if pod.node_name else None)
+    if pod.reason == "Evicted":
+        return reasons.POD_EVICTED, f"pod {pod.name}{where} evicted", pod.node_name, None
+    if pod.deleting:
+        # Deleted (by a user, a drain), and its containers' exit on the way out (143: the
+        # SIGTERM) says nothing about the node: a deletion, not a pod failure.
+        return _deleted(pod, where, node, asked)
+    if pod.exit_code == contract.EXIT_SCRIPT_ERROR:
+        return reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None
+    if oom.is_oom_killed(pod):
+        return reasons.OOM_KILLED, oom.pod_message(pod, where), pod.node_name, None
+    code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
+    repeated = pod.node_name is not None and any(
+        h.node == pod.node_name and (h.replica, h.generation) != (inc.replica, inc.generation) for h in history
+    )
+    message = f"pod {pod.name}{where} failed{code}"
+    if repeated:
+        message += f"; a second failure on node {pod.node_name} within the restart window"
+    return reasons.POD_FAILED, message, pod.node_name, reasons.REPEATED_FAILURES if repeated else None
 
 
 def _deleted(pod: ObservedPod, where: str, node: ObservedNode | None,

@@ -20,6 +20,8 @@ from typing import Any
 
 from transom_operator import api, reasons
 
+J = api.JobState
+
 
 @dataclass(frozen=True)
 class JobView:
@@ -35,16 +37,16 @@ class JobView:
     ran_before: bool
 
 
-def job_state(v: JobView) -> str:
+def job_state(v: JobView) -> api.JobState:
     if v.suspended:
-        return "Suspended"
+        return J.SUSPENDED
     if v.failed:
-        return "Failed"
+        return J.FAILED
     if v.succeeded:
-        return "Succeeded"
+        return J.SUCCEEDED
     if v.healthy < v.min_replicas:
-        return "Degraded" if v.ran_before else "Pending"
-    return "Recovering" if v.replacing else "Running"
+        return J.DEGRADED if v.ran_before else J.PENDING
+    return J.RECOVERING if v.replacing else J.RUNNING
 
 
 def _condition(type_: str, true: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
@@ -62,17 +64,17 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
     """Ready, Degraded, Recovering, Succeeded and Failed for `state`; `failed_reason`: why a
     Failed job failed (TooManyRestarts, or ScriptError)."""
     healthy, total = v.healthy, v.replicas
-    if state == "Running" and healthy == total:
+    if state == J.RUNNING and healthy == total:
         ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
     else:
         ready_reason = {
-            "Suspended": reasons.SUSPENDED, "Failed": failed_reason,
-            "Succeeded": reasons.TRAINING_COMPLETE, "Degraded": reasons.BELOW_MIN_REPLICAS,
-            "Recovering": reasons.REPLACING_REPLICAS,
+            J.SUSPENDED: reasons.SUSPENDED, J.FAILED: failed_reason,
+            J.SUCCEEDED: reasons.TRAINING_COMPLETE, J.DEGRADED: reasons.BELOW_MIN_REPLICAS,
+            J.RECOVERING: reasons.REPLACING_REPLICAS,
         }.get(state, reasons.REPLICAS_STARTING)
         ready_message = f"{healthy} of {total} replicas running"
-    degraded = state == "Degraded"
-    recovering = bool(v.replacing) and state in ("Recovering", "Degraded")
+    degraded = state == J.DEGRADED
+    recovering = bool(v.replacing) and state in (J.RECOVERING, J.DEGRADED)
     replacing_message = "replacing replica " + ", ".join(map(str, v.replacing))
     return [
         _condition("Ready", ready_reason == reasons.ALL_REPLICAS_HEALTHY, ready_reason, ready_message,
@@ -84,12 +86,12 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
         _condition("Recovering", recovering,
                    reasons.REPLACING_REPLICAS if recovering else reasons.NO_REPLACEMENT,
                    replacing_message if recovering else "no replica is being replaced", prev, generation, now),
-        _condition("Succeeded", state == "Succeeded",
-                   reasons.TRAINING_COMPLETE if state == "Succeeded" else reasons.NOT_COMPLETE,
-                   "training finished" if state == "Succeeded" else "training has not finished",
+        _condition("Succeeded", state == J.SUCCEEDED,
+                   reasons.TRAINING_COMPLETE if state == J.SUCCEEDED else reasons.NOT_COMPLETE,
+                   "training finished" if state == J.SUCCEEDED else "training has not finished",
                    prev, generation, now),
-        _condition("Failed", state == "Failed",
-                   failed_reason if state == "Failed" else reasons.NOT_FAILED,
+        _condition("Failed", state == J.FAILED,
+                   failed_reason if state == J.FAILED else reasons.NOT_FAILED,
                    failed_message or "the job has not failed", prev, generation, now),
     ]
 
@@ -114,11 +116,11 @@ def transition_event(state: str, previous: str | None, v: JobView,
     if state == previous:
         return None
     return {
-        "Degraded": (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
+        J.DEGRADED: (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
                      f"{v.healthy} of {v.replicas} replicas healthy, fewer than minReplicas {v.min_replicas}"),
-        "Failed": (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
-        "Succeeded": (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
-        "Suspended": (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
+        J.FAILED: (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
+        J.SUCCEEDED: (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
+        J.SUSPENDED: (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
     }.get(state)
 
 

@@ -1,13 +1,13 @@
 """The replica policy: from a TrainingJob, its pods and the nodes, what to do and what status to write.
 
 `plan(job, pods, nodes, now)` is level-based and idempotent: it compares the world with the
-spec on every pass, and given the same world twice (after its status was written) the
-second plan asks for nothing new. One pass runs in stages: detect each replica's failure,
-count it against the restart budget, act per replica (suspend, freeze, or replace and
-create what is missing), settle what a final or complete job may still do, then the
-status (the job-level state and conditions are job_status.py's). All memory lives in the job's status, which a job's user
-cannot write: the replicas' generations, restarts and last failures in `status.replicas`,
-the excluded nodes in `status.excludedNodes`, and the restart history in
+spec on every pass, and given the same world twice (after its status was written) the second
+plan asks for nothing new. One pass runs in stages: detect each replica's failure, count it
+against the restart budget, act per replica (suspend, freeze, or replace and create what is
+missing), settle what a final or complete job may still do, then the status (the job-level
+state and conditions are job_status.py's). All memory lives in the job's status, which a
+job's user cannot write: the replicas' generations, restarts and last failures in
+`status.replicas`, the excluded nodes in `status.excludedNodes`, and the restart history in
 `status.restartHistory`. So an operator restarted mid-recovery converges.
 
 A pass writes the status at the same time as it creates pods (controller.py), and deletes
@@ -64,14 +64,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 from transom import contract
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile import failures, job_status, oom, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
+
+J, R, S = api.JobState, api.ReplicaState, api.SpareState
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
 MAX_HELD_MESSAGE = 1024  # as status.replicas[].message
@@ -107,7 +109,7 @@ class _Replica:
     stale: list[ObservedPod]
     recorded: api.ReplicaStatus | None
     failure: failures.ReplicaFailure | None = None
-    state: str = "Pending"
+    state: api.ReplicaState = R.PENDING
     # The failure that made the current generation, when the pass that replaced it was cut
     # short before its status write (`unrecorded`).
     lost: failures.ReplicaFailure | None = None
@@ -144,16 +146,16 @@ def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
             for i, s in enumerate(sets)], extra
 
 
-def _pods_state(r: _Replica, nodes_per_replica: int) -> str:
+def _pods_state(r: _Replica, nodes_per_replica: int) -> api.ReplicaState:
     succeeded = True
     for rank in range(nodes_per_replica):
         p = r.current.get(rank)
         phase = None if p is None or p.deleting else p.phase
         if phase != "Running" and phase != "Succeeded":
             # Coming up: the first incarnation is Pending, a later one is a replacement.
-            return "Replacing" if r.last_failure is not None else "Pending"
+            return R.REPLACING if r.last_failure is not None else R.PENDING
         succeeded = succeeded and phase == "Succeeded"
-    return "Succeeded" if succeeded else "Running"
+    return R.SUCCEEDED if succeeded else R.RUNNING
 
 
 def _replica_status(r: _Replica, generation: int, state: str, restarts: int, last_failure: api.Failure | None,
@@ -204,7 +206,7 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     prev = job.status or api.TrainingJobStatus()
     now_s = int(now.timestamp())
     training = prev.training or api.TrainingProgress()
-    final = prev.state in ("Failed", "Succeeded")
+    final = prev.state in (J.FAILED, J.SUCCEEDED)
     ps = _Pass(
         job=job, now=now, out=Plan(),
         node_map=dict(nodes) if isinstance(nodes, Mapping) else {n.name: n for n in nodes},
@@ -233,7 +235,7 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
             statuses.append(_frozen(ps, r))
         else:
             statuses.append(_replace(ps, r, spare_list))
-    _settle(ps, replicas, failed_now, prev.state == "Failed")
+    _settle(ps, replicas, failed_now, prev.state == J.FAILED)
 
     # Spares serve only a job that is still training; otherwise they would hold GPUs for nothing.
     active = not (ps.suspended or ps.final or failed_now or ps.completed)
@@ -266,7 +268,7 @@ def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, in
 
     for r in replicas:
         rec = r.recorded
-        running = rec is not None and rec.state in ("Running", "Succeeded")
+        running = rec is not None and rec.state in (R.RUNNING, R.SUCCEEDED)
         if r.unrecorded and rec is not None:
             previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
             r.lost, _ = detect(r.id, rec.generation, previous, running)
@@ -338,15 +340,15 @@ def _suspend(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
     """spec.suspend: delete the replica's pods; it comes back as a new incarnation."""
     ps.out.delete.extend(p.name for p in [*r.current.values(), *r.stale] if not p.deleting)
     generation = r.generation + 1 if r.current else r.generation  # one the coordinator has not seen
-    return api.ReplicaStatus(id=r.id, generation=generation, state="Pending", restarts=r.restarts,
+    return api.ReplicaStatus(id=r.id, generation=generation, state=R.PENDING, restarts=r.restarts,
                              last_failure=r.last_failure)
 
 
 def _frozen(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
     """A job that is final, fails now, or completed with this replica failed: record, replace nothing."""
     state, last_failure = _pods_state(r, ps.spec.nodes_per_replica), r.last_failure
-    if r.failure or (ps.final and r.recorded and r.recorded.state == "Failed"):
-        state = "Failed"
+    if r.failure or (ps.final and r.recorded and r.recorded.state == R.FAILED):
+        state = R.FAILED
         if r.failure:
             last_failure = api.Failure(reason=r.failure.reason, message=r.failure.message, time=ps.now)
     return _replica_status(r, r.generation, state, r.restarts, last_failure, _nodes(r.current))
@@ -382,11 +384,11 @@ def _replace(ps: _Pass, r: _Replica, spare_list: list) -> api.ReplicaStatus:
     state = _pods_state(_Replica(r.id, generation, current, [], r.recorded), ps.spec.nodes_per_replica)
     # A promoted spare's pods too: until a later pass sees them relabelled, recording the
     # replica Running would make their absence (a crash before the relabel) a new failure.
-    if r.failure or (state == "Pending" and last_failure is not None):
-        state = "Replacing"
-    if ps.completed and state == "Replacing":  # too late: it is not replaced any more
-        state = "Failed"
-    held = _image_pull(ps, r, generation, current) if state in ("Pending", "Replacing") else None
+    if r.failure or (state == R.PENDING and last_failure is not None):
+        state = R.REPLACING
+    if ps.completed and state == R.REPLACING:  # too late: it is not replaced any more
+        state = R.FAILED
+    held = _image_pull(ps, r, generation, current) if state in (R.PENDING, R.REPLACING) else None
     return _replica_status(r, generation, state, restarts, last_failure, _nodes(current), held)
 
 
@@ -475,15 +477,15 @@ def _shows_script_error(pod: ObservedPod) -> bool:
 def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], statuses: list[api.ReplicaStatus],
             failed_now: tuple[str, str] | None, spare_plan: Any) -> api.TrainingJobStatus:
     spec = ps.spec
-    healthy = sum(1 for s in statuses if s.state in ("Running", "Succeeded"))
+    healthy = sum(1 for s in statuses if s.state in (R.RUNNING, R.SUCCEEDED))
     # Complete, and no worker still runs: the others got "job completed" and exited 0.
     all_done = ps.completed and not any(p.phase == "Running" and not p.deleting
                                         for r in replicas for p in r.current.values())
     view = job_status.JobView(
         replicas=spec.replicas, min_replicas=spec.min_replicas, healthy=healthy,
-        replacing=[s.id for s in statuses if s.state == "Replacing"], suspended=ps.suspended,
-        failed=prev.state == "Failed" or failed_now is not None, succeeded=prev.state == "Succeeded" or all_done,
-        ran_before=prev.state in ("Running", "Recovering", "Degraded") or any(s.restarts for s in statuses),
+        replacing=[s.id for s in statuses if s.state == R.REPLACING], suspended=ps.suspended,
+        failed=prev.state == J.FAILED or failed_now is not None, succeeded=prev.state == J.SUCCEEDED or all_done,
+        ran_before=prev.state in (J.RUNNING, J.RECOVERING, J.DEGRADED) or any(s.restarts for s in statuses),
     )
     state = job_status.job_state(view)
     prev_conditions = {c.type: c for c in prev.conditions}
@@ -491,7 +493,7 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     failed_reason, failed_message = reasons.TOO_MANY_RESTARTS, ""
     if failed_now:
         failed_reason, failed_message = failed_now
-    elif prev.state == "Failed" and old_failed is not None:  # final: as written when it failed
+    elif prev.state == J.FAILED and old_failed is not None:  # final: as written when it failed
         failed_reason, failed_message = old_failed.reason or failed_reason, old_failed.message or ""
     gen = ps.job.metadata.get("generation")
     event = job_status.transition_event(state, prev.state, view, failed_message)
@@ -510,7 +512,7 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
         healthy_replicas=healthy,
         total_restarts=(prev.total_restarts or 0) + (0 if failed_now else ps.new_restarts),
         replicas=statuses,
-        ready_spare_replicas=(sum(1 for s in spare_plan.statuses if s.state == "Ready")
+        ready_spare_replicas=(sum(1 for s in spare_plan.statuses if s.state == S.READY)
                               if spec.spare_replicas or prev.spares else None),
         spares=spare_plan.statuses,
         restart_history=sorted(ps.history, key=lambda h: (h.time, h.replica, h.generation)),

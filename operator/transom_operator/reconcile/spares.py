@@ -25,6 +25,8 @@ from typing import Any
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
 
+S = api.SpareState
+
 
 @dataclass
 class Spare:
@@ -107,7 +109,8 @@ def plan(job: api.TrainingJob, spares: list[Spare], extra: list[ObservedPod], ac
     excluded = list(excluded)
     out = SparePlan(create=[], delete=[p.name for p in extra if not p.deleting], statuses=[], requeue_after=None)
     for s in spares:
-        generation, current, last_failure = s.generation, dict(s.current), s.recorded.last_failure if s.recorded else None
+        last_failure = s.recorded.last_failure if s.recorded else None
+        generation, current = s.generation, dict(s.current)
         stale = list(s.stale)
         if s.promoted_to is not None:
             generation, current = generation + 1, {}  # its pods now belong to the replica
@@ -135,7 +138,7 @@ def plan(job: api.TrainingJob, spares: list[Spare], extra: list[ObservedPod], ac
         view = Spare(s.id, generation, current, [], None)
         ready = active and view.ready(spec.nodes_per_replica, nodes, excluded)
         out.statuses.append(api.SpareStatus(
-            id=s.id, generation=generation, state="Ready" if ready else "Pending", last_failure=last_failure,
+            id=s.id, generation=generation, state=S.READY if ready else S.PENDING, last_failure=last_failure,
             nodes=[current[k].node_name for k in sorted(current) if current[k].node_name],
         ))
     return out

@@ -28,11 +28,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     with ft.FaultTolerant(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ctx) as trainer:
-        for step in trainer.steps(args.steps):
+        for _ in trainer.steps(args.steps):
             for micro in range(MICRO_STEPS):
                 g = trainer.generator(micro)
                 x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
                 last = micro == MICRO_STEPS - 1
+                quiet: contextlib.AbstractContextManager
                 if args.switch == "ddp-attribute":
                     model.require_backward_grad_sync = last
                     quiet = contextlib.nullcontext()

@@ -58,7 +58,8 @@ def main() -> None:
     trainer = ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
     liar = trainer.replica_id == args.liar
     if liar:
-        trainer._clock.busy = lambda: 1e-5  # its own code: it may say anything about itself
+        # Its own code: it may say anything about itself.
+        trainer._clock.busy = lambda: 1e-5  # type: ignore[method-assign]
         if ctx.rank == 0 and os.environ.get(contract.ENV_ATTEMPT, "0") == "0":
             attack(args.out)
     try:

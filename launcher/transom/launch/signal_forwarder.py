@@ -4,12 +4,13 @@ Each worker appends one CSV row per committed step to its file in the launcher's
 directory (ft/guard.py). `SignalForwarder.poll`, called from the launcher's watch loop,
 reads what is new, and at most once a second posts it to the coordinator as one batch for
 the pod (`POST /v1/signals`), where the detectors run; less often when the coordinator's
-answer says so (a job with thousands of pods: transom/detect/step_rows.py `post_interval`). Rows wait in a bounded buffer while
-the coordinator is away (the oldest are dropped first: the detectors judge recent steps).
-The file is the worker's script's to write: a line that is no row (any bytes) is skipped,
-counted, and reported in a warning at most once a minute; the launcher goes on. Once the
-coordinator's answer carries the job's DuplicateData finding (replicas that trained on
-identical inputs, detect/duplicates.py), the launcher logs it, once.
+answer says so (a job with thousands of pods: transom/detect/step_rows.py `post_interval`).
+Rows wait in a bounded buffer while the coordinator is away (the oldest are dropped first:
+the detectors judge recent steps). The file is the worker's script's to write: a line that
+is no row (any bytes) is skipped, counted, and reported in a warning at most once a minute;
+the launcher goes on. Once the coordinator's answer carries the job's DuplicateData finding
+(replicas that trained on identical inputs, detect/duplicates.py), the launcher logs it,
+once.
 
 The hang watchdog: a worker that has reported a step, and then reports none for
 `hang_timeout_s` while not waiting for others (its quorum, the exchange, the votes: each wait
@@ -31,10 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.coordinator.client import CoordinatorClient
-from transom.errors import CoordinatorError, TooManyRequests
 from transom.coordinator.models import Identity, SignalBatch, SignalRow
-from transom.detect.step_rows import (FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S, OPTIONAL_COLUMNS, TRACE_COLUMNS,
-                                    DetectionSettings, Signal, TraceParser)
+from transom.detect.step_rows import (
+    FORWARD_INTERVAL_S,
+    MAX_FORWARD_INTERVAL_S,
+    OPTIONAL_COLUMNS,
+    TRACE_COLUMNS,
+    DetectionSettings,
+    Signal,
+    TraceParser,
+)
+from transom.errors import CoordinatorError, TooManyRequests
 
 log = logging.getLogger("transom.launch")
 MAX_BUFFERED_ROWS = 20_000
