@@ -15,7 +15,7 @@ here, so `api.X` is the one way in.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, WithJsonSchema, field_validator
 
@@ -159,7 +159,7 @@ class FaultTolerance(ApiModel):
         description="Longest a cross-replica collective may block before its replica is dropped from the step.",
     )
     backend: Backend = Field(
-        DEFAULT_BACKEND,
+        cast(Backend, DEFAULT_BACKEND),
         description=(
             "torch.distributed backend of the workers (TRANSOM_BACKEND). auto: NCCL where each process has a GPU of "
             "its own and the tensors are on it, Gloo otherwise. gloo or nccl force one; a forced nccl that cannot "
@@ -366,13 +366,13 @@ class TrainingJob(ApiModel):
             f"size(self.metadata.name) <= {MAX_JOB_NAME}",
             f"metadata.name must be at most {MAX_JOB_NAME} characters: it prefixes the names of "
             "the job's pods and Services",
-            lambda j: _name(j) is None or len(_name(j)) <= MAX_JOB_NAME,
+            lambda j: (name := _name(j)) is None or len(name) <= MAX_JOB_NAME,
         ),
         Rule(
             f"self.metadata.name.matches('{DNS_LABEL_1035}')",
             "metadata.name must start with a lowercase letter and contain only lowercase "
             "letters, digits and '-': it names the job's Services",
-            lambda j: _name(j) is None or re.fullmatch(DNS_LABEL_1035, _name(j)) is not None,
+            lambda j: (name := _name(j)) is None or re.fullmatch(DNS_LABEL_1035, name) is not None,
         ),
     )
 

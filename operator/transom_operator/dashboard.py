@@ -356,6 +356,7 @@ def _aggregate(q: Query, t: float, values: dict[Labels, float]) -> dict[tuple[st
             per_le: dict[float, float] = defaultdict(float)  # sum by (le): operator pods add up
             for d, v in members:
                 per_le[float(d["le"])] += v
+            assert q.quantile is not None  # Query.__post_init__ ties it to the kind
             out[key] = bucket_quantile(q.quantile, list(per_le.items()))
         else:
             vals = [v for _, v in members]

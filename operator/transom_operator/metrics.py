@@ -21,8 +21,8 @@ JOB_FAILURES = Counter(
     "transom_operator_job_failures", "TrainingJobs that became Failed, by the Failed condition's reason", ["reason"],
     registry=REGISTRY,
 )
-for _reason in (reasons.TOO_MANY_RESTARTS, reasons.SCRIPT_ERROR, reasons.OOM_KILLED):
-    JOB_FAILURES.labels(_reason)
+for _job_reason in (reasons.TOO_MANY_RESTARTS, reasons.SCRIPT_ERROR, reasons.OOM_KILLED):
+    JOB_FAILURES.labels(_job_reason)
 REPLACEMENTS = Counter("transom_operator_replacements", "Replica incarnations replaced", registry=REGISTRY)
 SPARE_PROMOTIONS = Counter(
     "transom_operator_spare_promotions", "Failed replicas taken over by a hot spare", registry=REGISTRY

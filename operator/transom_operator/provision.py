@@ -81,8 +81,9 @@ class Provisioner:
             # A job from before the workers had a ServiceAccount, a peer Secret and an
             # identity of their own: their pods would be refused or unknown without them (a
             # 409 means it is there). Its coordinator rolls below: its command changed.
-            manifests = (resources.worker_service_account(job), resources.peer_secret(job, secrets.token_urlsafe(32)))
-            for manifest in manifests:
+            account_and_secret = (resources.worker_service_account(job),
+                                  resources.peer_secret(job, secrets.token_urlsafe(32)))
+            for manifest in account_and_secret:
                 self.kube.create(namespace, manifest)
             self.kube.create(None, resources.token_review_binding(job, self.token_reviewer_role))
             self.worker_accounts.add((namespace, name))

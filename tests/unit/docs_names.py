@@ -30,7 +30,7 @@ transom.cli's parser (no torch) for the flags of `transom` commands.
 - a section a page points to (architecture.md, "The step guard"): a heading or bold lead there;
 - in shell code blocks: the repository paths, and the flags of each `transom` command line.
 
-`unnamed(docs)` goes the other way: what the code has that the pages must name (every metric,
+`docs_coverage.unnamed(docs)` goes the other way: what the code has that the pages must name (every metric,
 TRANSOM_* variable, flag of a transom command, FTConfig/CheckpointConfig field, coordinator
 route and --inject action).
 
@@ -122,7 +122,8 @@ def code_words() -> frozenset[str]:
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        docstrings = {id(n.value) for n in ast.walk(tree)
+                      if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
         for n in ast.walk(tree):
             if isinstance(n, ast.Name):
                 words.add(n.id)
@@ -132,7 +133,7 @@ def code_words() -> frozenset[str]:
                 words.add(n.name)
             elif isinstance(n, ast.alias):
                 words.update(re.findall(r"\w+", n.asname or n.name))
-            elif isinstance(n, ast.arg) or isinstance(n, ast.keyword) and n.arg:
+            elif isinstance(n, (ast.arg, ast.keyword)) and n.arg:
                 words.add(n.arg)
             elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
                 words.update(re.findall(r"\w+", n.value))
@@ -207,10 +208,10 @@ def members(cls: ast.ClassDef, seen=()) -> set[str]:
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(t, ast.Name):
                     out.add(t.id)
-    for node in ast.walk(cls):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
-                and isinstance(node.ctx, ast.Store):
-            out.add(node.attr)
+    for walked in ast.walk(cls):
+        if isinstance(walked, ast.Attribute) and isinstance(walked.value, ast.Name) and walked.value.id == "self" \
+                and isinstance(walked.ctx, ast.Store):
+            out.add(walked.attr)
     for base in cls.bases:
         name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
         if name == "NamedTuple":
@@ -435,12 +436,11 @@ def names(token: str) -> list[tuple[str, str, bool]]:
             parts = m.group(1).split(".")
             if any(p in EXTENSIONS for p in parts[1:]) or parts[0] in ("transom",) and parts[1] == "io":
                 continue  # a file name; transom.io, the API group
-            ok = python_name(parts)
-            if ok is None:
+            ours = python_name(parts)
+            if ours is None:
                 continue
-            if not ok and ".".join(parts) in config_keys():
-                ok = True  # checkpoint.uri, detection.enabled: a key of the chart or the CRD
-            out.append(("python", m.group(1), ok))
+            # checkpoint.uri, detection.enabled: a key of the chart or the CRD
+            out.append(("python", m.group(1), ours or ".".join(parts) in config_keys()))
     if CAMEL.match(token) and token not in UPSTREAM_NAMES:
         out.append(("class", token, token in code_words()))
     upstream = re.match(r"^(helm|kubectl|go|pip|git|docker|ctr)\b", token)  # their flags are not ours
@@ -529,7 +529,9 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
                         missing.append(f"{page.name}: path `{path}` (in a code block)")
             for line in re.findall(r"^\s*(?:\.venv/bin/)?(transom [^\n]*)", body, re.MULTILINE):
                 command = transom_command(line)
-                for flag in FLAG.findall(line.split(" -- ")[0]) if command else []:
+                if command is None:
+                    continue
+                for flag in FLAG.findall(line.split(" -- ")[0]):
                     seen.add((page.name, "flag", f"transom {' '.join(command)} {flag}"))
                     if flag != "--help" and flag not in command_flags(command):
                         missing.append(f"{page.name}: flag `transom {' '.join(command)} {flag}` (in a code block)")
@@ -541,47 +543,6 @@ def check(docs: Path = ROOT) -> tuple[int, list[str]]:
                 if not ok:
                     missing.append(f"{page.name}: {kind} `{name}`")
     return len(seen), missing
-
-
-def unnamed(docs: Path = ROOT) -> list[str]:
-    """What the code has that the pages should name and do not: every metric family it registers
-    (in operations.md's tables),
-    every variable of the pod contract (contract.py's TRANSOM_*), every flag of the `transom`
-    commands, every field of FTConfig and CheckpointConfig, every fault action of inject.py."""
-    text = "\n".join(p.read_text() for p in pages(docs))
-    out = []
-    ops = (docs / "docs/operations.md").read_text() if (docs / "docs/operations.md").exists() else ""
-    for name in registered():  # operations.md's tables are the metrics' reference
-        if not re.search(rf"`{name}(_total|_bucket)?`", ops):
-            out.append(f"metric `{name}` (operations.md)")
-    # every TRANSOM_* variable the code reads or sets: the pod contract in architecture.md's
-    # "Environment" (all of contract.py's there), the test environment's anywhere
-    arch = (docs / "docs/architecture.md").read_text() if (docs / "docs/architecture.md").exists() else ""
-    environment = arch[arch.find("## Environment"):arch.find("\n## ", arch.find("## Environment") + 1)]
-    contract = set(re.findall(r"[\"'](TRANSOM_[A-Z0-9_]+)[\"']", (ROOT / "launcher/transom/contract.py").read_text()))
-    for name in sorted(set(re.findall(r"\b(TRANSOM_[A-Z0-9_]*[A-Z0-9])\b", code_text()))):
-        if name not in (environment if name in contract else text):
-            out.append(f"env `{name}`" + (" (architecture.md, \"Environment\")" if name in contract else ""))
-    text_flags = re.findall(r"--[a-z][\w-]*", text)
-    for command in [("run",), ("coordinator",), ("launch",), ("simulate",), ("detect", "replay"), ("checkpoint", "export")]:
-        for flag in sorted(command_flags(command) - {"--help"}):
-            if flag.startswith("--") and flag not in text_flags:
-                out.append(f"flag `transom {' '.join(command)} {flag}`")
-    api = (docs / "docs/architecture.md").read_text() if (docs / "docs/architecture.md").exists() else ""
-    for method, path in sorted(routes()):
-        if f"`{method} {path}" not in api:
-            out.append(f"route `{method} {path}` (architecture.md)")
-    for cls, page in (("FTConfig", "training-api.md"), ("CheckpointConfig", "checkpoint.md")):
-        fields = [n.target.id for c in classes().get(cls, []) for n in c.body
-                  if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-        doc = (docs / "docs" / page).read_text() if (docs / "docs" / page).exists() else ""
-        out += [f"{cls}.{f} ({page})" for f in fields if f"`{f}`" not in doc]
-    actions = ast.literal_eval(re.search(r"^ACTIONS = (\(.*\))$", (ROOT / "launcher/transom/inject.py").read_text(), re.MULTILINE)[1])
-    api = (docs / "docs/training-api.md").read_text()
-    for action in actions:
-        if f"`{action}`" not in api and f"`{action}:" not in api:
-            out.append(f"--inject action `{action}` (training-api.md)")
-    return out
 
 
 if __name__ == "__main__":  # python tests/unit/docs_names.py [ROOT]: check the pages of another tree
@@ -596,4 +557,6 @@ if __name__ == "__main__":  # python tests/unit/docs_names.py [ROOT]: check the 
                 for kind, name, ok in names(token):
                     print("CHECKED", kind, name, ok)
     print("\n".join(missing))
+    from docs_coverage import unnamed
+
     print("unnamed:", *unnamed(Path(args[0]) if args else ROOT), sep="\n")

@@ -353,3 +353,12 @@ def test_invalid_updates_target_immutable_fields():
         assert f"{field} is immutable" == update.error
         # The change alone is a valid spec: only the transition is refused.
         api.TrainingJob.model_validate(cases.with_changes(**{f"spec__{field}": update.changes["spec"][field]}))
+
+
+def test_the_crds_backends_are_the_ones_the_library_understands():
+    from typing import get_args
+
+    from transom.contract import BACKENDS
+    from transom_operator.api_base import Backend
+
+    assert get_args(Backend) == BACKENDS

@@ -3,6 +3,8 @@ the CLI's defaults."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from transom import cli
@@ -10,7 +12,7 @@ from transom.launch.config import LaunchConfig, RunConfig, default_of
 
 
 def _cli_defaults(command: str) -> dict:
-    sub = next(a for a in cli.parser()._actions if getattr(a, "choices", None))
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {a.dest: a.default for a in sub.choices[command]._actions}
 
 

@@ -137,8 +137,8 @@ class LocalPods:
         for var in (contract.ENV_REPLICA_ID, contract.ENV_REPLICA_GENERATION, contract.ENV_SPARE_ID,
                     contract.ENV_PODINFO_DIR, contract.ENV_FAULT, contract.ENV_COORDINATOR_TOKEN):
             env.pop(var, None)
-        if config.devices[slot] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = config.devices[slot]
+        if (devices := config.devices[slot]) is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         if config.detection:
             env[contract.ENV_DETECTION] = config.detection
         if config.checkpoint_uri:

@@ -42,7 +42,8 @@ def load(directory: Path) -> tuple[dict[int, list[Incarnation]], list[dict]]:
     finals: list[dict] = []
     for path in sorted(directory.iterdir()):
         if m := _STEPS.match(path.name):
-            inc = Incarnation(*map(int, m.groups()))
+            replica, generation, attempt = (int(g) for g in m.groups())
+            inc = Incarnation(replica, generation, attempt)
             for line in path.read_text().splitlines():
                 try:
                     inc.records.append(json.loads(line))
@@ -58,7 +59,8 @@ def load(directory: Path) -> tuple[dict[int, list[Incarnation]], list[dict]]:
 
 def stall_seconds(records: list[dict]) -> float:
     """Excess time of disrupted steps over the median undisrupted step, first step excluded."""
-    normal, disrupted = [], []
+    normal: list[float] = []
+    disrupted: list[float] = []
     previous_failed = False
     for i, r in enumerate(records):
         if i == 0:

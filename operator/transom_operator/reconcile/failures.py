@@ -141,12 +141,12 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
     if not causes:
         return None, recheck
     causes.sort(key=lambda c: _PRIORITY.index(c[0]))
-    reason, message, node, _ = causes[0]
+    reason, message, first_node, _ = causes[0]
     exclude: list[tuple[str, str]] = []
     for _, _, bad_node, why in causes:
         if why and bad_node and all(bad_node != n for n, _ in exclude):
             exclude.append((bad_node, why))
-    return ReplicaFailure(reason, message, node, exclude, voluntary=causes[0] in asked), None
+    return ReplicaFailure(reason, message, first_node, exclude, voluntary=causes[0] in asked), None
 
 
 def _failed(pod: ObservedPod, where: str, node: ObservedNode | None,

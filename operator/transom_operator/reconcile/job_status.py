@@ -64,14 +64,16 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
     """Ready, Degraded, Recovering, Succeeded and Failed for `state`; `failed_reason`: why a
     Failed job failed (TooManyRestarts, or ScriptError)."""
     healthy, total = v.healthy, v.replicas
+    ready_reason: str
     if state == J.RUNNING and healthy == total:
         ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
     else:
-        ready_reason = {
+        by_state: dict[str, str] = {
             J.SUSPENDED: reasons.SUSPENDED, J.FAILED: failed_reason,
             J.SUCCEEDED: reasons.TRAINING_COMPLETE, J.DEGRADED: reasons.BELOW_MIN_REPLICAS,
             J.RECOVERING: reasons.REPLACING_REPLICAS,
-        }.get(state, reasons.REPLICAS_STARTING)
+        }
+        ready_reason = by_state.get(state, reasons.REPLICAS_STARTING)
         ready_message = f"{healthy} of {total} replicas running"
     degraded = state == J.DEGRADED
     recovering = bool(v.replacing) and state in (J.RECOVERING, J.DEGRADED)
@@ -115,13 +117,14 @@ def transition_event(state: str, previous: str | None, v: JobView,
     """The Event (type, reason, message) of entering `state`, if it has one."""
     if state == previous:
         return None
-    return {
+    events: dict[str, tuple[str, str, str]] = {
         J.DEGRADED: (reasons.WARNING, reasons.EVENT_JOB_DEGRADED,
                      f"{v.healthy} of {v.replicas} replicas healthy, fewer than minReplicas {v.min_replicas}"),
         J.FAILED: (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
         J.SUCCEEDED: (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
         J.SUSPENDED: (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
-    }.get(state)
+    }
+    return events.get(state)
 
 
 def refused(current: Mapping[str, Any] | None, message: str, generation: int | None,

@@ -177,7 +177,7 @@ def group_pods(pods: Iterable[ObservedPod], id_of: Callable[[ObservedPod], int |
     """Pods by `id_of` (ids 0 .. count - 1, `recorded` generation per id), and the pods whose id
     or node rank is out of range. Pods that `id_of` gives None, or without generation or node
     rank labels, are not ours to group and are left out."""
-    by_id: dict[int, list[ObservedPod]] = {}
+    by_id: dict[int, list[tuple[int, int, ObservedPod]]] = {}  # id -> (generation, node rank, pod)
     extra: list[ObservedPod] = []
     for pod in pods:
         pid = id_of(pod)
@@ -186,16 +186,16 @@ def group_pods(pods: Iterable[ObservedPod], id_of: Callable[[ObservedPod], int |
         if pid >= count or pod.node_rank >= nodes_per_replica:
             extra.append(pod)
         else:
-            by_id.setdefault(pid, []).append(pod)
+            by_id.setdefault(pid, []).append((pod.generation, pod.node_rank, pod))
     out = []
     for i in range(count):  # one loop per id over its own pods: a pass of a 2,000-pod job runs this
-        own = by_id.get(i, ())
-        generation = max([recorded.get(i, 0), *(p.generation for p in own)])
+        own = by_id.get(i, [])
+        generation = max([recorded.get(i, 0), *(g for g, _, _ in own)])
         current: dict[int, ObservedPod] = {}
         stale: list[ObservedPod] = []
-        for p in own:
-            if p.generation == generation:
-                current[p.node_rank] = p
+        for g, rank, p in own:
+            if g == generation:
+                current[rank] = p
             else:
                 stale.append(p)
         out.append(PodSet(generation=generation, current=current, stale=stale))

@@ -273,7 +273,8 @@ def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, in
             previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
             r.lost, _ = detect(r.id, rec.generation, previous, running)
             r.lost_at = ps.now
-        r.failure, recheck = detect(r.id, r.generation, r.current, running and rec.generation == r.generation)
+        r.failure, recheck = detect(r.id, r.generation, r.current,
+                                    running and rec is not None and rec.generation == r.generation)
         if recheck is not None:
             ps.out._requeue(recheck)
 
@@ -333,7 +334,7 @@ def _over_budget(ps: _Pass, replicas: list[_Replica]) -> tuple[str, str] | None:
 
 # --- act, per replica -----------------------------------------------------------------------
 def _nodes(current: Mapping[int, ObservedPod]) -> list[str]:
-    return [current[k].node_name for k in sorted(current) if current[k].node_name]
+    return [name for k in sorted(current) if (name := current[k].node_name)]
 
 
 def _suspend(ps: _Pass, r: _Replica) -> api.ReplicaStatus:
@@ -490,7 +491,8 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     state = job_status.job_state(view)
     prev_conditions = {c.type: c for c in prev.conditions}
     old_failed = prev_conditions.get("Failed")
-    failed_reason, failed_message = reasons.TOO_MANY_RESTARTS, ""
+    failed_reason: str = reasons.TOO_MANY_RESTARTS
+    failed_message = ""
     if failed_now:
         failed_reason, failed_message = failed_now
     elif prev.state == J.FAILED and old_failed is not None:  # final: as written when it failed
