@@ -306,7 +306,7 @@ def describe(case: dict) -> str:
 def detector_throughput(steps: int, replicas: int = 64, ranks: int = 8) -> float | None:
     """Rank-steps the coordinator's detectors judge per CPU-second (best of two passes)."""
     from transom.detect.detectors import Detectors
-    from transom.detect.signals import DetectionSettings
+    from transom.detect.step_rows import DetectionSettings
     from transom.detect.synthetic import TraceSpec, generate
 
     if steps <= 0:

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launcher"))
 
 from transom.detect.detectors import Detectors, Verdict  # noqa: E402
-from transom.detect.signals import DetectionSettings, Signal  # noqa: E402
+from transom.detect.step_rows import DetectionSettings, Signal  # noqa: E402
 from transom.detect.synthetic import Injection, TraceSpec, generate  # noqa: E402
 
 NAIVE_FACTOR = 1.25

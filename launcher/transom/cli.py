@@ -104,7 +104,7 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
                 return code
             env = contract.ReplicaEnv.from_environ()
         nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
-        from transom.detect.signals import DetectionSettings
+        from transom.detect.step_rows import DetectionSettings
         config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts,
                               detection=DetectionSettings.from_spec(os.environ.get(contract.ENV_DETECTION)))
     except ValueError as e:

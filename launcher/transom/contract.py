@@ -76,7 +76,7 @@ DEFAULT_BACKEND = "auto"
 ENV_FAULT = "TRANSOM_FAULT"
 # Optional directory where workers write per-step statistics (local mode summary).
 ENV_STATS_DIR = "TRANSOM_STATS_DIR"
-# spec.detection as JSON (transom/detect/signals.py), for the coordinator, launchers and workers
+# spec.detection as JSON (transom/detect/step_rows.py), for the coordinator, launchers and workers
 ENV_DETECTION = "TRANSOM_DETECTION"
 # where a launcher's workers write their step signals and, on request, their stacks
 ENV_SIGNALS_DIR = "TRANSOM_SIGNALS_DIR"
@@ -209,3 +209,8 @@ class ReplicaEnv:
 
 ENV_LOG_LEVEL = "TRANSOM_LOG_LEVEL"  # the `transom` command's and the workers' log level (default WARNING)
 ENV_COORDINATOR_IMAGE = "TRANSOM_COORDINATOR_IMAGE"  # the operator's default --coordinator-image
+
+# Set by Kubernetes in every pod (not Transom's): where the coordinator finds the API server
+# (coordinator/kube_api.py).
+ENV_KUBERNETES_SERVICE_HOST = "KUBERNETES_SERVICE_HOST"
+ENV_KUBERNETES_SERVICE_PORT = "KUBERNETES_SERVICE_PORT"

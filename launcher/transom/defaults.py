@@ -69,6 +69,29 @@ FENCE_TIMEOUT_S = 5.0
 # lease only costs more questions, never a wrong answer.
 FENCE_LEASE_S = LOCAL.heartbeat_timeout_s
 
+# The coordinator's own timers, the same in both settings (coordinator/ and detect/).
+# A failed round waits for an absent member at least this many of the job's recent rounds:
+# a member still computing its step meets the failed exchange only at the step's end, and
+# on a loaded machine that can be well past `failed_grace_s`.
+FAILED_GRACE_ROUNDS = 3
+COORDINATOR_TICK_S = 0.05  # how often heartbeat expiry and round grace periods are checked
+MAX_STATE_WAIT_S = 60.0  # the longest a replica-state long-poll (GET /v1/replicas/{id}) is held
+KUBE_REQUEST_TIMEOUT_S = 10.0  # every request of the coordinator to the API server
+KUBE_REVIEW_TTL_S = 120.0  # a TokenReview's answer is kept this long, as the API server's own webhook cache
+KUBE_POD_TTL_S = 30.0  # a pod's labels are kept this long (kube_identity.py)
+KUBE_REFRESH_GAP_S = 1.0  # a pod is read again at most this often before a refusal
+QUORUM_WAKE_S = 1.0  # a held quorum long-poll checks at least this often whether it was evicted
+# How often a launcher posts its pod's signal rows: once a second, or less often when many
+# post (detect/step_rows.py `post_interval`), never less often than MAX_FORWARD_INTERVAL_S.
+FORWARD_INTERVAL_S = 1.0
+MAX_FORWARD_INTERVAL_S = 30.0
+# A coordinator client's call waits at most this long for its answer: a quick question
+# (heartbeat, signals, a replica's state), a report, and anything else (a quorum long-poll
+# passes its own).
+CLIENT_QUICK_TIMEOUT_S = 2.0
+CLIENT_REPORT_TIMEOUT_S = 5.0
+CLIENT_TIMEOUT_S = 30.0
+
 
 def heartbeat_interval_s(timeout_s: float) -> float:
     """One beat a second, or three per timeout when the timeout is shorter than 3 s."""

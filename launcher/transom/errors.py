@@ -42,6 +42,8 @@ TransomError alone. Imports nothing heavy.
 
 from __future__ import annotations
 
+from transom.words import EVICTED
+
 
 class TransomError(Exception):
     """The root of every exception Transom raises on purpose."""
@@ -58,7 +60,7 @@ class CoordinatorError(TransomError):
         self.status = status if status is not None else self.default_status
 
 
-EVICTED_STATES = ("superseded", "failed", "left")
+EVICTED_STATES = EVICTED  # transom/words.py: superseded, failed, left
 
 
 class Evicted(CoordinatorError):

@@ -21,8 +21,8 @@ from pydantic import Field, WithJsonSchema, field_validator
 
 from transom.contract import DEFAULT_BACKEND
 from transom.defaults import CLUSTER
-from transom.detect.signals import SPEC_BOUNDS as _BOUNDS  # the ranges are the detectors' own too
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import SPEC_BOUNDS as _BOUNDS  # the ranges are the detectors' own too
+from transom.detect.step_rows import DetectionSettings
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
     API_VERSION,
     CAMEL_CASE,
@@ -187,7 +187,7 @@ class FaultTolerance(ApiModel):
     )
 
 
-_DETECT = DetectionSettings()  # the defaults are the detectors' own (transom/detect/signals.py)
+_DETECT = DetectionSettings()  # the defaults are the detectors' own (transom/detect/step_rows.py)
 
 
 class Detection(ApiModel):

@@ -444,7 +444,7 @@ def test_a_detector_verdict_that_blames_the_node_replaces_the_replica_and_exclud
     from transom.coordinator.detection import Detection
     from transom.coordinator.membership import Membership, Settings
     from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
-    from transom.detect.signals import DetectionSettings
+    from transom.detect.step_rows import DetectionSettings
 
     _apply_example(kubectl, namespace)
     _wait_running(kubectl, namespace)

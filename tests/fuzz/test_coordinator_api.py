@@ -33,8 +33,8 @@ from transom.coordinator.models import (
     SignalBatch,
     SignalRow,
 )
-from transom.coordinator.server import CoordinatorThread
-from transom.detect.signals import DetectionSettings
+from transom.coordinator.thread import CoordinatorThread
+from transom.detect.step_rows import DetectionSettings
 from transom.errors import Evicted, JobCompleted, NotRegistered
 
 TOKEN = "fuzz-token"

@@ -34,7 +34,7 @@ from transom.coordinator.models import (
     SignalBatch,
     SignalRow,
 )
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 
 TOKEN = "test-token-3f9a"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -33,7 +33,7 @@ from transom.coordinator.models import (
     SignalBatch,
     SignalRow,
 )
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.errors import Forbidden
 
 TOKEN = "job-token-5c1d"

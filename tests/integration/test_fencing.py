@@ -27,7 +27,7 @@ from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, RegisterRequest
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.errors import Evicted, Fenced
 from transom.ft import FaultTolerant, FTConfig
 from transom.ft.fencing import IncarnationFence

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from transom.coordinator.client import CoordinatorClient, CoordinatorError
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.ft.leader import CoordinatorLink, hand_outcome
 from transom.launch.supervisor import free_port
 

@@ -23,7 +23,7 @@ import pytest
 from launching import start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
 from waiting import wait_until
 

@@ -34,7 +34,7 @@ from launching import kill_all, start_launcher
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -27,8 +27,8 @@ from test_dataloader import JOB, _committed  # noqa: E402
 from test_fault_tolerance import assert_consistent_finish  # noqa: E402
 from transom import contract  # noqa: E402
 from transom.coordinator.membership import Settings  # noqa: E402
-from transom.coordinator.server import CoordinatorThread  # noqa: E402
-from transom.detect.signals import DetectionSettings  # noqa: E402
+from transom.coordinator.thread import CoordinatorThread  # noqa: E402
+from transom.detect.step_rows import DetectionSettings  # noqa: E402
 from transom.launch.supervisor import free_port  # noqa: E402
 from waiting import wait_until  # noqa: E402
 

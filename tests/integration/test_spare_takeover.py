@@ -24,7 +24,7 @@ from launching import start_launcher
 from test_fault_tolerance import assert_consistent_finish
 from transom import contract
 from transom.coordinator.membership import Settings
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
 from waiting import wait_until
 

@@ -28,7 +28,7 @@ from transom import contract
 from transom.checkpoint import structure
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import QuorumResponse, RecoverySource
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.ft import transfer, wire
 from transom.ft.catchup import Joiner, record_of, small_part
 from transom.ft.expected import ExpectedState

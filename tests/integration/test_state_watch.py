@@ -13,7 +13,7 @@ import requests
 from transom.coordinator.client import CoordinatorClient, replica_state_path
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import FailureReport, Identity, LeaveRequest, QuorumRequest, RegisterRequest
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.launch.state_watch import StateWatch
 
 TOKEN = "state-watch-token"

@@ -17,7 +17,7 @@ import torch
 
 from transom import contract
 from transom.coordinator.membership import Settings
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.errors import UsageError
 from transom.ft import FaultTolerant, FTConfig
 from transom.ft.replica import ReplicaContext

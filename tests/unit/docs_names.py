@@ -333,7 +333,7 @@ def metrics() -> frozenset[str]:
 @functools.cache
 def routes() -> frozenset[tuple[str, str]]:
     """The coordinator's HTTP routes: ("POST", "/v1/quorum"), ("GET", "/v1/replicas/{id}")."""
-    text = (ROOT / "launcher/transom/coordinator/server.py").read_text()
+    text = "".join((ROOT / "launcher/transom/coordinator" / name).read_text() for name in ("server.py", "lookups.py"))
     return frozenset((m.upper(), path) for m, path in re.findall(r"\badd_(get|post|put)\(\s*\"([^\"]+)\"", text))
 
 

@@ -7,7 +7,7 @@ import pytest
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
-from transom.detect.signals import DetectionSettings, post_interval
+from transom.detect.step_rows import DetectionSettings, post_interval
 from transom.errors import Evicted
 
 

@@ -102,7 +102,7 @@ def _sample_names(families) -> set[str]:
 def exported() -> dict[str, set[str]]:
     server = CoordinatorServer(Settings(job="t"), token="t")
     return {"operator": _sample_names(metrics.REGISTRY.collect()),
-            "coordinator": _sample_names(server._registry.collect())}
+            "coordinator": _sample_names(server.lookups.registry.collect())}
 
 
 def test_every_metric_a_panel_uses_is_exported():
@@ -118,7 +118,7 @@ def test_coordinator_exports_goodput_and_checkpoint_once_known():
     server = CoordinatorServer(Settings(job="t", num_replicas=2), token="t", clock=lambda: now[0])
     server.membership = m
     # Known only after a step was committed and a checkpoint reported: no sample before.
-    before = {f.name: f.samples for f in text_string_to_metric_families(generate_latest(server._registry).decode())}
+    before = {f.name: f.samples for f in text_string_to_metric_families(generate_latest(server.lookups.registry).decode())}
     assert before["transom_coordinator_goodput"] == []
     assert before["transom_coordinator_last_checkpoint_timestamp_seconds"] == []
     assert before["transom_coordinator_checkpoint_stall_seconds"] == []
@@ -126,7 +126,7 @@ def test_coordinator_exports_goodput_and_checkpoint_once_known():
     m.record_checkpoint(CheckpointReport(identity=ident(0), step=1, uri="file:///ckpt", stall_seconds=0.25),
                         1_700_000_000.0, 1.0)
     now[0] = 2.0
-    after = {s.name: s.value for f in text_string_to_metric_families(generate_latest(server._registry).decode())
+    after = {s.name: s.value for f in text_string_to_metric_families(generate_latest(server.lookups.registry).decode())
              for s in f.samples}
     assert after["transom_coordinator_goodput"] == 0.5  # 1 productive second of 2
     assert after["transom_coordinator_last_checkpoint_step"] == 1
@@ -140,7 +140,7 @@ def test_batch_shares_are_exported_per_replica_while_rebalanced():
     server.membership = m
 
     def shares():
-        text = generate_latest(server._registry).decode()
+        text = generate_latest(server.lookups.registry).decode()
         return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name == "transom_coordinator_batch_share"}
 

@@ -12,7 +12,7 @@ from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
 from transom.detect.duplicates import MAX_STEPS, DuplicateInputs, message
-from transom.detect.signals import (
+from transom.detect.step_rows import (
     INPUT_DIGEST_INTERVAL,
     OPTIONAL_COLUMNS,
     TRACE_COLUMNS,

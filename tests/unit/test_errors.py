@@ -15,7 +15,7 @@ from transom.ft import backend, wire
 
 PACKAGE = Path(errors.__file__).parent
 # Raised and caught inside one module, never seen by a user: the HTTP layer's parse error.
-INTERNAL = {("coordinator/server.py", "BadRequest")}
+INTERNAL = {("coordinator/http.py", "BadRequest")}
 
 
 def _exception_classes(path: Path) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 
 from transom.checkpoint import layout
 from transom.coordinator import fencing as refusals
-from transom.coordinator.models import ErrorBody, Identity, ReplicaState
+from transom.coordinator.models import ErrorBody, Identity, IncarnationAnswer
 from transom.errors import Evicted, Fenced, TransomError
 from transom.ft.fencing import fenced_line, suspect, verdict
 from transom.inject import Fault
@@ -78,13 +78,13 @@ def test_what_is_remembered_as_told_is_bounded(monkeypatch):
 
 
 def test_the_refusal_event_says_who_was_refused_where_and_why():
-    superseded = ReplicaState(replica_id=1, state="superseded")
+    superseded = IncarnationAnswer(replica_id=1, state="superseded")
     assert refusals.refusal_message(OLD, "/v1/quorum", superseded, NEW) == \
         "refused replica 1 generation 0 attempt 0 on /v1/quorum: superseded by generation 1 attempt 0"
     assert refusals.refusal_message(OLD, "/v1/fence", superseded, NEW, "write checkpoint part 1 of step 10") == \
         ("refused replica 1 generation 0 attempt 0 on /v1/fence (write checkpoint part 1 of step 10): "
          "superseded by generation 1 attempt 0")
-    failed = ReplicaState(replica_id=1, state="failed", reason="no heartbeat for 3.2s")
+    failed = IncarnationAnswer(replica_id=1, state="failed", reason="no heartbeat for 3.2s")
     assert refusals.refusal_message(OLD, "/v1/heartbeat", failed, OLD) == \
         "refused replica 1 generation 0 attempt 0 on /v1/heartbeat: declared failed: no heartbeat for 3.2s"
 

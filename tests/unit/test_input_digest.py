@@ -86,7 +86,7 @@ def test_the_first_forward_that_records_gradients_in_a_due_step_is_digested():
     model(x)
     model(y)  # a later micro-batch of the step
     assert inputs.value(0) == value(x) is not None
-    steps.now = 3  # not due (detect/signals.py: the first three, then every 50th)
+    steps.now = 3  # not due (detect/step_rows.py: the first three, then every 50th)
     model(x)
     assert inputs.value(3) is None
     steps.now = 50

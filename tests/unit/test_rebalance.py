@@ -16,14 +16,14 @@ from transom.coordinator.models import QuorumRequest, SignalBatch, SignalRow
 from transom.detect.detectors import Detectors
 from transom.detect.rebalance import (
     MAX_SLOWNESS,
-    BatchShares,
+    SharePolicy,
     ShareSchedule,
     exchange_weight,
     newest_held,
     samples_per_rank,
     share_vector,
 )
-from transom.detect.signals import DetectionSettings, Signal
+from transom.detect.step_rows import DetectionSettings, Signal
 
 
 def test_shares_follow_speed_and_keep_the_global_batch():
@@ -70,7 +70,7 @@ def test_weighted_exchange_is_the_mean_over_every_sample():
 
 
 def test_shares_are_published_only_when_every_member_follows_and_apply_from_the_next_step():
-    b = BatchShares(3)
+    b = SharePolicy(3)
     assert b.slow(1, 1.5) and not b.publish(all_follow=False, step=10)
     assert b.publish(all_follow=True, step=10) and (b.published, b.published_from) == ([1.125, 0.75, 1.125], 11)
     assert not b.slow(1, 1.51) or not b.publish(True, 12)  # a change below CHANGE is not republished
@@ -216,7 +216,7 @@ def test_a_rebalanced_replica_is_measured_against_the_others_and_its_share_adjus
         rows[2] = dataclasses.replace(rows[2], batch_share=share)
         d.observe_all(rows)
         assert d.take_updates() == ({2: pytest.approx(1.2)} if step == 19 else {}), step
-    b = BatchShares(3)
+    b = SharePolicy(3)
     assert not b.balance(2, 1.2)  # not rebalanced: nothing to adjust
     b.slow(2, 1.5)
     assert b.balance(2, 1.2) and b.slowness[2] == pytest.approx(1.5 * 1.2 ** 0.5)
@@ -225,7 +225,7 @@ def test_a_rebalanced_replica_is_measured_against_the_others_and_its_share_adjus
 
 
 def test_the_balance_moves_the_estimate_only_so_far_from_the_verdicts_measure():
-    b = BatchShares(2)
+    b = SharePolicy(2)
     b.slow(1, 2.0)
     for _ in range(10):  # its step does not follow its batch: shifting more would not help
         b.balance(1, 1.3)
@@ -287,7 +287,7 @@ def test_a_slow_replica_restarted_with_the_coordinator_gets_its_nominal_share_at
 
 
 def test_a_held_vector_that_does_not_fit_the_job_is_not_adopted():
-    shares = BatchShares(3)
+    shares = SharePolicy(3)
     assert not shares.adopt([1.5, 0.5], 5, [0, 1])  # the job was scaled from two replicas
     assert not shares.adopt([3.0, 3.0, 3.0], 5, [0, 1, 2])  # does not keep the global batch
     assert shares.published is None and shares.slowness == {}

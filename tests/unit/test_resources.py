@@ -406,7 +406,7 @@ def test_empty_token_is_refused():
 
 
 def test_spec_detection_reaches_the_coordinator_and_every_worker_as_the_detectors_read_it():
-    from transom.detect.signals import DetectionSettings
+    from transom.detect.step_rows import DetectionSettings
 
     default = make_job()
     assert DetectionSettings.from_spec(resources.detection_json(default)) == DetectionSettings()

@@ -18,7 +18,7 @@ import pytest
 
 from transom import cli, contract
 from transom.coordinator.membership import Settings
-from transom.detect.signals import SPEC_BOUNDS, SPEC_NAMES, DetectionSettings
+from transom.detect.step_rows import SPEC_BOUNDS, SPEC_NAMES, DetectionSettings
 
 RUN = ["run", "--replicas", "2", "--quiet"]
 SCRIPT = ["--", "python", __file__]

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from transom.coordinator.models import DuplicateDataFinding, Identity, SignalAnswer
-from transom.detect.signals import DetectionSettings, Signal, write_trace
+from transom.detect.step_rows import DetectionSettings, Signal, write_trace
 from transom.errors import CoordinatorError
 from transom.launch.signal_forwarder import SignalForwarder
 

@@ -12,7 +12,7 @@ import torch
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import FingerprintRecord, Identity, RegisterRequest, SignalBatch, SignalRow
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.ft.catchup import Shadow
 from transom.ft.guard import fingerprint
 from transom.ft.snapshot_check import SnapshotCheck

@@ -1,6 +1,6 @@
 """Traces and workers' signals files are written by user code: any bytes are read without a
 traceback, a line that is no row is skipped and counted, and the rest is read on
-(transom/detect/signals.py `TraceParser`, `transom detect replay`)."""
+(transom/detect/step_rows.py `TraceParser`, `transom detect replay`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from transom.detect.signals import MAX_LINE_BYTES, Signal, TraceParser, read_trace, write_trace
+from transom.detect.step_rows import MAX_LINE_BYTES, Signal, TraceParser, read_trace, write_trace
 
 HEADER = (b"step,replica,rank,step_seconds,tokens,sum_len_sq,loss,grad_norm,finite,fingerprint,recovery,batch_share,"
           b"input_digest\n")

@@ -106,7 +106,7 @@ def _kube_api(args: argparse.Namespace):
 def _parts(args: argparse.Namespace) -> dict:
     """Everything the server is made of, from the flags; ValueError for what does not fit."""
     from transom.coordinator.identity import ReplicaKeys
-    from transom.detect.signals import DetectionSettings
+    from transom.detect.step_rows import DetectionSettings
 
     token = _read(args.token_file, "--token-file") if args.token_file else \
         os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from transom.defaults import FENCE_LEASE_S
+from transom.defaults import CLIENT_QUICK_TIMEOUT_S, CLIENT_REPORT_TIMEOUT_S, CLIENT_TIMEOUT_S, FENCE_LEASE_S
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -50,7 +50,7 @@ from transom.coordinator.models import (
     RendezvousInfo,
     SignalAnswer,
     SignalBatch,
-    ReplicaState,
+    IncarnationAnswer,
 )
 from transom.errors import (  # noqa: F401  (the family lives in errors.py)
     CoordinatorError,
@@ -146,7 +146,7 @@ def _payload(raw: bytes) -> dict:
 
 
 class CoordinatorClient:
-    def __init__(self, url: str, token: str | Callable[[], str], timeout_s: float = 30.0):
+    def __init__(self, url: str, token: str | Callable[[], str], timeout_s: float = CLIENT_TIMEOUT_S):
         """`token`: the bearer credential, or a function that returns the current one (TokenFile)."""
         self.url = url.rstrip("/")
         self.credential: Callable[[], str] = token if callable(token) else (lambda: token)
@@ -217,15 +217,15 @@ class CoordinatorClient:
         status, payload = self._call("POST", "/v1/register", req)
         return RegisterResponse.model_validate(self._expect(status, payload, "register"))
 
-    def heartbeat(self, req: HeartbeatRequest, timeout_s: float = 2.0) -> None:
+    def heartbeat(self, req: HeartbeatRequest, timeout_s: float = CLIENT_QUICK_TIMEOUT_S) -> None:
         status, payload = self._call("POST", "/v1/heartbeat", req, timeout_s=timeout_s)
         self._expect(status, payload, "heartbeat")
 
-    def report_failure(self, req: FailureReport, timeout_s: float = 5.0) -> bool:
+    def report_failure(self, req: FailureReport, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> bool:
         status, payload = self._call("POST", "/v1/failure", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "failure").get("accepted"))
 
-    def report_checkpoint(self, req: CheckpointReport, timeout_s: float = 5.0) -> bool:
+    def report_checkpoint(self, req: CheckpointReport, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> bool:
         """Tell the coordinator a checkpoint is committed; False if an equal or newer one was."""
         status, payload = self._call("POST", "/v1/checkpoint", req, timeout_s=timeout_s)
         return bool(self._expect(status, payload, "checkpoint").get("accepted"))
@@ -241,18 +241,18 @@ class CoordinatorClient:
             return FenceAnswer(lease_s=FENCE_LEASE_S, supported=False)
         return FenceAnswer.model_validate(self._expect(status, payload, "fence"))
 
-    def report_signals(self, req: SignalBatch, timeout_s: float = 2.0) -> SignalAnswer:
+    def report_signals(self, req: SignalBatch, timeout_s: float = CLIENT_QUICK_TIMEOUT_S) -> SignalAnswer:
         """Post a pod's rows; the answer says how long to wait before the next post, and the
         job's DuplicateData finding if there is one."""
         status, payload = self._call("POST", "/v1/signals", req, timeout_s=timeout_s)
         return SignalAnswer.model_validate(self._expect(status, payload, "signals"))
 
-    def step_aside(self, req: AsideRequest, timeout_s: float = 5.0) -> None:
+    def step_aside(self, req: AsideRequest, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> None:
         """Tell the coordinator not to wait for this replica until its next quorum request."""
         status, payload = self._call("POST", "/v1/aside", req, timeout_s=timeout_s)
         self._expect(status, payload, "aside")
 
-    def leave(self, req: LeaveRequest, timeout_s: float = 5.0) -> None:
+    def leave(self, req: LeaveRequest, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> None:
         status, payload = self._call("POST", "/v1/leave", req, timeout_s=timeout_s)
         self._expect(status, payload, "leave")
 
@@ -275,21 +275,21 @@ class CoordinatorClient:
             self._expect(status, _payload(raw), "quorum")
             raise CoordinatorError(f"quorum: unexpected answer {status}", status)
 
-    def replica_state(self, identity: Identity, timeout_s: float = 2.0) -> ReplicaState:
+    def replica_state(self, identity: Identity, timeout_s: float = CLIENT_QUICK_TIMEOUT_S) -> IncarnationAnswer:
         status, payload = self._call("GET", replica_state_path(identity), timeout_s=timeout_s)
-        return ReplicaState.model_validate(self._expect(status, payload, "replica state"))
+        return IncarnationAnswer.model_validate(self._expect(status, payload, "replica state"))
 
-    def progress(self, timeout_s: float = 5.0) -> JobProgress:
+    def progress(self, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> JobProgress:
         """What a starting replica needs: the newest step of a healthy peer, the newest checkpoint."""
         status, payload = self._call("GET", "/v1/progress", timeout_s=timeout_s)
         return JobProgress.model_validate(self._expect(status, payload, "progress"))
 
-    def fingerprint(self, committed: int, rank: int, timeout_s: float = 5.0) -> FingerprintRecord:
+    def fingerprint(self, committed: int, rank: int, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> FingerprintRecord:
         """The replicas' record of `rank`'s parameters after `committed` steps."""
         status, payload = self._call("GET", f"/v1/fingerprints/{committed}/{rank}", timeout_s=timeout_s)
         return FingerprintRecord.model_validate(self._expect(status, payload, "fingerprint"))
 
-    def status(self, timeout_s: float = 5.0) -> JobStatus:
+    def status(self, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> JobStatus:
         """The whole job's state (the job's token only)."""
         status, payload = self._call("GET", "/v1/status", timeout_s=timeout_s)
         return JobStatus.model_validate(self._expect(status, payload, "status"))

@@ -22,7 +22,7 @@ one that lies about its inputs can raise it, never restart or exclude anyone.
 
 It also paces the launchers: each answer says how long to wait before the next post, so
 that all of them together post about `SIGNAL_POSTS_PER_S` times a second
-(transom/detect/signals.py `post_interval`, over the posters heard from lately).
+(transom/detect/step_rows.py `post_interval`, over the posters heard from lately).
 
 What a post may claim is bounded like progress (claims.py): a row's step at most one past
 what its replica can have committed, its rank below the replica's size (the ranks it
@@ -42,17 +42,15 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from transom.words import REASONS, DetectAction, FailureKind, IncarnationState, VerdictKind
 from transom.coordinator import claims
 from transom.coordinator.membership import Membership
 from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
 from transom.errors import TooManyRequests
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.duplicates import DuplicateInputs
-from transom.detect.signals import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
+from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 
-# The CRD's reason for each kind (status.training.verdicts[].reason, one CamelCase word).
-REASONS = {"slow": "FailSlow", "hang": "Hang", "nan": "NonFinite", "loss_spike": "LossSpike",
-           "sdc": "SilentDataCorruption"}
 MAX_MESSAGE = 1024
 POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for this long is no longer counted
 # The detectors may use at most this share of each second of the server's one event loop:
@@ -126,7 +124,7 @@ class Detection:
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
         """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
         replica = batch.identity.replica_id
-        rep = self.membership._live(batch.identity)
+        rep = self.membership.live(batch.identity)
         self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []
@@ -152,13 +150,13 @@ class Detection:
         if signals:  # the other live replicas' rows of these steps may still be on their way
             first = min(x.step for x in signals)
             for rep in self.membership.replicas.values():
-                if rep.state == "healthy" and rep.identity.replica_id != replica:
+                if rep.state == IncarnationState.HEALTHY and rep.identity.replica_id != replica:
                     self.detectors.expect(rep.identity.replica_id, 0, first)
         verdicts = self.detectors.observe_all(signals)
         for v in verdicts:
             self._act(v, now)
         for r, busy_over_others in self.detectors.take_updates().items():
-            if self.settings.slow_action == "Rebalance":
+            if self.settings.slow_action == DetectAction.REBALANCE:
                 self.membership.shares.balance(r, busy_over_others)  # published by the next decision
         for r in self.detectors.take_recovered():
             self._restore(r, now, "at normal speed again")
@@ -173,7 +171,7 @@ class Detection:
     def _compare_inputs(self, signals: list[Signal], now: float) -> None:
         for s in signals:
             if s.input_digest is not None and self.duplicates.observe(s.step, s.replica, s.rank, s.input_digest):
-                self.membership._event(now, "duplicate_data", self.duplicates.finding.message)
+                self.membership.event(now, "duplicate_data", self.duplicates.finding.message)
 
     def duplicate_data(self) -> DuplicateDataFinding | None:
         """The job's finding that ranks trained on identical inputs, if there is one."""
@@ -206,23 +204,23 @@ class Detection:
 
     def _restore(self, replica: int, now: float, why: str) -> None:
         if self.membership.shares.restore(replica):
-            self.membership._event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
+            self.membership.event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
 
     def _act(self, v: Verdict, now: float) -> None:
         reason = REASONS[v.kind]
         message = v.message
-        if v.kind == "hang" and v.replica in self._stacks:
+        if v.kind == VerdictKind.HANG and v.replica in self._stacks:
             message += "; stacks: " + self._stacks.pop(v.replica)
         message = message[:MAX_MESSAGE]
         self.verdicts_total[v.kind] += 1
         action = self.settings.action_for(v.kind)
         m = self.membership
-        m._event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
+        m.event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
         rep = m.replicas.get(v.replica)
-        if action == "Rebalance":
+        if action == DetectAction.REBALANCE:
             m.shares.slow(v.replica, v.slowdown)  # published by the next decision
             return
-        if action != "Replace" or rep is None:
+        if action != DetectAction.REPLACE or rep is None:
             return
         entry = {"replica": v.replica, "generation": rep.identity.generation, "reason": reason,
                  "message": message, "blame": v.blame,
@@ -230,8 +228,8 @@ class Detection:
         if v.blame == "Node":
             entry["nodeRank"] = self._node_of.get((v.replica, v.rank if v.rank is not None else 0), 0)
         self._status[v.replica] = entry
-        if rep.state == "healthy":
-            m._fail(rep, now, f"{reason}: {message}", "detected")
+        if rep.state == IncarnationState.HEALTHY:
+            m.fail(rep, now, f"{reason}: {message}", FailureKind.DETECTED)
 
     def status_verdicts(self) -> list[dict]:
         """status.training.verdicts: the newest Replace verdict of each replica."""

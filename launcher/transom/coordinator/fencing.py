@@ -20,7 +20,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from transom.coordinator.models import Identity, ReplicaState
+from transom.coordinator.models import Identity, IncarnationAnswer
+from transom.words import IncarnationState
 
 # The endpoints that refuse an incarnation that is no longer current: the metric shows each
 # of them from the start (0 until something is refused), so a scrape before and after a
@@ -30,13 +31,13 @@ ENDPOINTS = ("/v1/register", "/v1/heartbeat", "/v1/quorum", "/v1/leave", "/v1/as
 MAX_TOLD = 4096  # incarnation-endpoint pairs remembered as told; older ones may be told again
 
 
-def refusal_message(identity: Identity, endpoint: str, known: ReplicaState, current: Identity | None,
+def refusal_message(identity: Identity, endpoint: str, known: IncarnationAnswer, current: Identity | None,
                     what: str | None = None) -> str:
     """The event and log line of a refusal. `known`: what the coordinator holds `identity` to be;
     `current`: the replica's incarnation on record; `what`: what the caller was about to do."""
     who = f"replica {identity.replica_id} generation {identity.generation} attempt {identity.attempt}"
     doing = f" ({what})" if what else ""
-    if known.state == "superseded" and current is not None:
+    if known.state == IncarnationState.SUPERSEDED and current is not None:
         why = f"superseded by generation {current.generation} attempt {current.attempt}"
     else:
         why = f"declared {known.state}" + (f": {known.reason}" if known.reason else "")

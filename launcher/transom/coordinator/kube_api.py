@@ -14,8 +14,10 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from transom import contract
+from transom.defaults import KUBE_REQUEST_TIMEOUT_S as REQUEST_TIMEOUT_S  # noqa: F401  (re-exported)
+
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-REQUEST_TIMEOUT_S = 10.0  # every request to the API server
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class KubeApi:
 
     @classmethod
     def in_cluster(cls) -> "KubeApi":
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        host, port = os.environ.get(contract.ENV_KUBERNETES_SERVICE_HOST), os.environ.get(contract.ENV_KUBERNETES_SERVICE_PORT)
         if not host or not port:
             raise ValueError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset)")
         host = f"[{host}]" if ":" in host else host

@@ -35,12 +35,12 @@ import aiohttp
 from transom import contract
 from transom.coordinator.identity import Principal
 from transom.coordinator.kube_api import REQUEST_TIMEOUT_S, KubeApi
+from transom.defaults import KUBE_POD_TTL_S as POD_TTL_S
+from transom.defaults import KUBE_REFRESH_GAP_S as REFRESH_GAP_S
+from transom.defaults import KUBE_REVIEW_TTL_S as REVIEW_TTL_S
 from transom.errors import CoordinatorError
 
 log = logging.getLogger("transom.coordinator")
-REVIEW_TTL_S = 120.0  # as the API server's own webhook token cache
-POD_TTL_S = 30.0
-REFRESH_GAP_S = 1.0  # a pod is read again at most this often
 MAX_CACHED = 100_000
 API_CONCURRENCY = 16
 POD_NAME = "authentication.kubernetes.io/pod-name"

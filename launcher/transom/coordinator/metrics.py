@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from transom.coordinator.membership import Membership
 from transom.detect.detectors import KINDS
+from transom.words import FailureKind
 
 if TYPE_CHECKING:
     from transom.coordinator.server import CoordinatorServer
@@ -52,9 +53,21 @@ class MembershipCollector:
         c = CounterMetricFamily(
             "transom_coordinator_replica_failures", "Replica incarnations declared failed", labels=["reason"]
         )
-        for reason in ("reported", "heartbeat", "hung", "superseded", "detected", "diverged"):
+        for reason in FailureKind:
             c.add_metric([reason], m.failures_total.get(reason, 0))
         yield c
+        yield from self._refused()
+        yield from self._detection()
+        g = GaugeMetricFamily("transom_coordinator_batch_share",
+                              "A replica's share of the global batch (1 nominal), while Rebalance is in force",
+                              labels=["replica"])
+        for replica, share in enumerate(m.shares.published or []):
+            g.add_metric([str(replica)], share)
+        yield g
+        yield from self._progress(m)
+
+    def _refused(self):
+        """Calls refused at the door: stale incarnations (409) and unknown credentials (401)."""
         c = CounterMetricFamily("transom_coordinator_fenced_requests",
                                 "Calls refused (409) because the calling incarnation was superseded, declared failed "
                                 "or left: what a zombie tried", labels=["endpoint"])
@@ -67,6 +80,9 @@ class MembershipCollector:
         for endpoint in self.server.refusals.endpoints():
             c.add_metric([endpoint], self.server.refusals.unauthenticated.get(endpoint, 0))
         yield c
+
+    def _detection(self):
+        """What the detectors found and what they turned away."""
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
         for kind in KINDS:
             c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
@@ -79,13 +95,6 @@ class MembershipCollector:
                                 "Signal posts answered 429 (too soon, or the detectors' time budget spent)")
         c.add_metric([], self.server.signal_gate.deferred)
         yield c
-        g = GaugeMetricFamily("transom_coordinator_batch_share",
-                              "A replica's share of the global batch (1 nominal), while Rebalance is in force",
-                              labels=["replica"])
-        for replica, share in enumerate(m.shares.published or []):
-            g.add_metric([str(replica)], share)
-        yield g
-        yield from self._progress(m)
 
     def _progress(self, m: Membership):
         """Goodput and the newest checkpoint: families without a sample until they are known,

@@ -85,7 +85,7 @@ class FailureReport(_Msg):
 
 
 class SignalRow(_Msg):
-    """One rank's committed step as the detectors see it (transom/detect/signals.py)."""
+    """One rank's committed step as the detectors see it (transom/detect/step_rows.py)."""
 
     step: int = Step
     rank: int = Field(ge=0, lt=1 << 20)
@@ -277,7 +277,7 @@ class FingerprintRecord(_Msg):
     value: int | None = None
 
 
-class ReplicaState(_Msg):
+class IncarnationAnswer(_Msg):
     """Answer to GET /v1/replicas/{id}: what the coordinator thinks of one incarnation."""
 
     replica_id: int

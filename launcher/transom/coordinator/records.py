@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from transom.coordinator.models import Identity
+from transom.words import IncarnationState
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Replica:
     identity: Identity
     store_addr: str
     state_endpoints: list[str]
-    state: Literal["healthy", "failed", "left"] = "healthy"
+    state: IncarnationState = IncarnationState.HEALTHY  # healthy, failed or left (superseded: replaced)
     last_heartbeat: float = 0.0
     step: int = 0
     registered_step: int = 0  # what it held when it registered: its bound until a round answers it

@@ -29,16 +29,15 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from transom.detect.loss import LossHistory
 from transom.detect.sdc import minority
-from transom.detect.signals import DetectionSettings, Signal
 from transom.detect.slow import FailSlow
+from transom.detect.step_rows import DetectionSettings, Signal
+from transom.words import NODE_KINDS, VerdictKind
 
-Kind = Literal["slow", "hang", "nan", "loss_spike", "sdc"]
-KINDS: tuple[str, ...] = ("slow", "hang", "nan", "loss_spike", "sdc")
-NODE_KINDS = ("slow", "sdc")  # hardware-class: the node is excluded
+Kind = VerdictKind
+KINDS: tuple[VerdictKind, ...] = tuple(VerdictKind)
 LAG_STEPS = 64  # a rank that stopped reporting holds a step back this many steps at most
 MAX_PENDING_STEPS = 1024  # steps held at most (a silent rank cannot make memory grow)
 MAX_FINGERPRINTS = 4096  # (step, rank) fingerprints kept on record, the newest
@@ -56,7 +55,7 @@ class Fingerprint:
 class Verdict:
     replica: int
     rank: int | None  # None: the whole replica
-    kind: str
+    kind: VerdictKind
     first_step: int
     message: str
     reached_step: int = -1  # the step whose signals completed the evidence (detection delay)
@@ -169,7 +168,7 @@ class Detectors:
         found: list[Verdict] = []
         for sig in signals:
             if sig.step_seconds >= s.hang_timeout_s:
-                found.append(Verdict(sig.replica, sig.rank, "hang", step,
+                found.append(Verdict(sig.replica, sig.rank, VerdictKind.HANG, step,
                                      f"rank {sig.rank} made no progress for {sig.step_seconds:.0f}s"))
         by_replica: dict[int, list[Signal]] = {}
         for sig in signals:
@@ -177,7 +176,7 @@ class Detectors:
         found += self._nonfinite(step, by_replica)
         found += self._spikes(step, by_replica)
         found += self._fingerprints(step, signals)
-        found += [Verdict(r, k, "slow", first, msg, slowdown=x) for r, k, first, msg, x in self.slow.step(step, signals)]
+        found += [Verdict(r, k, VerdictKind.SLOW, first, msg, slowdown=x) for r, k, first, msg, x in self.slow.step(step, signals)]
         return self._once([dataclasses.replace(v, reached_step=step) for v in found])
 
     def take_updates(self) -> dict[int, float]:
@@ -189,14 +188,14 @@ class Detectors:
         """Replicas that had a `slow` verdict and are at normal speed again (each once); a new
         slowdown of theirs can make a new verdict."""
         out, self.slow.recovered = self.slow.recovered, []
-        self._reported -= {(r, "slow") for r in out}
+        self._reported -= {(r, VerdictKind.SLOW) for r in out}
         return out
 
     def _nonfinite(self, step: int, by_replica: dict[int, list[Signal]]) -> list[Verdict]:
         bad = [r for r, sigs in by_replica.items() if not all(x.finite for x in sigs)]
         if not bad or (len(by_replica) > 1 and len(bad) == len(by_replica)):
             return []  # every replica at once: the batch or the model, not one replica
-        return [v for r in bad if (v := self._count(r, "nan", step, "non-finite loss or gradients"))]
+        return [v for r in bad if (v := self._count(r, VerdictKind.NAN, step, "non-finite loss or gradients"))]
 
     def _spikes(self, step: int, by_replica: dict[int, list[Signal]]) -> list[Verdict]:
         losses: dict[int, float] = {}
@@ -214,7 +213,7 @@ class Detectors:
         if everyone:
             return []
         return [v for r in spiking
-                if (v := self._count(r, "loss_spike", step, f"loss {losses[r]:.4g} far above its recent level"))]
+                if (v := self._count(r, VerdictKind.LOSS_SPIKE, step, f"loss {losses[r]:.4g} far above its recent level"))]
 
     def _count(self, replica: int, kind: str, step: int, what: str) -> Verdict | None:
         window = self._bad.setdefault((replica, kind), collections.deque())
@@ -242,7 +241,7 @@ class Detectors:
             self._prints[(step, rank)] = Fingerprint(len(prints), majority.pop() if len(majority) == 1 else None)
             while len(self._prints) > MAX_FINGERPRINTS:
                 self._prints.popitem(last=False)
-            out += [Verdict(r, rank, "sdc", step, f"its parameters (rank {rank}) differ from the other replicas' "
+            out += [Verdict(r, rank, VerdictKind.SDC, step, f"its parameters (rank {rank}) differ from the other replicas' "
                             f"at step {step}") for r in culprits]
         return out
 

@@ -7,7 +7,7 @@ exactly what replica 0's rank 0 draws. The replicas average identical gradients,
 trains on 1/N of the data it pays for, and ends "bit-identical" with a clean exit.
 
 Every rank digests the input it trains on, on the steps `input_digest_due` names
-(ft/input_digest.py; detect/signals.py owns the schedule), and the digest travels in its
+(ft/input_digest.py; detect/step_rows.py owns the schedule), and the digest travels in its
 signal row. Two (replica, rank) pairs with one digest at one step trained on identical
 inputs: ranks of different replicas (seeded by the rank alone), or different ranks of one
 replica (seeded by the replica alone, a sampler bug inside the replica).
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from transom.detect.signals import input_digest_due
+from transom.detect.step_rows import input_digest_due
 
 MAX_STEPS = 8  # due steps whose digests are kept (the newest): 350 steps at one digest every 50
 MAX_NAMED = 16  # replicas or ranks a message names; the rest are counted

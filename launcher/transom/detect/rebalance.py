@@ -6,7 +6,7 @@ back by its slowdown, since the replicas train in lockstep. With `slowAction: Re
 the coordinator gives it fewer samples of each global batch and the others more, so that
 all finish together, instead of replacing it:
 
-- **Policy** (`BatchShares`, the coordinator's). A `slow` verdict says how much longer the
+- **Policy** (`SharePolicy`, the coordinator's). A `slow` verdict says how much longer the
   replica takes than its workload predicts, relative to the others (`factor`, at most
   `MAX_SLOWNESS` counted). Shares are proportional to speed (1/factor; 1 for the others)
   and sum to the number of replicas, so the global batch keeps its size: with three
@@ -104,7 +104,7 @@ def newest_held(held: dict[int, tuple[list[float] | None, int]]) -> tuple[list[f
 
 
 @dataclass
-class BatchShares:
+class SharePolicy:
     """The coordinator's policy: who is slow by how much, and the vector that follows."""
 
     replicas: int

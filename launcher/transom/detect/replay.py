@@ -4,7 +4,7 @@ The same `Detectors` the coordinator runs, fed the trace's rows in step order, w
 settings of spec.detection (`--detection JSON`). With `--json` the verdicts are one JSON
 object, `{"verdicts": [{"replica", "rank", "kind", "first_step"}, ...], "skipped": N}`, so a
 trace from a real run (`transom run --trace-out FILE`) can be judged again with other
-settings. A row that is not one (transom/detect/signals.py `TraceParser`) is skipped: the
+settings. A row that is not one (transom/detect/step_rows.py `TraceParser`) is skipped: the
 count, and the first such line, go to stderr.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transom.detect.detectors import Detectors, Verdict
-from transom.detect.signals import DetectionSettings, TraceParser, read_trace
+from transom.detect.step_rows import DetectionSettings, TraceParser, read_trace
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from transom.detect.signals import DetectionSettings, Signal
+from transom.detect.step_rows import DetectionSettings, Signal
 
 FORGET = 0.995  # the predictor's memory: about the last 200 steps weigh
 MIN_REPLICAS = 3  # replicas reporting a step before the others' figures can make a rank slow

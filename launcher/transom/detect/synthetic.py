@@ -21,7 +21,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from transom.detect.signals import Signal
+from transom.detect.step_rows import Signal
 
 
 @dataclass(frozen=True)

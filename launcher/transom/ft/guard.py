@@ -16,7 +16,7 @@ Per step, each rank:
   the sum of their raw bits as 64-bit integers, on the device. Integer addition does not
   depend on the order, and any flipped bit changes the sum;
 - appends a row to `signals-r<replica>-g<generation>-a<attempt>-k<rank>.csv` in the
-  launcher's TRANSOM_SIGNALS_DIR (the trace format, detect/signals.py): its busy time (the
+  launcher's TRANSOM_SIGNALS_DIR (the trace format, detect/step_rows.py): its busy time (the
   step less the time spent waiting for the quorum, the exchange and the votes), the workload
   the script reported, loss, gradient norm, finiteness, fingerprint, and on some steps the
   digest of its input (ft/input_digest.py). The launcher forwards the rows to the
@@ -42,7 +42,7 @@ from typing import TextIO
 import torch
 
 from transom.detect.loss import LossHistory
-from transom.detect.signals import DetectionSettings, Signal, write_trace
+from transom.detect.step_rows import DetectionSettings, Signal, write_trace
 
 STACK_SIGNAL = signal.SIGUSR1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -2,7 +2,7 @@
 
 A script whose batches are seeded by `ctx.rank` alone trains every replica on the same data,
 and nothing fails (detect/duplicates.py, which compares the digests in the coordinator). So,
-on the steps `input_digest_due` names (detect/signals.py: the first three, then every 50th),
+on the steps `input_digest_due` names (detect/step_rows.py: the first three, then every 50th),
 each rank digests its step's input and the digest goes out with its signal row (ft/guard.py):
 
 - by default, the first tensor argument of the model's first forward pass of the step that
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from transom.detect.signals import input_digest_due
+from transom.detect.step_rows import input_digest_due
 from transom.errors import UsageError
 
 SAMPLE = 1 << 14  # elements digested at most; below torch's grain size, so CPU ops need no thread pool

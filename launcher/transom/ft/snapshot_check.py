@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from transom.coordinator.client import CoordinatorClient
-from transom.detect.signals import MAX_FORWARD_INTERVAL_S
+from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S
 from transom.ft.guard import fingerprint
 
 if TYPE_CHECKING:

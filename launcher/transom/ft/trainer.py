@@ -66,7 +66,7 @@ from transom.checkpoint.engine import CheckpointConfig
 from transom.contract import ENV_DETECTION, ENV_STATS_DIR
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import Identity
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.errors import UsageError
 from transom.ft import backend as placement
 from transom.ft import hooks

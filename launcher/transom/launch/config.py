@@ -21,7 +21,7 @@ from typing import Any
 
 from transom import contract, defaults
 from transom.defaults import LOCAL
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.inject import Fault
 from transom.launch import gpus
 

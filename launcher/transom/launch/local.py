@@ -51,9 +51,9 @@ from transom import contract
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import JobStatus
-from transom.coordinator.server import CoordinatorThread
+from transom.coordinator.thread import CoordinatorThread
 from transom.defaults import heartbeat_interval_s
-from transom.detect.signals import DetectionSettings
+from transom.detect.step_rows import DetectionSettings
 from transom.launch import processes
 from transom.launch.config import LaunchConfig, RunConfig, default_of
 from transom.launch.display import Display, closing_table

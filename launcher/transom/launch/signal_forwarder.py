@@ -4,7 +4,7 @@ Each worker appends one CSV row per committed step to its file in the launcher's
 directory (ft/guard.py). `SignalForwarder.poll`, called from the launcher's watch loop,
 reads what is new, and at most once a second posts it to the coordinator as one batch for
 the pod (`POST /v1/signals`), where the detectors run; less often when the coordinator's
-answer says so (a job with thousands of pods: transom/detect/signals.py `post_interval`).
+answer says so (a job with thousands of pods: transom/detect/step_rows.py `post_interval`).
 Rows wait in a bounded buffer while the coordinator is away (the oldest are dropped first:
 the detectors judge recent steps). The file is the worker's script's to write: a line that
 is no row (any bytes) is skipped, counted, and reported in a warning at most once a minute;
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import Identity, SignalBatch, SignalRow
-from transom.detect.signals import (
+from transom.detect.step_rows import (
     FORWARD_INTERVAL_S,
     MAX_FORWARD_INTERVAL_S,
     OPTIONAL_COLUMNS,

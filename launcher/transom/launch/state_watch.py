@@ -32,10 +32,11 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from transom.coordinator.client import replica_state_path
-from transom.coordinator.models import Identity, ReplicaState
+from transom.coordinator.models import Identity, IncarnationAnswer
+from transom.defaults import MAX_STATE_WAIT_S
 
 log = logging.getLogger("transom.launch")
-WAIT_S = 60.0  # the longest the coordinator holds one poll (at most MAX_STATE_WAIT_S there)
+WAIT_S = MAX_STATE_WAIT_S  # each poll asks the coordinator to hold it as long as it may
 RETRY_S = 1.0  # after a failed poll
 CONNECT_TIMEOUT_S = 5.0  # beyond the poll's own wait
 
@@ -51,7 +52,7 @@ class StateWatch:
         self._identity, self._wait_s = identity, wait_s
         self._stopped = threading.Event()
         self._conn: http.client.HTTPConnection | None = None
-        self.latest: ReplicaState | None = None
+        self.latest: IncarnationAnswer | None = None
         """The newest answer (None until the first)."""
         self.polls = 0  # answered polls, for tests and logs
         self._thread = threading.Thread(target=self._run, name=f"transom-state-watch-r{identity.replica_id}",
@@ -89,7 +90,7 @@ class StateWatch:
                 if state.job_completed:  # nothing changes any more, and every poll would be answered at once
                     return
 
-    def _ask(self, known: str | None) -> ReplicaState | None:
+    def _ask(self, known: str | None) -> IncarnationAnswer | None:
         """One poll; None if stopped meanwhile."""
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=self._wait_s + CONNECT_TIMEOUT_S)
@@ -107,7 +108,7 @@ class StateWatch:
             body = resp.read()
             if resp.status != 200:
                 raise ConnectionError(f"replica state: HTTP {resp.status}: {body[:200]!r}")
-            return ReplicaState.model_validate_json(body)  # data only: validated, never executed
+            return IncarnationAnswer.model_validate_json(body)  # data only: validated, never executed
         finally:
             self._conn = None
             conn.close()

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transom.detect.signals import read_trace, write_trace
+from transom.detect.step_rows import read_trace, write_trace
 
 FINAL_LOSS_STEPS = 10
 _STEPS = re.compile(r"steps-r(\d+)-g(\d+)-a(\d+)\.jsonl$")

@@ -31,13 +31,14 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, TextIO
 
+from transom.defaults import FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S  # noqa: F401  (re-exported)
+from transom.words import DetectAction, VerdictKind
+
 # How often a launcher posts its pod's rows: once a second, or less often when many post.
 # The coordinator takes about SIGNAL_POSTS_PER_S posts a second in all and tells every
 # launcher in its answer how long to wait (`post_interval`): a 100,000-GPU job's 12,500
 # launchers post every 12.5 s instead of sending 12,500 requests a second, while a small
 # job keeps its once-a-second verdicts.
-FORWARD_INTERVAL_S = 1.0
-MAX_FORWARD_INTERVAL_S = 30.0
 SIGNAL_POSTS_PER_S = 1000.0
 
 
@@ -62,8 +63,8 @@ def input_digest_due(step: int) -> bool:
 
 TRACE_COLUMNS = ("step", "replica", "rank", "step_seconds", "tokens", "sum_len_sq", "loss", "grad_norm")
 OPTIONAL_COLUMNS = ("finite", "fingerprint", "recovery", "batch_share", "input_digest")
-Action = Literal["Replace", "Report"]
-SlowAction = Literal["Replace", "Report", "Rebalance"]
+Action = Literal[DetectAction.REPLACE, DetectAction.REPORT]
+SlowAction = DetectAction
 # spec.detection's field names (camelCase, as in the CRD) -> DetectionSettings' own
 SPEC_NAMES = {"enabled": "enabled", "warmupSteps": "warmup_steps", "slowFactorPercent": "slow_factor",
               "slowSteps": "slow_steps", "lossSpikeZ": "loss_spike_z", "lossWindow": "loss_window",
@@ -122,9 +123,9 @@ class DetectionSettings:
     """Every this many steps each rank fingerprints its parameters (0: never)."""
     hang_timeout_s: float = 300.0
     """No step progress for this long makes the launcher dump every worker's stacks and restart."""
-    action: Action = "Replace"
+    action: Action = DetectAction.REPLACE
     """What a verdict does: Replace (the replica is taken out and replaced) or Report."""
-    slow_action: SlowAction = "Report"
+    slow_action: SlowAction = DetectAction.REPORT
     """What a `slow` verdict does: Report (the default: an event and a metric; replicas that
     share CPUs with other work are slow without a faulty device), Replace, or Rebalance (the
     slow replica gets a smaller share of each global batch and the others more, until it is
@@ -136,13 +137,15 @@ class DetectionSettings:
             if not _own_units(key, low) <= value <= _own_units(key, high):  # nan is in no range
                 raise ValueError(f"{name} must be between {_own_units(key, low):.15g} and "
                                  f"{_own_units(key, high):.15g}, got {value!r}")
-        if self.action not in ("Replace", "Report"):
+        if self.action not in (DetectAction.REPLACE, DetectAction.REPORT):
             raise ValueError(f"action must be Replace or Report, got {self.action}")
-        if self.slow_action not in ("Replace", "Report", "Rebalance"):
+        if self.slow_action not in tuple(DetectAction):
             raise ValueError(f"slow_action must be Replace, Report or Rebalance, got {self.slow_action}")
+        object.__setattr__(self, "action", DetectAction(self.action))  # the enum, also when given a string
+        object.__setattr__(self, "slow_action", DetectAction(self.slow_action))
 
-    def action_for(self, kind: str) -> str:
-        return self.slow_action if kind == "slow" else self.action
+    def action_for(self, kind: str) -> DetectAction:
+        return self.slow_action if kind == VerdictKind.SLOW else self.action
 
     @classmethod
     def from_spec(cls, text: str | None) -> "DetectionSettings":

@@ -1,0 +1,145 @@
+"""The calls about one replica's incarnation, as the membership applies them: it registers,
+beats, steps aside, fails or leaves, reports a checkpoint, and its heartbeats expire; and
+what the coordinator holds it to be (GET /v1/replicas/{id}). Rounds are membership.py's
+(and rounds.py's); the bounds on claimed progress are claims.py's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transom.coordinator import claims
+from transom.coordinator.models import (
+    AsideRequest,
+    CheckpointReport,
+    FailureReport,
+    HeartbeatRequest,
+    Identity,
+    IncarnationAnswer,
+    LeaveRequest,
+    RegisterRequest,
+    RegisterResponse,
+)
+from transom.coordinator.records import Replica
+from transom.errors import Evicted
+from transom.words import FailureKind, IncarnationState
+
+if TYPE_CHECKING:
+    from transom.coordinator.membership import Membership
+
+
+def register(m: Membership, req: RegisterRequest, now: float) -> RegisterResponse:
+    rid = req.identity.replica_id
+    if rid >= m.settings.num_replicas:
+        raise ValueError(f"replica_id must be below num_replicas ({m.settings.num_replicas})")
+    claims.check_registration(m, rid, req.step)
+    old = m.replicas.get(rid)
+    if old is not None and old.identity.key() > req.identity.key():
+        raise Evicted(f"replica {rid} incarnation {req.identity.key()} is older than {old.identity.key()}")
+    if old is not None and old.identity.key() == req.identity.key():
+        if old.state != IncarnationState.HEALTHY:
+            raise Evicted(f"replica {rid} incarnation {req.identity.key()} was declared {old.state}")
+        old.store_addr, old.state_endpoints, old.last_heartbeat = req.store_addr, list(req.state_endpoints), now
+        if rid not in m.answers:
+            old.registered_step = req.step
+    else:
+        failures, last_failure = 0, None
+        if old is not None:
+            if old.state == IncarnationState.HEALTHY:
+                m.fail(old, now, "replaced by a newer incarnation", FailureKind.SUPERSEDED)
+            failures, last_failure = old.failures, old.last_failure
+        m.replicas[rid] = Replica(
+            identity=req.identity,
+            store_addr=req.store_addr,
+            state_endpoints=list(req.state_endpoints),
+            last_heartbeat=now,
+            step=req.step,
+            registered_step=req.step,
+            failures=failures,
+            last_failure=last_failure,
+        )
+        m.answers.pop(rid, None)
+        m.event(now, "registered", f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}")
+    s = m.settings
+    return RegisterResponse(
+        heartbeat_interval_s=s.heartbeat_interval_s,
+        heartbeat_timeout_s=s.heartbeat_timeout_s,
+        num_replicas=s.num_replicas,
+        min_replicas=s.min_replicas,
+    )
+
+
+def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> None:
+    rep = m.live(req.identity)
+    claims.check(m, req.identity.replica_id, req.step, "heartbeat")
+    rep.last_heartbeat = now
+    rep.step = max(rep.step, req.step)
+
+
+def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
+    """The replica works outside the steps for a while: rounds go on without it (not
+    counted as hung) until it asks for a quorum again, behind the others."""
+    rep = m.live(req.identity)
+    claims.check(m, req.identity.replica_id, req.step, "aside")
+    rep.last_heartbeat = now
+    if not rep.aside:
+        rep.aside = True
+        m.event(now, "aside", f"replica {req.identity.replica_id} stepped aside at step {req.step}")
+
+
+def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
+    """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
+    rep = m.replicas.get(req.identity.replica_id)
+    if rep is None or rep.identity.key() != req.identity.key() or rep.state != IncarnationState.HEALTHY:
+        return False
+    code = f" (exit code {req.exit_code})" if req.exit_code is not None else ""
+    m.fail(rep, now, req.reason + code, FailureKind.REPORTED)
+    return True
+
+
+def leave(m: Membership, req: LeaveRequest, now: float) -> None:
+    rep = m.live(req.identity)
+    claims.check(m, req.identity.replica_id, req.step, "leave")
+    if req.completed:
+        claims.check_completion(m, req.identity.replica_id, req.step)
+    rep.state = IncarnationState.LEFT
+    rep.step = max(rep.step, req.step)
+    if req.completed and m.completed_step is None:
+        m.completed_step = req.step
+        m.event(now, "completed", f"replica {rep.identity.replica_id} completed the job at step {req.step}")
+    m.open.drop(rep.identity.replica_id)
+    why = req.reason or ("completed" if req.completed else "no reason given")
+    m.event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {why}")
+
+
+def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
+    rep = m.replicas.get(identity.replica_id)
+    done = m.completed_step is not None
+    if rep is None or rep.identity.key() < identity.key():
+        return IncarnationAnswer(replica_id=identity.replica_id, state=IncarnationState.UNKNOWN, job_completed=done)
+    if rep.identity.key() > identity.key():
+        return IncarnationAnswer(replica_id=identity.replica_id, state=IncarnationState.SUPERSEDED, job_completed=done)
+    return IncarnationAnswer(replica_id=identity.replica_id, state=rep.state, reason=rep.last_failure,
+                        job_completed=done)
+
+
+def expire(m: Membership, now: float) -> bool:
+    """Declare replicas whose heartbeats stopped failed. Returns whether anything changed."""
+    changed = False
+    for rep in m.replicas.values():
+        age = now - rep.last_heartbeat
+        if rep.state == IncarnationState.HEALTHY and age > m.settings.heartbeat_timeout_s:
+            m.fail(rep, now, f"no heartbeat for {age:.1f}s", FailureKind.HEARTBEAT)
+            changed = True
+    return changed
+
+
+def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
+    """A replica committed the checkpoint of `req.step`; older reports are ignored."""
+    m.live(req.identity)
+    claims.check(m, req.identity.replica_id, req.step, "checkpoint report")
+    if m.last_checkpoint is not None and req.step <= m.last_checkpoint[0]:
+        return False
+    m.last_checkpoint = (req.step, wall_time)
+    m.last_checkpoint_stall_s = req.stall_seconds
+    m.event(now, "checkpoint", f"checkpoint of step {req.step} committed by replica {req.identity.replica_id}")
+    return True
