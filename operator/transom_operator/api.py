@@ -243,14 +243,14 @@ class Detection(ApiModel):
         ),
     )
     action: Literal["Replace", "Report"] = Field(
-        _DETECT.action,
+        cast(Any, _DETECT.action),  # a DetectAction: equal to its string
         description=(
             "What a verdict does. Replace: the replica leaves the quorum and is replaced; for FailSlow and "
             "SilentDataCorruption its node counts as faulty (nodeExclusionPolicy). Report: an event and a metric only."
         ),
     )
     slow_action: Literal["Replace", "Report", "Rebalance"] = Field(
-        _DETECT.slow_action,
+        cast(Any, _DETECT.slow_action),
         description=(
             "What a FailSlow verdict does. Report (default): an event and a metric. Replace: as for action; "
             "choose it where each replica has its devices to itself. Rebalance: the slow replica keeps training "

@@ -118,7 +118,8 @@ def test_coordinator_exports_goodput_and_checkpoint_once_known():
     server = CoordinatorServer(Settings(job="t", num_replicas=2), token="t", clock=lambda: now[0])
     server.membership = m
     # Known only after a step was committed and a checkpoint reported: no sample before.
-    before = {f.name: f.samples for f in text_string_to_metric_families(generate_latest(server.lookups.registry).decode())}
+    exposition = generate_latest(server.lookups.registry).decode()
+    before = {f.name: f.samples for f in text_string_to_metric_families(exposition)}
     assert before["transom_coordinator_goodput"] == []
     assert before["transom_coordinator_last_checkpoint_timestamp_seconds"] == []
     assert before["transom_coordinator_checkpoint_stall_seconds"] == []

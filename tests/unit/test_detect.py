@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from transom.detect.detectors import Detectors
 from transom.detect.sdc import minority
-from transom.detect.step_rows import DetectionSettings, Signal, read_trace, write_trace
 from transom.detect.slow import _reference, _relative
+from transom.detect.step_rows import DetectionSettings, Signal, read_trace, write_trace
 from transom.detect.synthetic import Injection, TraceSpec, generate
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,8 +22,9 @@ def test_without_a_fault_for_this_attempt_the_step_gets_hooks_that_do_nothing():
 
 
 def test_an_injected_fault_fires_at_its_point_step_and_rank_only():
-    mine = hooks.from_environ(0, replica=1, rank=1, environ={"TRANSOM_FAULT": "raise:step=3,rank=1,phase=forward"})
-    other_rank = hooks.from_environ(0, replica=1, rank=0, environ={"TRANSOM_FAULT": "raise:step=3,rank=1,phase=forward"})
+    fault = {"TRANSOM_FAULT": "raise:step=3,rank=1,phase=forward"}
+    mine = hooks.from_environ(0, replica=1, rank=1, environ=fault)
+    other_rank = hooks.from_environ(0, replica=1, rank=0, environ=fault)
     assert isinstance(mine, hooks.InjectedFaults)
     mine.forward(2)
     mine.allreduce(3)  # another point
@@ -39,4 +40,5 @@ def test_the_answer_a_leader_hands_its_ranks_is_typed_again():
     assert read_outcome({"evicted": "superseded", "state": "failed"}) == \
         NoQuorumAnswer(kind="evicted", message="superseded", state="failed")
     assert read_outcome({"completed": "the job completed at step 90"}).kind == "completed"
-    assert read_outcome({"error": "TimeoutError: no quorum"}) == NoQuorumAnswer(kind="error", message="TimeoutError: no quorum")
+    assert read_outcome({"error": "TimeoutError: no quorum"}) == \
+        NoQuorumAnswer(kind="error", message="TimeoutError: no quorum")

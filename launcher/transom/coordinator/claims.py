@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 SIGNAL_STEP_WINDOW = 1
 
 
-def step_limit(m: "Membership", replica_id: int) -> tuple[int, str] | None:
+def step_limit(m: Membership, replica_id: int) -> tuple[int, str] | None:
     """The most committed steps replica `replica_id`'s live incarnation can hold, and why;
     None when nothing bounds it (registered before this coordinator's first round)."""
     answered = m.answers.get(replica_id)
@@ -50,7 +50,7 @@ def step_limit(m: "Membership", replica_id: int) -> tuple[int, str] | None:
     return None
 
 
-def check(m: "Membership", replica_id: int, step: int, what: str) -> None:
+def check(m: Membership, replica_id: int, step: int, what: str) -> None:
     """ValueError if `step` is more than replica `replica_id` can have committed."""
     bound = step_limit(m, replica_id)
     if bound is not None and step > bound[0]:
@@ -58,21 +58,21 @@ def check(m: "Membership", replica_id: int, step: int, what: str) -> None:
                          f"{bound[0]} committed steps ({bound[1]})")
 
 
-def check_registration(m: "Membership", replica_id: int, step: int) -> None:
+def check_registration(m: Membership, replica_id: int, step: int) -> None:
     """ValueError if a new registration claims more than any round allowed."""
     if m.current is not None and step > m.step_limit:
         raise ValueError(f"registration of replica {replica_id} claims step {step}, but no replica can hold more "
                          f"than {m.step_limit} committed steps (one past the newest step of any round)")
 
 
-def check_completion(m: "Membership", replica_id: int, step: int) -> None:
+def check_completion(m: Membership, replica_id: int, step: int) -> None:
     """ValueError unless replica `replica_id` may say the job completed at `step`."""
     if replica_id not in m.answers:
         raise ValueError(f"replica {replica_id} cannot complete the job at step {step}: no round has answered it "
                          "(a replica commits steps only in rounds)")
 
 
-def signal_step_ok(m: "Membership", replica_id: int, step: int) -> bool:
+def signal_step_ok(m: Membership, replica_id: int, step: int) -> bool:
     """A signal row of `step` describes a step replica `replica_id` could have trained."""
     bound = step_limit(m, replica_id)
     return bound is None or step <= bound[0] + SIGNAL_STEP_WINDOW

@@ -57,7 +57,8 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--kube-status", action="store_true",
                    help="write status.training of the TrainingJob (in-cluster ServiceAccount)")
     c.add_argument("--namespace", default=None, help=f"the job's namespace (default: ${contract.ENV_NAMESPACE})")
-    c.add_argument("--status-interval", type=seconds, default=LOCAL.status_interval_s, help="seconds between status writes")
+    c.add_argument("--status-interval", type=seconds, default=LOCAL.status_interval_s,
+                   help="seconds between status writes")
     c.add_argument("--kube-api", help="API server URL, to reach Kubernetes from outside a cluster (tests)")
     c.add_argument("--kube-token-file", help="with --kube-api: file holding a ServiceAccount token")
     c.add_argument("--kube-ca-file", help="with --kube-api: the API server's CA certificate")

@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from transom.defaults import CLIENT_QUICK_TIMEOUT_S, CLIENT_REPORT_TIMEOUT_S, CLIENT_TIMEOUT_S, FENCE_LEASE_S
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -40,6 +39,7 @@ from transom.coordinator.models import (
     FingerprintRecord,
     HeartbeatRequest,
     Identity,
+    IncarnationAnswer,
     JobProgress,
     JobStatus,
     LeaveRequest,
@@ -50,8 +50,8 @@ from transom.coordinator.models import (
     RendezvousInfo,
     SignalAnswer,
     SignalBatch,
-    IncarnationAnswer,
 )
+from transom.defaults import CLIENT_QUICK_TIMEOUT_S, CLIENT_REPORT_TIMEOUT_S, CLIENT_TIMEOUT_S, FENCE_LEASE_S
 from transom.errors import (  # noqa: F401  (the family lives in errors.py)
     CoordinatorError,
     Evicted,

@@ -42,14 +42,14 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from transom.words import REASONS, DetectAction, FailureKind, IncarnationState, VerdictKind
 from transom.coordinator import claims
 from transom.coordinator.membership import Membership
 from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
-from transom.errors import TooManyRequests
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.duplicates import DuplicateInputs
 from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
+from transom.errors import TooManyRequests
+from transom.words import REASONS, DetectAction, FailureKind, IncarnationState, VerdictKind
 
 MAX_MESSAGE = 1024
 POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for this long is no longer counted
@@ -155,11 +155,11 @@ class Detection:
         verdicts = self.detectors.observe_all(signals)
         for v in verdicts:
             self._act(v, now)
-        for r, busy_over_others in self.detectors.take_updates().items():
+        for slow, busy_over_others in self.detectors.take_updates().items():
             if self.settings.slow_action == DetectAction.REBALANCE:
-                self.membership.shares.balance(r, busy_over_others)  # published by the next decision
-        for r in self.detectors.take_recovered():
-            self._restore(r, now, "at normal speed again")
+                self.membership.shares.balance(slow, busy_over_others)  # published by the next decision
+        for recovered in self.detectors.take_recovered():
+            self._restore(recovered, now, "at normal speed again")
         return verdicts
 
     def step_aside(self, replica: int, step: int) -> None:
@@ -171,7 +171,9 @@ class Detection:
     def _compare_inputs(self, signals: list[Signal], now: float) -> None:
         for s in signals:
             if s.input_digest is not None and self.duplicates.observe(s.step, s.replica, s.rank, s.input_digest):
-                self.membership.event(now, "duplicate_data", self.duplicates.finding.message)
+                finding = self.duplicates.finding  # what observe() just found
+                if finding is not None:
+                    self.membership.event(now, "duplicate_data", finding.message)
 
     def duplicate_data(self) -> DuplicateDataFinding | None:
         """The job's finding that ranks trained on identical inputs, if there is one."""

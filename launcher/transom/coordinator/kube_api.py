@@ -27,8 +27,9 @@ class KubeApi:
     ca_file: Path
 
     @classmethod
-    def in_cluster(cls) -> "KubeApi":
-        host, port = os.environ.get(contract.ENV_KUBERNETES_SERVICE_HOST), os.environ.get(contract.ENV_KUBERNETES_SERVICE_PORT)
+    def in_cluster(cls) -> KubeApi:
+        host = os.environ.get(contract.ENV_KUBERNETES_SERVICE_HOST)
+        port = os.environ.get(contract.ENV_KUBERNETES_SERVICE_PORT)
         if not host or not port:
             raise ValueError("not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset)")
         host = f"[{host}]" if ":" in host else host

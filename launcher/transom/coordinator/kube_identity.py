@@ -115,7 +115,7 @@ class KubeIdentity:
             async with self._client().request(method, self.api.path(path), json=body,
                                               headers=self.api.headers()) as resp:
                 return resp.status, await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as e:
             raise CoordinatorError(f"the API server did not answer about an identity: {e}") from None
 
     async def _review(self, token: str, now: float) -> _Review | None:

@@ -1,12 +1,12 @@
 """The coordinator's one write to Kubernetes: `status.training` of its TrainingJob.
 
-The Kubernetes API is the only channel between coordinator and operator, and the
-coordinator owns exactly `status.training` (the operator owns the rest of status). This
-writer merge-patches the status subresource with the job's committed step, last committed
-checkpoint and goodput whenever they changed, at most every `interval_s`, with the pod's ServiceAccount token (the per-job Role
-allows `patch` on this one job's status and nothing else). It uses aiohttp, which the
-coordinator has anyway, instead of the kubernetes client, so the coordinator image stays
-small and `transom` keeps importing without it.
+The Kubernetes API is the only channel between coordinator and operator, and the coordinator
+owns exactly `status.training` (the operator owns the rest of status). This writer
+merge-patches the status subresource with the job's committed step, last committed
+checkpoint and goodput whenever they changed, at most every `interval_s`, with the pod's
+ServiceAccount token (the per-job Role allows `patch` on this one job's status and nothing
+else). It uses aiohttp, which the coordinator has anyway, instead of the kubernetes client,
+so the coordinator image stays small and `transom` keeps importing without it.
 """
 
 from __future__ import annotations
@@ -62,6 +62,6 @@ class StatusWriter:
                         log.warning("could not write status.training of %s/%s: %s", self.namespace, self.job, e)
                 try:
                     await asyncio.wait_for(wake.wait(), timeout=self.interval_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 wake.clear()

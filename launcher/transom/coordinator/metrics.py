@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class MembershipCollector:
     """Reads the live membership at scrape time; labels are bounded (reason kinds only)."""
 
-    def __init__(self, server: "CoordinatorServer"):
+    def __init__(self, server: CoordinatorServer):
         self.server = server
 
     def collect(self):
@@ -75,7 +75,8 @@ class MembershipCollector:
             c.add_metric([endpoint], self.server.refusals.counts.get(endpoint, 0))
         yield c
         c = CounterMetricFamily("transom_coordinator_unauthenticated_requests",
-                                "Calls refused (401) for a missing or unknown credential, such as a deleted pod's token",
+                                "Calls refused (401) for a missing or unknown credential, "
+                                "such as a deleted pod's token",
                                 labels=["endpoint"])
         for endpoint in self.server.refusals.endpoints():
             c.add_metric([endpoint], self.server.refusals.unauthenticated.get(endpoint, 0))

@@ -8,9 +8,8 @@ in. Field names are snake_case on the wire (this is an internal API, not a Kuber
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import json
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
@@ -204,7 +203,7 @@ class QuorumRequest(_Msg):
     _shared_size = field_validator("shared")(_bounded_shared)
 
     @model_validator(mode="after")
-    def _catching_up_from_the_past(self) -> "QuorumRequest":
+    def _catching_up_from_the_past(self) -> QuorumRequest:
         if self.catching_up_from is not None and self.catching_up_from > self.step:
             raise ValueError(f"catching_up_from {self.catching_up_from} is past the step {self.step}")
         return self
@@ -283,7 +282,8 @@ class IncarnationAnswer(_Msg):
     replica_id: int
     state: Literal["healthy", "failed", "left", "superseded", "unknown"]
     reason: str | None = None
-    job_completed: bool = Field(default=False, description="a replica completed the job (the launcher's exit 0 needs it)")
+    job_completed: bool = Field(default=False,
+                                description="a replica completed the job (the launcher's exit 0 needs it)")
 
 
 class Event(_Msg):

@@ -86,7 +86,7 @@ def plan(ready: Mapping[int, QuorumRequest]) -> Plan:
     recovering = tuple(i for i in ids if i not in canonical)
     # What the joiners need: one that joins now records updates from this step on, one
     # catching up says from which step.
-    needs = [ready[i].catching_up_from if ready[i].catching_up_from is not None else max_step for i in recovering]
+    needs = [max_step if (since := ready[i].catching_up_from) is None else since for i in recovering]
     return Plan(ids=ids, members=tuple(ready[i].identity for i in ids), failed=any(ready[i].failed for i in ids),
                 max_step=max_step, canonical=canonical, recovering=recovering,
                 snapshot_from=max(needs) if needs else None)

@@ -259,7 +259,7 @@ class CoordinatorServer:
                     return http.error(408, "no quorum yet; ask again", retry=True)
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, QUORUM_WAKE_S))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 m.live(req.identity)  # raises Evicted if declared dead meanwhile
                 decision = m.answer_for(req)

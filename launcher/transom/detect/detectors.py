@@ -176,7 +176,8 @@ class Detectors:
         found += self._nonfinite(step, by_replica)
         found += self._spikes(step, by_replica)
         found += self._fingerprints(step, signals)
-        found += [Verdict(r, k, VerdictKind.SLOW, first, msg, slowdown=x) for r, k, first, msg, x in self.slow.step(step, signals)]
+        found += [Verdict(r, k, VerdictKind.SLOW, first, msg, slowdown=x)
+                  for r, k, first, msg, x in self.slow.step(step, signals)]
         return self._once([dataclasses.replace(v, reached_step=step) for v in found])
 
     def take_updates(self) -> dict[int, float]:
@@ -212,10 +213,11 @@ class Detectors:
                 self._losses[r].add(v)
         if everyone:
             return []
-        return [v for r in spiking
-                if (v := self._count(r, VerdictKind.LOSS_SPIKE, step, f"loss {losses[r]:.4g} far above its recent level"))]
+        return [verdict for r in spiking
+                if (verdict := self._count(r, VerdictKind.LOSS_SPIKE, step,
+                                           f"loss {losses[r]:.4g} far above its recent level"))]
 
-    def _count(self, replica: int, kind: str, step: int, what: str) -> Verdict | None:
+    def _count(self, replica: int, kind: VerdictKind, step: int, what: str) -> Verdict | None:
         window = self._bad.setdefault((replica, kind), collections.deque())
         window.append(step)
         while window and window[0] <= step - self.settings.loss_window:
@@ -241,8 +243,9 @@ class Detectors:
             self._prints[(step, rank)] = Fingerprint(len(prints), majority.pop() if len(majority) == 1 else None)
             while len(self._prints) > MAX_FINGERPRINTS:
                 self._prints.popitem(last=False)
-            out += [Verdict(r, rank, VerdictKind.SDC, step, f"its parameters (rank {rank}) differ from the other replicas' "
-                            f"at step {step}") for r in culprits]
+            out += [Verdict(r, rank, VerdictKind.SDC, step,
+                            f"its parameters (rank {rank}) differ from the other replicas' at step {step}")
+                    for r in culprits]
         return out
 
     def _once(self, found: list[Verdict]) -> list[Verdict]:

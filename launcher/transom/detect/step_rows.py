@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO, cast
 
 from transom.defaults import FORWARD_INTERVAL_S, MAX_FORWARD_INTERVAL_S  # noqa: F401  (re-exported)
 from transom.words import DetectAction, VerdictKind
@@ -148,7 +148,7 @@ class DetectionSettings:
         return self.slow_action if kind == VerdictKind.SLOW else self.action
 
     @classmethod
-    def from_spec(cls, text: str | None) -> "DetectionSettings":
+    def from_spec(cls, text: str | None) -> DetectionSettings:
         """From spec.detection as JSON (TRANSOM_DETECTION, `--detection`); missing fields keep
         their defaults. ValueError names an unknown field or a bad value."""
         if not text:
@@ -163,12 +163,14 @@ class DetectionSettings:
         if unknown:
             raise ValueError(f"unknown detection settings {sorted(unknown)}; known: {sorted(SPEC_NAMES)}")
         kinds = {f.name: f.type for f in fields(cls)}
-        values = {}
+        values: dict[str, Any] = {}
         for key, value in spec.items():
             name = SPEC_NAMES[key]
-            want = {"bool": bool, "int": int, "float": (int, float)}.get(str(kinds[name]), str)
+            types: dict[str, type | tuple[type, ...]] = {"bool": bool, "int": int, "float": (int, float)}
+            want = types.get(str(kinds[name]), str)
             if isinstance(value, bool) != (want is bool) or not isinstance(value, want):
                 raise ValueError(f"detection setting {key} has the wrong type: {value!r}")
+            value = cast(Any, value)  # of the type its field wants (checked just above)
             if key in SPEC_BOUNDS and not SPEC_BOUNDS[key][0] <= value <= SPEC_BOUNDS[key][1]:
                 low, high = SPEC_BOUNDS[key]  # named as the user wrote it, in its units
                 raise ValueError(f"detection setting {key} must be between {low} and {high}, got {value!r}")
