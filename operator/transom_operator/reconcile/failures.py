@@ -40,7 +40,7 @@ from datetime import datetime
 from transom import contract
 from transom_operator import api, reasons
 from transom_operator.reconcile import oom
-from transom_operator.reconcile.observe import ObservedNode, ObservedPod
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase
 
 # Pod status reasons that mean the node went away under the pod.
 NODE_LOST_POD_REASONS = frozenset({"NodeLost", "NodeShutdown", "Terminated"})  # Terminated: graceful node shutdown
@@ -117,12 +117,12 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
                                node.name, reasons.NODE_NOT_READY))
             else:
                 later(grace_seconds - elapsed)
-        if pod.phase == "Running" and not pod.deleting:
+        if pod.phase == PodPhase.RUNNING and not pod.deleting:
             continue  # the common case, and nothing below applies to it
         where = f" on node {pod.node_name}" if pod.node_name else ""
-        if pod.phase == "Failed":
+        if pod.phase == PodPhase.FAILED:
             causes.append(_failed(pod, where, node, asked, inc, history))
-        elif pod.phase == "Succeeded" and not completed:
+        elif pod.phase == PodPhase.SUCCEEDED and not completed:
             waited = (now - pod.finished).total_seconds() if pod.finished else COMPLETION_WAIT_S
             if waited >= COMPLETION_WAIT_S:
                 causes.append((reasons.EXITED_EARLY,

@@ -11,12 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from transom import contract
 
+
 # What the kubelet says while it cannot get a container's image: it retries on its own, with a
 # backoff of up to 5 minutes, so the pod is left alone (replicas.py shows it in status).
+class PodPhase(StrEnum):
+    """A pod's status.phase (Kubernetes' words; equal to the strings the API server sends)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+
 IMAGE_PULL_WAITING_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 MAX_KUBELET_MESSAGE = 512  # of the kubelet's own message, in ours
 
@@ -61,7 +73,7 @@ class ObservedPod:
     spare: int | None
     node_rank: int | None
     generation: int | None
-    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    phase: str  # a PodPhase (kept as the API server's string: an unknown future phase is not an error)
     node_name: str | None
     deleting: bool  # has a deletionTimestamp
     exit_code: int | None  # of the first terminated container
@@ -139,7 +151,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         spare=_int_label(labels, contract.LABEL_SPARE),
         node_rank=_int_label(labels, contract.LABEL_NODE_RANK),
         generation=_int_label(labels, contract.LABEL_GENERATION),
-        phase=status.get("phase") or "Pending",
+        phase=status.get("phase") or PodPhase.PENDING,
         node_name=(pod.get("spec") or {}).get("nodeName") or None,
         deleting=metadata.get("deletionTimestamp") is not None,
         exit_code=exit_code,
@@ -148,7 +160,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod:
         finished=parse_time(terminated.get("finishedAt")) if terminated else None,
         message=(terminated.get("message") or None) if terminated else None,
         disruption=_disruption(status),
-        image_pull=_image_pull(status) if status.get("phase") in (None, "Pending") else None,
+        image_pull=_image_pull(status) if status.get("phase") in (None, PodPhase.PENDING) else None,
         memory_limit=_memory_limit(pod.get("spec") or {}, container) if terminated else None,
     )
 

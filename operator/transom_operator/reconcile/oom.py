@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 
 from transom import contract, defaults
 from transom_operator import api, reasons
-from transom_operator.reconcile.observe import ObservedPod
+from transom_operator.reconcile.observe import ObservedPod, PodPhase
 
 MAX_QUOTED = 1024  # of a termination message quoted in a failure's message
 PREFIX = contract.OOM_KILLED + ":"
@@ -56,7 +56,7 @@ def ends_job(replica: int, generation: int, pods: Iterable[ObservedPod], history
     """The Failed condition's message if the OOMKilled end of `replica`'s incarnation
     `generation` (its pods: `pods`) ends the job; None if it is replaced as usual.
     `history`: the replacements within the restart window, before this one."""
-    killed = [p for p in pods if p.phase == "Failed" and not p.deleting and is_oom_killed(p)]
+    killed = [p for p in pods if p.phase == PodPhase.FAILED and not p.deleting and is_oom_killed(p)]
     if not killed:
         return None
     earlier = len({h.generation for h in history

@@ -71,7 +71,7 @@ from typing import Any
 from transom import contract
 from transom_operator import api, reasons, resources
 from transom_operator.reconcile import failures, job_status, oom, spares
-from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase, group_pods
 
 J, R, S = api.JobState, api.ReplicaState, api.SpareState
 
@@ -151,10 +151,10 @@ def _pods_state(r: _Replica, nodes_per_replica: int) -> api.ReplicaState:
     for rank in range(nodes_per_replica):
         p = r.current.get(rank)
         phase = None if p is None or p.deleting else p.phase
-        if phase != "Running" and phase != "Succeeded":
+        if phase != PodPhase.RUNNING and phase != PodPhase.SUCCEEDED:
             # Coming up: the first incarnation is Pending, a later one is a replacement.
             return R.REPLACING if r.last_failure is not None else R.PENDING
-        succeeded = succeeded and phase == "Succeeded"
+        succeeded = succeeded and phase == PodPhase.SUCCEEDED
     return R.SUCCEEDED if succeeded else R.RUNNING
 
 
@@ -461,17 +461,17 @@ def _settle(ps: _Pass, replicas: list[_Replica], failed_now: tuple[str, str] | N
         out.delete.clear()
         if failed_now or was_failed:  # a failed job stops: its pods would hold GPUs for nothing
             out.delete.extend(p.name for r in replicas for p in [*r.current.values(), *r.stale]
-                              if not p.deleting and p.phase != "Succeeded" and not _shows_script_error(p))
+                              if not p.deleting and p.phase != PodPhase.SUCCEEDED and not _shows_script_error(p))
     elif ps.completed:
         out.create.clear()
         out.delete.extend(p.name for r in replicas for p in r.current.values()
-                          if not p.deleting and p.phase == "Pending" and p.name not in out.delete)
+                          if not p.deleting and p.phase == PodPhase.PENDING and p.name not in out.delete)
 
 
 def _shows_script_error(pod: ObservedPod) -> bool:
     """A pod that ended with a ScriptError is kept: it holds nothing any more, and its log
     has the traceback that the user needs to fix the script."""
-    return pod.phase == "Failed" and pod.exit_code == contract.EXIT_SCRIPT_ERROR
+    return pod.phase == PodPhase.FAILED and pod.exit_code == contract.EXIT_SCRIPT_ERROR
 
 
 # --- status ---------------------------------------------------------------------------------
@@ -480,7 +480,7 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     spec = ps.spec
     healthy = sum(1 for s in statuses if s.state in (R.RUNNING, R.SUCCEEDED))
     # Complete, and no worker still runs: the others got "job completed" and exited 0.
-    all_done = ps.completed and not any(p.phase == "Running" and not p.deleting
+    all_done = ps.completed and not any(p.phase == PodPhase.RUNNING and not p.deleting
                                         for r in replicas for p in r.current.values())
     view = job_status.JobView(
         replicas=spec.replicas, min_replicas=spec.min_replicas, healthy=healthy,

@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from transom_operator import api, reasons, resources
-from transom_operator.reconcile.observe import ObservedNode, ObservedPod, group_pods
+from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase, group_pods
 
 S = api.SpareState
 
@@ -44,7 +44,7 @@ class Spare:
         excluded = set(excluded)
         for rank in range(nodes_per_replica):
             pod = self.current.get(rank)
-            if pod is None or pod.deleting or pod.phase != "Running" or not pod.node_name:
+            if pod is None or pod.deleting or pod.phase != PodPhase.RUNNING or not pod.node_name:
                 return False
             node = nodes.get(pod.node_name)
             if node is None or not node.ready or pod.node_name in excluded:
@@ -56,7 +56,7 @@ class Spare:
         excluded = set(excluded)
         for rank in sorted(self.current):
             pod = self.current[rank]
-            if pod.phase in ("Failed", "Succeeded"):
+            if pod.phase in (PodPhase.FAILED, PodPhase.SUCCEEDED):
                 return reasons.POD_FAILED, f"spare pod {pod.name} ended ({pod.phase}, {pod.reason or 'no reason'})"
             if pod.deleting:
                 return reasons.POD_DELETED, f"spare pod {pod.name} is being deleted"
