@@ -25,7 +25,7 @@ is False and the trainer exchanges in `optimizer.step()` instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -43,13 +43,13 @@ class GradientsReady:
         self.covered = bool(params) and all(_is_plain_leaf(p) for p in params)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params] if self.covered else []
         self._queued = False
-        self._buckets: list[list[torch.Tensor]] = []
+        self._buckets: Sequence[Sequence[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
         self._on_bucket: Callable[[int], None] | None = None
         self._waiting: list[int] = []  # per bucket: gradients not accumulated yet this pass
         self.started = 0  # buckets handed to on_bucket this pass, in order
 
-    def track(self, buckets: list[list[torch.Tensor]], on_bucket: Callable[[int], None]) -> None:
+    def track(self, buckets: Sequence[Sequence[torch.Tensor]], on_bucket: Callable[[int], None]) -> None:
         """Also call `on_bucket(i)` once every gradient of `buckets[i]` is accumulated, in
         bucket order (a bucket ready early waits for those before it: every replica must
         start its collectives in the same order)."""

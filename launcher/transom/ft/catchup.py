@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -129,7 +129,10 @@ class Shadow:
                   for g in optimizer.param_groups]
         self.params = [p for g in groups for p in g["params"]]
         try:
-            self.optimizer = type(optimizer)(groups)
+            # A concrete optimizer class takes (params, hyperparameters with defaults), not
+            # Optimizer.__init__'s (params, defaults): the groups carry every hyperparameter.
+            rebuild = cast(Callable[[list[dict[str, Any]]], torch.optim.Optimizer], type(optimizer))
+            self.optimizer = rebuild(groups)
         except TypeError as e:
             raise IncompatibleState(f"{type(optimizer).__name__} cannot be rebuilt from its param_groups "
                                     f"for a catch-up: {e}") from e

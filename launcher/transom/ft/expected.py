@@ -103,7 +103,7 @@ class ExpectedState:
                 continue
             found = _LAZY_KEY.fullmatch(e.key)
             param = self.lazy.get(int(found.group(1))) if found else None
-            if param is None:
+            if found is None or param is None:
                 return f"{e.key[:200]!r}: this replica's model and optimizer hold no such tensor"
             if _numel(e.shape) > max(1, param.numel):
                 return f"{e.key} is {e.dtype}{e.shape} there, larger than its parameter {param} here"

@@ -102,10 +102,11 @@ class StepAllReduce:
         by order)."""
         if self.failed:
             return
+        grads = []
         for p in params:
             if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params]
+            grads.append(_local(p.grad))
         if self.contribute:
             flat = torch.cat([g.reshape(-1) for g in grads])
             if self.own is not None:

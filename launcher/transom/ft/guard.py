@@ -52,7 +52,8 @@ def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
     """The sum of the parameters' raw bits as int64 (a 0-dim tensor on their device)."""
     total = None
     for p in params:
-        local = p.to_local() if callable(getattr(p, "to_local", None)) else p
+        to_local = getattr(p, "to_local", None)  # a DTensor's: its shard
+        local: torch.Tensor = to_local() if callable(to_local) else p
         flat = local.detach().reshape(-1)
         if flat.numel() == 0:
             continue

@@ -74,7 +74,8 @@ class Pending:
 def digest(tensor: torch.Tensor) -> Pending | None:
     """The digest of `tensor`, computed where it lives and not read yet (None: nothing to
     digest, e.g. an empty or sparse tensor)."""
-    local = tensor.to_local() if callable(getattr(tensor, "to_local", None)) else tensor  # a DTensor's shard
+    to_local = getattr(tensor, "to_local", None)  # a DTensor's: its shard
+    local: torch.Tensor = to_local() if callable(to_local) else tensor
     if (local.layout != torch.strided or local.numel() == 0 or local.device.type == "meta"
             or local.element_size() not in _INT_OF_SIZE):
         return None

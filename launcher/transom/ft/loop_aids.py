@@ -28,12 +28,18 @@ import contextlib
 import hashlib
 import struct
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from transom.errors import UsageError
 from transom.ft import data
+
+if TYPE_CHECKING:
+    from transom.ft.commit import Commit
+    from transom.ft.guard import Guard
+    from transom.ft.input_digest import InputDigest
+    from transom.ft.state import ReplicaState
 
 
 def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
@@ -52,6 +58,21 @@ class LoopAids:
     ctx: Any
     model: torch.nn.Module
     num_steps: int | None
+    # Set by FaultTolerant.__init__: declared here so that the contract is typed.
+    state: ReplicaState
+    _in_step: bool
+    _guard: Guard | None
+    _inputs: InputDigest
+    _commit: Commit
+
+    if TYPE_CHECKING:  # FaultTolerant's properties and methods (no runtime definitions here)
+        @property
+        def completed_elsewhere(self) -> bool: ...
+        @property
+        def last_step_committed(self) -> bool: ...
+        @property
+        def last_batch_trained(self) -> bool: ...
+        def begin_step(self) -> None: ...
 
     @property
     def step(self) -> int:

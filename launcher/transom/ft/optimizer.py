@@ -24,7 +24,8 @@ optimizer's, so LR schedulers and GradScaler work on either object.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn, overload
 
 import torch
 
@@ -51,17 +52,31 @@ class FTOptimizer(torch.optim.Optimizer):
     def wrapped(self) -> torch.optim.Optimizer:
         return self.__dict__["_wrapped"]
 
+    # Optimizer declares these as plain attributes; here they are the wrapped optimizer's,
+    # read-only: the setters refuse, with the AttributeError a property without one raises.
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.wrapped.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        _read_only("param_groups")
 
     @property
     def state(self) -> Any:
         return self.wrapped.state
 
+    @state.setter
+    def state(self, value: Any) -> None:
+        _read_only("state")
+
     @property
     def defaults(self) -> dict[str, Any]:
         return self.wrapped.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        _read_only("defaults")
 
     def state_dict(self) -> dict[str, Any]:
         return self.wrapped.state_dict()
@@ -75,7 +90,13 @@ class FTOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> None:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """End the step: vote, and step the wrapped optimizer if the step commits (and the
         scaler, if any, found the gradients finite)."""
         if closure is not None:
@@ -99,3 +120,7 @@ class FTOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"FTOptimizer({self.wrapped!r})"
+
+
+def _read_only(name: str) -> NoReturn:
+    raise AttributeError(f"FTOptimizer.{name} is the wrapped optimizer's: set it there (trainer.optimizer.wrapped)")

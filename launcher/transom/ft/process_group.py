@@ -60,6 +60,7 @@ class CrossReplicaGroup:
         self._store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, use_libuv=True)
         store = dist.PrefixStore(prefix + "/", self._store)
         self.backend = backend = self._decide(store, choice)
+        self.pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
         elif backend == "nccl":
@@ -89,7 +90,8 @@ class CrossReplicaGroup:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
             opts.timeout = self.timeout
-            works.append(self.pg.allreduce([t], opts))
+            # Gloo and NCCL backends implement allreduce; torch's stubs declare it on ProcessGroup only.
+            works.append(self.pg.allreduce([t], opts))  # type: ignore[union-attr]
         return works
 
     def wait(self, works: list[dist.Work]) -> None:

@@ -66,7 +66,7 @@ class Rejoin:
             small, error = take_small(mine[self.replica_id % len(mine)], q.round, self.ctx.env.peer_token,
                                       self.config.recovery_timeout_s)
         # Every rank of the replica starts catching up, or none does (the step again).
-        if not self.ctx.all_ok(small is not None):
+        if not self.ctx.all_ok(small is not None) or small is None:  # all_ok first: every rank calls it
             ftar.fail(error or "another rank of this replica could not take its source's state")
             return None
         step = apply_small(small, self.optimizer, self.state.apply_small)

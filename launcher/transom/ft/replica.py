@@ -95,6 +95,14 @@ class ReplicaContext:
         return bool(flag.item())
 
 
+def _group(group: object) -> dist.ProcessGroup:
+    """`group` (the default group, or a new one of every rank), which torch types loosely:
+    None before init_process_group, NON_GROUP_MEMBER on a rank outside a new group."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"expected a process group that holds this rank, got {group!r}")
+    return group
+
+
 def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext:
     """Read the pod environment and join the replica's own world if it has several processes.
 
@@ -129,8 +137,8 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        ctrl = (dist.group.WORLD if world_backend == "gloo"
-                else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        ctrl = _group(dist.group.WORLD if world_backend == "gloo"
+                      else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
     return ReplicaContext(
         env=env,
         rank=rank,

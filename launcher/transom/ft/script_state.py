@@ -58,7 +58,7 @@ class ScriptState(dict):
         _check(value, key)
         super().__setitem__(key, value)
 
-    def update(self, *args: Any, **values: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **values: Any) -> None:
         for key, value in dict(*args, **values).items():
             self[key] = value
 

@@ -55,7 +55,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -115,7 +115,7 @@ class FaultTolerant(LoopAids):
         *,
         scaler: Stateful | None = None,
         sampler: Stateful | None = None,
-        extra_state: Stateful | None = None,
+        extra_state: Stateful | Mapping[str, Stateful] | None = None,
         config: FTConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         start_step: int = 0,

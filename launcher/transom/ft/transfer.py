@@ -118,7 +118,7 @@ def _raw(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")  # ndarray.data: the array's own buffer
 
 
 def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_bytes: int = CHUNK_BYTES) -> Published:
@@ -126,17 +126,23 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
     places them (checkpoint/structure.py), ready to serve.
 
     The CRC-32s are the only pass over the bytes (zlib releases the GIL on large buffers)."""
-    entries, views, offset = [], [], 0
+    entries: list[dict[str, Any]] = []  # the manifest's, as it goes out
+    placed: list[_Entry] = []  # the same, for the draft
+    views: list[memoryview] = []
+    offset = 0
     for key, t in tensors.items():
         if t.is_cuda or not t.is_contiguous():
             raise ValueError(f"{key}: a published tensor must be a contiguous host copy")
         offset = _aligned(offset)
         view = _raw(t)
-        entries.append({"key": key, "dtype": blob.dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+        dtype, shape_of = blob.dtype_name(t.dtype), list(t.shape)
+        entries.append({"key": key, "dtype": dtype, "shape": shape_of, "offset": offset})
+        placed.append(_Entry.model_construct(key=key, dtype=dtype, shape=shape_of, offset=offset))
         views.append(view)
         offset += len(view)
-    shape = Manifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset,
-                                     entries=[_Entry.model_construct(**e) for e in entries], skeleton=skeleton)
+    # A draft, unvalidated, to cut the chunks whose CRC-32s the digests are: the manifest below is validated.
+    shape = Manifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset, entries=placed,
+                                     skeleton=skeleton, digests=[])
     draft = Published(shape, b"", views)
     digests = []
     for i in range(-(-offset // chunk_bytes)):
@@ -179,11 +185,17 @@ def assemble(manifest: Manifest, data: bytearray | memoryview, device: torch.dev
 
 
 # --- the joiner's side -----------------------------------------------------------------------------
+def _connection(endpoint: str, timeout_s: float) -> http.client.HTTPConnection:
+    url = urllib.parse.urlsplit(endpoint)
+    if url.hostname is None:
+        raise WireError(f"{endpoint!r} names no host")
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+
+
 def http_get(endpoint: str, path: str, token: str, timeout_s: float,
              max_bytes: int | None = None) -> tuple[int, bytes]:
     """(status, body); WireError for a body longer than `max_bytes`, which is not read."""
-    url = urllib.parse.urlsplit(endpoint)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    conn = _connection(endpoint, timeout_s)
     try:
         conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
         resp = conn.getresponse()
@@ -212,8 +224,7 @@ def manifest_of(endpoint: str, token: str, timeout_s: float,
 
 def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: float, view: memoryview) -> None:
     """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC-32."""
-    url = urllib.parse.urlsplit(ep)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    conn = _connection(ep, timeout_s)
     try:
         conn.request("GET", f"/snapshot/{manifest.step}/chunk/{i}", headers={"Authorization": f"Bearer {token}"})
         resp = conn.getresponse()

@@ -87,17 +87,17 @@ def decode(data: bytes | bytearray, device: torch.device | str = "cpu",
         raise WireError(f"bad index: {e.errors()[0]['msg']}") from None
     except (ValueError, RecursionError) as e:
         raise WireError(f"bad index: {e}") from None
-    keys = [e.key for e in index.entries]
+    keys = [entry.key for entry in index.entries]
     if len(set(keys)) != len(keys) or not set(referenced) <= set(keys):
         raise WireError("the index and the skeleton disagree about the tensors")
     tensors: dict[str, torch.Tensor] = {}
-    for e in index.entries:
-        if e.offset < len(MAGIC) or e.offset + e.length > end - n:
-            raise WireError(f"{e.key}: bytes {e.offset}..{e.offset + e.length} are outside the payload")
+    for entry in index.entries:
+        if entry.offset < len(MAGIC) or entry.offset + entry.length > end - n:
+            raise WireError(f"{entry.key}: bytes {entry.offset}..{entry.offset + entry.length} are outside the payload")
         try:
-            t = blob.decode(view[e.offset:e.offset + e.length], e.dtype, e.shape)
+            t = blob.decode(view[entry.offset:entry.offset + entry.length], entry.dtype, entry.shape)
         except blob.BlobError as err:
-            raise WireError(f"{e.key}: {err}") from None
-        tensors[e.key] = t.to(device) if str(device) != "cpu" else t
+            raise WireError(f"{entry.key}: {err}") from None
+        tensors[entry.key] = t.to(device) if str(device) != "cpu" else t
     return structure.unflatten(index.skeleton, tensors, rebuild)
 
