@@ -168,9 +168,12 @@ def comparison(result: dict) -> dict:
         flat["ratio_step_vs_torchft"] = round(t["step_s"] / f["step_s"], 3)
         flat["ratio_total_healthy_stall_vs_torchft"] = round(total_t / total_f, 3) if total_f > 0 else None
     b = result.get(BASE, {})
-    for key in ("step_s", "healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s", "rejoin_time_s"):
+    for key in ("step_s", "rejoin_time_s", "contributing_after_s"):  # durations: a ratio
         if t.get(key) and b.get(key):
             flat[f"ratio_{key}_vs_base"] = round(t[key] / b[key], 3)
+    for key in ("healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s"):  # near 0, either sign: a difference
+        if key in t and key in b:
+            flat[f"{key}_minus_base"] = round(t[key] - b[key], 3)
     for name in ("transom", "transom_spare"):
         figs = result.get(name, {})
         if "step_s" in figs:
