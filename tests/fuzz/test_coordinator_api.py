@@ -136,10 +136,11 @@ def test_no_sequence_of_calls_records_impossible_progress(started, calls):
         if m.current is None:
             continue
         if baseline is None:  # what was reported before the first round is not checked (a restart)
-            baseline = max(m.max_step(), m.completed_step or 0, m.last_checkpoint[0] if m.last_checkpoint else 0)
+            checkpoint = m.last_checkpoint[0] if m.last_checkpoint else 0
+            baseline = max(m.replicas.max_step(), m.completed_step or 0, checkpoint)
         # Nothing recorded since may exceed what the decided rounds allow...
         bound = max(m.step_limit, baseline)
-        assert m.max_step() <= bound
+        assert m.replicas.max_step() <= bound
         assert m.completed_step is None or m.completed_step <= bound
         assert m.last_checkpoint is None or m.last_checkpoint[0] <= bound
         # ...and every decision counts its participants among its members.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transom import errors
 from transom.checkpoint import blob, restore
-from transom.coordinator import client, membership, server
+from transom.coordinator import client, membership, roster, server
 from transom.ft import backend, wire
 
 PACKAGE = Path(errors.__file__).parent
@@ -42,8 +42,8 @@ def test_every_class_in_errors_py_is_in_the_family():
 
 
 def test_the_modules_raise_the_family_s_classes():
-    assert client.Evicted is membership.Evicted is server.Evicted is errors.Evicted
-    assert client.NotRegistered is membership.NotRegistered is errors.NotRegistered
+    assert client.Evicted is roster.Evicted is server.Evicted is errors.Evicted
+    assert client.NotRegistered is roster.NotRegistered is errors.NotRegistered
     assert client.JobCompleted is membership.JobCompleted is errors.JobCompleted
     assert restore.NoCheckpoint is errors.NoCheckpoint and blob.BlobError is errors.BlobError
     assert backend.BackendError is errors.BackendError and wire.WireError is errors.WireError

@@ -324,7 +324,7 @@ def test_heartbeat_expiry_marks_replica_failed(age, expired):
     assert m.expire(10.0 + age) is expired
     assert m.expire(10.0 + age) is False  # already declared
     assert m.replicas[0].state == ("failed" if expired else "healthy")
-    assert m.replicas[1].state == "healthy" and m.healthy_count() == (1 if expired else 2)
+    assert m.replicas[1].state == "healthy" and m.replicas.healthy_count() == (1 if expired else 2)
     assert m.failures_total["heartbeat"] == int(expired)
     assert m.replica_state(ident(0)).state == ("failed" if expired else "healthy")
     if expired:

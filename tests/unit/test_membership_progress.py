@@ -29,7 +29,7 @@ def test_answer_for_is_idempotent_for_retries():
 def test_leave_completed_ends_the_job_for_others(completed):
     m, d0 = started(2)
     m.leave(LeaveRequest(identity=ident(0), step=1, completed=completed, reason="done"), 1.0)
-    assert m.replicas[0].state == "left" and m.healthy_count() == 1
+    assert m.replicas[0].state == "left" and m.replicas.healthy_count() == 1
     assert m.answer_for(qreq(1)) is d0  # a retry of an answered round still gets its answer
     nxt = qreq(1, 1, 0, d0.round)
     assert m.replica_state(ident(1)).job_completed is completed
@@ -65,7 +65,7 @@ def test_steps_that_cannot_have_been_committed_are_refused(call):
     m, d0 = started(3)  # round 0 at step 0: nobody can hold more than one committed step
     with pytest.raises(ValueError, match="can hold at most 1 committed steps"):
         call(m, d0)
-    assert m.max_step() == 0 and m.completed_step is None and m.last_checkpoint is None
+    assert m.replicas.max_step() == 0 and m.completed_step is None and m.last_checkpoint is None
     assert m.replicas[1].state == "healthy"  # refused, not punished
 
 
@@ -73,7 +73,7 @@ def test_progress_is_bounded_by_the_rounds_a_replica_was_in():
     m, d0 = started(2)
     d1 = next_round(m, d0, [0, 1], 1.0, 1)
     m.heartbeat(HeartbeatRequest(identity=ident(0), step=2), 1.5)  # committed under d1: fine
-    assert m.max_step() == 2
+    assert m.replicas.max_step() == 2
     # A newer incarnation was in no round: it holds at most what some replica committed (2),
     # and then only what it registered with.
     with pytest.raises(ValueError, match="registration"):
@@ -106,7 +106,7 @@ def test_before_the_first_round_claims_past_the_registration_are_refused(call):
     register(m, 0, step=10)
     with pytest.raises(ValueError, match="registered with"):
         call(m)
-    assert m.max_step() == 10 and m.completed_step is None and m.last_checkpoint is None
+    assert m.replicas.max_step() == 10 and m.completed_step is None and m.last_checkpoint is None
 
 
 def test_only_a_replica_a_round_answered_can_complete_the_job():

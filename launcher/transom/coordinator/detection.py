@@ -124,7 +124,7 @@ class Detection:
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
         """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
         replica = batch.identity.replica_id
-        rep = self.membership.live(batch.identity)
+        rep = self.membership.replicas.live(batch.identity)
         self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []

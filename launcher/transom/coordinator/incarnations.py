@@ -47,7 +47,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
             if old.state == IncarnationState.HEALTHY:
                 m.fail(old, now, "replaced by a newer incarnation", FailureKind.SUPERSEDED)
             failures, last_failure = old.failures, old.last_failure
-        m.replicas[rid] = Replica(
+        m.replicas.put(Replica(
             identity=req.identity,
             store_addr=req.store_addr,
             state_endpoints=list(req.state_endpoints),
@@ -56,7 +56,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
             registered_step=req.step,
             failures=failures,
             last_failure=last_failure,
-        )
+        ))
         m.answers.pop(rid, None)
         m.event(now, "registered", f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}")
     s = m.settings
@@ -69,7 +69,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
 
 
 def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> None:
-    rep = m.live(req.identity)
+    rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "heartbeat")
     rep.last_heartbeat = now
     rep.step = max(rep.step, req.step)
@@ -78,7 +78,7 @@ def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> None:
 def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
     """The replica works outside the steps for a while: rounds go on without it (not
     counted as hung) until it asks for a quorum again, behind the others."""
-    rep = m.live(req.identity)
+    rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "aside")
     rep.last_heartbeat = now
     if not rep.aside:
@@ -88,8 +88,8 @@ def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
 
 def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
     """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
-    rep = m.replicas.get(req.identity.replica_id)
-    if rep is None or rep.identity.key() != req.identity.key() or rep.state != IncarnationState.HEALTHY:
+    rep = m.replicas.current(req.identity)
+    if rep is None:
         return False
     code = f" (exit code {req.exit_code})" if req.exit_code is not None else ""
     m.fail(rep, now, req.reason + code, FailureKind.REPORTED)
@@ -97,7 +97,7 @@ def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
 
 
 def leave(m: Membership, req: LeaveRequest, now: float) -> None:
-    rep = m.live(req.identity)
+    rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "leave")
     if req.completed:
         claims.check_completion(m, req.identity.replica_id, req.step)
@@ -124,18 +124,15 @@ def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
 
 def expire(m: Membership, now: float) -> bool:
     """Declare replicas whose heartbeats stopped failed. Returns whether anything changed."""
-    changed = False
-    for rep in m.replicas.values():
-        age = now - rep.last_heartbeat
-        if rep.state == IncarnationState.HEALTHY and age > m.settings.heartbeat_timeout_s:
-            m.fail(rep, now, f"no heartbeat for {age:.1f}s", FailureKind.HEARTBEAT)
-            changed = True
-    return changed
+    expired = m.replicas.expired(now, m.settings.heartbeat_timeout_s)
+    for rep, age in expired:
+        m.fail(rep, now, f"no heartbeat for {age:.1f}s", FailureKind.HEARTBEAT)
+    return bool(expired)
 
 
 def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
     """A replica committed the checkpoint of `req.step`; older reports are ignored."""
-    m.live(req.identity)
+    m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "checkpoint report")
     if m.last_checkpoint is not None and req.step <= m.last_checkpoint[0]:
         return False

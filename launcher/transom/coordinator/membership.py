@@ -32,8 +32,8 @@ of replicas can never train apart (no split brain).
 Progress that cannot have happened is refused (ValueError, HTTP 400): the bounds are
 claims.py's. The calls about one incarnation (register, heartbeat, leave...) are
 incarnations.py's, the pure parts of a round (the open round, its plan, who is overdue)
-rounds.py's, and what the membership tells others reports.py's; this class holds the state
-they share and decides.
+rounds.py's, the replicas' records and the queries over them roster.py's, and what the
+membership tells others reports.py's; this class holds the state they share and decides.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ from transom.coordinator.models import (
     RegisterResponse,
 )
 from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exported: the records it keeps)
+from transom.coordinator.roster import Roster
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 from transom.detect.rebalance import SharePolicy, describe, newest_held
-from transom.errors import Evicted, JobCompleted, NotRegistered
+from transom.errors import JobCompleted
 from transom.words import FailureKind, IncarnationState
 
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
@@ -76,7 +77,7 @@ class Membership:
     # Distinguishes this coordinator's life from a previous one: quorum ids restart at 0
     # after a restart, and group prefixes must never repeat (a reused prefix hangs).
     epoch: str = field(default_factory=lambda: secrets.token_hex(4))
-    replicas: dict[int, Replica] = field(default_factory=dict)
+    replicas: Roster = field(default_factory=Roster)  # each replica id's newest incarnation (roster.py)
     open: rounds.OpenRound = field(default_factory=rounds.OpenRound)  # the requests not yet answered
     answers: dict[int, Decision] = field(default_factory=dict)
     current: Decision | None = None
@@ -112,19 +113,6 @@ class Membership:
         """Record what happened (GET /v1/status shows the newest; metrics count them)."""
         self.events.append(Event(time=now, kind=kind, message=message))
         self.events_total += 1
-
-    def live(self, identity: Identity) -> Replica:
-        """The record of a live incarnation, or Evicted/NotRegistered."""
-        rep = self.replicas.get(identity.replica_id)
-        if rep is None:
-            raise NotRegistered(f"replica {identity.replica_id} is not registered")
-        if rep.identity.key() != identity.key():
-            raise Evicted(
-                f"replica {identity.replica_id} incarnation {identity.key()} is superseded by {rep.identity.key()}"
-            )
-        if rep.state != IncarnationState.HEALTHY:
-            raise Evicted(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
-        return rep
 
     def fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
         """Declare incarnation `rep` failed (`kind`: why, as the failures metric counts it)."""
@@ -163,7 +151,7 @@ class Membership:
     # --- quorum ----------------------------------------------------------------------------------
     def request_quorum(self, req: QuorumRequest, now: float) -> Decision | None:
         """Enter the open round; return this replica's decision if one is ready now."""
-        rep = self.live(req.identity)
+        rep = self.replicas.live(req.identity)
         # A retry of an answered request passes too: the round that answered it included its step.
         claims.check(self, req.identity.replica_id, req.step, "quorum request")
         answered = self.answer_for(req)
@@ -193,8 +181,8 @@ class Membership:
 
     def try_decide(self, now: float) -> Decision | None:
         """Decide the open round if nobody it must wait for is missing any more."""
-        self.expire(now)
-        ready = self._ready()
+        self.expire(now)  # first, so that the requests of the incarnations it fails are dropped too
+        ready = self.open.keep(lambda req: self.replicas.current(req.identity) is not None)
         if not ready:  # the round is empty again: its failure report and clock go with it
             self.open.failed_since = None
             return None
@@ -209,17 +197,6 @@ class Membership:
                 )
             return None
         return self._decide(ready, now)
-
-    def _ready(self) -> dict[int, QuorumRequest]:
-        """The open round's requests from current, healthy incarnations (the others are dropped)."""
-        ready: dict[int, QuorumRequest] = {}
-        for rid, req in list(self.open.requests.items()):
-            rep = self.replicas.get(rid)
-            if rep is None or rep.state != IncarnationState.HEALTHY or rep.identity.key() != req.identity.key():
-                self.open.drop(rid)
-            else:
-                ready[rid] = req
-        return ready
 
     def _waits(self, ready: dict[int, QuorumRequest], now: float) -> bool:
         """Whether the round still waits: for the first replicas, or for absent members of the
@@ -336,13 +313,6 @@ class Membership:
         return reports.response(self, decision, replica_id)
 
     # --- reporting -----------------------------------------------------------------------------------
-    def max_step(self) -> int:
-        """The highest step any replica (of any state) reported committed."""
-        return max((r.step for r in self.replicas.values()), default=0)
-
-    def healthy_count(self) -> int:
-        return sum(1 for r in self.replicas.values() if r.state == IncarnationState.HEALTHY)
-
     def training(self, now: float) -> dict:
         return reports.training(self, now)
 

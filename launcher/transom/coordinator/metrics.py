@@ -26,10 +26,10 @@ class MembershipCollector:
     def collect(self):
         m = self.server.membership
         g = GaugeMetricFamily("transom_coordinator_healthy_replicas", "Replicas currently healthy")
-        g.add_metric([], m.healthy_count())
+        g.add_metric([], m.replicas.healthy_count())
         yield g
         g = GaugeMetricFamily("transom_coordinator_step", "Highest committed step reported by any replica")
-        g.add_metric([], m.max_step())
+        g.add_metric([], m.replicas.max_step())
         yield g
         g = GaugeMetricFamily("transom_coordinator_quorum_id", "Current quorum id")
         g.add_metric([], m.current.quorum_id if m.current else -1)

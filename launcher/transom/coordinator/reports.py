@@ -53,7 +53,7 @@ def training(m: Membership, now: float) -> dict:
     `step` only once this coordinator has decided a round: a restarted one knows no replica
     until they register again, and would write 0 over the job's committed step (a merge
     patch without it leaves the last one in place)."""
-    out: dict = {"step": m.max_step()} if m.current is not None else {}
+    out: dict = {"step": m.replicas.max_step()} if m.current is not None else {}
     if m.completed_step is not None:
         out["completedStep"] = m.completed_step
     if m.last_checkpoint is not None:
@@ -85,10 +85,10 @@ def status(m: Membership, now: float) -> JobStatus:
         round=m.next_round - 1,
         quorum_id=cur.quorum_id if cur else -1,
         members=cur.member_ids() if cur else [],
-        max_step=m.max_step(),
+        max_step=m.replicas.max_step(),
         num_replicas=m.settings.num_replicas,
         min_replicas=m.settings.min_replicas,
-        healthy_replicas=m.healthy_count(),
+        healthy_replicas=m.replicas.healthy_count(),
         paused=m.paused,
         completed_step=m.completed_step,
         last_checkpoint=m.last_checkpoint[0] if m.last_checkpoint else None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from transom.coordinator.models import MAX_SHARED_BYTES, Identity, QuorumRequest
@@ -46,6 +46,13 @@ class OpenRound:
     def drop(self, replica_id: int) -> None:
         self.requests.pop(replica_id, None)
         self.since.pop(replica_id, None)
+
+    def keep(self, wanted: Callable[[QuorumRequest], bool]) -> dict[int, QuorumRequest]:
+        """Drop the requests that are not `wanted`; the rest, by replica id."""
+        for rid, req in list(self.requests.items()):
+            if not wanted(req):
+                self.drop(rid)
+        return dict(self.requests)
 
     def opened(self, replica_ids: Iterable[int], now: float) -> float:
         """When the first of `replica_ids` asked (`now` for none)."""

@@ -198,7 +198,7 @@ class CoordinatorServer:
         req = await http.parse(request, FenceRequest)
         await self.access.authorize(request, req.identity)
         request[SUBJECT] = (req.identity, req.what)
-        self.membership.live(req.identity)  # Evicted or NotRegistered; no await: no lock needed
+        self.membership.replicas.live(req.identity)  # Evicted or NotRegistered; no await: no lock needed
         return http.ok(FenceAnswer(lease_s=self.settings.heartbeat_timeout_s))
 
     def _refused(self, request: web.Request, e: Evicted) -> web.Response:
@@ -261,7 +261,7 @@ class CoordinatorServer:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, QUORUM_WAKE_S))
                 except TimeoutError:
                     pass
-                m.live(req.identity)  # raises Evicted if declared dead meanwhile
+                m.replicas.live(req.identity)  # raises Evicted if declared dead meanwhile
                 decision = m.answer_for(req)
                 if decision is None and m.completed_step is not None:
                     raise JobCompleted(f"the job completed at step {m.completed_step}")
@@ -274,10 +274,10 @@ class CoordinatorServer:
             await asyncio.sleep(COORDINATOR_TICK_S)
             async with self._changed:
                 now = self.clock()
-                before = (self.membership.next_round, self.membership.healthy_count())
+                before = (self.membership.next_round, self.membership.replicas.healthy_count())
                 self.membership.expire(now)
                 self.membership.try_decide(now)
-                if (self.membership.next_round, self.membership.healthy_count()) != before:
+                if (self.membership.next_round, self.membership.replicas.healthy_count()) != before:
                     self._changed.notify_all()
                 if self.membership.events_total != self._events_seen:
                     self._events_seen = self.membership.events_total
