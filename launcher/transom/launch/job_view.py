@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from transom.coordinator.models import Event, JobStatus
 from transom.launch.display import progress_line
+from transom.words import IncarnationState
 
 
 def failed_incarnations(status: JobStatus) -> list[tuple[int, int, str | None]]:
@@ -22,14 +23,14 @@ def caught_up(status: JobStatus) -> set[int]:
     """The replicas that hold the job's state: healthy members of the current quorum at the
     newest step a healthy replica reported (one behind: a step in flight). A replica still
     catching up from a peer reports the step it started from until it holds the state."""
-    healthy = [r for r in status.replicas if r.state == "healthy" and r.replica_id in status.members]
+    healthy = [r for r in status.replicas if r.state == IncarnationState.HEALTHY and r.replica_id in status.members]
     newest = max((r.step for r in healthy), default=0)
     return {r.replica_id for r in healthy if r.step >= newest - 1}
 
 
 def progress(status: JobStatus, restarts: int) -> str:
     """The progress line: step, the mean loss of the healthy replicas, who is in the quorum."""
-    losses = [r.last_loss for r in status.replicas if r.last_loss is not None and r.state == "healthy"]
+    losses = [r.last_loss for r in status.replicas if r.last_loss is not None and r.state == IncarnationState.HEALTHY]
     return progress_line(status.max_step, sum(losses) / len(losses) if losses else None, status.healthy_replicas,
                          status.num_replicas, status.quorum_id, list(status.members), status.paused, restarts)
 
