@@ -152,8 +152,8 @@ def test_a_partitioned_incarnation_healed_after_its_replacement_joined_commits_a
         assert mine - steps_before <= committed(stats, FIRST), (steps_before, mine)
         assert max(s for s, _ in mine) <= max(s for s, _ in steps_before) + 1
         # The job goes on without it.
-        step = coordinator.call(m.max_step)
-        wait_until(lambda: coordinator.call(m.max_step) >= step + 5, 60, "training to go on")
+        step = coordinator.call(m.replicas.max_step)
+        wait_until(lambda: coordinator.call(m.replicas.max_step) >= step + 5, 60, "training to go on")
     finally:
         if worker is not None and process_state(worker) not in ("Z", None):
             os.kill(worker, signal.SIGKILL)
