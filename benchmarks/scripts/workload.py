@@ -14,6 +14,24 @@ Models (`--model`):
 Every replica starts from the same weights (seed 0) and trains its own batches, a function
 of (replica, step) only, so a recovered replica sees what it would have seen.
 
+Shapes (`BENCH_SHAPE`, set by the benchmark for every worker of a run):
+- `cpu_bound` (default): the forward and backward passes compute on the CPU, as above;
+- `accelerator_shaped`: the way a process drives an accelerator. The same model, the
+  same parameters, gradients, exchange, vote and optimizer step, but each batch is one
+  row (one sequence for tinygpt), so the host's own arithmetic is small, and every module
+  that holds parameters ends its forward, and starts its backward, with a wait that
+  releases the CPU (`time.sleep`, no GIL held), as a host thread blocks on a CUDA stream
+  with blocking synchronisation. The waits are split over the modules by their share of
+  the parameters, and sum to `BENCH_WAIT_FWD_S` and `BENCH_WAIT_BWD_S` per step: what
+  `calibrate` measured the CPU-bound passes to take beyond the one-row ones, so both
+  shapes take the same time per step when one process has the machine. Not modelled: a
+  host that runs ahead of the device (kernels queued asynchronously, one wait per step
+  rather than per module), copies between device and host, the device's own memory
+  bandwidth, and the optimizer step, which still computes on the CPU here.
+
+`BENCH_DEVICE=cuda` puts the model and its batches on the GPU (the shape is then the
+device's own; the waits stay 0).
+
 Each process writes `<BENCH_OUT>/<system>-r<replica>-<pid>.jsonl`: a first line
 `{"start": t, "imported": t, "built": t, "joined": t}` with the wall times at which the
 process started (taken by the worker before torch is imported), had imported torch and its
@@ -26,9 +44,12 @@ the number of committed steps after it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +60,15 @@ MLP_DIM, MLP_LAYERS, BATCH = 2048, 6, 32
 SMALL_DIM, SMALL_LAYERS, SMALL_BATCH = 512, 4, 96  # small15
 GPT_DIM, GPT_LAYERS, GPT_CONTEXT = 128, 2, 64
 MODELS = ("mlp", "tinygpt", "small15")
+SHAPES = ("cpu_bound", "accelerator_shaped")
+
+
+def shape_env(shape: str, kind: str) -> dict[str, str]:
+    """The environment that gives a benchmark's workers `shape` (calibrated here, for `kind`)."""
+    if shape == "cpu_bound":
+        return {"BENCH_SHAPE": shape}
+    fwd_s, bwd_s = calibrate(kind)
+    return {"BENCH_SHAPE": shape, "BENCH_WAIT_FWD_S": f"{fwd_s:.6f}", "BENCH_WAIT_BWD_S": f"{bwd_s:.6f}"}
 
 
 def setup() -> argparse.Namespace:
@@ -51,13 +81,22 @@ def setup() -> argparse.Namespace:
 
 
 class Workload:
-    """A model, its optimizer and its batches: `loss(replica, step)` runs the forward pass."""
+    """A model, its optimizer and its batches: `loss(replica, step)` runs the forward pass.
 
-    def __init__(self, kind: str):
+    `shape` and the waits default to BENCH_SHAPE, BENCH_WAIT_FWD_S and BENCH_WAIT_BWD_S."""
+
+    def __init__(self, kind: str, shape: str | None = None, waits: tuple[float, float] | None = None):
         torch.manual_seed(0)  # every replica starts identical
+        self.shape = shape or os.environ.get("BENCH_SHAPE", "cpu_bound")
+        if self.shape not in SHAPES:
+            raise SystemExit(f"BENCH_SHAPE={self.shape!r}: choose one of {', '.join(SHAPES)}")
+        self.device = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))
+        one_row = self.shape == "accelerator_shaped"
+        self._rows = 1 if one_row else BATCH
         if kind in ("mlp", "small15"):
             dim, depth, self._batch = (MLP_DIM, MLP_LAYERS, BATCH) if kind == "mlp" else \
                 (SMALL_DIM, SMALL_LAYERS, SMALL_BATCH)
+            self._batch = 1 if one_row else self._batch
             self._dim = dim
             layers: list[torch.nn.Module] = []
             for _ in range(depth):
@@ -75,6 +114,11 @@ class Workload:
             self.model = tg.TinyGPT(len(chars), dim=GPT_DIM, layers=GPT_LAYERS, context=GPT_CONTEXT)
             self.lr = 3e-3
             self._loss = self._gpt_loss
+        self.model.to(self.device)
+        if waits is None:
+            waits = (float(os.environ.get("BENCH_WAIT_FWD_S", "0")), float(os.environ.get("BENCH_WAIT_BWD_S", "0")))
+        if one_row and any(waits):
+            add_waits(self.model, *waits)
 
     def optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         return torch.optim.AdamW((model or self.model).parameters(), lr=self.lr)
@@ -87,11 +131,49 @@ class Workload:
         g = torch.Generator().manual_seed(replica * 1_000_003 + step)
         dim = self._dim
         x, y = torch.randn(self._batch, dim, generator=g), torch.randn(self._batch, dim, generator=g)
-        return torch.nn.functional.mse_loss(model(x), y)
+        return torch.nn.functional.mse_loss(model(x.to(self.device)), y.to(self.device))
 
     def _gpt_loss(self, model: Callable, replica: int, step: int) -> torch.Tensor:
-        x, y = self._tg.batch(self._data, step, replica, 0, 1, BATCH, GPT_CONTEXT)
-        return model(x, y)
+        x, y = self._tg.batch(self._data, step, replica, 0, 1, self._rows, GPT_CONTEXT)
+        return model(x.to(self.device), y.to(self.device))
+
+
+def add_waits(model: torch.nn.Module, fwd_s: float, bwd_s: float) -> None:
+    """Every module that holds parameters waits at the end of its forward, and at the start of
+    its backward (a hook on its output's gradient), for its share of `fwd_s` and `bwd_s` by
+    parameter count: the time a device would spend on its kernels."""
+    holders = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    sizes = [sum(p.numel() for p in m.parameters(recurse=False)) for m in holders]
+    for module, size in zip(holders, sizes):
+        share = size / sum(sizes)
+        module.register_forward_hook(functools.partial(_wait, fwd_s * share, bwd_s * share))
+
+
+def _wait(fwd_s: float, bwd_s: float, module: torch.nn.Module, inputs: object, output: object) -> None:
+    time.sleep(fwd_s)
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(lambda grad: time.sleep(bwd_s))  # returns None: the gradient is unchanged
+
+
+def calibrate(kind: str, steps: int = 6) -> tuple[float, float]:
+    """The waits of the accelerator-shaped step: per step, the CPU-bound forward and backward
+    passes' median times less the one-row passes' (this process alone, BENCH_THREADS threads)."""
+    def passes(work: Workload) -> tuple[float, float]:
+        fwd, bwd = [], []
+        for step in range(steps + 1):
+            t0 = time.perf_counter()
+            loss = work.loss(0, step)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if step:  # the first pass warms up the allocator
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        return statistics.median(fwd), statistics.median(bwd)
+
+    full = passes(Workload(kind, "cpu_bound"))
+    light = passes(Workload(kind, "accelerator_shaped", waits=(0.0, 0.0)))
+    return max(0.0, full[0] - light[0]), max(0.0, full[1] - light[1])
 
 
 class StepLog:
@@ -108,3 +190,12 @@ class StepLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+if __name__ == "__main__":  # the benchmarks ask a fresh process: python workload.py --env SHAPE --model KIND
+    cli = argparse.ArgumentParser()
+    cli.add_argument("--env", choices=SHAPES, required=True)
+    cli.add_argument("--model", choices=MODELS, default="mlp")
+    ns = cli.parse_args()
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    print(json.dumps(shape_env(ns.env, ns.model)))
