@@ -23,19 +23,30 @@ Figures
     Each worker logs every step's end; a step's time is the time between the ends of two
     consecutive steps (everything the loop does is counted). Per run the median over the
     replicas' steps after the first `--warmup`. The systems alternate, in a rotating order,
-    for `--repeats` rounds, so a slow drift of a shared machine hits all alike; per system
-    the median of its run medians; Transom's replicas must also end bit-identical
-    (`transom_bit_identical`). `ratio_vs_faster` = Transom / min(DDP, torchft), target
-    <= 1.02; `ratio_vs_ddp`, `ratio_vs_torchft` beside it; `overhead_vs_ddp` is Transom's
-    extra time per step over DDP's in percent, by the medians, and `round_overhead_vs_ddp`
-    the median of the rounds' own (the runs of a round are back to back, so a round's ratio
-    is the fairest pairing on a shared machine). `load_avg` is the 1-minute load
-    average before each run. The last line of stdout is one JSON object with every model's
-    figures.
+    for `--repeats` rounds (default 7), so a slow drift of a shared machine hits all alike;
+    per system the median of its run medians (`<system>_step_s`). The ratios are taken per
+    round (the runs of a round are back to back: the fairest pairing on a shared machine)
+    and reported as the median with its spread, p25-p75 (benchmarks/_rounds.py):
+    `ratio_vs_ddp`, `ratio_vs_torchft`, and `ratio_vs_faster` = Transom / min(DDP, torchft)
+    of the round, target <= 1.02 by the median. `overhead_vs_ddp` is Transom's extra time
+    per step over DDP's in percent (from the median ratio). Transom's replicas must also
+    end bit-identical (`transom_bit_identical`). `load_avg`: the 1-minute load average
+    before each run, median and spread. `--agree-with OUTPUT` (an earlier run's saved
+    stdout) adds `agreement`: per model, shape and ratio, whether the two runs' medians
+    lie within each other's spread.
+
+Shapes
+    Every round runs every system in each workload shape (benchmarks/scripts/workload.py):
+    `cpu_bound` (the passes compute on the CPU) and `accelerator_shaped` (one-row batches
+    and waits that release the CPU in place of the passes' arithmetic, calibrated at the
+    start to the CPU-bound passes' time: `waits`), with the same gradients, exchange and
+    optimizer. The last line of stdout is one JSON object: a key per shape (`cpu_bound`,
+    `accelerator_shaped`), in it a key per model with its figures.
 
 How to run
-    .venv/bin/python benchmarks/ftar_overhead.py                                  # both models
-    .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30   # quick
+    .venv/bin/python benchmarks/ftar_overhead.py | tee /tmp/ftar-1.txt           # both models, both shapes
+    .venv/bin/python benchmarks/ftar_overhead.py --agree-with /tmp/ftar-1.txt      # the second run
+    .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30 --shapes cpu_bound  # quick
     .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 5  # fixed cost
     .venv/bin/python benchmarks/ftar_overhead.py --base 91de83f --systems transom,transom_base  # vs a commit
 """
@@ -54,71 +65,85 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
 from _replicas import RUNNERS, Job  # noqa: E402
+from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_times  # noqa: E402
 
 TARGET_RATIO = 1.02
+RATIOS = ("ratio_vs_ddp", "ratio_vs_torchft", "ratio_vs_faster")
 STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400}  # default steps per run: ~6-15 s each on the development box
 
 
-def step_times(out: Path, system: str, warmup: int) -> list[float]:
-    """Every replica's step times after `warmup` steps (end to end of committed steps)."""
-    times: list[float] = []
-    for path in out.glob(f"{system}-r*-*.jsonl"):
-        ends = [json.loads(x)["t"] for x in path.read_text().splitlines()[1:] if x.strip().endswith("}")]
-        times += [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
-    return times
+def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: dict[str, str]) -> tuple[float, bool]:
+    """One system's run: the median step time, and whether Transom's replicas ended bit-identical."""
+    out.mkdir()
+    runner, logs = (RUNNERS["transom"], "transom") if system == BASE else (RUNNERS[system], system)
+    outcome = runner(Job(out, model, args.steps or STEPS[model], replicas=args.replicas,
+                         timeout_s=args.run_timeout, env=env))
+    times = step_times(out, logs, args.warmup)
+    if not outcome.ok or not times:
+        raise SystemExit(f"{system} on {model} failed: {outcome.detail}")
+    identical = system != "transom" or \
+        json.loads((out / "summary.json").read_text()).get("replicas_bit_identical") is True
+    return statistics.median(times), identical
 
 
 def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Path,
-              base: dict[str, str] | None = None) -> dict:
-    steps = args.steps or STEPS[model]
-    medians: dict[str, list[float]] = {s: [] for s in systems}
-    load_avg: list[float] = []
+              envs: dict[str, dict[str, str]], base: dict[str, str]) -> dict[str, dict]:
+    """Every round runs every system in every shape; per shape, the figures of `model`."""
+    medians = {shape: {s: [] for s in systems} for shape in envs}
+    loads: dict[str, list[float]] = {shape: [] for shape in envs}
     identical: list[bool] = []  # Transom's replicas ended bit-identical, per run
     for rnd in range(args.repeats):
         order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
-        for system in order:
-            out = work / f"{model}-{system}-{rnd}"
-            out.mkdir()
-            load_avg.append(round(os.getloadavg()[0], 2))
-            runner, logs = (RUNNERS["transom"], "transom") if system == BASE else (RUNNERS[system], system)
-            outcome = runner(Job(out, model, steps, replicas=args.replicas, timeout_s=args.run_timeout,
-                                 env=(base or {}) if system == BASE else {}))
-            times = step_times(out, logs, args.warmup)
-            if not outcome.ok or not times:
-                raise SystemExit(f"{system} on {model} failed: {outcome.detail}")
-            if system == "transom":
-                identical.append(json.loads((out / "summary.json").read_text()).get("replicas_bit_identical") is True)
-            medians[system].append(statistics.median(times))
-            print(f"{model} round {rnd} {system:8s} median step {medians[system][-1] * 1e3:8.2f} ms "
-                  f"(p10 {statistics.quantiles(times, n=10)[0] * 1e3:8.2f}; {len(times)} steps; load {load_avg[-1]})",
-                  flush=True)
+        for shape, env in envs.items():
+            for system in order:
+                loads[shape].append(load_avg())
+                median, same = one_run(args, model, system, work / f"{model}-{shape}-{system}-{rnd}",
+                                       {**env, **(base if system == BASE else {})})
+                identical.append(same)
+                medians[shape][system].append(median)
+                print(f"{model} {shape:18s} round {rnd} {system:12s} median step {median * 1e3:8.2f} ms "
+                      f"(load {loads[shape][-1]})", flush=True)
+    out = {}
+    for shape in envs:
+        figures = summarise(medians[shape], loads[shape])
+        figures.update(steps=args.steps or STEPS[model], transom_bit_identical=all(identical))
+        print(f"{model} {shape}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if not isinstance(v, dict)),
+              flush=True)
+        out[shape] = figures
+    return out
+
+
+def summarise(medians: dict[str, list[float]], loads: list[float]) -> dict:
+    """Per system the median of its runs' medians; per other system the rounds' ratios (runs
+    of one round are back to back: the fairest pairing on a shared machine), median and p25-p75."""
     figures: dict = {f"{s}_step_s": round(statistics.median(v), 6) for s, v in medians.items()}
-    transom = figures["transom_step_s"]
-    others = {s: figures[f"{s}_step_s"] for s in systems if s != "transom"}
-    for s, v in others.items():
-        figures[f"ratio_vs_{s}"] = round(transom / v, 4)
+    transom = medians["transom"]
+    others = [s for s in medians if s != "transom"]
+    for s in others:
+        figures.update(flat(f"ratio_vs_{s}", spread([t / o for t, o in zip(transom, medians[s])])))
     if "ddp" in others:
-        figures["overhead_vs_ddp"] = round(100 * (transom / others["ddp"] - 1), 2)
-        rounds = [t / d - 1 for t, d in zip(medians["transom"], medians["ddp"])]
-        figures["round_overhead_vs_ddp"] = round(100 * statistics.median(rounds), 2)
-    others.pop(BASE, None)  # an older Transom is no other system
-    if others:
-        figures["ratio_vs_faster"] = round(transom / min(others.values()), 4)
-    figures.update(steps=steps, transom_bit_identical=all(identical), load_avg=load_avg)
-    print(f"{model}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "load_avg"), flush=True)
+        figures["overhead_vs_ddp"] = round(100 * (figures["ratio_vs_ddp"] - 1), 2)
+    rivals = [s for s in others if s != BASE]  # an older Transom is no other system
+    if rivals:
+        faster = [min(medians[s][i] for s in rivals) for i in range(len(transom))]
+        figures.update(flat("ratio_vs_faster", spread([t / f for t, f in zip(transom, faster)])))
+    figures["load_avg"] = spread(loads, 2)
     return figures
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="tinygpt,mlp")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="workload shapes (benchmarks/scripts/workload.py)")
     p.add_argument("--replicas", type=int, default=3, help="processes (one per replica)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default: 60 tinygpt, 30 mlp, 400 small15)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
-    p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every system once")
+    p.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                   help=f"rounds; each runs every system once per shape (>= {MIN_ROUNDS} for a figure that counts)")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
     p.add_argument("--systems", help="a subset of ddp,transom,torchft (and transom_base with --base)")
+    p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
     args = p.parse_args()
     systems = ["ddp", "transom"] + (["torchft"] if importlib.util.find_spec("torchft") else [])
     if "torchft" not in systems:
@@ -128,17 +153,30 @@ def main() -> None:
         systems = [s for s in systems if s in args.systems.split(",")]
     if "transom" not in systems:
         p.error("--systems must include transom")
+    models, shapes = args.models.split(","), args.shapes.split(",")
     result: dict = {"benchmark": "ftar_overhead", "replicas": args.replicas, "backend": "gloo", "cpus": os.cpu_count(),
-                    "repeats": args.repeats, "warmup": args.warmup, "target_ratio": TARGET_RATIO}
+                    "device": os.environ.get("BENCH_DEVICE", "cpu"), "rounds": args.repeats, "warmup": args.warmup,
+                    "target_ratio": TARGET_RATIO, "models": models, "shapes": shapes}
     if args.base:
         result["base"] = args.base
+    result.update({shape: {} for shape in shapes})
     with tempfile.TemporaryDirectory(prefix="transom-ftar-") as tmp, base_env(args.base) as base:
-        for model in args.models.split(","):
-            result[model] = run_model(args, model, systems, Path(tmp), base)
+        for model in models:
+            envs = {shape: shape_env(shape, model, args.replicas, steps=min(args.steps or STEPS[model], 60))
+                    for shape in shapes}
+            for shape, figures in run_model(args, model, systems, Path(tmp), envs, base).items():
+                result[shape][model] = {**figures, "waits": {k: float(v) for k, v in envs[shape].items()
+                                                              if k.startswith("BENCH_WAIT")}}
     # The target holds against the other systems; a run with --systems transom,transom_base has
     # none, and then only says whether the replicas ended bit-identical.
-    result["ok"] = all(result[m].get("ratio_vs_faster", 0) <= TARGET_RATIO and result[m]["transom_bit_identical"]
-                       for m in args.models.split(","))
+    result["ok"] = all(f.get("ratio_vs_faster", 0) <= TARGET_RATIO and f["transom_bit_identical"]
+                       for shape in shapes for f in result[shape].values())
+    if args.agree_with:
+        previous = last_json(args.agree_with)
+        result["agreement"] = {model: agreement({s: previous.get(s, {}).get(model, {}) for s in shapes},
+                                                {s: result[s][model] for s in shapes}, RATIOS, shapes)
+                               for model in models}
+        print(f"agreement with {args.agree_with}: {result['agreement']}")
     print(json.dumps(result), flush=True)
 
 

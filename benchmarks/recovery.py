@@ -33,19 +33,38 @@ Figures, per system
     the kill: `joined_after_kill_s` (promoted and registered as the replica, target <= 1 s),
     `first_commit_after_kill_s` (its first step, trained in step with the others, done) and
     `contributing_after_kill_s` (then the catch-up transfer and replay).
-    Ratios: `ratio_step_vs_torchft`, `ratio_total_healthy_stall_vs_torchft` (stall at kill
-    plus at rejoin). Targets (issue 15): stall at rejoin <= 5% of a step, total healthy
-    stall <= 0.5x torchft's, step <= 1.02x. The last line of stdout is one JSON object.
+    Per system, the median of each figure over the rounds. Ratios, per round (Transom's run
+    against torchft's run of the same round, back to back), reported as the median and
+    p25-p75 of the rounds' ratios (benchmarks/_rounds.py): `ratio_step_vs_torchft`,
+    `ratio_total_healthy_stall_vs_torchft` (stall at kill plus at rejoin), and
+    `rejoin_stall_fraction_of_step` (Transom's stall at rejoin over its own step). Targets
+    (`targets_met`, by the medians): stall at rejoin <= 5% of a step, total healthy stall
+    <= 0.5x torchft's, step <= 1.02x.
+
+Shapes
+    Every round runs each system in both workload shapes (benchmarks/scripts/workload.py):
+    `cpu_bound`, the MLP's forward and backward computed on the CPU, and
+    `accelerator_shaped`, the same model, exchange, vote and optimizer with one-row batches
+    and waits that release the CPU in place of the passes' arithmetic (calibrated at the
+    start: `waits`). The last line of stdout is one JSON object with a key per shape
+    (`cpu_bound`, `accelerator_shaped`), each holding Transom's `step_s`,
+    `healthy_stall_at_kill_s`, `healthy_stall_at_rejoin_s`, `rejoin_time_s`, the ratios,
+    every system's medians, the load averages and `targets_met`. `--agree-with OUTPUT` (the
+    saved stdout of an earlier run) adds `agreement`: per shape and ratio, whether the two
+    runs' medians lie within each other's spread.
 
 How to run
     make bench-deps                       # torchft 0.2.0 into the venv (optional dependency)
-    .venv/bin/python benchmarks/recovery.py
-    .venv/bin/python benchmarks/recovery.py --systems transom --repeats 1   # Transom only, once
+    .venv/bin/python benchmarks/recovery.py | tee /tmp/recovery-1.txt        # 7 rounds, both shapes
+    .venv/bin/python benchmarks/recovery.py --agree-with /tmp/recovery-1.txt  # the second run
+    .venv/bin/python benchmarks/recovery.py --systems transom --repeats 1 --shapes cpu_bound   # quick
+    .venv/bin/python benchmarks/recovery.py --systems transom,transom_spare,torchft         # with a spare
     .venv/bin/python benchmarks/recovery.py --network netns --rate-mbit 1000  # as root
     .venv/bin/python benchmarks/recovery.py --systems transom --base 91de83f   # beside an older commit
 
     BENCH_THREADS sets torch's threads per replica (default 1; the replicas share the
-    machine). Every process is bounded by `--run-timeout` and killed with its tree.
+    machine). BENCH_DEVICE=cuda puts every replica's model on the GPU (they share it; Gloo
+    across them). Every process is bounded by `--run-timeout` and killed with its tree.
 """
 
 from __future__ import annotations
@@ -62,10 +81,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
 from _replicas import Job, run_torchft, run_transom  # noqa: E402
+from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread  # noqa: E402
 from netns import Cluster  # noqa: E402
 
 KILLED = 1  # the replica that is killed
 SYSTEMS = ("transom", "transom_spare", "torchft", BASE)  # BASE only with --base
+ROUND_RATIOS = ("ratio_step_vs_torchft", "ratio_total_healthy_stall_vs_torchft", "rejoin_stall_fraction_of_step")
+TARGETS = {"rejoin_stall_fraction_of_step": 0.05, "ratio_total_healthy_stall_vs_torchft": 0.5,
+           "ratio_step_vs_torchft": 1.02}
 
 
 # --- analysis (pure) ------------------------------------------------------------------------------
@@ -155,39 +178,64 @@ def medians(runs: list[dict]) -> dict:
 
 
 def comparison(result: dict) -> dict:
-    """The flat keys of the last JSON line: each system's figures, and Transom against torchft."""
-    flat: dict = {}
+    """Flat keys of one shape: each system's median figures, and the medians compared."""
+    flat_keys: dict = {}
     for name in SYSTEMS:
         for key, value in result.get(name, {}).items():
             if key not in ("ok", "runs") and not isinstance(value, (list, dict)):
-                flat[f"{name}_{key}"] = value
-    t, f = result.get("transom", {}), result.get("torchft", {})
-    if "step_s" in t and "step_s" in f:
-        total_t = t["healthy_stall_at_kill_s"] + t["healthy_stall_at_rejoin_s"]
-        total_f = f["healthy_stall_at_kill_s"] + f["healthy_stall_at_rejoin_s"]
-        flat["ratio_step_vs_torchft"] = round(t["step_s"] / f["step_s"], 3)
-        flat["ratio_total_healthy_stall_vs_torchft"] = round(total_t / total_f, 3) if total_f > 0 else None
-    b = result.get(BASE, {})
+                flat_keys[f"{name}_{key}"] = value
+    t, b = result.get("transom", {}), result.get(BASE, {})
     for key in ("step_s", "rejoin_time_s", "contributing_after_s"):  # durations: a ratio
         if t.get(key) and b.get(key):
-            flat[f"ratio_{key}_vs_base"] = round(t[key] / b[key], 3)
+            flat_keys[f"ratio_{key}_vs_base"] = round(t[key] / b[key], 3)
     for key in ("healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s"):  # near 0, either sign: a difference
         if key in t and key in b:
-            flat[f"{key}_minus_base"] = round(t[key] - b[key], 3)
-    for name in ("transom", "transom_spare"):
-        figs = result.get(name, {})
-        if "step_s" in figs:
-            flat[f"{name}_rejoin_stall_fraction_of_step"] = round(figs["healthy_stall_at_rejoin_s"] / figs["step_s"], 3)
-    return flat
+            flat_keys[f"{key}_minus_base"] = round(t[key] - b[key], 3)
+    for key in ("step_s", "healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s", "rejoin_time_s"):
+        if key in t:  # the issue's keys: Transom's own figures, unprefixed
+            flat_keys[key] = t[key]
+    return flat_keys
+
+
+def total_stall(figures: dict) -> float:
+    return figures["healthy_stall_at_kill_s"] + figures["healthy_stall_at_rejoin_s"]
+
+
+def round_ratios(runs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Per round, Transom's figures against torchft's run of the same round (both completed),
+    and Transom's stall at rejoin as a fraction of its own step."""
+    ratios: dict[str, list[float]] = {name: [] for name in ROUND_RATIOS}
+    for rnd, t in enumerate(runs.get("transom", [])):
+        if not t.get("ok"):
+            continue
+        ratios["rejoin_stall_fraction_of_step"].append(t["healthy_stall_at_rejoin_s"] / t["step_s"])
+        f = runs["torchft"][rnd] if len(runs.get("torchft", [])) > rnd else {}
+        if f.get("ok"):
+            ratios["ratio_step_vs_torchft"].append(t["step_s"] / f["step_s"])
+            if total_stall(f) > 0:
+                ratios["ratio_total_healthy_stall_vs_torchft"].append(total_stall(t) / total_stall(f))
+    return ratios
+
+
+def summarise(runs: dict[str, list[dict]], loads: list[float], env: dict[str, str]) -> dict:
+    """One shape's result: every system's medians, the flat keys, the rounds' ratios with their
+    spread, the load averages and whether the targets are met (by the ratios' medians)."""
+    out: dict = {system: medians(figs) for system, figs in runs.items()}
+    out.update(comparison(out))
+    for name, values in round_ratios(runs).items():
+        out.update(flat(name, spread(values, 3)))
+    out["waits"] = {k: float(v) for k, v in env.items() if k.startswith("BENCH_WAIT")}
+    out["load_avg"] = spread(loads, 2)
+    out["targets_met"] = {name: out[name] <= limit for name, limit in TARGETS.items() if name in out}
+    return out
 
 
 # --- running --------------------------------------------------------------------------------------
-def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | None,
-             base: dict[str, str] | None = None) -> dict:
+def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | None, env: dict[str, str]) -> dict:
     out = work / system
     out.mkdir()
     job = Job(out, "mlp", args.steps, timeout_s=args.run_timeout, kill=(KILLED, args.kill_step),
-              spares=1 if system == "transom_spare" else 0, net=net, env=(base or {}) if system == BASE else {})
+              spares=1 if system == "transom_spare" else 0, net=net, env=env)
     outcome = run_torchft(job) if system == "torchft" else run_transom(job)
     figures = analyse(load(out, "transom" if system.startswith("transom") else system), args.kill_step)
     if outcome.bit_identical is not None:
@@ -198,52 +246,72 @@ def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | N
     return figures
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=20)
-    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != BASE))
+    p.add_argument("--systems", default="transom,torchft", help=f"a subset of {','.join(SYSTEMS)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="workload shapes (benchmarks/scripts/workload.py)")
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
     p.add_argument("--run-timeout", type=float, default=400)
-    p.add_argument("--repeats", type=int, default=3, help="runs per system; figures are medians")
+    p.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                   help=f"rounds; each runs every system once per shape (>= {MIN_ROUNDS} for a figure that counts)")
+    p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
     p.add_argument("--network", choices=["loopback", "netns"], default="loopback",
                    help="netns: each replica in its own network namespace over shaped links (root)")
     p.add_argument("--rate-mbit", type=float, default=1000, help="netns: each link's rate")
     args = p.parse_args()
-    systems = args.systems.split(",")
+    systems, shapes = args.systems.split(","), args.shapes.split(",")
     if args.base and BASE not in systems:
         systems.append(BASE)
     if BASE in systems and not args.base:
         p.error(f"{BASE} needs --base REV")
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if unknown := set(shapes) - set(SHAPES):
+        p.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(SHAPES)}")
     if "torchft" in systems and importlib.util.find_spec("torchft") is None:
         sys.exit("torchft is not installed: run `make bench-deps` (pip install torchft==0.2.0 into the venv)")
+    return args, systems, shapes
+
+
+def main() -> None:
+    args, systems, shapes = parse_args()
     net = Cluster(4, args.rate_mbit) if args.network == "netns" else None  # 3 replicas and a spare
     result: dict = {"benchmark": "recovery", "network": args.network, "model_mb": 100.7, "replicas": 3,
-                    "threads_per_replica": int(os.environ.get("BENCH_THREADS", "1")), "cpus": os.cpu_count()}
-    runs: dict[str, list[dict]] = {system: [] for system in systems}
+                    "threads_per_replica": int(os.environ.get("BENCH_THREADS", "1")), "cpus": os.cpu_count(),
+                    "device": os.environ.get("BENCH_DEVICE", "cpu"), "rounds": args.repeats, "shapes": shapes}
+    runs: dict[str, dict[str, list[dict]]] = {shape: {system: [] for system in systems} for shape in shapes}
+    loads: dict[str, list[float]] = {shape: [] for shape in shapes}
     if net is not None:
         result["rate_mbit"] = args.rate_mbit
         net.up()
     if args.base:
         result["base"] = args.base
     try:
+        envs = {shape: shape_env(shape, "mlp", 3, net) for shape in shapes}
         with base_env(args.base) as base:
-            for rep in range(args.repeats):  # the systems alternate, so all see the same machine
-                for system in systems:
-                    with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
-                        figures = run_once(args, system, Path(tmp), net, base)
-                    print(f"run {rep} {system:13s} " + "  ".join(f"{k} {v}" for k, v in figures.items()),
-                          flush=True)
-                    runs[system].append(figures)
+            for rnd in range(args.repeats):  # the systems alternate, in a rotating order
+                order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
+                for shape in shapes:
+                    for system in order:
+                        env = {**envs[shape], **(base if system == BASE else {})}
+                        loads[shape].append(load_avg())
+                        with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
+                            figures = run_once(args, system, Path(tmp), net, env)
+                        print(f"round {rnd} {shape:18s} {system:13s} load {loads[shape][-1]}  "
+                              + "  ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
+                        runs[shape][system].append(figures)
     finally:
         if net is not None:
             net.down()
-    for system, figs in runs.items():
-        result[system] = medians(figs)
-        print(f"median of {args.repeats}: {system:13s} " + "  ".join(f"{k} {v}" for k, v in result[system].items()))
-    result.update(comparison(result))
+    for shape in shapes:
+        result[shape] = summarise(runs[shape], loads[shape], envs[shape])
+        print(f"{shape}: " + ", ".join(f"{k} {v}" for k, v in result[shape].items()
+                                        if not isinstance(v, (dict, list))), flush=True)
+    if args.agree_with:
+        result["agreement"] = agreement(last_json(args.agree_with), result, ROUND_RATIOS, shapes)
+        print(f"agreement with {args.agree_with}: {result['agreement']}")
     print(json.dumps(result))
 
 

@@ -22,9 +22,11 @@ Shapes (`BENCH_SHAPE`, set by the benchmark for every worker of a run):
   that holds parameters ends its forward, and starts its backward, with a wait that
   releases the CPU (`time.sleep`, no GIL held), as a host thread blocks on a CUDA stream
   with blocking synchronisation. The waits are split over the modules by their share of
-  the parameters, and sum to `BENCH_WAIT_FWD_S` and `BENCH_WAIT_BWD_S` per step: what
-  `calibrate` measured the CPU-bound passes to take beyond the one-row ones, so both
-  shapes take the same time per step when one process has the machine. Not modelled: a
+  the parameters, and sum to `BENCH_WAIT_FWD_S` and `BENCH_WAIT_BWD_S` per step. The
+  benchmarks calibrate them (benchmarks/_rounds.py `shape_env`) so that the step takes as
+  long as the CPU-bound one does in the same setting: two short runs, CPU-bound and
+  one-row without waits, and the waits make up the difference, split between forward and
+  backward as `calibrate` finds the passes split their time. Not modelled: a
   host that runs ahead of the device (kernels queued asynchronously, one wait per step
   rather than per module), copies between device and host, the device's own memory
   bandwidth, and the optimizer step, which still computes on the CPU here.
