@@ -89,7 +89,7 @@ def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: d
 def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Path,
               envs: dict[str, dict[str, str]], base: dict[str, str]) -> dict[str, dict]:
     """Every round runs every system in every shape; per shape, the figures of `model`."""
-    medians = {shape: {s: [] for s in systems} for shape in envs}
+    medians: dict[str, dict[str, list[float]]] = {shape: {s: [] for s in systems} for shape in envs}
     loads: dict[str, list[float]] = {shape: [] for shape in envs}
     identical: list[bool] = []  # Transom's replicas ended bit-identical, per run
     for rnd in range(args.repeats):
