@@ -12,6 +12,7 @@
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
+#   make bench-gpu on that machine: the recovery and overhead benchmarks on CUDA, beside torchft
 #   make generate  regenerate derived files (CRDs, the Grafana dashboard) from their sources
 #   make bench-deps   the benchmarks' optional dependencies (torchft 0.2.0, for benchmarks/recovery.py)
 #
@@ -36,7 +37,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu bench-gpu wheelhouse generate clean-venv bench-deps
 
 # setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
 # --quiet keeps it) on every editable install of a project whose packages are in two roots.
@@ -110,11 +111,16 @@ GPU_PYTHON_VERSION ?= 3.12
 # The operator's packages too: the unit tests of the compat subset import it.
 GPU_REQUIREMENTS := "aiohttp>=3.9" "pydantic>=2.6" "prometheus-client>=0.19" "fsspec>=2024.2" "kopf>=1.37" \
 	"kubernetes>=29" "pyyaml>=6" pytest pytest-timeout hypothesis requests
+# The benchmarks' own: torchft 0.2.0 without its torch (the machine's own is used) and the
+# OpenTelemetry packages that torchft imports.
+GPU_BENCH_REQUIREMENTS := opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+GPU_DOWNLOAD = $(PY) -m pip download --quiet --dest $(WHEELHOUSE) --only-binary=:all: \
+	--python-version $(GPU_PYTHON_VERSION) \
+	--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
 wheelhouse: install
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
-	$(PY) -m pip download --quiet --dest $(WHEELHOUSE) --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
-		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-		$(GPU_REQUIREMENTS)
+	$(GPU_DOWNLOAD) $(GPU_REQUIREMENTS) $(GPU_BENCH_REQUIREMENTS)
+	$(GPU_DOWNLOAD) --no-deps "torchft==0.2.0"
 	@du -sh $(WHEELHOUSE)
 
 # On the GPU machine: the wheelhouse installed into a directory of its own (--target) and put
@@ -132,6 +138,19 @@ test-gpu:
 	$(GPU_ENV) $(GPU_PYTHON) benchmarks/checkpoint_stall.py --device cuda --size-mb 1024
 	$(GPU_ENV) $(GPU_PYTHON) benchmarks/checkpoint_stall.py --device cuda --size-mb 8192 --repeats 1
 	$(GPU_ENV) $(GPU_PYTHON) benchmarks/kill_recovery.py --kinds kill --model-args "--device ctx --dim 512 --layers 8"
+
+# On the GPU machine: the recovery and overhead benchmarks on CUDA (the replicas share the
+# GPU, Gloo across them), beside torchft; GPU_ROUNDS rounds each (the device time is short).
+GPU_ROUNDS ?= 3
+bench-gpu:
+	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE): run 'make wheelhouse' on a machine with PyPI first" >&2; exit 1; }
+	$(GPU_PYTHON) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) --target $(GPU_SITE) \
+		$(GPU_REQUIREMENTS) $(GPU_BENCH_REQUIREMENTS)
+	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --find-links $(WHEELHOUSE) --target $(GPU_SITE) "torchft==0.2.0"
+	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/ftar_overhead.py --models mlp --shapes cpu_bound \
+		--repeats $(GPU_ROUNDS)
+	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/recovery.py --shapes cpu_bound --repeats $(GPU_ROUNDS) \
+		--steps 300 --kill-step 30
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
