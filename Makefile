@@ -14,7 +14,8 @@
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
 #   make bench-gpu on that machine: the recovery and overhead benchmarks on CUDA, beside torchft
 #   make generate  regenerate derived files (CRDs, the Grafana dashboard) from their sources
-#   make bench-deps   the benchmarks' optional dependencies (torchft 0.2.0, for benchmarks/recovery.py)
+#   make bench-deps   the benchmarks' optional dependencies (torchft 0.2.0, and torchft-nightly
+#                     in .cache/torchft-nightly, for benchmarks/recovery.py and ftar_overhead.py)
 #
 # The virtual environment lives outside the checkout (torch is several GB), keyed by the
 # hash of pyproject.toml so a dependency change builds a fresh one; `.venv` links to it.
@@ -162,8 +163,13 @@ test-e2e: install testenv
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 # Optional: what only benchmarks compare against (not needed by the product or the tests).
+# torchft-nightly is the same `torchft` package: into a directory of its own, which its
+# benchmark runs put first on PYTHONPATH (benchmarks/_replicas.py); it uses the venv's torch.
+TORCHFT_NIGHTLY_VERSION ?= 2026.10.26
 bench-deps: install
 	$(PY) -m pip install --quiet "torchft==0.2.0"
+	rm -rf .cache/torchft-nightly
+	$(PY) -m pip install --quiet --no-deps --target .cache/torchft-nightly "torchft-nightly==$(TORCHFT_NIGHTLY_VERSION)"
 
 generate: install
 	$(PY) -m transom_operator.crdgen

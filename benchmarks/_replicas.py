@@ -6,7 +6,8 @@ machine, for each system they compare (not a benchmark itself).
   on the bridge, each replica's `transom launch` inside its namespace, and the runner's
   part (promoting a spare when the coordinator declares a replica failed) done here.
 - torchft 0.2.0: its lighthouse and one worker per replica running its manual loop; a
-  worker killed by the fault is started again, as its launcher would.
+  worker killed by the fault is started again, as its launcher would. torchft-nightly
+  (`torchft_nightly`) the same way, from its own directory (`nightly_env`).
 - DDP: one `init_process_group("gloo")` world over the same processes (loopback only).
 
 Every worker runs benchmarks/scripts/<system>_worker.py and writes the per-step log of
@@ -180,7 +181,7 @@ def run_torchft(job: Job) -> Outcome:
     seen: dict[int, int] = {}
     host = job.net.host_addr if job.net else "127.0.0.1"
     with open(job.out / "run.log", "w") as log:
-        lighthouse, address = _lighthouse(log, host)
+        lighthouse, address = _lighthouse(log, host, job.base_env())
         env = {**job.base_env(), "TORCHFT_LIGHTHOUSE": address,
                "BENCH_KILL_STEP": str(job.kill[1]) if job.kill else "-1"}
         killed = job.kill[0] if job.kill else None
@@ -216,12 +217,12 @@ def run_torchft(job: Job) -> Outcome:
     return Outcome.of(ok, f"worker exit codes {codes}", job.out / "run.log")
 
 
-def _lighthouse(log, host: str) -> tuple[subprocess.Popen, str]:
+def _lighthouse(log, host: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     code = ("from torchft.coordination import LighthouseServer; import time; "
             f"s = LighthouseServer(bind='{host}:0', min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=100); "
             "print(s.address(), flush=True); time.sleep(3600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)  # env: which torchft (nightly_env)
     assert proc.stdout is not None  # stdout=PIPE
     address = proc.stdout.readline().strip()  # the server prints it once it listens
     if not address:
@@ -250,6 +251,23 @@ def run_ddp(job: Job) -> Outcome:
 
 
 RUNNERS = {"transom": run_transom, "torchft": run_torchft, "ddp": run_ddp}
+
+# torchft-nightly, installed by `make bench-deps` into a directory of its own: it is the same
+# `torchft` package, so it cannot sit beside 0.2.0 in the venv; its runs put it first on
+# PYTHONPATH (the same worker script, the same lighthouse code). It needs torch >= 2.7 only.
+TORCHFT_NIGHTLY = REPO / ".cache" / "torchft-nightly"
+NIGHTLY = "torchft_nightly"  # the system's name in the figures; its workers log as "torchft"
+
+
+def nightly_installed() -> bool:
+    return (TORCHFT_NIGHTLY / "torchft" / "__init__.py").is_file()
+
+
+def nightly_env() -> dict[str, str]:
+    """The environment of a torchft-nightly run's processes."""
+    if not nightly_installed():
+        raise SystemExit(f"torchft-nightly is not in {TORCHFT_NIGHTLY}: run `make bench-deps`")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(TORCHFT_NIGHTLY), os.environ.get("PYTHONPATH")) if p)}
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Purpose
                (its bucketed all-reduce overlaps the backward pass);
     - torchft: torchft 0.2.0's manual loop (its lighthouse, `manager.allreduce` of every
                gradient, `should_commit`), when torchft is installed (`make bench-deps`);
+    - torchft_nightly: the same loop on torchft-nightly (`make bench-deps` puts it in
+               .cache/torchft-nightly), a column beside: `ratio_vs_torchft_nightly`;
     - transom: `transom run`, the ordinary loop with `trainer.optimizer` (quorum request
                overlapped with the forward pass, FTAR per bucket during backward, the vote).
                Local mode's coordinator and launchers share the machine with the workers,
@@ -64,18 +66,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
-from _replicas import RUNNERS, Job  # noqa: E402
+from _replicas import NIGHTLY, RUNNERS, Job, nightly_env, nightly_installed  # noqa: E402
 from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_times  # noqa: E402
 
 TARGET_RATIO = 1.02
-RATIOS = ("ratio_vs_ddp", "ratio_vs_torchft", "ratio_vs_faster")
+RATIOS = ("ratio_vs_ddp", "ratio_vs_torchft", "ratio_vs_torchft_nightly", "ratio_vs_faster")
 STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400}  # default steps per run: ~6-15 s each on the development box
 
 
 def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: dict[str, str]) -> tuple[float, bool]:
     """One system's run: the median step time, and whether Transom's replicas ended bit-identical."""
     out.mkdir()
-    runner, logs = (RUNNERS["transom"], "transom") if system == BASE else (RUNNERS[system], system)
+    logs = {BASE: "transom", NIGHTLY: "torchft"}.get(system, system)  # the worker script's name in its logs
+    runner = RUNNERS[logs]
     outcome = runner(Job(out, model, args.steps or STEPS[model], replicas=args.replicas,
                          timeout_s=args.run_timeout, env=env))
     times = step_times(out, logs, args.warmup)
@@ -97,8 +100,9 @@ def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Pa
         for shape, env in envs.items():
             for system in order:
                 loads[shape].append(load_avg())
+                extra = base if system == BASE else nightly_env() if system == NIGHTLY else {}
                 median, same = one_run(args, model, system, work / f"{model}-{shape}-{system}-{rnd}",
-                                       {**env, **(base if system == BASE else {})})
+                                       {**env, **extra})
                 identical.append(same)
                 medians[shape][system].append(median)
                 print(f"{model} {shape:18s} round {rnd} {system:12s} median step {median * 1e3:8.2f} ms "
@@ -123,7 +127,7 @@ def summarise(medians: dict[str, list[float]], loads: list[float]) -> dict:
         figures.update(flat(f"ratio_vs_{s}", spread([t / o for t, o in zip(transom, medians[s])])))
     if "ddp" in others:
         figures["overhead_vs_ddp"] = round(100 * (figures["ratio_vs_ddp"] - 1), 2)
-    rivals = [s for s in others if s != BASE]  # an older Transom is no other system
+    rivals = [s for s in others if s in ("ddp", "torchft")]  # the target's; the nightly is a column beside
     if rivals:
         faster = [min(medians[s][i] for s in rivals) for i in range(len(transom))]
         figures.update(flat("ratio_vs_faster", spread([t / f for t, f in zip(transom, faster)])))
@@ -142,10 +146,11 @@ def main() -> None:
                    help=f"rounds; each runs every system once per shape (>= {MIN_ROUNDS} for a figure that counts)")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
-    p.add_argument("--systems", help="a subset of ddp,transom,torchft (and transom_base with --base)")
+    p.add_argument("--systems", help=f"a subset of ddp,transom,torchft,{NIGHTLY} (and {BASE} with --base)")
     p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
     args = p.parse_args()
     systems = ["ddp", "transom"] + (["torchft"] if importlib.util.find_spec("torchft") else [])
+    systems += [NIGHTLY] if nightly_installed() else []
     if "torchft" not in systems:
         print("torchft is not installed (make bench-deps): comparing with DDP only", flush=True)
     systems += [BASE] if args.base else []

@@ -7,8 +7,9 @@ Purpose
     with `trainer.optimizer`), for Transom with one hot spare (`transom run --spares 1`: the
     killed replica is taken over by a process that is already loaded), and for torchft 0.2.0
     (its lighthouse and its manual loop: `manager.allreduce` of every gradient,
-    `should_commit`; restarted as its launcher would), alternating in the same run
-    (benchmarks/_replicas.py starts them).
+    `should_commit`; restarted as its launcher would), and the same loop on torchft-nightly
+    where `make bench-deps` installed it (a column beside; the targets are against 0.2.0),
+    alternating in the same run (benchmarks/_replicas.py starts them).
 
     Networks: `--network loopback` (default), or `--network netns`: each replica (and the
     spare) in its own network namespace, joined by a bridge over veth links shaped with tc
@@ -80,13 +81,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
-from _replicas import Job, run_torchft, run_transom  # noqa: E402
+from _replicas import NIGHTLY, Job, nightly_env, nightly_installed, run_torchft, run_transom  # noqa: E402
 from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread  # noqa: E402
 from netns import Cluster  # noqa: E402
 
 KILLED = 1  # the replica that is killed
-SYSTEMS = ("transom", "transom_spare", "torchft", BASE)  # BASE only with --base
-ROUND_RATIOS = ("ratio_step_vs_torchft", "ratio_total_healthy_stall_vs_torchft", "rejoin_stall_fraction_of_step")
+SYSTEMS = ("transom", "transom_spare", "torchft", NIGHTLY, BASE)  # BASE only with --base
+RIVALS = ("torchft", NIGHTLY)  # the targets are against torchft 0.2.0; the nightly is a column beside
+ROUND_RATIOS = ("ratio_step_vs_torchft", "ratio_total_healthy_stall_vs_torchft", "rejoin_stall_fraction_of_step",
+                f"ratio_step_vs_{NIGHTLY}", f"ratio_total_healthy_stall_vs_{NIGHTLY}")
 TARGETS = {"rejoin_stall_fraction_of_step": 0.05, "ratio_total_healthy_stall_vs_torchft": 0.5,
            "ratio_step_vs_torchft": 1.02}
 
@@ -209,11 +212,12 @@ def round_ratios(runs: dict[str, list[dict]]) -> dict[str, list[float]]:
         if not t.get("ok"):
             continue
         ratios["rejoin_stall_fraction_of_step"].append(t["healthy_stall_at_rejoin_s"] / t["step_s"])
-        f = runs["torchft"][rnd] if len(runs.get("torchft", [])) > rnd else {}
-        if f.get("ok"):
-            ratios["ratio_step_vs_torchft"].append(t["step_s"] / f["step_s"])
-            if total_stall(f) > 0:
-                ratios["ratio_total_healthy_stall_vs_torchft"].append(total_stall(t) / total_stall(f))
+        for rival in RIVALS:
+            f = runs[rival][rnd] if len(runs.get(rival, [])) > rnd else {}
+            if f.get("ok"):
+                ratios[f"ratio_step_vs_{rival}"].append(t["step_s"] / f["step_s"])
+                if total_stall(f) > 0:
+                    ratios[f"ratio_total_healthy_stall_vs_{rival}"].append(total_stall(t) / total_stall(f))
     return ratios
 
 
@@ -236,8 +240,8 @@ def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | N
     out.mkdir()
     job = Job(out, "mlp", args.steps, timeout_s=args.run_timeout, kill=(KILLED, args.kill_step),
               spares=1 if system == "transom_spare" else 0, net=net, env=env)
-    outcome = run_torchft(job) if system == "torchft" else run_transom(job)
-    figures = analyse(load(out, "transom" if system.startswith("transom") else system), args.kill_step)
+    outcome = run_torchft(job) if system in RIVALS else run_transom(job)
+    figures = analyse(load(out, "transom" if system.startswith("transom") else "torchft"), args.kill_step)
     if outcome.bit_identical is not None:
         figures["replicas_bit_identical"] = outcome.bit_identical
     figures["ok"] = outcome.ok and "error" not in figures
@@ -250,7 +254,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=20)
-    p.add_argument("--systems", default="transom,torchft", help=f"a subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default="transom,torchft" + (f",{NIGHTLY}" if nightly_installed() else ""),
+                   help=f"a subset of {','.join(SYSTEMS)}")
     p.add_argument("--shapes", default=",".join(SHAPES), help="workload shapes (benchmarks/scripts/workload.py)")
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
     p.add_argument("--run-timeout", type=float, default=400)
@@ -295,7 +300,8 @@ def main() -> None:
                 order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
                 for shape in shapes:
                     for system in order:
-                        env = {**envs[shape], **(base if system == BASE else {})}
+                        extra = base if system == BASE else nightly_env() if system == NIGHTLY else {}
+                        env = {**envs[shape], **extra}
                         loads[shape].append(load_avg())
                         with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
                             figures = run_once(args, system, Path(tmp), net, env)
