@@ -121,7 +121,7 @@ GPU_DOWNLOAD = $(PY) -m pip download --quiet --dest $(WHEELHOUSE) --only-binary=
 wheelhouse: install
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(GPU_DOWNLOAD) $(GPU_REQUIREMENTS) $(GPU_BENCH_REQUIREMENTS)
-	$(GPU_DOWNLOAD) --no-deps "torchft==0.2.0"
+	$(GPU_DOWNLOAD) --no-deps "torchft==0.2.0" "torchft-nightly==$(TORCHFT_NIGHTLY_VERSION)"
 	@du -sh $(WHEELHOUSE)
 
 # On the GPU machine: the wheelhouse installed into a directory of its own (--target) and put
@@ -148,6 +148,9 @@ bench-gpu:
 	$(GPU_PYTHON) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) --target $(GPU_SITE) \
 		$(GPU_REQUIREMENTS) $(GPU_BENCH_REQUIREMENTS)
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --find-links $(WHEELHOUSE) --target $(GPU_SITE) "torchft==0.2.0"
+	rm -rf .cache/torchft-nightly
+	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --find-links $(WHEELHOUSE) --target .cache/torchft-nightly \
+		"torchft-nightly==$(TORCHFT_NIGHTLY_VERSION)"
 	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/ftar_overhead.py --models mlp --shapes cpu_bound \
 		--repeats $(GPU_ROUNDS)
 	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/recovery.py --shapes cpu_bound --repeats $(GPU_ROUNDS) \
