@@ -85,7 +85,7 @@ class Guard:
         self.gradients_judged = gradients_judged
         self.replica, self.rank = replica, rank
         self._losses = LossHistory(settings.loss_window, settings.loss_spike_z)
-        self._norms: list[torch.Tensor] = []  # this step's own bucket norms
+        self._squares: list[torch.Tensor] = []  # this step's own buckets' squared norms
         self._workload: tuple[float | None, float | None] = (None, None)
         self._reported: torch.Tensor | float | None = None  # this step's loss, as report() gave it
         self._ever_reported = False  # a loss, in any step of this incarnation
@@ -113,7 +113,7 @@ class Guard:
 
     # --- during the step -----------------------------------------------------------------------
     def begin(self) -> None:
-        self._norms, self._workload, self._reported = [], (None, None), None
+        self._squares, self._workload, self._reported = [], (None, None), None
         self.finite, self.spike = True, False
 
     def waiting(self, yes: bool) -> None:
@@ -126,38 +126,47 @@ class Guard:
 
     def own_bucket(self, flat: torch.Tensor) -> None:
         """A bucket of this rank's own gradients, before the exchange (ftar.StepAllReduce)."""
-        self._norms.append(torch.linalg.vector_norm(flat, dtype=torch.float32))
+        # A dot product: a third less time than vector_norm on the CPU, on every step's path.
+        square = flat.dot(flat) if flat.dtype in (torch.float32, torch.float64) else \
+            torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        self._squares.append(square.float())
 
     def flags(self, like: torch.Tensor) -> torch.Tensor:
         """[BAD, LATE] (the module's docstring) when the last bucket starts, on `like`'s device.
-        The gradients' norms stay on the device: a GPU goes on computing. A loss reported by
-        now is read (a loop that reports it before backward ends syncs here, once)."""
-        flags = torch.zeros(NUM_FLAGS, dtype=torch.float32, device=like.device)
-        if self.gradients_judged and self._norms:
-            flags[BAD] = (~torch.isfinite(torch.stack(self._norms))).any()
+        On a GPU the gradients' norms stay on the device (it goes on computing); on the CPU
+        they are read, which costs less there than the tensor operations would. A loss
+        reported by now is read (a loop that reports it before backward ends syncs here)."""
+        loss_bad, late = False, self._reported is None and self._expects_loss
         if self._reported is not None:
             value = float(self._reported.detach().float().reshape(())) if isinstance(self._reported, torch.Tensor) \
                 else float(self._reported)
-            if not math.isfinite(value) or self._losses.is_spike(value):
-                flags[BAD] = 1.0
-        elif self._expects_loss:
-            flags[LATE] = 1.0
+            loss_bad = not math.isfinite(value) or self._losses.is_spike(value)
+        judged = self.gradients_judged and self._squares
+        total = sum(self._squares[1:], self._squares[0]) if judged else None  # a NaN or inf anywhere: not finite
+        if like.device.type == "cpu":
+            grads_bad = total is not None and not math.isfinite(float(total))
+            return torch.tensor([float(grads_bad or loss_bad), float(late)])
+        flags = torch.zeros(NUM_FLAGS, dtype=torch.float32, device=like.device)
+        if total is not None:
+            flags[BAD] = ~torch.isfinite(total)
+        flags[BAD] += float(loss_bad)  # 2 counts as bad as 1
+        flags[LATE] = float(late)
         return flags
 
     def judge(self, loss: torch.Tensor | float | None,
               extra: torch.Tensor | None = None) -> tuple[bool, float | None, float | None, list[float]]:
         """(this rank's step is bad, its loss, its own gradient norm, `extra`'s values): one device read."""
-        values = list(self._norms)
+        values = list(self._squares)
         device = values[0].device if values else extra.device if extra is not None else None
         if isinstance(loss, torch.Tensor):
             values.append(loss.detach().float().reshape(()).to(device or loss.device))
         if extra is not None:
             values += list(extra.float().to(device))
         host = torch.stack(values).double().cpu().tolist() if values else []
-        rest = host[len(self._norms):]
-        host = host[:len(self._norms)]
+        rest = host[len(self._squares):]
+        host = host[:len(self._squares)]
         loss_value = rest.pop(0) if isinstance(loss, torch.Tensor) else (float(loss) if loss is not None else None)
-        norm = math.sqrt(sum(v * v for v in host)) if host else None
+        norm = math.sqrt(sum(host)) if host else None
         grads_ok = all(math.isfinite(v) for v in host) or not self.gradients_judged
         self.finite = grads_ok and (loss_value is None or math.isfinite(loss_value))
         self.spike = bool(self.finite and loss_value is not None and self._losses.is_spike(loss_value))
