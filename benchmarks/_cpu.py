@@ -42,16 +42,16 @@ class CpuSampler(threading.Thread):
         self._series: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (pid, tid) -> (wall, cpu s)
         self._kind: dict[tuple[int, int], str] = {}
         self._cmdline: dict[int, str] = {}  # the last one read: a forked child has its parent's until exec
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(self.period):
+        while not self._done.wait(self.period):
             now = time.time()
             for pid in descendants(os.getpid()):
                 self._sample(pid, now)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join()
 
     def _sample(self, pid: int, now: float) -> None:
