@@ -2,7 +2,7 @@
 
 A replica's leader asks the coordinator for a quorum every step, so what one request costs
 is paid every step, by the worker and by the coordinator. Measured on the 2-core development
-box against the coordinator's aiohttp server (benchmarks.md, ftar_overhead):
+box against the coordinator's aiohttp server:
 
 - a new connection per request (urllib): about 290 us of the client's CPU and 360 us of the
   server's per request;
