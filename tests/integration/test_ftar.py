@@ -1,4 +1,5 @@
-"""FTAR on real Gloo groups in real processes: averaging, zero contribution, dead peers.
+"""FTAR on real Gloo groups in real processes: averaging, zero contribution, dead peers, and
+the step guard's flags that ride with the last bucket.
 
 Three processes build a CrossReplicaGroup from one TCPStore, as replicas do for a quorum.
 A SIGKILLed peer must fail the step in the survivors quickly, turn the rest of the step
@@ -16,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from transom.detect.step_rows import DetectionSettings
 from transom.ft.ftar import StepAllReduce
+from transom.ft.guard import Guard
 from transom.ft.process_group import CrossReplicaGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +86,58 @@ def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, grad(params[0])[0].item()))
 
 
+class _OneRank:
+    """A replica of one process: the vote of its ranks is its own."""
+
+    def all_ok(self, ok: bool) -> bool:
+        return ok
+
+
+# Per step: (rank with NaN gradients, {rank: loss reported before the last bucket},
+# {rank: loss reported only at the step's end}, rank that catches up (sends zeros)).
+GUARD_STEPS = [
+    (None, {}, {}, None),  # clean; a first step may still see a late loss: the agreement runs
+    (1, {}, {}, None),  # NaN gradients: found from the flags alone
+    (None, {}, {}, None),  # clean, and no collective for the guard
+    (None, {2: float("inf")}, {}, None),  # a loss reported in time rides with the flags
+    (None, {}, {2: float("nan")}, None),  # reported late by a rank that reported before: agreed
+    (1, {}, {}, 1),  # the NaN of a replica that catches up counts nowhere; rank 2 reported a loss
+    # before, so it may report one late again: the agreement runs
+]
+
+
+def _guard_worker(rank: int, port: int, out: mp.Queue) -> None:
+    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", "t/guard", rank, 3, timeout_s=10)
+    guard = Guard(DetectionSettings(), None, rank, 0, 0, 0)
+    params = _params(1.0)
+    seen = []
+    for nan_rank, early, late, joiner in GUARD_STEPS:
+        guard.begin()
+        for p in params:
+            p.grad = torch.full_like(p, float("nan") if rank == nan_rank else rank + 1.0)
+        contributes = rank != joiner
+        weight = None if joiner is None else (0.0 if not contributes else 0.5)
+        ftar = StepAllReduce(group, 2 if joiner is not None else 3, contributes, own=guard.own_bucket,
+                             flags=guard.flags, weight=weight)
+        agreements: list[bool] = []
+
+        def agree(bad, device, agreements=agreements, inner=ftar.agree):
+            agreements.append(bad)
+            return inner(bad, device)
+
+        ftar.agree = agree
+        if rank in early:
+            guard.reported(torch.tensor(early[rank]), None, None)
+        ftar.start(params[:1])
+        ftar.start(params[1:], last=True)
+        ftar.finish()
+        loss = early.get(rank, late.get(rank))
+        skip, _, _ = guard.decide(None if loss is None else torch.tensor(loss), ftar, _OneRank(), contributes,
+                                  torch.device("cpu"))
+        seen.append((skip, len(agreements), params[1].grad[0, 0].item()))
+    out.put((rank, seen))
+
+
 def _run(target, n: int, *extra) -> list:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -131,3 +186,17 @@ def test_a_forced_nccl_group_that_cannot_work_is_refused_by_every_member_alike()
     results = _run(_forced_nccl_worker, 2)
     assert [r[0] for r in results] == [0, 1]
     assert all("backend nccl needs the gradients on a CUDA device" in r[1] for r in results), results
+
+
+def test_the_guards_agreement_rides_with_the_last_bucket_and_costs_a_collective_only_for_a_late_loss():
+    results = _run(_guard_worker, 3)
+    assert [r[0] for r in results] == [0, 1, 2]
+    per_step = list(zip(*(r[1] for r in results)))  # every rank's (skip, agreements, gradient) per step
+    for steps in per_step:
+        assert all(s[:2] == steps[0][:2] for s in steps), steps  # every replica decides alike
+    skips = [steps[0][0] for steps in per_step]
+    agreements = [steps[0][1] for steps in per_step]
+    assert skips == [False, True, False, True, True, False]
+    assert agreements == [1, 0, 0, 0, 1, 1]
+    assert per_step[0][0][2] == pytest.approx(2.0)  # (1 + 2 + 3) / 3: the flags are not averaged in
+    assert per_step[5][0][2] == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)  # weighted; the joiner sends zeros

@@ -1,15 +1,13 @@
 """Blocking client of the coordinator API, used by workers and the launcher.
 
-Standard library only (http.client), so the launcher needs nothing but pydantic. Every call
-has a deadline; connection errors and 5xx answers are retried with backoff until it passes
+Standard library only, so the launcher needs nothing but pydantic. Every call has a
+deadline; connection errors and 5xx answers are retried with backoff until it passes
 (the coordinator may be restarting), 4xx answers raise `CoordinatorError` at once, except
 the quorum long-poll's 408 which means "ask again".
 
-Each thread keeps one connection open to the coordinator (HTTP/1.1 keep-alive): a leader
-asks for a quorum every step, and a new connection per request cost the worker and the
-coordinator about 0.4 ms of CPU together per request on the 2-core development box
-(benchmarks.md, ftar_overhead). A kept connection that the coordinator closed meanwhile
-(its idle timeout, a restart) is replaced at once, without the backoff.
+Each thread keeps one connection open to the coordinator (coordinator/keepalive.py): a
+leader asks for a quorum every step, and a new connection per request cost the worker and
+the coordinator about 0.65 ms of CPU together per request on the 2-core development box.
 
 The credential a client presents says which replica it speaks for (coordinator/identity.py):
 a replica's own identity token, read from `TRANSOM_IDENTITY_TOKEN_FILE` again whenever the
@@ -19,17 +17,15 @@ spare's), or the job's token where no identity file is given (tests, tools).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
+from transom.coordinator.keepalive import KeptConnections
 from transom.coordinator.models import (
     AsideRequest,
     CheckpointReport,
@@ -95,48 +91,6 @@ def credential(identity_token_file: str, token: str) -> str | Callable[[], str]:
     return TokenFile(identity_token_file) if identity_token_file else token
 
 
-class _KeptConnections:
-    """One keep-alive connection to the coordinator per thread (and process: a forked child
-    opens its own)."""
-
-    def __init__(self, url: str):
-        split = urlsplit(url)
-        self._cls = http.client.HTTPSConnection if split.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port, self._base = split.hostname or "127.0.0.1", split.port, split.path.rstrip("/")
-        self._local = threading.local()
-
-    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
-             timeout_s: float) -> tuple[int, str, bytes]:
-        """(status, reason, body) of one request; OSError or HTTPException if it failed."""
-        kept: tuple[int, http.client.HTTPConnection] | None = getattr(self._local, "conn", None)
-        if kept is not None and kept[0] == os.getpid():
-            try:
-                return self._send(kept[1], method, path, body, headers, timeout_s)
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
-                pass  # closed by the coordinator while it was kept: a new connection, at once
-        conn = self._cls(self._host, self._port, timeout=timeout_s)
-        self._local.conn = (os.getpid(), conn)
-        return self._send(conn, method, path, body, headers, timeout_s)
-
-    def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None,
-              headers: dict[str, str], timeout_s: float) -> tuple[int, str, bytes]:
-        conn.timeout = timeout_s  # for a connect; a connected socket is set here
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout_s)
-        try:
-            conn.request(method, self._base + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except BaseException:
-            self._local.conn = None  # half a request or answer on the wire: never reuse it
-            conn.close()
-            raise
-        if resp.will_close:
-            self._local.conn = None
-            conn.close()
-        return resp.status, resp.reason, raw
-
-
 def _payload(raw: bytes) -> dict:
     try:
         payload = json.loads(raw or b"{}")
@@ -151,7 +105,7 @@ class CoordinatorClient:
         self.url = url.rstrip("/")
         self.credential: Callable[[], str] = token if callable(token) else (lambda: token)
         self.timeout_s = timeout_s
-        self._connections = _KeptConnections(self.url)
+        self._connections = KeptConnections(self.url)
 
     def _call(
         self,
@@ -188,7 +142,7 @@ class CoordinatorClient:
             per_try = request_timeout_s or max(0.1, min(10.0, deadline - time.monotonic()))
             try:
                 status, reason, raw = self._connections.send(method, path, data, headers, per_try)
-            except (ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            except OSError as e:  # refused, reset, timed out, or no HTTP answer (keepalive.py)
                 error: Exception = CoordinatorError(f"{method} {path}: coordinator unreachable: {e}")
             else:
                 if status == 409:

@@ -257,8 +257,9 @@ class CoordinatorServer:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     return http.error(408, "no quorum yet; ask again", retry=True)
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, QUORUM_WAKE_S))
+                try:  # a timeout, not wait_for: that would start a task for every wait of every step
+                    async with asyncio.timeout(min(remaining, QUORUM_WAKE_S)):
+                        await self._changed.wait()
                 except TimeoutError:
                     pass
                 m.replicas.live(req.identity)  # raises Evicted if declared dead meanwhile

@@ -106,8 +106,9 @@ class Exchange:
         if self.buckets:
             self.hooks.gradients(self._step, self.buckets[0][0].grad)
         self.shares.update(q)
+        guard = self.guard  # its flags ride at the end of the last bucket (ft/guard.py)
         ftar = StepAllReduce(self.groups.group, q.participants, contribute=not recovering,
-                             own=self.guard.own_bucket if self.guard is not None else None,
+                             own=guard.own_bucket if guard else None, flags=guard.flags if guard else None,
                              weight=self.shares.weight(q, self.ctx.replica_id))
         self.recovery.gate.busy()  # a catch-up in the background leaves the link to the buckets
         if error:
@@ -119,15 +120,15 @@ class Exchange:
         """A bucket's gradients are final (mid-backward): its exchange starts now."""
         outcome = self.open()
         if outcome is not None:
-            outcome.ftar.start(self.buckets[index])
+            outcome.ftar.start(self.buckets[index], last=index == len(self.buckets) - 1)
 
     def finish(self, started: int) -> QuorumOutcome | None:
         """The step's gradient exchange, once per step: the buckets from `started` on (the
         backward pass started the others) start now; then all are awaited."""
         outcome = self.open()
         if outcome is not None and not self.finished:
-            for bucket in self.buckets[started:]:
-                outcome.ftar.start(bucket)
+            for i in range(started, len(self.buckets)):
+                outcome.ftar.start(self.buckets[i], last=i == len(self.buckets) - 1)
             with self.clock.waiting():
                 outcome.ftar.finish()
             self.recovery.gate.free()

@@ -30,6 +30,7 @@ DEFAULT_BUCKET_BYTES = 25 << 20  # as DDP: several buckets, so the first can lea
 # As DDP's first bucket: the last layers' gradients, ready first, leave as soon as they
 # are, without waiting for 25 MiB more (on a small model, the whole model).
 FIRST_BUCKET_BYTES = 1 << 20
+NUM_FLAGS = 2  # the step guard's, at the end of the last bucket (ft/guard.py: BAD, LATE)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -68,10 +69,14 @@ class StepAllReduce:
     """FTAR state for one attempt of one step."""
 
     def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool,
-                 own: Callable[[torch.Tensor], None] | None = None, weight: float | None = None):
+                 own: Callable[[torch.Tensor], None] | None = None, weight: float | None = None,
+                 flags: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """`own`: shown each bucket of this replica's own gradients before the exchange
         (ft/guard.py keeps their norm). `weight`: this replica's fraction of the step's
-        samples (every member gives one, or none does): the sum is then the average."""
+        samples (every member gives one, or none does): the sum is then the average.
+        `flags(like)`: the step guard's NUM_FLAGS counts (ft/guard.py), asked for when the
+        last bucket starts; they ride at its end and are summed over the members with it
+        (`flag_sums`), so that agreeing on them costs no collective of its own."""
         if participants < 1:
             raise ValueError("a step needs at least one participant")
         if weight is not None and not 0.0 <= weight <= 1.0:
@@ -81,6 +86,8 @@ class StepAllReduce:
         self.contribute = contribute
         self.weight = weight
         self.own = own
+        self.flags = flags
+        self.flag_sums: torch.Tensor | None = None  # after `finish`: the members' flags, summed
         self.error: str | None = None if group is not None else "no cross-replica group"
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, list]] = []  # buckets started
 
@@ -96,10 +103,10 @@ class StepAllReduce:
             self.group.abort()
         self.group = None
 
-    def start(self, params: list[torch.nn.Parameter]) -> None:
+    def start(self, params: list[torch.nn.Parameter], last: bool = False) -> None:
         """Begin the all-reduce of one bucket of gradients (asynchronous); `finish` completes it.
         Buckets must be started in the same order on every member (the collectives pair up
-        by order)."""
+        by order); `last`: the step's last bucket, which carries the flags."""
         if self.failed:
             return
         grads = []
@@ -107,14 +114,19 @@ class StepAllReduce:
             if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
+        n = sum(g.numel() for g in grads)
+        slots = NUM_FLAGS if last and self.flags is not None else 0
         if self.contribute:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(slots)] if slots else []))
             if self.own is not None:
-                self.own(flat)
+                self.own(flat[:n])
             if self.weight is not None and self.weight != 1.0:
-                flat.mul_(self.weight)
-        else:
-            flat = torch.zeros(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+                flat[:n].mul_(self.weight)
+            if slots:
+                assert self.flags is not None
+                flat[n:].copy_(self.flags(flat))
+        else:  # a member catching up sends zeros, flags included: it cannot make anyone skip
+            flat = torch.zeros(n + slots, dtype=grads[0].dtype, device=grads[0].device)
         try:
             # No local alias of the group: fail() must drop the only reference at once.
             assert self.group is not None
@@ -136,6 +148,8 @@ class StepAllReduce:
             return
         for grads, flat, _ in pending:
             offset = 0
+            if flat.numel() > sum(g.numel() for g in grads):  # the last bucket: its flags
+                self.flag_sums = flat[-NUM_FLAGS:]
             for g in grads:
                 n = g.numel()
                 summed = flat[offset : offset + n].view_as(g)

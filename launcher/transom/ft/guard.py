@@ -8,10 +8,19 @@ Per step, each rank:
 - judges its step at the vote: its loss or its own gradients not finite, or its loss a spike
   against the replica's own recent losses (detect/loss.py). One read of two scalars from the
   device, the same synchronisation GradScaler makes for its inf check;
-- agrees with every replica (one 1-element all-reduce over the cross-replica group) and every
-  rank of its replica (the vote) whether anyone found its step bad: then no replica applies
-  the step's update (it is committed without one, like GradScaler's skipped step), and every
-  replica stays identical;
+- agrees with every replica and every rank of its replica (the vote) whether anyone found
+  its step bad: then no replica applies the step's update (it is committed without one, like
+  GradScaler's skipped step), and every replica stays identical. Across replicas the
+  agreement rides with the gradients: two flags at the end of the step's last bucket
+  (`flags`), summed by the same all-reduce. BAD: its own gradients are not finite, or the
+  loss reported before that bucket left is not finite or spikes. LATE: it may still report
+  a loss before `optimizer.step()` (it reported one in an earlier step, or this is its
+  first): then every member agrees once more, on its whole judgement, with a 1-element
+  all-reduce of its own. A loop that reports no loss, or reports it before backward ends,
+  so needs no collective for the guard; one that reports it after backward needs that one.
+  (A rank's very first loss, reported after backward in a step that is not its first, is
+  judged for its row but cannot stop the update alone; a first loss is never a spike: the
+  history is empty);
 - every `fingerprint_interval` committed steps, fingerprints its parameters after the update:
   the sum of their raw bits as 64-bit integers, on the device. Integer addition does not
   depend on the order, and any flipped bit changes the sum;
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import faulthandler
 import math
+import mmap
 import os
 import signal
 from pathlib import Path
@@ -43,8 +53,10 @@ import torch
 
 from transom.detect.loss import LossHistory
 from transom.detect.step_rows import DetectionSettings, Signal, write_trace
+from transom.ft.ftar import NUM_FLAGS
 
 STACK_SIGNAL = signal.SIGUSR1
+BAD, LATE = 0, 1  # the flags at the end of the last bucket (ftar.NUM_FLAGS of them)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -73,12 +85,15 @@ class Guard:
         self.gradients_judged = gradients_judged
         self.replica, self.rank = replica, rank
         self._losses = LossHistory(settings.loss_window, settings.loss_spike_z)
-        self._norms: list[torch.Tensor] = []  # this step's own bucket norms
+        self._squares: list[torch.Tensor] = []  # this step's own buckets' squared norms
         self._workload: tuple[float | None, float | None] = (None, None)
+        self._reported: torch.Tensor | float | None = None  # this step's loss, as report() gave it
+        self._ever_reported = False  # a loss, in any step of this incarnation
+        self._expects_loss = True  # it may report a loss late: it did before, or no step ended yet
         self.finite, self.spike = True, False  # this step's own judgement
         self._file: TextIO | None = None
         self._stacks: TextIO | None = None
-        self._waiting_fd: int | None = None
+        self._waiting: mmap.mmap | None = None  # the waiting byte, mapped: set without a syscall
         if directory:
             base = Path(directory)
             base.mkdir(parents=True, exist_ok=True)
@@ -87,47 +102,90 @@ class Guard:
             write_trace([], self._file)  # the header
             self._stacks = open(base / f"stacks-{name}.txt", "w")
             faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True, chain=False)
-            self._waiting_fd = os.open(base / f"waiting-{name}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.pwrite(self._waiting_fd, b"0", 0)
+            fd = os.open(base / f"waiting-{name}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.pwrite(fd, b"0", 0)
+                # Set and cleared about six times a step: a store into the shared page, which
+                # the launcher's read sees, instead of a write call each time.
+                self._waiting = mmap.mmap(fd, 1)
+            finally:
+                os.close(fd)
 
     # --- during the step -----------------------------------------------------------------------
     def begin(self) -> None:
-        self._norms, self._workload = [], (None, None)
+        self._squares, self._workload, self._reported = [], (None, None), None
         self.finite, self.spike = True, False
 
     def waiting(self, yes: bool) -> None:
         """This rank waits for its quorum now (yes) or not any more."""
-        if self._waiting_fd is not None:
-            os.pwrite(self._waiting_fd, b"1" if yes else b"0", 0)
+        if self._waiting is not None:
+            self._waiting[0] = 0x31 if yes else 0x30  # "1" / "0"
 
-    def workload(self, tokens: float | None, sum_len_sq: float | None) -> None:
-        self._workload = (tokens, sum_len_sq)
-
+    def reported(self, loss: torch.Tensor | float | None, tokens: float | None, sum_len_sq: float | None) -> None:
+        self._reported, self._workload = loss, (tokens, sum_len_sq)
 
     def own_bucket(self, flat: torch.Tensor) -> None:
         """A bucket of this rank's own gradients, before the exchange (ftar.StepAllReduce)."""
-        self._norms.append(torch.linalg.vector_norm(flat, dtype=torch.float32))
+        # A dot product: a third less time than vector_norm on the CPU, on every step's path.
+        square = flat.dot(flat) if flat.dtype in (torch.float32, torch.float64) else \
+            torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+        self._squares.append(square.float())
 
-    def judge(self, loss: torch.Tensor | float | None) -> tuple[bool, float | None, float | None]:
-        """(this rank's step is bad, its loss, its own gradient norm): one device read."""
-        values = list(self._norms)
+    def flags(self, like: torch.Tensor) -> torch.Tensor:
+        """[BAD, LATE] (the module's docstring) when the last bucket starts, on `like`'s device.
+        On a GPU the gradients' norms stay on the device (it goes on computing); on the CPU
+        they are read, which costs less there than the tensor operations would. A loss
+        reported by now is read (a loop that reports it before backward ends syncs here)."""
+        loss_bad, late = False, self._reported is None and self._expects_loss
+        if self._reported is not None:
+            value = float(self._reported.detach().float().reshape(())) if isinstance(self._reported, torch.Tensor) \
+                else float(self._reported)
+            loss_bad = not math.isfinite(value) or self._losses.is_spike(value)
+        judged = self.gradients_judged and self._squares
+        total = sum(self._squares[1:], self._squares[0]) if judged else None  # a NaN or inf anywhere: not finite
+        if like.device.type == "cpu":
+            grads_bad = total is not None and not math.isfinite(float(total))
+            return torch.tensor([float(grads_bad or loss_bad), float(late)])
+        flags = torch.zeros(NUM_FLAGS, dtype=torch.float32, device=like.device)
+        if total is not None:
+            flags[BAD] = ~torch.isfinite(total)
+        flags[BAD] += float(loss_bad)  # 2 counts as bad as 1
+        flags[LATE] = float(late)
+        return flags
+
+    def judge(self, loss: torch.Tensor | float | None,
+              extra: torch.Tensor | None = None) -> tuple[bool, float | None, float | None, list[float]]:
+        """(this rank's step is bad, its loss, its own gradient norm, `extra`'s values): one device read."""
+        values = list(self._squares)
+        device = values[0].device if values else extra.device if extra is not None else None
         if isinstance(loss, torch.Tensor):
-            values.append(loss.detach().float().reshape(()).to(values[0].device if values else loss.device))
+            values.append(loss.detach().float().reshape(()).to(device or loss.device))
+        if extra is not None:
+            values += list(extra.float().to(device))
         host = torch.stack(values).double().cpu().tolist() if values else []
-        loss_value = host.pop() if isinstance(loss, torch.Tensor) else (float(loss) if loss is not None else None)
-        norm = math.sqrt(sum(v * v for v in host)) if host else None
+        rest = host[len(self._squares):]
+        host = host[:len(self._squares)]
+        loss_value = rest.pop(0) if isinstance(loss, torch.Tensor) else (float(loss) if loss is not None else None)
+        norm = math.sqrt(sum(host)) if host else None
         grads_ok = all(math.isfinite(v) for v in host) or not self.gradients_judged
         self.finite = grads_ok and (loss_value is None or math.isfinite(loss_value))
         self.spike = bool(self.finite and loss_value is not None and self._losses.is_spike(loss_value))
-        return (not self.finite or self.spike), loss_value, norm
+        return (not self.finite or self.spike), loss_value, norm, rest
 
     def decide(self, loss, ftar, ctx, contributes: bool,
                device: torch.device) -> tuple[bool, float | None, float | None]:
         """(skip the step's update on every replica, this rank's loss, its own gradient norm).
-        `ftar` (ft/ftar.py) agrees across replicas, `ctx.all_ok` across the replica's ranks;
-        a replica that contributes nothing (it catches up) cannot make anyone skip."""
-        bad, loss_value, norm = self.judge(loss)
-        anyone = ftar.agree(bad and contributes, device)
+        Across replicas from the flags that came with the exchange (ftar.flag_sums), and with
+        `ftar.agree` where a member may have judged a loss only since, or no flags came;
+        `ctx.all_ok` across the replica's ranks. A replica that contributes nothing (it
+        catches up) cannot make anyone skip: it sends zeros, flags included."""
+        sums = ftar.flag_sums
+        bad, loss_value, norm, summed = self.judge(loss, sums)
+        folded_bad, late = (summed[BAD] > 0, summed[LATE] > 0) if sums is not None else (False, True)
+        # Every member read the same sums: all of them take the agreement, or none does.
+        anyone = folded_bad or (late and ftar.agree(bad and contributes, device))
+        self._ever_reported = self._ever_reported or loss is not None
+        self._expects_loss = self._ever_reported
         return not ctx.all_ok(not anyone), loss_value, norm
 
     def learn(self, loss: float | None) -> None:
@@ -170,9 +228,9 @@ class Guard:
                             batch_share=batch_share, input_digest=input_digest)], self._file, header=False)
 
     def close(self) -> None:
-        if self._waiting_fd is not None:
-            os.close(self._waiting_fd)
-            self._waiting_fd = None
+        if self._waiting is not None:
+            self._waiting.close()
+            self._waiting = None
         if self._stacks is not None:
             faulthandler.unregister(STACK_SIGNAL)
             self._stacks.close()

@@ -137,7 +137,7 @@ class LoopAids:
             raise UsageError("report() belongs inside a step, before optimizer.step()")
         self._loss = loss
         if self._guard is not None:
-            self._guard.workload(tokens, sum_len_sq)
+            self._guard.reported(loss, tokens, sum_len_sq)
 
     def fingerprint_input(self, data: Any) -> None:
         """This step's input (a tensor, or its sample indices) for the distinct-data check,
