@@ -35,7 +35,9 @@ Figures
     end bit-identical (`transom_bit_identical`). `load_avg`: the 1-minute load average
     before each run, median and spread. `--agree-with OUTPUT` (an earlier run's saved
     stdout) adds `agreement`: per model, shape and ratio, whether the two runs' medians
-    lie within each other's spread.
+    lie within each other's spread. With `--cpu`, each run also prints the CPU
+    milliseconds per step that its processes and worker threads spent, by kind
+    (benchmarks/_cpu.py), over the same steps: where a system's extra time goes.
 
 Shapes
     Every round runs every system in each workload shape (benchmarks/scripts/workload.py):
@@ -49,7 +51,7 @@ How to run
     .venv/bin/python benchmarks/ftar_overhead.py | tee /tmp/ftar-1.txt           # both models, both shapes
     .venv/bin/python benchmarks/ftar_overhead.py --agree-with /tmp/ftar-1.txt      # the second run
     .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30 --shapes cpu_bound  # quick
-    .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 5  # fixed cost
+    .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 7 --cpu  # fixed cost
     .venv/bin/python benchmarks/ftar_overhead.py --base 91de83f --systems transom,transom_base  # vs a commit
 """
 
@@ -66,6 +68,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
+from _cpu import CpuSampler  # noqa: E402
 from _replicas import NIGHTLY, RUNNERS, Job, nightly_env, nightly_installed  # noqa: E402
 from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_times  # noqa: E402
 
@@ -75,18 +78,38 @@ STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400}  # default steps per run: ~6-
 
 
 def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: dict[str, str]) -> tuple[float, bool]:
-    """One system's run: the median step time, and whether Transom's replicas ended bit-identical."""
+    """One system's run: the median step time, and whether Transom's replicas ended bit-identical.
+    With --cpu, also prints the CPU ms per step of its processes and threads by kind."""
     out.mkdir()
     logs = {BASE: "transom", NIGHTLY: "torchft"}.get(system, system)  # the worker script's name in its logs
-    runner = RUNNERS[logs]
-    outcome = runner(Job(out, model, args.steps or STEPS[model], replicas=args.replicas,
-                         timeout_s=args.run_timeout, env=env))
+    sampler = CpuSampler() if args.cpu else None
+    if sampler is not None:
+        sampler.start()
+    try:
+        outcome = RUNNERS[logs](Job(out, model, args.steps or STEPS[model], replicas=args.replicas,
+                                    timeout_s=args.run_timeout, env=env))
+    finally:
+        if sampler is not None:
+            sampler.stop()
     times = step_times(out, logs, args.warmup)
     if not outcome.ok or not times:
         raise SystemExit(f"{system} on {model} failed: {outcome.detail}")
+    if sampler is not None:
+        print("    CPU ms per step: " + ", ".join(f"{k} {v}" for k, v in cpu_per_step(sampler, out, logs,
+                                                                                      args.warmup).items()))
     identical = system != "transom" or \
         json.loads((out / "summary.json").read_text()).get("replicas_bit_identical") is True
     return statistics.median(times), identical
+
+
+def cpu_per_step(sampler: CpuSampler, out: Path, logs: str, warmup: int) -> dict[str, float]:
+    """CPU ms per step by kind (_cpu.py) from the end of the warm-up to the first replica's last step."""
+    ends = [[json.loads(x)["t"] for x in path.read_text().splitlines()[1:] if x.strip().endswith("}")]
+            for path in out.glob(f"{logs}-r*-*.jsonl")]
+    ends = [e for e in ends if len(e) > warmup + 1]
+    t0, t1 = max(e[warmup] for e in ends), min(e[-1] for e in ends)
+    per_step = sampler.per_step(t0, t1, sum(t0 < t <= t1 for t in ends[0]))
+    return {**per_step, "total": round(sum(per_step.values()), 3)}
 
 
 def run_model(args: argparse.Namespace, model: str, systems: list[str], work: Path,
@@ -148,6 +171,8 @@ def main() -> None:
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
     p.add_argument("--systems", help=f"a subset of ddp,transom,torchft,{NIGHTLY} (and {BASE} with --base)")
     p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
+    p.add_argument("--cpu", action="store_true", help="also the CPU ms per step of every process and worker "
+                   "thread, by kind (benchmarks/_cpu.py)")
     args = p.parse_args()
     systems = ["ddp", "transom"] + (["torchft"] if importlib.util.find_spec("torchft") else [])
     systems += [NIGHTLY] if nightly_installed() else []
