@@ -3,12 +3,15 @@
 The digests are CRC32C (Castagnoli) of each chunk's bytes as they lie back to back, the
 padding between tensors included; a manifest that names another algorithm, or none, is
 refused before anything is fetched; a chunk whose bytes differ from the digest is refused
-by the joiner, and the transfer goes on from a source that serves it right.
+by the joiner, and the transfer goes on from a source that serves it right. A fetch
+worker keeps its connection from chunk to chunk; one the source closed while idle is
+opened again.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import google_crc32c
 import pytest
@@ -70,3 +73,22 @@ def test_a_corrupt_chunk_is_detected_and_taken_from_an_honest_source():
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_kept_connection_the_source_closed_when_idle_is_opened_again():
+    p = _published()
+    server = StateServer("tok", idle_timeout_s=0.2)
+    link = transfer._Link(server.url, "tok", 5.0)
+    try:
+        server.publish_snapshot(p)
+        manifest = transfer.parse_manifest(p.manifest_json)
+        data = bytearray(manifest.total_bytes)
+        for i in range(len(manifest.digests)):
+            if i == 1:
+                time.sleep(0.6)  # the server drops the idle connection meanwhile
+            start, end = manifest.chunk_range(i)
+            link.chunk_into(manifest, i, memoryview(data)[start:end])
+        assert bytes(data) == _served_bytes(p)
+    finally:
+        link.close()
+        server.close()

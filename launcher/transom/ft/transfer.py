@@ -241,8 +241,8 @@ def manifest_of(endpoint: str, token: str, timeout_s: float,
 class _Link:
     """One fetch worker's connection to a source, kept open from one chunk to the next
     (HTTP/1.1 keep-alive). A connection per chunk cost the source a thread, a handshake
-    and a fresh TCP window for every chunk: over half its serving CPU at 4 MiB chunks on
-    loopback (benchmarks/catchup_bill.py)."""
+    and a fresh TCP window for every chunk: a third of its serving CPU, and of the joiner's
+    receiving, at 4 MiB chunks on loopback (benchmarks.md, "catchup_bill")."""
 
     def __init__(self, endpoint: str, token: str, timeout_s: float):
         self.endpoint, self.token, self.timeout_s = endpoint, token, timeout_s
@@ -250,12 +250,12 @@ class _Link:
 
     def chunk_into(self, manifest: Manifest, i: int, view: memoryview) -> None:
         """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC32C.
-        A kept connection that fails (the source closed it after its idle timeout) is opened
-        again once; a fresh one that fails is the source's failure."""
+        A kept connection the source closed (its idle timeout: the request finds it gone) is
+        opened again, once; any other failure, or a fresh connection's, is the source's."""
         reused = self._conn is not None
         try:
             self._get(manifest, i, view)
-        except (OSError, http.client.HTTPException):
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
             self.close()
             if not reused:
                 raise
