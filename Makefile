@@ -110,7 +110,7 @@ test-compat: $(COMPAT_VENV)/.deps-installed
 # default), which reaches no package registry: carry $(WHEELHOUSE) there with the tree.
 GPU_PYTHON_VERSION ?= 3.12
 # The operator's packages too: the unit tests of the compat subset import it.
-GPU_REQUIREMENTS := "aiohttp>=3.9" "pydantic>=2.6" "prometheus-client>=0.19" "fsspec>=2024.2" "kopf>=1.37" \
+GPU_REQUIREMENTS := "aiohttp>=3.9" "pydantic>=2.6" "google-crc32c>=1.5" "prometheus-client>=0.19" "fsspec>=2024.2" "kopf>=1.37" \
 	"kubernetes>=29" "pyyaml>=6" pytest pytest-timeout hypothesis requests
 # The benchmarks' own: torchft 0.2.0 without its torch (the machine's own is used) and the
 # OpenTelemetry packages that torchft imports.

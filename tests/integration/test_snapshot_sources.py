@@ -64,7 +64,8 @@ def claiming(honest: transfer.Published, step: int | None = None, specs: dict[st
         entries.append({"key": key, "dtype": dtype, "shape": shape, "offset": offset})
         offset += blob.nbytes_of(dtype, shape)
     body = {"step": m.step if step is None else step, "chunk_bytes": GIB, "total_bytes": offset, "entries": entries,
-            "skeleton": m.skeleton if skeleton is None else skeleton, "digests": [0] * -(-offset // GIB)}
+            "skeleton": m.skeleton if skeleton is None else skeleton, "checksum": m.checksum,
+            "digests": [0] * -(-offset // GIB)}
     manifest_json = json.dumps(body).encode()
     transfer.parse_manifest(manifest_json)  # well-formed: only the joiner's own state can tell
     return transfer.Published(m, manifest_json, honest.views)

@@ -229,7 +229,8 @@ def test_a_joiner_over_its_record_budget_asks_for_a_newer_snapshot_and_still_end
 
 
 def _manifest(**changes) -> bytes:
-    body = {"step": 1, "chunk_bytes": 64, "total_bytes": 8, "skeleton": {"__tensor__": "w"}, "digests": [0],
+    body = {"step": 1, "chunk_bytes": 64, "total_bytes": 8, "skeleton": {"__tensor__": "w"}, "checksum": "crc32c",
+            "digests": [0],
             "entries": [{"key": "w", "dtype": "float32", "shape": [2], "offset": 0}]}
     body.update(changes)
     return json.dumps(body).encode()
@@ -238,6 +239,8 @@ def _manifest(**changes) -> bytes:
 BAD_MANIFESTS = {
     "not json": b"{{{",
     "unknown field": _manifest(run="rm -rf"),
+    "unknown checksum": _manifest(checksum="crc32"),
+    "no checksum named": _manifest(checksum=None),
     "skeleton names a missing tensor": _manifest(skeleton={"__tensor__": "x"}),
     "tensors overlap": _manifest(entries=[{"key": "w", "dtype": "float32", "shape": [2], "offset": 0},
                                           {"key": "v", "dtype": "float32", "shape": [2], "offset": 4}],

@@ -32,7 +32,7 @@ answering first. Against two honest sources it is a minority; against one, a tie
 is decided only by a verification, or not at all (the joiner times out and its replica
 restarts, rather than training on a state only the liar vouches for). A job with a single
 source has nothing to compare it with: there the verification is the only check. This
-decides which manifest is believed; each chunk is then checked against its CRC-32, which
+decides which manifest is believed; each chunk is then checked against its CRC32C, which
 catches a corrupted chunk but not a forged one (ft/transfer.py).
 """
 

@@ -77,6 +77,10 @@ class _Handler(BaseHTTPRequestHandler):
     write: a stalled peer is dropped) are set per server."""
 
     state_server: StateServer
+    # Keep-alive: a joiner's fetch worker takes chunk after chunk over one connection
+    # (ft/transfer.py's _Link), so this thread and its TCP window serve them all. Every
+    # answer has a Content-Length; `timeout` closes a connection idle between requests too.
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, fmt, *args):  # quiet: the transfer is logged by its ends
         pass

@@ -8,7 +8,8 @@ background, ft/catchup.py) while some replica is catching up. It serves it as
                                        bytes laid back to back; 404 once that step is replaced
 
 Every tensor travels as its raw bytes (no container, nothing a receiver would execute); the
-manifest says where each one lies, its dtype and shape, and the CRC-32 of every chunk. The
+manifest says where each one lies, its dtype and shape, and the CRC32C of every chunk
+(`checksum`: the algorithm's name, refused if unknown). The
 replicas are bit-identical, so every source of one step serves the same bytes under the
 same digests: the joiner fetches chunks from all of them in parallel, checks each against
 the manifest, and when a source dies or serves a bad chunk it takes the remaining chunks
@@ -26,11 +27,12 @@ import queue
 import threading
 import time
 import urllib.parse
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
+import google_crc32c
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -43,10 +45,28 @@ CHUNK_BYTES = 4 << 20
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_CHUNKS = 1 << 20
 ALIGN = 64  # every tensor starts at a multiple: a tensor made over the received bytes is aligned
+# The chunks' checksum, named in the manifest. CRC32C (Castagnoli) has a CPU instruction
+# (SSE4.2, ARMv8): google_crc32c computes it at about 3x zlib.crc32's speed here, and that
+# is CPU the sources and the joiner spend on every byte (benchmarks/catchup_bill.py). The
+# stored checkpoints keep their CRC-32 (checkpoint/blob.py): this is the transient wire only.
+CHECKSUM: Final = "crc32c"
+DIGEST_SLICE = 1 << 20  # about 0.1 ms of google_crc32c under the GIL on the development box
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def digest(pieces: Sequence[memoryview], crc: int = 0) -> int:
+    """The CRC32C of the pieces laid back to back, read where they lie. google_crc32c takes
+    only buffers that need no release (not a memoryview): an ndarray over the view is one,
+    and copies nothing. It holds the GIL while it runs, so it is fed DIGEST_SLICE bytes at a
+    time: a large `recovery_chunk_bytes` must not keep the training thread out for long."""
+    for piece in pieces:
+        array = np.frombuffer(piece, np.uint8)
+        for lo in range(0, len(array), DIGEST_SLICE):
+            crc = google_crc32c.extend(crc, array[lo:lo + DIGEST_SLICE])
+    return crc
 
 
 class _Entry(TensorEntry):
@@ -65,7 +85,8 @@ class Manifest(BaseModel):
     total_bytes: int = Field(ge=0, le=1 << 44)
     entries: list[_Entry]
     skeleton: Any
-    digests: list[int] = Field(max_length=MAX_CHUNKS)  # CRC-32 of each chunk
+    checksum: Literal["crc32c"]  # the digests' algorithm (CHECKSUM); another one is refused
+    digests: list[int] = Field(max_length=MAX_CHUNKS)  # the CRC32C of each chunk
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -125,7 +146,7 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
     """Host tensors (that nobody changes until the snapshot is dropped) and the skeleton that
     places them (checkpoint/structure.py), ready to serve.
 
-    The CRC-32s are the only pass over the bytes (zlib releases the GIL on large buffers)."""
+    The CRC32Cs are the only pass over the bytes, read where they lie (`digest`)."""
     entries: list[dict[str, Any]] = []  # the manifest's, as it goes out
     placed: list[_Entry] = []  # the same, for the draft
     views: list[memoryview] = []
@@ -140,18 +161,13 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
         placed.append(_Entry.model_construct(key=key, dtype=dtype, shape=shape_of, offset=offset))
         views.append(view)
         offset += len(view)
-    # A draft, unvalidated, to cut the chunks whose CRC-32s the digests are: the manifest below is validated.
+    # A draft, unvalidated, to cut the chunks whose CRC32Cs the digests are: the manifest below is validated.
     shape = Manifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset, entries=placed,
-                                     skeleton=skeleton, digests=[])
+                                     skeleton=skeleton, checksum=CHECKSUM, digests=[])
     draft = Published(shape, b"", views)
-    digests = []
-    for i in range(-(-offset // chunk_bytes)):
-        crc = 0
-        for piece in draft.chunk(i):
-            crc = zlib.crc32(piece, crc)
-        digests.append(crc)
+    digests = [digest(draft.chunk(i)) for i in range(-(-offset // chunk_bytes))]
     body = {"step": step, "chunk_bytes": chunk_bytes, "total_bytes": offset, "entries": entries,
-            "skeleton": skeleton, "digests": digests}
+            "skeleton": skeleton, "checksum": CHECKSUM, "digests": digests}
     manifest = Manifest.model_validate(body)
     return Published(manifest, json.dumps(body, separators=(",", ":")).encode(), views)
 
@@ -222,14 +238,39 @@ def manifest_of(endpoint: str, token: str, timeout_s: float,
     return parse_manifest(body)
 
 
-def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: float, view: memoryview) -> None:
-    """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC-32."""
-    conn = _connection(ep, timeout_s)
-    try:
-        conn.request("GET", f"/snapshot/{manifest.step}/chunk/{i}", headers={"Authorization": f"Bearer {token}"})
-        resp = conn.getresponse()
+class _Link:
+    """One fetch worker's connection to a source, kept open from one chunk to the next
+    (HTTP/1.1 keep-alive). A connection per chunk cost the source a thread, a handshake
+    and a fresh TCP window for every chunk: a third of its serving CPU, and of the joiner's
+    receiving, at 4 MiB chunks on loopback (benchmarks.md, "catchup_bill")."""
+
+    def __init__(self, endpoint: str, token: str, timeout_s: float):
+        self.endpoint, self.token, self.timeout_s = endpoint, token, timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def chunk_into(self, manifest: Manifest, i: int, view: memoryview) -> None:
+        """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC32C.
+        A kept connection the source closed (its idle timeout: the request finds it gone) is
+        opened again, once; any other failure, or a fresh connection's, is the source's."""
+        reused = self._conn is not None
+        try:
+            self._get(manifest, i, view)
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            self.close()
+            if not reused:
+                raise
+            self._get(manifest, i, view)
+        if digest([view]) != manifest.digests[i]:
+            raise WireError(f"chunk {i}: checksum mismatch")
+
+    def _get(self, manifest: Manifest, i: int, view: memoryview) -> None:
+        if self._conn is None:
+            self._conn = _connection(self.endpoint, self.timeout_s)
+        self._conn.request("GET", f"/snapshot/{manifest.step}/chunk/{i}",
+                           headers={"Authorization": f"Bearer {self.token}"})
+        resp = self._conn.getresponse()
         if resp.status == 404:
-            raise SnapshotChanged(f"{ep} no longer serves step {manifest.step}")
+            raise SnapshotChanged(f"{self.endpoint} no longer serves step {manifest.step}")
         if resp.status != 200 or resp.length != len(view):
             raise WireError(f"chunk {i}: status {resp.status}, {resp.length} bytes")
         got = 0
@@ -238,10 +279,11 @@ def _chunk_into(ep: str, manifest: Manifest, i: int, token: str, timeout_s: floa
             if not n:
                 raise WireError(f"chunk {i}: connection closed after {got} bytes")
             got += n
-    finally:
-        conn.close()
-    if zlib.crc32(view) != manifest.digests[i]:
-        raise WireError(f"chunk {i}: checksum mismatch")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: Callable[[], bool],
@@ -338,6 +380,15 @@ class _Fetch:
         except (OSError, WireError, http.client.HTTPException) as e:
             log.warning("state transfer: source %s dropped before it served: %s", ep, e)
             return
+        link = _Link(ep, self.token, self.timeout_s)
+        try:
+            self._take_chunks(link)
+        finally:
+            link.close()
+
+    def _take_chunks(self, link: _Link) -> None:
+        """Chunks from the queue over `link` until all are in or its source fails."""
+        m, ep = self.manifest, link.endpoint
         while not self.done.is_set() and not self.stopped():
             try:
                 i = self.todo.get(timeout=0.1)
@@ -347,7 +398,7 @@ class _Fetch:
                 self.gate.wait_free()
             start, end = m.chunk_range(i)
             try:
-                _chunk_into(ep, m, i, self.token, self.timeout_s, memoryview(self.out)[start:end])
+                link.chunk_into(m, i, memoryview(self.out)[start:end])
             except SnapshotChanged as e:
                 self.todo.put(i)
                 with self.lock:
