@@ -38,7 +38,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu bench-gpu wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate clean-venv bench-deps
 
 # setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
 # --quiet keeps it) on every editable install of a project whose packages are in two roots.
@@ -142,8 +142,11 @@ test-gpu:
 
 # On the GPU machine: the recovery and overhead benchmarks on CUDA (the replicas share the
 # GPU, Gloo across them), beside torchft; GPU_ROUNDS rounds each (the device time is short).
+# `make -k bench-gpu` runs each benchmark even if another fails.
 GPU_ROUNDS ?= 3
-bench-gpu:
+GPU_RECOVERY_STEPS ?= 200
+bench-gpu: bench-gpu-overhead bench-gpu-recovery
+bench-gpu-deps:
 	@test -d $(WHEELHOUSE) || { echo "no $(WHEELHOUSE): run 'make wheelhouse' on a machine with PyPI first" >&2; exit 1; }
 	$(GPU_PYTHON) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) --target $(GPU_SITE) \
 		$(GPU_REQUIREMENTS) $(GPU_BENCH_REQUIREMENTS)
@@ -151,10 +154,12 @@ bench-gpu:
 	rm -rf .cache/torchft-nightly
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --find-links $(WHEELHOUSE) --target .cache/torchft-nightly \
 		"torchft-nightly==$(TORCHFT_NIGHTLY_VERSION)"
+bench-gpu-overhead: bench-gpu-deps
 	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/ftar_overhead.py --models mlp --shapes cpu_bound \
 		--repeats $(GPU_ROUNDS)
+bench-gpu-recovery: bench-gpu-deps
 	BENCH_DEVICE=cuda $(GPU_ENV) $(GPU_PYTHON) benchmarks/recovery.py --shapes cpu_bound --repeats $(GPU_ROUNDS) \
-		--steps 300 --kill-step 30
+		--steps $(GPU_RECOVERY_STEPS) --kill-step 30
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
