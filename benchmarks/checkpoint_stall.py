@@ -149,6 +149,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", help="directory for --target file (default: a temp dir on local disk)")
+    p.add_argument("--training", action="store_true",
+                   help="the stall of a save while workload.py's mlp trains, per shape, Transom vs dcp.async_save")
+    p.add_argument("--rounds", type=int, default=7, help="--training: rounds, the methods alternating")
+    p.add_argument("--every", type=int, default=4, help="--training: steps from one save to the next (>= 2)")
     return p.parse_args()
 
 
@@ -270,8 +274,173 @@ def report(args: argparse.Namespace, result: dict) -> None:
     print(json.dumps(result))
 
 
+# --- the stall of a checkpoint while training runs (--training) ---------------------------------
+
+class TransomSaver:
+    """Transom as the trainer uses it: `save` after the optimizer step (the snapshot starts and
+    overlaps the next forward/backward), `wait_snapshot` before the next optimizer step."""
+
+    name = "transom"
+
+    def __init__(self, base: str) -> None:
+        self.engine = CheckpointEngine(CheckpointConfig(uri=f"{base}/transom-train", keep=2))
+
+    def save(self, step: int, state: dict) -> None:
+        assert self.engine.save(step, state)
+
+    def before_optimizer(self) -> None:
+        self.engine.wait_snapshot()
+
+    def drain(self) -> None:
+        assert self.engine.wait_persisted(1800)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DcpSaver:
+    """`dcp.async_save` (no_dist) at its best: a DefaultStager that stages in the background
+    into buffers it keeps from one save to the next (pinned where CUDA exists), waited for
+    before the next optimizer step, as Transom's snapshot is. Without DefaultStager (older
+    torch) the plain async_save, which stages before it returns."""
+
+    name = "dcp"
+
+    def __init__(self, base: str, cuda: bool) -> None:
+        self.base, self.saves, self.response = base, 0, None
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            self.stager = None
+        else:
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+
+    def save(self, step: int, state: dict) -> None:
+        self.saves += 1
+        writer = compat.fsspec_writer(f"{self.base}/dcp-train-{self.saves}", sync_files=True)
+        extra = {"async_stager": self.stager} if self.stager is not None else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.response = compat.dcp_async_save(state, storage_writer=writer, **extra)
+
+    def before_optimizer(self) -> None:
+        if self.response is not None and hasattr(self.response, "staging_completion"):
+            self.response.staging_completion.result()
+
+    def drain(self) -> None:
+        if self.response is not None:
+            response, self.response = self.response, None
+            (response.upload_completion if hasattr(response, "upload_completion") else response).result()
+            remove(f"{self.base}/dcp-train-{self.saves}")  # on storage only while it is measured
+
+    def close(self) -> None:
+        self.drain()
+        if self.stager is not None:
+            self.stager.close()
+
+
+class Trainer:
+    """workload.py's `mlp` model in one shape, trained step by step with a saver's hooks."""
+
+    def __init__(self, shape: str) -> None:
+        import workload
+
+        env = workload.shape_env(shape, "mlp")  # the accelerator-shaped waits, calibrated here
+        waits = (float(env.get("BENCH_WAIT_FWD_S", 0)), float(env.get("BENCH_WAIT_BWD_S", 0)))
+        self.work = workload.Workload("mlp", shape, waits)
+        self.opt = self.work.optimizer()
+        self.cuda = self.work.device.type == "cuda"
+        self.step_no = 0
+        self.plain_s: list[float] = []  # each segment's median step before its first save
+
+    def step(self, saver: TransomSaver | DcpSaver, save: bool = False) -> float:
+        """One training step's seconds: forward, backward, the saver's wait, the optimizer step,
+        and with `save` the checkpoint of the state after it (the step boundary)."""
+        t0 = time.perf_counter()
+        self.work.loss(0, self.step_no).backward()
+        saver.before_optimizer()  # the snapshot (staging) of the last save must be complete
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        if save:
+            saver.save(self.step_no, {"model": self.work.model.state_dict(), "optimizer": self.opt.state_dict()})
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def stall_segment(trainer: Trainer, saver: TransomSaver | DcpSaver, saves: int, every: int) -> float:
+    """The median over `saves` checkpoints of the extra time of the two steps around each one
+    (the step that saves and the next, during which the snapshot or staging completes),
+    against the median of this segment's steps before the first save. Before each save the
+    previous checkpoint is waited out, untimed, so none is skipped or overlaps another."""
+    plain = [trainer.step(saver) for _ in range(5)]
+    base = statistics.median(plain[1:])  # the first step after the other method's segment warms up
+    trainer.plain_s.append(base)
+    stalls = []
+    for _ in range(saves):
+        saver.drain()
+        around = trainer.step(saver, save=True) + trainer.step(saver)
+        stalls.append(around - 2 * base)
+        for _ in range(every - 2):
+            trainer.step(saver)
+    saver.drain()
+    return statistics.median(stalls)
+
+
+def training_shape(shape: str, base: str, rounds: int, every: int) -> dict:
+    """Both methods' stalls in `shape`, alternating which goes first, over `rounds` rounds."""
+    trainer = Trainer(shape)
+    savers: list[TransomSaver | DcpSaver] = [TransomSaver(base), DcpSaver(base, trainer.cuda)]
+    stalls: dict[str, list[float]] = {"transom": [], "dcp": []}
+    try:
+        for _ in range(3):  # warm-up: the allocator, the optimizer's state
+            trainer.step(savers[0])
+        for r in range(rounds):
+            for saver in savers if r % 2 == 0 else savers[::-1]:
+                stalls[saver.name].append(stall_segment(trainer, saver, saves=2, every=every))
+    finally:
+        for saver in savers:
+            saver.close()
+    # A stall at or below zero is noise around a step's own time: 1 ms floors the denominator.
+    ratios = [t / max(d, 1e-3) for t, d in zip(stalls["transom"], stalls["dcp"])]
+    medians = {name: statistics.median(values) for name, values in stalls.items()}
+    q = statistics.quantiles(ratios, n=4)
+    return {"step_s": round(statistics.median(trainer.plain_s), 4), "transom_stall_s": round(medians["transom"], 4),
+            "dcp_async_stall_s": round(medians["dcp"], 4),
+            "ratio_transom_vs_dcp": round(statistics.median(ratios), 3),
+            "ratio_of_medians": round(medians["transom"] / max(medians["dcp"], 1e-3), 3),
+            "ratio_p25_p75": [round(q[0], 3), round(q[2], 3)], "rounds": rounds,
+            "transom_stalls_s": [round(x, 4) for x in stalls["transom"]],
+            "dcp_stalls_s": [round(x, 4) for x in stalls["dcp"]]}
+
+
+def training_main(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "scripts"))
+    os.environ["BENCH_DEVICE"] = args.device  # workload.py puts the model where this says
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))  # as workload.py's workers
+    warnings.filterwarnings("ignore", category=UserWarning)  # DCP's "no process group", from its threads too
+    result: dict = {"benchmark": "checkpoint_stall", "mode": "training", "model": "mlp", "target": args.target,
+                    "device": args.device, "every": args.every}
+    with target(args) as base:
+        for shape in ("cpu_bound", "accelerator_shaped"):
+            r = result[shape] = training_shape(shape, base, args.rounds, args.every)
+            print(f"{shape}: step {r['step_s']:.3f}s; stall around a save (median of {args.rounds} rounds): "
+                  f"transom {r['transom_stall_s']:.4f}s, dcp.async_save {r['dcp_async_stall_s']:.4f}s; "
+                  f"transom/dcp per round: median {r['ratio_transom_vs_dcp']:.3f}, "
+                  f"p25-p75 {r['ratio_p25_p75'][0]:.3f}-{r['ratio_p25_p75'][1]:.3f}; ratio of the medians "
+                  f"{r['ratio_of_medians']:.3f}", flush=True)
+    result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average {result['loadavg']}")
+    print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.training:
+        return training_main(args)
     # At most three copies of the state on storage at once (Transom keeps two checkpoints,
     # plus the file of the method being measured; each is deleted once measured), and in
     # host memory the state (on the CPU), Transom's snapshot, DCP's staging copy and a restore.

@@ -86,7 +86,8 @@ class _FakeBody:
 class _FakeS3:
     """What Storage uses of s3fs: split_path, its event loop, and _call_s3("get_object")."""
 
-    def __init__(self, objects: dict[str, bytes], hang: set[str] = frozenset(), broken_once: bool = False) -> None:
+    def __init__(self, objects: dict[str, bytes], hang: frozenset[str] = frozenset(),
+                 broken_once: bool = False) -> None:
         from fsspec.asyn import get_loop
 
         self.loop, self.objects, self.hang = get_loop(), objects, hang
@@ -139,7 +140,7 @@ def test_s3_ranges_are_received_in_place_and_checksummed(monkeypatch):
 
 
 def test_an_s3_read_that_stops_answering_is_cancelled_after_the_stall_timeout(monkeypatch):
-    fake = _FakeS3({"a": b"x" * 100, "stuck": b"y" * 3000}, hang={"stuck"})
+    fake = _FakeS3({"a": b"x" * 100, "stuck": b"y" * 3000}, hang=frozenset({"stuck"}))
     store = _s3_store(monkeypatch, fake)
     t0 = time.monotonic()
     with pytest.raises(StorageStalled):
