@@ -120,25 +120,25 @@ def raw_reads(uri: str, step: int) -> tuple[float, float]:
 
 
 def restore_vs_raw(base: str, step: int, times: dict[str, list[float]]) -> None:
-    """Restore and raw reads of the same checkpoint, in the order restore, raw, raw, restore
-    (whatever drifts during the round, the server's own flushing after the write or another
-    process's load, weighs on both alike); each one's mean, and the round's ratio."""
+    """Restores and raw reads of the same checkpoint, three of each, interleaved (restore, raw,
+    raw, restore, restore, raw: whatever drifts during the round, the server's flushing after
+    the write or another process's load, weighs on both alike); each one's median, and the
+    round's ratio of the two."""
     restore, one, many = [], [], []
-    for first in (True, False):
-        for restoring in (first, not first):
-            if restoring:
-                t0 = time.monotonic()
-                restored = load_latest(f"{base}/transom")
-                restore.append(time.monotonic() - t0)
-                assert restored.step == step
-                del restored
-            else:
-                o, m = raw_reads(f"{base}/transom", step)
-                one.append(o)
-                many.append(m)
-    times["restore"].append(statistics.mean(restore))
-    times["read_one"].append(statistics.mean(one))
-    times["read_many"].append(statistics.mean(many))
+    for restoring in (True, False, False, True, True, False):
+        if restoring:
+            t0 = time.monotonic()
+            restored = load_latest(f"{base}/transom")
+            restore.append(time.monotonic() - t0)
+            assert restored.step == step
+            del restored
+        else:
+            o, m = raw_reads(f"{base}/transom", step)
+            one.append(o)
+            many.append(m)
+    times["restore"].append(statistics.median(restore))
+    times["read_one"].append(statistics.median(one))
+    times["read_many"].append(statistics.median(many))
     times["restore_vs_raw"].append(times["read_many"][-1] / times["restore"][-1])
 
 

@@ -124,10 +124,11 @@ class Storage:
         fills it (LOCAL_READ_STREAMS at once: the page cache, a mounted volume), and an S3
         response's body is received into it piece by piece on s3fs's event loop
         (READ_STREAMS requests at once; `_fetch_s3`), never gathered into a bytes object of
-        its own first. The CRC-32 is computed in this thread while the reads go on, of each
-        range as it arrives, in any order (zlib releases the GIL), and the ranges' CRC-32s
-        are joined into the file's (`_RangeCrc`), so the check costs no pass of its own
-        after the last byte; None without `checksums`. ValueError
+        its own first. Each range's CRC-32 is taken as it arrives, in any order (by the
+        thread that read it from a local file system, in this thread for S3, whose event
+        loop only receives; zlib releases the GIL), and the ranges' CRC-32s are joined into
+        the file's (`_RangeCrc`), so the check costs no pass of its own after the last
+        byte; None without `checksums`. ValueError
         if a file holds another number of bytes; StorageStalled if no range arrived for
         `stall_s` (the reads still in flight are then cancelled where they can be)."""
         streams = streams or (LOCAL_READ_STREAMS if self.local else READ_STREAMS)
@@ -138,12 +139,12 @@ class Storage:
                   for path, size in sizes.items() for start in range(0, size, READ_PART_BYTES)]
         crc = _RangeCrc({path: out[path].data for path in sizes})
         if ranges:
-            futures, stop = self._start_reads(ranges, out, sizes, streams)
+            futures, stop = self._start_reads(ranges, out, sizes, streams, checksums)
             stalled = False
             try:
-                for path, start, end in _as_completed(futures, stall_s):
+                for path, start, end, range_crc in _as_completed(futures, stall_s):
                     if checksums:
-                        crc.arrived(path, start, end)
+                        crc.arrived(path, start, end, range_crc)
             except StorageStalled:
                 stalled = True
                 raise
@@ -155,9 +156,10 @@ class Storage:
         return {path: (out[path].data, crc.value(path) if checksums else None) for path in sizes}
 
     def _start_reads(self, ranges: list[tuple[str, int, int]], out: dict[str, numpy.ndarray], sizes: dict[str, int],
-                     streams: int) -> tuple[list[concurrent.futures.Future], Callable[[bool], None]]:
+                     streams: int, checksums: bool) -> tuple[list[concurrent.futures.Future], Callable[[bool], None]]:
         """Every range's read started, `streams` at a time: their futures (each one's result is
-        its range) and how to stop what is left (waiting for it, or not)."""
+        its range, and its CRC-32 where the reading thread took it) and how to stop what is
+        left (waiting for it, or not)."""
         if hasattr(self.fs, "_call_s3"):  # s3fs: requests on its event loop, bodies received in place
             limit = asyncio.Semaphore(streams)  # binds to s3fs's loop on first use
             futures = [asyncio.run_coroutine_threadsafe(
@@ -169,11 +171,15 @@ class Storage:
                     future.cancel()
             return futures, cancel
 
-        def one(r: tuple[str, int, int]) -> tuple[str, int, int]:
+        def one(r: tuple[str, int, int]) -> tuple[str, int, int, int | None]:
             path, start, end = r
-            if self._read_range(path, start, end, out[path].data[start:end]) != end - start:
+            target = out[path].data[start:end]
+            if self._read_range(path, start, end, target) != end - start:
                 raise ValueError(f"{path} does not hold the {sizes[path]} bytes the manifest says")
-            return r
+            # Hashed here, by the thread that read it: the reads of a local file system are
+            # copies that take the CPU, and the threads' hashes run side by side (zlib releases
+            # the GIL) instead of queueing behind one another in the caller's thread.
+            return path, start, end, zlib.crc32(target) if checksums else None
 
         pool = concurrent.futures.ThreadPoolExecutor(max(1, min(streams, len(ranges))),
                                                      thread_name_prefix="transom-read")
@@ -193,7 +199,7 @@ class Storage:
         return len(data)
 
     async def _fetch_s3(self, limit: asyncio.Semaphore, path: str, start: int, end: int,
-                        target: memoryview) -> tuple[str, int, int]:
+                        target: memoryview) -> tuple[str, int, int, None]:
         """Bytes [start, end) of an S3 object received into `target` (a GET of that range,
         its body read in pieces of RECV_BYTES straight into place: each piece is copied
         once, from aiohttp's buffer). A failed request or a broken body is tried again from
@@ -225,7 +231,7 @@ class Storage:
                     await asyncio.sleep(0.2 * attempt)
         if got != end - start or int(resp.get("ContentLength", got)) != got:
             raise ValueError(f"{path} does not hold the bytes the manifest says (range [{start}, {end}))")
-        return path, start, end
+        return path, start, end, None  # hashed by the caller: the event loop only receives
 
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
@@ -337,8 +343,9 @@ class _RangeCrc:
         self.buffers = buffers
         self.parts: dict[str, dict[int, tuple[int, int]]] = {path: {} for path in buffers}  # start -> (end, crc)
 
-    def arrived(self, path: str, start: int, end: int) -> None:
-        self.parts[path][start] = (end, zlib.crc32(self.buffers[path][start:end]))
+    def arrived(self, path: str, start: int, end: int, crc: int | None = None) -> None:
+        """Range [start, end) of `path` is in its buffer; `crc`: its CRC-32 if taken already."""
+        self.parts[path][start] = (end, zlib.crc32(self.buffers[path][start:end]) if crc is None else crc)
 
     def value(self, path: str) -> int:
         crc, at = 0, 0
