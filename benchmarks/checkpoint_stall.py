@@ -1,6 +1,7 @@
 """What a checkpoint costs the training loop: torch.save vs DCP async_save vs Transom.
 
     .venv/bin/python benchmarks/checkpoint_stall.py --size-mb 1024 [--target file|s3] [--device cpu|cuda]
+    .venv/bin/python benchmarks/checkpoint_stall.py --training [--rounds 7] [--every 3] [--device cpu|cuda]
 
 A state of `--size-mb` MiB (float32 tensors of 16 MiB, like a model's parameters and
 optimizer moments) is checkpointed `--repeats` times by each method, into the same target:
@@ -16,11 +17,28 @@ Also: Transom's persist throughput (bytes / time from save() to the manifest) ag
 raw copy of the same bytes to the same target (one buffer, written and fsynced, or one
 upload), and the restore time of the newest checkpoint (checksums verified; its files are
 read as ranges on several connections at once) against raw reads of the same files: one
-stream, and READ_STREAMS streams at once (the storage's aggregate throughput).
+stream, and the restore's ranges on READ_STREAMS streams at once, plain `cat_file`s (the
+storage's aggregate throughput). Restores and raw reads alternate within each round;
+`restore_vs_raw` is the median over rounds of each round's ratio (target >= 0.8).
 
-`--target s3` needs the testenv S3 server: `eval "$(hack/testenv.sh up)"` first (it exports
-AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and TRANSOM_S3_ENDPOINT). Prints readable lines and
-ends with one JSON line. Targets: stall <= 0.1x (a) and <= (b); persist >= 80% of raw.
+`--training`: the stall of a save while training runs. workload.py's `mlp` (25.2 M
+parameters; with AdamW's moments a 300 MB state) trains in each of its two shapes
+(`cpu_bound`, and `accelerator_shaped`: one-row batches and per-module waits that release
+the CPU, calibrated here), and is checkpointed every `--every` steps by (1) Transom as the
+trainer does it (`save` at the step boundary, the snapshot overlapping the next
+forward/backward, `wait_snapshot` before the next optimizer step) and (2) `dcp.async_save`
+with background staging into kept buffers (pinned where CUDA exists), waited for at the
+same point. The stall of a save is the extra time of the two steps around it (the one that
+saves and the next) over the median step before the segment's first save; each method's
+figure is the median over its saves. The methods alternate over `--rounds` rounds; the
+figures are the median and p25-p75 of the per-round ratios Transom / DCP, with the load
+average. Printed per shape; the last line is one JSON object keyed by shape.
+
+`--target s3` needs an S3 server: the testenv's (`eval "$(hack/testenv.sh up)"`, which
+exports AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and TRANSOM_S3_ENDPOINT), or SeaweedFS's
+`weed mini` started by hand with the same flags (hack/testenv/cluster.py `_start_s3`) and
+those variables set. Prints readable lines and ends with one JSON line. Targets: stall <=
+0.1x (a) and <= (b); persist >= 80% of raw; restore >= 80% of the aggregate raw read.
 """
 
 from __future__ import annotations
