@@ -22,10 +22,12 @@ the read instead of stalling a restore.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import io
 import logging
+import mmap
 import os
 import random
 import stat
@@ -53,6 +55,11 @@ LOCAL_READ_STREAMS = min(4, max(2, os.cpu_count() or 1))
 # stopped answering (a hung mount, a stalled connection) fails the restore, which the
 # launcher then retries, instead of waiting forever before the replica ever registered.
 READ_STALL_S = 300.0
+# An S3 range's body is received in pieces of this size, each copied once from aiohttp's
+# buffer into its place (larger pieces make aiohttp join its chunks into a new bytes first:
+# one more copy).
+RECV_BYTES = 256 << 10
+READ_ATTEMPTS = 3  # tries of one S3 range before the read fails (s3fs retries each request too)
 
 
 class Storage:
@@ -114,53 +121,70 @@ class Storage:
         """Whole files (path under the root -> the size it must have) with each one's CRC-32,
         read as ranges of READ_PART_BYTES on `streams` connections at once: one stream of an
         object store reads at about a single connection's speed, several at its aggregate
-        speed. A local file system (the page cache, a mounted volume) reads fastest on a few
-        (LOCAL_READ_STREAMS), straight into the buffer; an object store's default is
-        READ_STREAMS. The CRC-32 is computed while the reads go on, over each file's ranges
-        in order as they arrive (zlib releases the GIL), so the check costs no pass of its
-        own after the last byte; None without `checksums`. ValueError if a file holds another
-        number of bytes; StorageStalled if no range arrived for `stall_s`."""
+        speed. Every range lands straight in the file's buffer: a local file system's read
+        fills it (LOCAL_READ_STREAMS at once: the page cache, a mounted volume), and an S3
+        response's body is received into it piece by piece on s3fs's event loop
+        (READ_STREAMS requests at once; `_fetch_s3`), never gathered into a bytes object of
+        its own first. Each range's CRC-32 is taken as it arrives, in any order (by the
+        thread that read it from a local file system, in this thread for S3, whose event
+        loop only receives; zlib releases the GIL), and the ranges' CRC-32s are joined into
+        the file's (`_RangeCrc`), so the check costs no pass of its own after the last
+        byte; None without `checksums`. ValueError
+        if a file holds another number of bytes; StorageStalled if no range arrived for
+        `stall_s` (the reads still in flight are then cancelled where they can be)."""
         streams = streams or (LOCAL_READ_STREAMS if self.local else READ_STREAMS)
-        # Uninitialised buffers (not bytearray(size), which writes zeros over every page
-        # first), aligned for any dtype: a restore's tensors are views of them (blob.decode).
-        out = {path: numpy.empty(size, dtype=numpy.uint8) for path, size in sizes.items()}
+        out = {path: _buffer(size) for path, size in sizes.items()}
         ranges = [(path, start, min(start + READ_PART_BYTES, size))
                   for path, size in sizes.items() for start in range(0, size, READ_PART_BYTES)]
-
-        def one(r: tuple[str, int, int]) -> tuple[str, int, int]:
-            path, start, end = r
-            if self._read_range(path, start, end, out[path].data[start:end]) != end - start:
-                raise ValueError(f"{path} does not hold the {sizes[path]} bytes the manifest says")
-            return r
-
-        crc = {path: 0 for path in sizes}
-        hashed = {path: 0 for path in sizes}  # bytes of each file hashed so far, from its start
-        arrived: dict[str, dict[int, int]] = {path: {} for path in sizes}  # start -> end of ranges not hashed yet
+        crc = _RangeCrc({path: out[path].data for path in sizes})
         if ranges:
-            pool = concurrent.futures.ThreadPoolExecutor(max(1, min(streams, len(ranges))),
-                                                         thread_name_prefix="transom-read")
-            futures = [pool.submit(one, r) for r in ranges]
+            futures, stop = self._start_reads(ranges, out, sizes, streams, checksums)
             stalled = False
             try:
-                for path, start, end in _as_completed(futures, stall_s):
-                    if not checksums:
-                        continue
-                    arrived[path][start] = end
-                    while hashed[path] in arrived[path]:
-                        upto = arrived[path].pop(hashed[path])
-                        crc[path] = zlib.crc32(out[path].data[hashed[path]:upto], crc[path])
-                        hashed[path] = upto
+                for path, start, end, range_crc in _as_completed(futures, stall_s):
+                    if checksums:
+                        crc.arrived(path, start, end, range_crc)
             except StorageStalled:
                 stalled = True
                 raise
             finally:
-                # A read stuck in storage cannot be interrupted: the pool is not waited for
-                # then, and its thread ends when the read does (or with the process).
-                pool.shutdown(wait=not stalled, cancel_futures=True)
+                stop(not stalled)
         for path, size in sizes.items():
             if self.size(path) != size:  # longer than the manifest says: not the file it describes
                 raise ValueError(f"{path} does not hold the {size} bytes the manifest says")
-        return {path: (out[path].data, crc[path] if checksums else None) for path in sizes}
+        return {path: (out[path].data, crc.value(path) if checksums else None) for path in sizes}
+
+    def _start_reads(self, ranges: list[tuple[str, int, int]], out: dict[str, numpy.ndarray], sizes: dict[str, int],
+                     streams: int, checksums: bool) -> tuple[list[concurrent.futures.Future], Callable[[bool], None]]:
+        """Every range's read started, `streams` at a time: their futures (each one's result is
+        its range, and its CRC-32 where the reading thread took it) and how to stop what is
+        left (waiting for it, or not)."""
+        if hasattr(self.fs, "_call_s3"):  # s3fs: requests on its event loop, bodies received in place
+            limit = asyncio.Semaphore(streams)  # binds to s3fs's loop on first use
+            futures = [asyncio.run_coroutine_threadsafe(
+                self._fetch_s3(limit, path, start, end, out[path].data[start:end]), self.fs.loop)
+                for path, start, end in ranges]
+
+            def cancel(wait: bool) -> None:
+                for future in futures:  # a cancelled future cancels its task on the loop
+                    future.cancel()
+            return futures, cancel
+
+        def one(r: tuple[str, int, int]) -> tuple[str, int, int, int | None]:
+            path, start, end = r
+            target = out[path].data[start:end]
+            if self._read_range(path, start, end, target) != end - start:
+                raise ValueError(f"{path} does not hold the {sizes[path]} bytes the manifest says")
+            # Hashed here, by the thread that read it: the reads of a local file system are
+            # copies that take the CPU, and the threads' hashes run side by side (zlib releases
+            # the GIL) instead of queueing behind one another in the caller's thread.
+            return path, start, end, zlib.crc32(target) if checksums else None
+
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, min(streams, len(ranges))),
+                                                     thread_name_prefix="transom-read")
+        # A read stuck in storage cannot be interrupted: after a stall the pool is not waited
+        # for, and its thread ends when the read does (or with the process).
+        return [pool.submit(one, r) for r in ranges], lambda wait: pool.shutdown(wait=wait, cancel_futures=True)
 
     def _read_range(self, path: str, start: int, end: int, target: memoryview) -> int:
         """Bytes [start, end) of `path` into `target`: how many there were."""
@@ -172,6 +196,41 @@ class Storage:
         if len(data) == end - start:
             target[:] = data
         return len(data)
+
+    async def _fetch_s3(self, limit: asyncio.Semaphore, path: str, start: int, end: int,
+                        target: memoryview) -> tuple[str, int, int, None]:
+        """Bytes [start, end) of an S3 object received into `target` (a GET of that range,
+        its body read in pieces of RECV_BYTES straight into place: each piece is copied
+        once, from aiohttp's buffer). A failed request or a broken body is tried again from
+        the start, up to READ_ATTEMPTS times; ValueError if the object is shorter."""
+        bucket, key, version = self.fs.split_path(self.path(path))
+        extra = {"VersionId": version} if version else {}
+        async with limit:
+            for attempt in range(1, READ_ATTEMPTS + 1):
+                try:
+                    resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                  Range=f"bytes={start}-{end - 1}", **extra)
+                    body, got = resp["Body"], 0
+                    try:
+                        while got < len(target):
+                            n = await body.readinto(target[got:got + RECV_BYTES])
+                            if not n:
+                                break
+                            got += n
+                    finally:
+                        body.close()
+                    break
+                except PERMANENT_ERRORS:
+                    raise
+                except Exception as e:
+                    if attempt == READ_ATTEMPTS:
+                        raise
+                    log.warning("reading %s [%d, %d) failed (%s: %s); trying again", path, start, end,
+                                type(e).__name__, e)
+                    await asyncio.sleep(0.2 * attempt)
+        if got != end - start or int(resp.get("ContentLength", got)) != got:
+            raise ValueError(f"{path} does not hold the bytes the manifest says (range [{start}, {end}))")
+        return path, start, end, None  # hashed by the caller: the event loop only receives
 
     @contextlib.contextmanager
     def open_write(self, *parts: str) -> Iterator[BinaryIO]:
@@ -236,6 +295,18 @@ class Storage:
 PERMANENT_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, ImportError)
 
 
+def _buffer(size: int) -> numpy.ndarray:
+    """`size` bytes, uninitialised (not bytearray(size), which writes zeros over every page
+    first), page-aligned, so aligned for any dtype (a restore's tensors are views of them,
+    blob.decode), in ordinary pages: an anonymous mapping of its own, released with the
+    last view. Not numpy.empty: numpy asks for transparent huge pages on a large array
+    (madvise), and their faults stalled reads into it for seconds at a time on a loaded
+    2-core machine (a 512 MiB restore: 2-5 s outliers in 6 of 15 reads, none in ordinary pages)."""
+    if size == 0:
+        return numpy.empty(0, dtype=numpy.uint8)
+    return numpy.frombuffer(mmap.mmap(-1, size), dtype=numpy.uint8)
+
+
 def _open_regular(path: str) -> io.BufferedReader:
     """A local regular file open for reading; ValueError for anything else. Checked before
     the open (opening a device can act on it) and again on what was opened, which is opened
@@ -272,6 +343,63 @@ def _within(timeout_s: float, what: str, fn: Callable[[], T]) -> T:
     except concurrent.futures.TimeoutError:
         raise StorageStalled(f"storage did not return {what} in {timeout_s:g}s") from None
     return future.result()
+
+
+class _RangeCrc:
+    """Each file's CRC-32, from the CRC-32s of its ranges taken as they arrive, in any order,
+    and joined at the end (`crc32_combine`): no range waits for the ones before it, so the
+    last byte to arrive leaves one range to hash, not a backlog of the ranges behind a slow one."""
+
+    def __init__(self, buffers: dict[str, memoryview]) -> None:
+        self.buffers = buffers
+        self.parts: dict[str, dict[int, tuple[int, int]]] = {path: {} for path in buffers}  # start -> (end, crc)
+
+    def arrived(self, path: str, start: int, end: int, crc: int | None = None) -> None:
+        """Range [start, end) of `path` is in its buffer; `crc`: its CRC-32 if taken already."""
+        self.parts[path][start] = (end, zlib.crc32(self.buffers[path][start:end]) if crc is None else crc)
+
+    def value(self, path: str) -> int:
+        crc, at = 0, 0
+        for start in sorted(self.parts[path]):
+            end, part = self.parts[path][start]
+            if start != at:
+                raise ValueError(f"{path}: bytes [{at}, {start}) were not read")
+            crc, at = crc32_combine(crc, part, end - start), end
+        if at != len(self.buffers[path]):
+            raise ValueError(f"{path}: bytes [{at}, {len(self.buffers[path])}) were not read")
+        return crc
+
+
+_CRC_POLY = 0xEDB88320  # CRC-32 (zlib's), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a times b modulo the CRC-32 polynomial (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A+B from crc1 = crc32(A), crc2 = crc32(B) and len(B) (zlib's crc32_combine,
+    which Python's zlib module does not offer)."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2): the bits A's CRC is shifted by
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
 
 
 def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -> Iterator[T]:
