@@ -18,7 +18,10 @@ Purpose
     300 MB transfer takes several steps.
 
 Figures, per system
-    step_s                     median failure-free step of the healthy replicas (before the kill)
+    step_s                     median failure-free step of the healthy replicas: their steps before
+                               the kill and after the rejoin window (`step_before_kill_s`,
+                               `step_after_rejoin_s`), so a drift of the machine's load over
+                               the run does not pass for a stall
     healthy_stall_at_kill_s    the healthy replicas' lost time at the kill: from their last
                                commit before it to their first commit after it, less one step
                                (the larger of the two healthy replicas)
@@ -71,12 +74,14 @@ How to run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,23 +124,30 @@ def analyse(runs: dict[int, list[dict]], kill_step: int) -> dict:
         return {"error": "the new incarnation of the killed replica never committed a step"}
     steady = [x["seconds"] for r in healthy for x in runs[r][0]["records"]
               if x["committed"] and x["contributing"] and 5 <= x["step"] <= kill_step]
-    step_s = statistics.median(steady)
     t_kill = first["records"][-1]["t"] if first["records"] else first["start"]
     t_join = joined[0]["t"] - joined[0]["seconds"]
     first_commit = next(x["t"] for x in joined if x["committed"])
     first_contrib = next((x["t"] for x in joined if x["contributing"]), None)
+    end = (first_contrib or joined[-1]["t"]) + 2 * statistics.median(steady)
+    # The failure-free step brackets the fault: the steps before the kill and those after the
+    # rejoin window, all replicas back. On a shared machine the load drifts over a run, and a
+    # baseline taken on one side only moved the stall at rejoin by up to a second either way.
+    later = [x["seconds"] for r in healthy for x in runs[r][0]["records"]
+             if x["committed"] and x["contributing"] and x["t"] > end]
+    step_s = statistics.median(steady + later)
     at_kill, at_rejoin, windows = [], [], []
     for r in healthy:
         recs = runs[r][0]["records"]
         before = max(x["t"] for x in recs if x["committed"] and x["t"] <= t_kill)
         after = min(x["t"] for x in recs if x["committed"] and x["t"] > t_kill)
         at_kill.append(after - before - step_s)
-        end = (first_contrib or joined[-1]["t"]) + 2 * step_s
         window = [x["seconds"] for x in recs if max(t_join, after) < x["t"] <= end]
         at_rejoin.append(sum(window) - len(window) * step_s)
         windows.append([round(w, 3) for w in window])
     figures = {
         "step_s": round(step_s, 4),
+        "step_before_kill_s": round(statistics.median(steady), 4),
+        "step_after_rejoin_s": round(statistics.median(later), 4) if later else None,
         "healthy_stall_at_kill_s": round(max(at_kill), 3),
         "healthy_stall_at_rejoin_s": round(max(at_rejoin), 3),
         "steps_catching_up": sum(1 for x in joined if x["committed"] and not x["contributing"]),
@@ -250,6 +262,17 @@ def run_once(args: argparse.Namespace, system: str, work: Path, net: Cluster | N
     return figures
 
 
+@contextlib.contextmanager
+def run_dir(keep: str | None, name: str) -> Iterator[Path]:
+    """Where a run writes its logs: under --keep (kept, to analyse again), else a temporary one."""
+    if keep:
+        (Path(keep) / name).mkdir(parents=True, exist_ok=True)
+        yield Path(keep) / name
+        return
+    with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
+        yield Path(tmp)
+
+
 def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -262,6 +285,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
     p.add_argument("--repeats", type=int, default=MIN_ROUNDS,
                    help=f"rounds; each runs every system once per shape (>= {MIN_ROUNDS} for a figure that counts)")
     p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
+    p.add_argument("--keep", metavar="DIR", help="keep every run's logs under DIR/<shape>-<round>/<system>")
     p.add_argument("--network", choices=["loopback", "netns"], default="loopback",
                    help="netns: each replica in its own network namespace over shaped links (root)")
     p.add_argument("--rate-mbit", type=float, default=1000, help="netns: each link's rate")
@@ -303,8 +327,8 @@ def main() -> None:
                         extra = base if system == BASE else nightly_env() if system == NIGHTLY else {}
                         env = {**envs[shape], **extra}
                         loads[shape].append(load_avg())
-                        with tempfile.TemporaryDirectory(prefix="transom-recovery-") as tmp:
-                            figures = run_once(args, system, Path(tmp), net, env)
+                        with run_dir(args.keep, f"{shape}-{rnd}") as work:
+                            figures = run_once(args, system, work, net, env)
                         print(f"round {rnd} {shape:18s} {system:13s} load {loads[shape][-1]}  "
                               + "  ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
                         runs[shape][system].append(figures)

@@ -61,3 +61,25 @@ def test_recovery_pairs_the_runs_of_one_round_and_skips_failed_ones():
     assert summary["ratio_step_vs_torchft"] == 1.55 and summary["ratio_step_vs_torchft_rounds"] == 2
     assert summary["targets_met"] == {"ratio_step_vs_torchft": False, "ratio_total_healthy_stall_vs_torchft": True,
                                       "rejoin_stall_fraction_of_step": True}
+
+
+def _records(ts, seconds, contributing_from=0.0):
+    return [{"step": i + 1, "t": t, "seconds": s, "committed": True, "contributing": t >= contributing_from}
+            for i, (t, s) in enumerate(zip(ts, seconds))]
+
+
+def test_recovery_takes_the_failure_free_step_from_both_sides_of_the_fault():
+    """The load drifts: 1.0 s steps before the kill, 0.8 s after the rejoin; the window in
+    between runs at 0.9 s. Against both sides (0.9 s) the stall at rejoin is 0, where a
+    baseline from before the kill alone would call it negative."""
+    ts = [float(t) for t in range(1, 61)]
+    healthy = [1.0] * 20 + [0.9] * 22 + [0.8] * 18
+    killed = {"start": 0.0, "records": _records(ts[:20], healthy[:20])}
+    rejoined = {"start": 22.0, "records": _records(ts[25:], healthy[25:], contributing_from=35.0)}
+    runs = {0: [{"start": 0.0, "records": _records(ts, healthy)}], 1: [killed, rejoined],
+            2: [{"start": 0.0, "records": _records(ts, healthy)}]}
+    figures = recovery.analyse(runs, kill_step=20)
+    assert figures["step_before_kill_s"] == 1.0 and figures["step_after_rejoin_s"] == 0.8
+    assert figures["step_s"] == 0.9
+    assert abs(figures["healthy_stall_at_rejoin_s"]) < 1e-9
+    assert figures["rejoin_time_s"] == 4.0 and figures["contributing_after_s"] == 13.0
