@@ -125,7 +125,7 @@ def _guard_worker(rank: int, port: int, out: mp.Queue) -> None:
             agreements.append(bad)
             return inner(bad, device)
 
-        ftar.agree = agree
+        ftar.agree = agree  # type: ignore[method-assign]  # counts the separate agreements
         if rank in early:
             guard.reported(torch.tensor(early[rank]), None, None)
         ftar.start(params[:1])
@@ -134,7 +134,9 @@ def _guard_worker(rank: int, port: int, out: mp.Queue) -> None:
         loss = early.get(rank, late.get(rank))
         skip, _, _ = guard.decide(None if loss is None else torch.tensor(loss), ftar, _OneRank(), contributes,
                                   torch.device("cpu"))
-        seen.append((skip, len(agreements), params[1].grad[0, 0].item()))
+        grad = params[1].grad
+        assert grad is not None
+        seen.append((skip, len(agreements), grad[0, 0].item()))
     out.put((rank, seen))
 
 
