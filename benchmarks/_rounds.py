@@ -84,13 +84,15 @@ def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def step_ends(out: Path, system: str) -> list[list[float]]:
+    """Per replica's log, the wall times at which its steps ended."""
+    return [[json.loads(x)["t"] for x in path.read_text().splitlines()[1:] if x.strip().endswith("}")]
+            for path in out.glob(f"{system}-r*-*.jsonl")]
+
+
 def step_times(out: Path, system: str, warmup: int) -> list[float]:
     """Every replica's step times after `warmup` steps (end to end of the logged steps)."""
-    times: list[float] = []
-    for path in out.glob(f"{system}-r*-*.jsonl"):
-        ends = [json.loads(x)["t"] for x in path.read_text().splitlines()[1:] if x.strip().endswith("}")]
-        times += [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
-    return times
+    return [b - a for ends in step_ends(out, system) for a, b in zip(ends[warmup:], ends[warmup + 1:])]
 
 
 def shape_env(shape: str, model: str, replicas: int, net: Cluster | None = None, steps: int = 25) -> dict[str, str]:

@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
 from _cpu import CpuSampler  # noqa: E402
 from _replicas import NIGHTLY, RUNNERS, Job, nightly_env, nightly_installed  # noqa: E402
-from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_times  # noqa: E402
+from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_ends, step_times  # noqa: E402
 
 TARGET_RATIO = 1.02
 RATIOS = ("ratio_vs_ddp", "ratio_vs_torchft", "ratio_vs_torchft_nightly", "ratio_vs_faster")
@@ -104,9 +104,7 @@ def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: d
 
 def cpu_per_step(sampler: CpuSampler, out: Path, logs: str, warmup: int) -> dict[str, float]:
     """CPU ms per step by kind (_cpu.py) from the end of the warm-up to the first replica's last step."""
-    ends = [[json.loads(x)["t"] for x in path.read_text().splitlines()[1:] if x.strip().endswith("}")]
-            for path in out.glob(f"{logs}-r*-*.jsonl")]
-    ends = [e for e in ends if len(e) > warmup + 1]
+    ends = [e for e in step_ends(out, logs) if len(e) > warmup + 1]
     t0, t1 = max(e[warmup] for e in ends), min(e[-1] for e in ends)
     per_step = sampler.per_step(t0, t1, sum(t0 < t <= t1 for t in ends[0]))
     return {**per_step, "total": round(sum(per_step.values()), 3)}
