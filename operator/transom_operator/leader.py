@@ -4,7 +4,10 @@ The holder renews the Lease every `renew_s`; another instance takes it over only
 has not been renewed for `duration_s`. Updates carry the resourceVersion they read, so two
 candidates racing for an expired Lease cannot both win (the loser gets 409). An instance
 that cannot renew in time stops acting before anyone else may start (`is_leader` checks
-its own last renewal against the duration).
+its own last renewal against the duration). An instance that stops (its pod evicted by a
+drain, a rollout) releases the Lease it holds, as client-go's ReleaseOnCancel does: the
+standby, which has watched all along, takes over within `renew_s` instead of `duration_s`,
+before the stopped pod's own replacement has started.
 """
 
 from __future__ import annotations
@@ -51,9 +54,31 @@ class LeaderElector:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop renewing and release the Lease if this instance holds it. Called once nothing
+        acts for this instance any more (kopf has stopped)."""
         self._stop.set()
         if self._thread.is_alive():  # also called when the operator failed before starting it
             self._thread.join(timeout=10)
+        held = self.is_leader()
+        self._renewed_at = 0.0  # never act again, whatever the release does
+        if held:
+            try:
+                self._release()
+            except Exception as e:  # the Lease then expires after duration_s, as if we crashed
+                log.warning("leader election: could not release the lease: %s", e)
+
+    def _release(self) -> None:
+        """Mark the Lease free (no holder, expired a second after now), only if we still hold it:
+        the update carries the resourceVersion read, so a Lease taken meanwhile is left alone."""
+        lease = self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=self._timeout)
+        if lease.spec.holder_identity != self.identity:
+            return
+        body = {"metadata": {"name": self.name, "resourceVersion": lease.metadata.resource_version},
+                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": _fmt(_now()),
+                         "acquireTime": None}}
+        self.coord.replace_namespaced_lease(self.name, self.namespace, body, _request_timeout=self._timeout)
+        metrics.IS_LEADER.set(0)
+        log.info("released leadership (lease %s/%s)", self.namespace, self.name)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -84,7 +109,7 @@ class LeaderElector:
         holder = lease.spec.holder_identity
         renewed = lease.spec.renew_time or lease.spec.acquire_time
         expired = renewed is None or (now - renewed).total_seconds() > (lease.spec.lease_duration_seconds or 0)
-        if holder != self.identity and not expired:
+        if holder and holder != self.identity and not expired:  # no holder: released
             return
         body = {"metadata": {"name": self.name, "resourceVersion": lease.metadata.resource_version},
                 "spec": {**spec, "acquireTime": _fmt(now) if holder != self.identity else

@@ -98,6 +98,34 @@ def test_a_pod_gone_longer_than_its_departed_record_is_simply_gone():
     assert r1.last_failure.message == f"pod of node rank {bad.node_rank} is gone"
 
 
+@pytest.mark.parametrize("cordoned", [True, False])
+def test_a_pod_gone_without_a_trace_from_a_cordoned_node_was_drained(cordoned):
+    """The operator that leads started after the pod went (both were on the drained node, or
+    the evicted leader's own replacement took the Lease): no DELETED event to read. A node
+    that is cordoned says a drain took it; otherwise it is simply gone."""
+    w = World(make_job()).running()
+    bad = w.pod_of(1)
+    w.set_pod(bad.name, **DRAINED)
+    w.vanish(bad.name)
+    w.now += timedelta(seconds=DEPARTED_S)  # the departed record is of no help
+    w.nodes[bad.node_name] = replace(w.nodes[bad.node_name], cordoned=cordoned)
+    p = w.step()
+    r1 = p.status.replicas[1]
+    assert (r1.generation, r1.state) == (1, "Replacing")
+    if cordoned:
+        assert r1.last_failure.reason == reasons.POD_EVICTED
+        assert bad.node_name in r1.last_failure.message and "cordoned" in r1.last_failure.message
+        assert p.status.restart_history == []  # voluntary: the restart budget is not used
+    else:
+        assert r1.last_failure.reason == reasons.POD_DELETED and len(p.status.restart_history) == 1
+    assert p.excluded_nodes_added == []
+
+
+def test_observe_node_reads_a_cordon():
+    assert observe.observe_node({"metadata": {"name": "a"}, "spec": {"unschedulable": True}}).cordoned
+    assert not observe.observe_node({"metadata": {"name": "a"}, "spec": {}}).cordoned
+
+
 def test_draining_every_node_neither_fails_the_job_nor_waits_and_crashes_still_count():
     """A cluster upgrade drains every node in turn: with a budget of one restart and a 10 s
     backoff, three drains replace at once and the job runs on; two crashes then fail it."""

@@ -17,7 +17,8 @@ A replica (one incarnation: the pods of its current generation) fails when one o
   the pod's own, about its own replica and its job's own script, so nothing else is
   trusted to them,
 - exited 0 although the coordinator has not recorded the job complete (ExitedEarly),
-- is being deleted, or is gone although the replica was recorded Running (PodDeleted).
+- is being deleted, or is gone although the replica was recorded Running (PodDeleted); gone
+  without a trace from a node that is cordoned, it was drained (PodEvicted, requested).
 Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, a verdict that
 blames a node, and a second failure on the same node within the restart window
 (RepeatedFailures).
@@ -33,7 +34,7 @@ repeated-failure rule count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -88,6 +89,9 @@ class Incarnation:
     # node rank -> the last state of a pod of this generation that is gone from the API (its
     # DELETED event's): a pod deleted before any pass saw it deleting is judged from it.
     departed: Mapping[int, ObservedPod] = field(default_factory=dict)
+    # The nodes status recorded for this incarnation's pods, by node rank: where a pod that is
+    # gone without a trace (no DELETED event seen by this instance) last ran.
+    recorded_nodes: Sequence[str] = ()
 
 
 def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, ObservedNode],
@@ -137,7 +141,7 @@ def detect(inc: Incarnation, *, nodes_per_replica: int, nodes: Mapping[str, Obse
     if inc.recorded_running:
         for rank in range(nodes_per_replica):
             if rank not in pods:
-                causes.append((reasons.POD_DELETED, f"pod of node rank {rank} is gone", None, None))
+                causes.append(_gone(rank, inc.recorded_nodes, nodes, asked))
     if not causes:
         return None, recheck
     causes.sort(key=lambda c: _PRIORITY.index(c[0]))
@@ -194,6 +198,23 @@ def _deleted(pod: ObservedPod, where: str, node: ObservedNode | None,
     # repeated-failure rule counts).
     cause = (reasons.POD_EVICTED, f"pod {pod.name}{where} evicted ({pod.disruption}): a voluntary disruption, "
              "not counted against maxReplicaRestarts", None, None)
+    asked.append(cause)
+    return cause
+
+
+def _gone(rank: int, recorded_nodes: Sequence[str], nodes: Mapping[str, ObservedNode],
+          asked: list[tuple[str, str, str | None, str | None]]) -> tuple[str, str, str | None, str | None]:
+    """The cause of a pod that is gone without a trace: this instance of the operator never saw
+    it deleting nor its DELETED event (it started, or took the Lease, after the pod went: a
+    drain that evicted the leader with the pod). Gone from a node that is cordoned, it was
+    drained (kubectl drain, an upgrade, an autoscaler's scale-down cordon first and then evict):
+    a requested eviction, like one whose DisruptionTarget condition was seen. Only a cluster
+    admin can cordon a node, so a job's user cannot make a failure look voluntary this way."""
+    node = nodes.get(recorded_nodes[rank]) if rank < len(recorded_nodes) else None
+    if node is None or not node.cordoned:
+        return reasons.POD_DELETED, f"pod of node rank {rank} is gone", None, None
+    cause = (reasons.POD_EVICTED, f"pod of node rank {rank} is gone from node {node.name}, which is cordoned: "
+             "taken as a drain, a voluntary disruption, not counted against maxReplicaRestarts", None, None)
     asked.append(cause)
     return cause
 

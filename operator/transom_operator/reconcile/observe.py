@@ -96,6 +96,9 @@ class ObservedNode:
     name: str
     ready: bool
     not_ready_since: datetime | None  # lastTransitionTime of a Ready condition that is not True
+    # spec.unschedulable: cordoned (by an admin, `kubectl drain`, an upgrade): failures.detect
+    # takes a pod gone from a cordoned node without a trace for a drain's eviction.
+    cordoned: bool = False
 
 
 def _first_terminated(status: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
@@ -172,7 +175,8 @@ def observe_node(node: dict[str, Any]) -> ObservedNode:
     # No Ready condition yet is a node still joining: NotReady, but with no time to count from.
     ready = ready_condition is not None and ready_condition.get("status") == "True"
     since = None if ready or ready_condition is None else parse_time(ready_condition.get("lastTransitionTime"))
-    return ObservedNode(name=metadata.get("name", ""), ready=ready, not_ready_since=since)
+    return ObservedNode(name=metadata.get("name", ""), ready=ready, not_ready_since=since,
+                        cordoned=bool((node.get("spec") or {}).get("unschedulable")))
 
 
 @dataclass(frozen=True)

@@ -258,10 +258,12 @@ def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, in
         if p.replica is not None and p.generation is not None and p.node_rank is not None:
             gone.setdefault((p.replica, p.generation), {})[p.node_rank] = p
 
-    def detect(replica: int, generation: int, pods: Mapping[int, ObservedPod], recorded_running: bool):
+    def detect(replica: int, generation: int, pods: Mapping[int, ObservedPod], recorded_running: bool,
+               recorded: api.ReplicaStatus | None):
+        nodes = recorded.nodes if recorded is not None and recorded.generation == generation else ()
         return failures.detect(
             failures.Incarnation(replica, generation, pods, recorded_running, verdicts.get((replica, generation)),
-                                 gone.get((replica, generation), {})),
+                                 gone.get((replica, generation), {}), nodes),
             nodes_per_replica=ps.spec.nodes_per_replica, nodes=ps.node_map, history=ps.history,
             grace_seconds=ps.ft.node_not_ready_grace_seconds, completed=ps.completed, now=ps.now,
         )
@@ -271,10 +273,10 @@ def _detect(ps: _Pass, replicas: list[_Replica], verdicts: Mapping[tuple[int, in
         running = rec is not None and rec.state in (R.RUNNING, R.SUCCEEDED)
         if r.unrecorded and rec is not None:
             previous = {p.node_rank: p for p in r.stale if p.generation == rec.generation and p.node_rank is not None}
-            r.lost, _ = detect(r.id, rec.generation, previous, running)
+            r.lost, _ = detect(r.id, rec.generation, previous, running, rec)
             r.lost_at = ps.now
         r.failure, recheck = detect(r.id, r.generation, r.current,
-                                    running and rec is not None and rec.generation == r.generation)
+                                    running and rec is not None and rec.generation == r.generation, rec)
         if recheck is not None:
             ps.out._requeue(recheck)
 
