@@ -116,7 +116,21 @@ EXIT_SCRIPT_ERROR = 4
 # low for the script, and a replacement would get the same limit. Nothing restarts the
 # replica; `transom run` and the operator end the job with the termination message.
 EXIT_OOM_KILLED = 5
+# A pre-flight check (transom.check) failed before the workers started: this pod's node is
+# not fit to train (a device that computes wrong, memory that does not hold a pattern, a
+# checkpoint location it cannot write...). The termination message begins with
+# PREFLIGHT_FAILED and names the check, the measured value and the expected range; the
+# operator excludes the node for the job and places the replica elsewhere.
+EXIT_PREFLIGHT_FAILED = 6
 # Terminated by a signal: 128 + signal number (SIGTERM -> 143), as shells do.
+
+# --- pre-flight checks (transom.check) -------------------------------------------------
+PREFLIGHT_FAILED = "PreflightFailed"  # the word that begins a failed pre-flight's message; the operator's reason
+# The checks, in the order they run; spec.preflight.checks takes a subset (the CRD's enum).
+PREFLIGHT_CHECKS = ("compute", "memory", "collective", "link", "storage", "node")
+# spec.preflight as the operator passes it to a pod, JSON: {"checks": [...],
+# "timeoutSeconds": N, "spareIntervalSeconds": M}. Unset: the launcher runs no checks.
+ENV_PREFLIGHT = "TRANSOM_PREFLIGHT"
 
 # --- out-of-memory kills --------------------------------------------------------------
 # The word Kubernetes gives a container the kernel's OOM killer ended, and the one every

@@ -59,6 +59,11 @@ CLUSTER = Timeouts(collective_timeout_s=60.0, heartbeat_timeout_s=30.0, quorum_t
 # spec.faultTolerance.restartWindowSeconds). The same script at the same memory limit runs
 # out of memory the same way: restarting it forever is a crash loop.
 OOM_KILL_LIMIT = 3
+# Pre-flight checks (transom.check, spec.preflight): the budget of all the checks of one
+# pre-flight together (a check still running when it is spent fails as timed out), and how
+# often a hot spare that waits is checked again.
+PREFLIGHT_TIMEOUT_S = 30.0
+PREFLIGHT_SPARE_INTERVAL_S = 300.0
 # Fencing (ft/fencing.py), the same in both settings. A replica asks the coordinator before
 # each checkpoint object it writes or deletes; one question waits at most this long, and an
 # answer that took longer to come back is not trusted (the process may have been stopped
