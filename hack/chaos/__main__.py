@@ -24,7 +24,7 @@ from chaos.world import World  # noqa: E402
 from testenv import cluster  # noqa: E402
 
 ORDER = ["node_loss", "partition", "drain", "coordinator_loss", "operator_loss", "storage_outage", "oom",
-         "image_pull", "containerd_restart"]
+         "image_pull", "containerd_restart", "bad_node"]
 REAL_NODES = 3
 COLUMNS = ("scenario", "detected after", "contributing again after", "steps lost", "replicas identical", "reason")
 
@@ -50,7 +50,7 @@ def main() -> int:
     unknown = [n for n in names if n not in ORDER]
     if unknown:
         p.error(f"unknown scenarios {unknown}: choose from {', '.join(ORDER)}")
-    assert set(ORDER) == set(SCENARIOS) | {"oom"}
+    assert set(ORDER) == set(SCENARIOS) | {"oom", "bad_node"}
     with cluster.session_lock(60):
         env = cluster.current()
         if env is None or len(env.real_nodes) < REAL_NODES:

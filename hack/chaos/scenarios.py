@@ -359,5 +359,8 @@ def run_named(world: World, name: str, steps: int = STEPS) -> Verdict:
     if name == "oom":
         from chaos.oom import oom
         return oom(world, steps)
+    if name == "bad_node":
+        from chaos.bad_node import bad_node
+        return bad_node(world, steps)
     return run(world, name, SCENARIOS[name], steps)
 

@@ -107,10 +107,11 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
         from transom.detect.step_rows import DetectionSettings
         config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts,
                               detection=DetectionSettings.from_spec(os.environ.get(contract.ENV_DETECTION)))
+        launcher = Launcher(config, env)
     except ValueError as e:
         print(f"transom launch: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
-    return Launcher(config, env).run()
+    return launcher.run()
 
 
 def _wait_as_spare() -> int | None:
@@ -168,6 +169,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             log_dir=args.log_dir,
             spares=args.spares,
             detection=args.detection,
+            preflight=args.preflight,
             trace_out=args.trace_out,
         )
     except ValueError as e:
@@ -219,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")
     r.add_argument("--detection", metavar="JSON",
                    help='anomaly detection settings, as spec.detection (e.g. \'{"hangTimeoutSeconds": 60}\')')
+    r.add_argument("--preflight", metavar="JSON",
+                   help='pre-flight checks each launcher runs before its workers start, as spec.preflight (e.g. '
+                        '\'{"checks": ["compute", "memory"]}\'); default: none')
     r.add_argument("--trace-out", metavar="FILE",
                    help="write every rank's step signals as one CSV trace (transom detect replay FILE)")
     r.add_argument("--backend", choices=contract.BACKENDS, default=default_of(RunConfig, "backend"),

@@ -49,6 +49,9 @@ ENV_CHECKPOINT_KEEP = "TRANSOM_CHECKPOINT_KEEP"  # spec.checkpoint.keep
 # The address other replicas use to reach this pod (downward API status.podIP);
 # 127.0.0.1 when unset, which is right for local mode.
 ENV_ADVERTISE_ADDR = "TRANSOM_ADVERTISE_ADDR"
+# The node a pod runs on (the downward API's spec.nodeName): pre-flight failures name it, and
+# an injected fault with node=NAME fires only there (inject.py).
+ENV_NODE_NAME = "TRANSOM_NODE_NAME"
 # Set instead of TRANSOM_REPLICA_ID / TRANSOM_REPLICA_GENERATION on a hot-spare pod: its
 # workers start at once, load the model and wait inside FaultTolerant until the operator
 # relabels the pod with a replica identity (LABEL_REPLICA, LABEL_GENERATION), which the

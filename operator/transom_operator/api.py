@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, WithJsonSchema, field_validator
 
-from transom.contract import DEFAULT_BACKEND
-from transom.defaults import CLUSTER
+from transom.contract import DEFAULT_BACKEND, PREFLIGHT_CHECKS
+from transom.defaults import CLUSTER, PREFLIGHT_SPARE_INTERVAL_S, PREFLIGHT_TIMEOUT_S
 from transom.detect.step_rows import SPEC_BOUNDS as _BOUNDS  # the ranges are the detectors' own too
 from transom.detect.step_rows import DetectionSettings
 from transom_operator.api_base import (  # noqa: F401  (api.X is the public name of each)
@@ -55,6 +55,8 @@ from transom_operator.api_base import (  # noqa: F401  (api.X is the public name
     NodeExclusionPolicy,
     NodeName,
     NodeNameItem,
+    PreflightCheck,
+    PreflightCheckItem,
     Reason,
     ReplicaState,
     Rule,
@@ -184,6 +186,32 @@ class FaultTolerance(ApiModel):
             "pods avoid it (node affinity). Taint: also taint it so that no new pod lands on it. "
             "Cordon: also mark it unschedulable. None: nothing."
         ),
+    )
+
+
+class Preflight(ApiModel):
+    """Pre-flight checks (transom.check) a worker pod runs before its workers start."""
+
+    checks: list[PreflightCheckItem] = Field(
+        default_factory=lambda: list(cast(list[PreflightCheck], PREFLIGHT_CHECKS)), max_length=len(PREFLIGHT_CHECKS),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "The checks each new pod runs on its node before its workers start, in this order: compute (a fixed "
+            "matmul against a reference computed another way), memory (a pattern written and read back), "
+            "collective (an all-reduce among the pod's processes), link (a transfer from a peer replica), storage "
+            "(the checkpoint location written and read), node (free disk, clock skew against the coordinator). A "
+            "pod that fails one exits with PreflightFailed: its node is excluded and the replica placed elsewhere. "
+            "Spares run them again every spareIntervalSeconds while they wait. []: none."
+        ),
+    )
+    timeout_seconds: int = Field(
+        int(PREFLIGHT_TIMEOUT_S), ge=1, le=600,
+        description="Budget of all the checks of one pre-flight together; a check still running at its end fails.",
+    )
+    spare_interval_seconds: int = Field(
+        int(PREFLIGHT_SPARE_INTERVAL_S), ge=0, le=86400,
+        description="How often a waiting hot spare runs the checks again (a spare that fails is replaced, never "
+                    "promoted). 0: only when it starts.",
     )
 
 
@@ -343,6 +371,7 @@ class TrainingJobSpec(ApiModel):
     )
     fault_tolerance: FaultTolerance = _defaulted(FaultTolerance)
     detection: Detection = _defaulted(Detection)
+    preflight: Preflight = _defaulted(Preflight)
 
     @field_validator("template")
     @classmethod

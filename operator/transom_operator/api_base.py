@@ -86,6 +86,8 @@ ConditionType = Literal["Ready", "Degraded", "Recovering", "Succeeded", "Failed"
 CONDITION_TYPES: tuple[str, ...] = get_args(ConditionType)
 NodeExclusionPolicy = Literal["Exclude", "Taint", "Cordon", "None"]
 Backend = Literal["auto", "gloo", "nccl"]  # contract.BACKENDS (a test checks they agree): transom.ft.backend
+# contract.PREFLIGHT_CHECKS (a test checks they agree): transom.check
+PreflightCheck = Literal["compute", "memory", "collective", "link", "storage", "node"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +154,4 @@ Reason = Annotated[str, _str(128, CAMEL_CASE)]
 NodeName = Annotated[str, _str(253, DNS_SUBDOMAIN)]
 # A list item has no Field of its own to carry the description.
 NodeNameItem = Annotated[NodeName, Field(json_schema_extra={"description": "Name of a node."})]
+PreflightCheckItem = Annotated[PreflightCheck, Field(json_schema_extra={"description": "Name of a pre-flight check."})]

@@ -187,6 +187,7 @@ class Controller:
             old = before.get(r.id)
             if old is not None and r.generation > old.generation and r.last_failure is not None:
                 metrics.REPLICA_FAILURES.labels(r.last_failure.reason).inc()
+                _count_preflight(r.last_failure)
                 metrics.REPLACEMENTS.inc()
                 self._replacing[(namespace, name, r.id, r.generation)] = time.monotonic()
             elif (old is not None and r.generation == old.generation and r.last_failure is not None
@@ -195,6 +196,11 @@ class Controller:
             key = (namespace, name, r.id, r.generation)
             if r.state == api.ReplicaState.RUNNING and key in self._replacing:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
+        spares_before = {s.id: s for s in (job.status.spares if job.status and job.status.spares else [])}
+        for s in plan.status.spares or []:
+            old_spare = spares_before.get(s.id)
+            if s.last_failure is not None and (old_spare is None or old_spare.last_failure != s.last_failure):
+                _count_preflight(s.last_failure)
         was = job.status.state if job.status else None
         failed = next((c for c in plan.status.conditions if c.type == "Failed"), None)
         failed_now = plan.status.state == api.JobState.FAILED and was != api.JobState.FAILED
@@ -208,6 +214,12 @@ class Controller:
             self._states[(namespace, name)] = state
         for s in api.JobState:
             metrics.JOBS.labels(s).set(sum(1 for v in self._states.values() if v == s))
+
+
+def _count_preflight(failure: api.Failure) -> None:
+    if failure.reason == reasons.PREFLIGHT_FAILED:
+        for check in failures.preflight_checks(failure.message or ""):
+            metrics.PREFLIGHT_FAILURES.labels(check).inc()
 
 
 def spec_error(error: ValidationError, limit: int = 5) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from transom import contract
 from transom_operator import reasons
 
 REGISTRY = CollectorRegistry()
@@ -23,6 +24,13 @@ JOB_FAILURES = Counter(
 )
 for _job_reason in (reasons.TOO_MANY_RESTARTS, reasons.SCRIPT_ERROR, reasons.OOM_KILLED):
     JOB_FAILURES.labels(_job_reason)
+PREFLIGHT_FAILURES = Counter(
+    "transom_operator_preflight_failures",
+    "Pods (replicas' and spares') whose pre-flight checks failed, by the check that failed",
+    ["check"], registry=REGISTRY,
+)
+for _check in contract.PREFLIGHT_CHECKS:
+    PREFLIGHT_FAILURES.labels(_check)
 REPLACEMENTS = Counter("transom_operator_replacements", "Replica incarnations replaced", registry=REGISTRY)
 SPARE_PROMOTIONS = Counter(
     "transom_operator_spare_promotions", "Failed replicas taken over by a hot spare", registry=REGISTRY

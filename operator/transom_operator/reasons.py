@@ -31,6 +31,9 @@ class FailureReason(StrEnum):
     # limit): the script's memory, not the node. Also the reason of the Failed condition when
     # that keeps happening (reconcile/oom.py), and of the Event of a kill restarted in place.
     OOM_KILLED = contract.OOM_KILLED
+    # A pre-flight check (transom.check) failed on the pod's node before its workers started
+    # (the launcher exited contract.EXIT_PREFLIGHT_FAILED): the node, not the script.
+    PREFLIGHT_FAILED = contract.PREFLIGHT_FAILED
 
 
 class ConditionReason(StrEnum):
@@ -87,12 +90,13 @@ EXITED_EARLY = FailureReason.EXITED_EARLY
 REPEATED_FAILURES = FailureReason.REPEATED_FAILURES
 NODE_EXCLUDED = FailureReason.NODE_EXCLUDED
 OOM_KILLED = FailureReason.OOM_KILLED
+PREFLIGHT_FAILED = FailureReason.PREFLIGHT_FAILED
 SCRIPT_ERROR = ConditionReason.SCRIPT_ERROR
 
 FAILURE_REASONS = tuple(FailureReason)
 
 # Failure reasons that say the node, not the software, is at fault.
-HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES})
+HARDWARE_REASONS = frozenset({NODE_NOT_READY, NODE_LOST, REPEATED_FAILURES, PREFLIGHT_FAILED})
 
 # --- condition reasons ----------------------------------------------------------------
 ALL_REPLICAS_HEALTHY = ConditionReason.ALL_REPLICAS_HEALTHY

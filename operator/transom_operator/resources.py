@@ -20,6 +20,7 @@ the job (controller, blockOwnerDeletion), so deleting the job deletes them.
 from __future__ import annotations
 
 import copy
+import json
 import secrets
 from collections.abc import Iterable
 from typing import Any
@@ -132,6 +133,7 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         contract.ENV_COLLECTIVE_TIMEOUT: str(spec.fault_tolerance.collective_timeout_seconds),
         contract.ENV_BACKEND: spec.fault_tolerance.backend,
         contract.ENV_DETECTION: detection_json(job),
+        contract.ENV_PREFLIGHT: preflight_json(job),
     }
     if spec.checkpoint:
         plain[contract.ENV_CHECKPOINT_INTERVAL] = str(spec.checkpoint.interval_steps)
@@ -148,7 +150,13 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
         "name": contract.ENV_ADVERTISE_ADDR,
         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
     })
+    env.append({"name": contract.ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     return env
+
+
+def preflight_json(job: api.TrainingJob) -> str:
+    """spec.preflight as the launcher reads it (contract.ENV_PREFLIGHT)."""
+    return json.dumps(job.spec.preflight.model_dump(by_alias=True, mode="json"), separators=(",", ":"))
 
 
 def _member(obj: dict[str, Any], key: str, empty: type[dict] | type[list]) -> Any:

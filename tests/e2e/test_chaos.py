@@ -4,10 +4,11 @@ Each test runs one scenario of hack/chaos/scenarios.py exactly as `make chaos` d
 TrainingJob (examples/trainingjob-cpu.yaml with the test image) on the session's three
 real nodes, the operator installed by its chart as two replicas, the fault done for real
 (a node's kubelet, containerd and containers killed; a node's links cut; `kubectl
-drain`), and the same judgement for every scenario (hack/chaos/job.py): Succeeded at its
-target step, the committed step never back, every checkpoint verifying against its
-manifest, the replicas' final parameter digests equal, the expected reason in status and
-Events, nothing left running. The others run in `make chaos` (docs/failure-model.md).
+drain`; a node whose compute check fails before the job's first step), and the same
+judgement for every scenario (hack/chaos/job.py): Succeeded at its target step, the
+committed step never back, every checkpoint verifying against its manifest, the replicas'
+final parameter digests equal, the expected reason in status and Events, nothing left
+running. The others run in `make chaos` (docs/failure-model.md).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from chaos.world import World
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-CI_SUBSET = ["node_loss", "partition", "drain"]
-EXPECTED_REASON = {"node_loss": "NodeNotReady", "partition": "NodeNotReady", "drain": "PodEvicted"}
+CI_SUBSET = ["node_loss", "partition", "drain", "bad_node"]
+EXPECTED_REASON = {"node_loss": "NodeNotReady", "partition": "NodeNotReady", "drain": "PodEvicted",
+                   "bad_node": "PreflightFailed"}
 
 
 @pytest.fixture(scope="module")

@@ -362,3 +362,13 @@ def test_the_crds_backends_are_the_ones_the_library_understands():
     from transom_operator.api_base import Backend
 
     assert get_args(Backend) == BACKENDS
+
+
+def test_the_crds_preflight_checks_are_the_ones_the_launcher_runs():
+    from typing import get_args
+
+    from transom.contract import PREFLIGHT_CHECKS
+    from transom_operator.api_base import PreflightCheck
+
+    assert get_args(PreflightCheck) == PREFLIGHT_CHECKS
+    assert tuple(api.Preflight().checks) == PREFLIGHT_CHECKS  # every check by default

@@ -4,6 +4,7 @@ the coordinator's objects (least-privilege Role, locked-down Deployment)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -74,6 +75,7 @@ def test_worker_pod_environment():
         contract.ENV_CHECKPOINT_INTERVAL: "500", contract.ENV_CHECKPOINT_KEEP: "3",  # the CRD's defaults
         contract.ENV_COLLECTIVE_TIMEOUT: "60", contract.ENV_BACKEND: "auto",
         contract.ENV_DETECTION: resources.detection_json(make_job()),
+        contract.ENV_PREFLIGHT: resources.preflight_json(make_job()),
         contract.ENV_IDENTITY_TOKEN_FILE: "/var/run/secrets/transom.io/identity/token",
         contract.ENV_TERMINATION_LOG: contract.TERMINATION_LOG,
     }
@@ -84,6 +86,9 @@ def test_worker_pod_environment():
     assert "value" not in token
     assert token["valueFrom"] == {"secretKeyRef": {"name": "demo-peer-token", "key": "token"}}
     assert env[contract.ENV_ADVERTISE_ADDR]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env[contract.ENV_NODE_NAME]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert json.loads(plain[contract.ENV_PREFLIGHT]) == {
+        "checks": list(contract.PREFLIGHT_CHECKS), "timeoutSeconds": 30, "spareIntervalSeconds": 300}
     assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
 
 

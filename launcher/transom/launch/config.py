@@ -24,6 +24,7 @@ from transom.defaults import LOCAL
 from transom.detect.step_rows import DetectionSettings
 from transom.inject import Fault
 from transom.launch import gpus
+from transom.launch.preflight import PreflightSpec
 
 
 def check_command(command: list[str]) -> None:
@@ -101,6 +102,7 @@ class RunConfig:
     log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
     spares: int = 0  # hot spares (launch/spare.py)
     detection: str | None = None  # spec.detection as JSON (TRANSOM_DETECTION); None: the defaults
+    preflight: str | None = None  # spec.preflight as JSON (TRANSOM_PREFLIGHT); None: no pre-flight checks
     trace_out: str | None = None  # write every rank's step signals here as one CSV trace
     devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
 
@@ -126,6 +128,8 @@ class RunConfig:
         if self.backend not in contract.BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
         DetectionSettings.from_spec(self.detection)  # ValueError now, not in every process later
+        if self.preflight is not None:
+            PreflightSpec.from_environ({contract.ENV_PREFLIGHT: self.preflight})
         if not 0 <= self.spares <= 8:
             raise ValueError("--spares must be between 0 and 8 in local mode")
         self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)

@@ -141,6 +141,8 @@ class LocalPods:
             env["CUDA_VISIBLE_DEVICES"] = devices
         if config.detection:
             env[contract.ENV_DETECTION] = config.detection
+        if config.preflight:
+            env[contract.ENV_PREFLIGHT] = config.preflight
         if config.checkpoint_uri:
             env[contract.ENV_CHECKPOINT_URI] = config.checkpoint_uri
         for var, value in ((contract.ENV_CHECKPOINT_INTERVAL, config.checkpoint_interval),

@@ -42,9 +42,14 @@ they load the model and wait for the promotion (launch/spare.py). Until the labe
 names a replica, the launcher has no identity to report to the coordinator: it only
 restarts workers that fail. From the promotion on it supervises as that replica.
 
+With TRANSOM_PREFLIGHT (spec.preflight), the launcher runs the pre-flight checks on its
+node before the first attempt, before an in-place restart after a hardware-class failure,
+and every spareIntervalSeconds while a spare waits (launch/preflight.py); a failure ends it
+with a `PreflightFailed: ...` termination message.
+
 Exit codes (transom.contract): 0 all workers succeeded, 1 restarts exhausted, 2 usage,
-3 superseded by a newer incarnation, 4 a script error, 5 OOMKilled too often, 128+N
-terminated by signal N.
+3 superseded by a newer incarnation, 4 a script error, 5 OOMKilled too often, 6 a pre-flight
+check failed, 128+N terminated by signal N.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from pathlib import Path
 from transom import contract, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.launch import oom, processes, spare
+from transom.launch import oom, preflight, processes, spare
 from transom.launch.config import LaunchConfig
 from transom.launch.processes import describe_exit
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
@@ -108,6 +113,10 @@ class Launcher:
         # The container's OOM-kill counter (launch/oom.py): how an OOM kill is told from a SIGKILL.
         self._oom = oom.Counter(oom.find())
         self._oom_kills = 0  # of this launcher's workers, all attempts
+        # Pre-flight checks on this node (launch/preflight.py); ValueError: TRANSOM_PREFLIGHT is malformed.
+        self._preflight = preflight.PreflightSpec.from_environ(self._environ)
+        self._preflight_runs = 0
+        self._periodic: preflight.Periodic | None = None  # a waiting spare's
 
     @property
     def workers(self) -> list[subprocess.Popen]:
@@ -135,6 +144,9 @@ class Launcher:
         self._environ = spare.promoted_environ(self._environ, found)
         self._podinfo = None
         self.group.who = self.who
+        if self._periodic is not None:  # a check still running is stopped: the replica trains now
+            self._periodic.stop()
+            self._periodic = None
 
     # --- one attempt -----------------------------------------------------------------------
     def _master(self, attempt: int) -> tuple[str, int] | None:
@@ -191,7 +203,8 @@ class Launcher:
         return reason
 
     def _watch(self, attempt: int) -> tuple[str, str]:
-        """Wait for this attempt to end: ('ok'|'failed'|'script_error'|'superseded'|'signal', reason)."""
+        """Wait for this attempt to end: ('ok'|'failed'|'script_error'|'superseded'|'signal'|'preflight',
+        reason)."""
         watch: StateWatch | None = None  # the coordinator's view of this replica (launch/state_watch.py)
         next_progress_poll = 0.0
         try:
@@ -200,6 +213,10 @@ class Launcher:
                     return "signal", f"received {signal.Signals(self._signal).name}"
                 if self._podinfo is not None:
                     self._promote_if_assigned()
+                if self._periodic is not None:
+                    failure = self._periodic.poll()
+                    if failure is not None:
+                        return "preflight", failure
                 ended = self._workers_ended(attempt)
                 if ended is not None:
                     return ended
@@ -298,6 +315,26 @@ class Launcher:
             return contract.EXIT_WORKERS_FAILED
         return None
 
+    def _preflight_failed(self) -> int | None:
+        """Run the pre-flight checks (if any); the exit code if they failed or a signal came."""
+        if self._preflight is None:
+            return None
+        failure = preflight.run(self._preflight, self.env, self._environ, self._preflight_runs,
+                                stopped=lambda: self._signal is not None)
+        self._preflight_runs += 1
+        if self._signal is not None:
+            return 128 + self._signal
+        if failure is not None:
+            return self._unfit(failure)
+        if self.env.is_spare and self._periodic is None:
+            self._periodic = preflight.Periodic(self._preflight, self.env, self._environ)
+        return None
+
+    def _unfit(self, failure: str) -> int:
+        log.error("%s: %s; this node is not fit to train", self.who, failure)
+        script_errors.write_termination_log(failure, self._environ)
+        return contract.EXIT_PREFLIGHT_FAILED
+
     def run(self) -> int:
         def on_signal(signum, _frame):
             self._signal = signum
@@ -306,9 +343,13 @@ class Launcher:
         processes.adopt_orphans()  # so that stopping the workers finds what left their groups
         try:
             attempt = 0
+            code = self._preflight_failed()
+            if code is not None:
+                return code
             while True:
                 self._spawn(attempt)
                 outcome, reason = self._watch(attempt)
+                codes = self.group.codes()
                 if self._forwarder is not None:  # the attempt's last rows
                     self._forwarder.poll(time.monotonic())
                     self._forwarder.flush(patience_s=LAST_FLUSH_PATIENCE_S)
@@ -326,7 +367,11 @@ class Launcher:
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
                 self.group.stop(signal.SIGKILL, 0.0)
+                if outcome == "preflight":  # a waiting spare's periodic check
+                    return self._unfit(reason)
                 code = self._ended(attempt, outcome, reason)
+                if code is None and preflight.hardware_class(reason, codes):
+                    code = self._preflight_failed()
                 if code is not None:
                     return code
                 attempt += 1

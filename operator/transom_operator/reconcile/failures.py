@@ -11,6 +11,10 @@ A replica (one incarnation: the pods of its current generation) fails when one o
   maxReplicaRestarts nor towards the backoff (replicas.py),
 - was OOMKilled (OOMKilled: the container's memory, never the node's fault; oom.py),
 - exited non-zero (PodFailed),
+- exited with the launcher's EXIT_PREFLIGHT_FAILED (PreflightFailed): a pre-flight check
+  (transom.check) failed on its node before its workers started. Hardware class: the node is
+  excluded. Only the pod's own node: a pod can say nothing about any other node (as with two
+  failures in a row on one node, RepeatedFailures, which a script could cause as well),
 - exited with the launcher's EXIT_SCRIPT_ERROR (ScriptError): the script raised an error that
   every incarnation would raise again. It comes first and ends the job (replicas.py): it is
   never replaced and never blamed on a node. The exit code and the termination message are
@@ -19,8 +23,8 @@ A replica (one incarnation: the pods of its current generation) fails when one o
 - exited 0 although the coordinator has not recorded the job complete (ExitedEarly),
 - is being deleted, or is gone although the replica was recorded Running (PodDeleted); gone
   without a trace from a node that is cordoned, it was drained (PodEvicted, requested).
-Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, a verdict that
-blames a node, and a second failure on the same node within the restart window
+Hardware-class failures name the node to exclude: NodeNotReady, NodeLost, PreflightFailed, a
+verdict that blames a node, and a second failure on the same node within the restart window
 (RepeatedFailures).
 
 Every input is something a job's user cannot write: pod and node status (kubelet, node
@@ -62,7 +66,8 @@ TAINT_EVICTION = "DeletionByTaintManager"
 # Order in which causes are reported when a replica has several at once.
 _PRIORITY = (
     reasons.SCRIPT_ERROR, reasons.NODE_NOT_READY, reasons.NODE_LOST, reasons.FLAGGED_BY_COORDINATOR,
-    reasons.POD_EVICTED, reasons.OOM_KILLED, reasons.POD_FAILED, reasons.EXITED_EARLY, reasons.POD_DELETED,
+    reasons.PREFLIGHT_FAILED, reasons.POD_EVICTED, reasons.OOM_KILLED, reasons.POD_FAILED, reasons.EXITED_EARLY,
+    reasons.POD_DELETED,
 )
 
 
@@ -169,6 +174,9 @@ def _failed(pod: ObservedPod, where: str, node: ObservedNode | None,
         return _deleted(pod, where, node, asked)
     if pod.exit_code == contract.EXIT_SCRIPT_ERROR:
         return reasons.SCRIPT_ERROR, script_error_message(pod), pod.node_name, None
+    if is_preflight_failure(pod):
+        return (reasons.PREFLIGHT_FAILED, preflight_message(pod, where), pod.node_name,
+                reasons.PREFLIGHT_FAILED if pod.node_name else None)
     if oom.is_oom_killed(pod):
         return reasons.OOM_KILLED, oom.pod_message(pod, where), pod.node_name, None
     code = "" if pod.exit_code is None else f" with exit code {pod.exit_code}"
@@ -225,6 +233,24 @@ def script_error_message(pod: ObservedPod) -> str:
     error = (pod.message or "").strip()[:MAX_TERMINATION_MESSAGE] or "its log has the traceback"
     return (f"pod {pod.name} exited {contract.EXIT_SCRIPT_ERROR}: the training script is wrong, and retrying "
             f"cannot help: {error}; fix the script and create the job again")
+
+
+def is_preflight_failure(pod: ObservedPod) -> bool:
+    """The pod's launcher exited EXIT_PREFLIGHT_FAILED: a check failed on its node."""
+    return pod.phase == PodPhase.FAILED and not pod.deleting and pod.exit_code == contract.EXIT_PREFLIGHT_FAILED
+
+
+def preflight_checks(message: str) -> list[str]:
+    """The checks a pre-flight failure's message names ("compute: ..."; "memory: ..."), for the
+    metric's label: only names of contract.PREFLIGHT_CHECKS, so the pod's words cannot grow it."""
+    return [c for c in contract.PREFLIGHT_CHECKS if f"{c}: " in message]
+
+
+def preflight_message(pod: ObservedPod, where: str) -> str:
+    """What a pod whose pre-flight failed says: its node and the launcher's termination
+    message (the checks that failed, their values and expected ranges)."""
+    found = (pod.message or "").strip()[:MAX_TERMINATION_MESSAGE] or "its log has the checks' results"
+    return f"pod {pod.name}{where} failed its pre-flight checks: {found}"
 
 
 def _verdict_cause(verdict: api.Verdict, current: Mapping[int, ObservedPod]) -> tuple[str, str, str | None, str | None]:

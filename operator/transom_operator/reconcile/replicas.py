@@ -223,6 +223,8 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     if not ps.suspended and not ps.final:
         _detect(ps, replicas, {(v.replica, v.generation): v for v in training.verdicts}, departed)
         _oom_in_place(ps, replicas, oom.records(training))
+        for failure in spares.preflight_failures(spare_list):
+            _exclude_nodes(ps, failure)
     failed_now = None
     if not ps.suspended and not ps.final and not ps.completed:
         failed_now = _script_error(replicas) or _out_of_memory(ps, replicas) or _over_budget(ps, replicas)

@@ -11,7 +11,10 @@ Like replicas, spares keep their memory in the API (`status.spares[].generation`
 labels), so the plan is level-based: pods of an older spare generation are deleted, missing
 ranks of the current one are created. A spare whose pod failed, was deleted, or sits on a
 NotReady or excluded node is replaced whole (generation + 1) after `backoffSeconds`, so a
-spare that cannot start (a bad image) does not loop hot. Spare failures are not replica
+spare that cannot start (a bad image) does not loop hot. A spare whose pod failed its
+pre-flight checks (when it started, or a periodic one while it waits: its launcher exits
+contract.EXIT_PREFLIGHT_FAILED) is never promoted, and its node is excluded as a replica's
+would be (`preflight_failures`). Spare failures are not replica
 restarts: they count towards neither totalRestarts nor maxReplicaRestarts.
 """
 
@@ -23,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from transom_operator import api, reasons, resources
+from transom_operator.reconcile import failures
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase, group_pods
 
 S = api.SpareState
@@ -56,6 +60,8 @@ class Spare:
         excluded = set(excluded)
         for rank in sorted(self.current):
             pod = self.current[rank]
+            if failures.is_preflight_failure(pod):
+                return reasons.PREFLIGHT_FAILED, failures.preflight_message(pod, f" on node {pod.node_name}")
             if pod.phase in (PodPhase.FAILED, PodPhase.SUCCEEDED):
                 return reasons.POD_FAILED, f"spare pod {pod.name} ended ({pod.phase}, {pod.reason or 'no reason'})"
             if pod.deleting:
@@ -100,6 +106,20 @@ class SparePlan:
     delete: list[str]
     statuses: list[api.SpareStatus]
     requeue_after: float | None
+
+
+def preflight_failures(spares: list[Spare]) -> list[failures.ReplicaFailure]:
+    """The spares whose pod failed its pre-flight checks (at its start, or a periodic one while
+    it waited): each names its node to exclude, as a replica's pod would. Such a spare is never
+    promoted (it is not Ready) and is replaced elsewhere."""
+    out = []
+    for s in spares:
+        for pod in s.current.values():
+            if failures.is_preflight_failure(pod) and pod.node_name:
+                out.append(failures.ReplicaFailure(
+                    reasons.PREFLIGHT_FAILED, failures.preflight_message(pod, f" on node {pod.node_name}"),
+                    pod.node_name, [(pod.node_name, reasons.PREFLIGHT_FAILED)]))
+    return out
 
 
 def plan(job: api.TrainingJob, spares: list[Spare], extra: list[ObservedPod], active: bool,

@@ -1,0 +1,189 @@
+"""The launcher's pre-flight: `transom check` on this pod's node before its workers start.
+
+The operator passes `spec.preflight` as TRANSOM_PREFLIGHT (the checks, their budget, a
+waiting spare's interval). The launcher runs the checks (transom.check) in a child process,
+`python -m transom check --json`, rather than in itself: the checks import torch and touch
+the device, which the launcher never does (it stays small and owns nothing of the device's
+state), and a child that overruns its budget is killed with whatever it started (its own
+process group). The child's JSON answer is the launcher's own child's, in its own pod: it
+speaks for this node only.
+
+When: before the first attempt of a pod (a new replica pod, or a spare as it starts); before
+an in-place restart after a hardware-class failure (a worker killed by SIGBUS, the kernel's
+signal for memory it cannot read; a detector's verdict that blames the node: FailSlow,
+SilentDataCorruption); and on a spare every `spareIntervalSeconds` while it waits, in the
+background (`Periodic`), so that a promotion never waits for a check: a check still running
+at the promotion is stopped. A failure ends the launcher with contract.EXIT_PREFLIGHT_FAILED
+and a termination message `PreflightFailed: <check>: <value> (expected <range>)`; the
+operator excludes the node and places the replica (or the spare) elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from transom import contract, defaults, words
+
+log = logging.getLogger("transom.launch")
+# Beyond the checks' own budget: the child's Python and torch imports, and its exit.
+START_MARGIN_S = 20.0
+POLL_S = 0.05
+SIGBUS_EXIT = -signal.SIGBUS  # Popen's return code of a process the kernel killed with SIGBUS
+# What a coordinator's verdict that blames the node begins with (the launcher's reason says
+# "coordinator declared the replica failed: <reason>: ...").
+NODE_VERDICTS = tuple(str(words.REASONS[k]) for k in words.NODE_KINDS)
+
+
+@dataclass(frozen=True)
+class PreflightSpec:
+    """spec.preflight, as TRANSOM_PREFLIGHT carries it."""
+
+    checks: tuple[str, ...]
+    timeout_s: float = defaults.PREFLIGHT_TIMEOUT_S
+    spare_interval_s: float = defaults.PREFLIGHT_SPARE_INTERVAL_S
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> PreflightSpec | None:
+        """None when unset or when it names no checks; ValueError when it is malformed."""
+        raw = environ.get(contract.ENV_PREFLIGHT)
+        if not raw:
+            return None
+        try:
+            spec = json.loads(raw)
+            checks = tuple(str(c) for c in spec.get("checks", contract.PREFLIGHT_CHECKS))
+            timeout_s = float(spec.get("timeoutSeconds", defaults.PREFLIGHT_TIMEOUT_S))
+            interval_s = float(spec.get("spareIntervalSeconds", defaults.PREFLIGHT_SPARE_INTERVAL_S))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{contract.ENV_PREFLIGHT} is not spec.preflight as JSON: {e}") from e
+        unknown = sorted(set(checks) - set(contract.PREFLIGHT_CHECKS))
+        if unknown:
+            raise ValueError(f"{contract.ENV_PREFLIGHT}: unknown checks {unknown}; "
+                             f"the checks are {', '.join(contract.PREFLIGHT_CHECKS)}")
+        if not 0 < timeout_s <= 3600 or not 0 <= interval_s <= 86400:
+            raise ValueError(f"{contract.ENV_PREFLIGHT}: timeoutSeconds must be in (0, 3600] and "
+                             "spareIntervalSeconds in [0, 86400]")
+        return cls(checks, timeout_s, interval_s) if checks else None
+
+
+def hardware_class(reason: str, codes: list[int | None]) -> bool:
+    """Whether an attempt that failed so may have failed for its node: then the checks run
+    again before the in-place restart."""
+    return SIGBUS_EXIT in codes or any(f"failed: {v}" in reason for v in NODE_VERDICTS)
+
+
+def command(spec: PreflightSpec, env: contract.ReplicaEnv, run_index: int) -> list[str]:
+    cmd = [sys.executable, "-m", "transom", "check", "--json", "--checks", ",".join(spec.checks),
+           "--timeout", f"{spec.timeout_s:g}", "--nproc", str(env.nproc_per_node), "--run-index", str(run_index)]
+    if env.checkpoint_uri:
+        cmd += ["--checkpoint-uri", env.checkpoint_uri]
+    return cmd
+
+
+class Check:
+    """One run of the checks in a child process of its own group; `poll()` until it answers."""
+
+    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], run_index: int):
+        self.deadline = time.monotonic() + spec.timeout_s + START_MARGIN_S
+        self.budget_s = spec.timeout_s
+        self.proc = subprocess.Popen(command(spec, env, run_index), env=dict(environ), stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def poll(self) -> tuple[bool, str | None]:
+        """(done, failure message or None)."""
+        if self.proc.poll() is None:
+            if time.monotonic() < self.deadline:
+                return False, None
+            self.stop()
+            return True, (f"{contract.PREFLIGHT_FAILED}: the checks did not finish within their budget of "
+                          f"{self.budget_s:g}s (and {START_MARGIN_S:g}s to start)")
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read().decode(errors="replace")
+        self.proc.stdout.close()
+        return True, _failure(self.proc.returncode, out)
+
+    def stop(self) -> None:
+        """Kill the child's whole group (what the checks started goes with it) and reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("pre-flight check process %d did not exit after SIGKILL", self.proc.pid)
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
+
+
+def _failure(code: int, out: str) -> str | None:
+    """The failure message of a finished `transom check --json`, None if every check passed."""
+    try:
+        answer = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+    except ValueError:
+        answer = {}
+    if code == 0 and answer.get("passed") is True:
+        return None
+    failed = [c for c in answer.get("checks", []) if isinstance(c, dict) and not c.get("passed")]
+    said = "; ".join(str(c.get("message", c.get("name", "?")))[:300] for c in failed)
+    if not said:
+        said = f"`transom check` exited {code} without an answer"
+    return f"{contract.PREFLIGHT_FAILED}: {said}"[:1024]
+
+
+def run(spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], run_index: int,
+        stopped: Callable[[], bool]) -> str | None:
+    """Run the checks and wait for them; the failure message, or None if they passed (or a
+    signal stopped the wait: the launcher is going anyway)."""
+    started = time.monotonic()
+    check = Check(spec, env, environ, run_index)
+    try:
+        while not stopped():
+            done, failure = check.poll()
+            if done:
+                log.info("pre-flight checks %s in %.1fs", "failed" if failure else "passed", time.monotonic() - started)
+                return failure
+            time.sleep(POLL_S)
+        return None
+    finally:
+        check.stop()
+
+
+class Periodic:
+    """A waiting spare's checks every `spare_interval_s`, never in the way of its promotion."""
+
+    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str],
+                 clock: Callable[[], float] = time.monotonic):
+        self.spec, self.env, self.environ, self.clock = spec, env, environ, clock
+        self.runs = 1  # the one at the spare's start
+        self.next_at = clock() + spec.spare_interval_s if spec.spare_interval_s > 0 else float("inf")
+        self.current: Check | None = None
+
+    def poll(self) -> str | None:
+        """Call from the spare's watch loop: a failure message once a check failed."""
+        if self.current is None:
+            if self.clock() >= self.next_at:
+                self.current = Check(self.spec, self.env, self.environ, self.runs)
+                self.runs += 1
+            return None
+        done, failure = self.current.poll()
+        if done:
+            self.current.stop()
+            self.current = None
+            self.next_at = self.clock() + self.spec.spare_interval_s
+        return failure
+
+    def stop(self) -> None:
+        """The spare was promoted or is going: a check still running is stopped."""
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+        self.next_at = float("inf")
