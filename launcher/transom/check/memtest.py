@@ -41,6 +41,8 @@ def check(context: CheckContext, budget: Budget) -> CheckResult:
     if context.device == "cuda" and not budget.over():
         bad += _pinned_mismatches(torch, buffer)
     del buffer
+    if context.device == "cuda":  # the caching allocator would keep the buffer from the job's workers
+        torch.cuda.empty_cache()
     if budget.over():
         return timed_out(NAME, budget.given)
     size = f"{context.memory_bytes / (1 << 20):.0f} MiB"
