@@ -1,5 +1,5 @@
 """The `transom` command: `coordinator`, `launch` (in a pod), `run` (local mode), `detect replay`,
-`simulate` and `checkpoint export`.
+`simulate`, `checkpoint export` and `check` (the pre-flight checks).
 
 Importing this module needs no torch: the launcher and coordinator run in images or
 environments where only the workers have it.
@@ -238,6 +238,8 @@ def parser() -> argparse.ArgumentParser:
     from transom.checkpoint import cli as checkpoint_cli
     checkpoint_cli.add_arguments(sub.add_parser("checkpoint", help="committed checkpoints: export one as a plain "
                                                                   "PyTorch file"))
+    from transom.check import cli as check_cli
+    check_cli.add_arguments(sub.add_parser("check", help="run the pre-flight checks on this machine"))
     return p
 
 
@@ -262,4 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "checkpoint":
         from transom.checkpoint import cli as checkpoint_cli
         return checkpoint_cli.main(args)
+    if args.cmd == "check":
+        from transom.check import cli as check_cli
+        return check_cli.main(args)
     return _run(args, command)

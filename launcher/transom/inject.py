@@ -1,7 +1,7 @@
 """Fault injection for tests and demos: real faults, which the worker causes itself (signals, memory).
 
 `TRANSOM_FAULT` holds faults separated by `;`, the k-th for the replica's k-th attempt
-(launcher restart), each `ACTION:step=S[,rank=R][,phase=P][,replica=I]`:
+(launcher restart), each `ACTION:step=S[,rank=R][,phase=P][,replica=I][,node=NAME]`:
 
     kill    SIGKILL this worker (a crash: no cleanup, no goodbye)
     stop    SIGSTOP this worker (a hang: the process exists but does nothing)
@@ -18,6 +18,9 @@
             after it that this attempt reaches (a restarted replica joins later). At most
             `mb` MiB (default: twice the memory limit of the worker's cgroup; without a
             limit it raises instead of exhausting the machine)
+    corrupt the pre-flight compute check's device result is corrupted (one element off by a
+            large amount), as on a device that computes wrong (transom/check/compute.py).
+            Its phase is `preflight` (the default for it, and its only one)
 
 `phase` (kill, stop, raise, oom) is `allreduce` (default: just before the cross-replica all-reduce, so the peers
 are already waiting in it) or `forward` (at the start of the step), where `step` is the
@@ -30,23 +33,40 @@ written: a node stopped or cut off in the middle of a checkpoint; `stop` stops t
 process there, whatever its training thread is doing). The local runner gives a replica's
 k-th fault to its k-th incarnation, so a restarted replica does not fail again unless asked to.
 
+`preflight` (corrupt only, and corrupt only there) is the launcher's pre-flight checks
+(transom/check), where `step` counts the launcher's pre-flights: 0 is the first, and a
+spare's periodic ones count up; it fires at pre-flights `step` .. `step + count - 1`
+(`count` default 1). Pre-flight faults are not tied to an attempt: `preflight_faults` gives
+the checks every one in the list (each still takes its attempt's place in it, so the
+trainer sees no fault for that attempt).
+
 The trainer never reads this module: `ft/hooks.py` builds its step hooks from
 `from_environ` when a fault is meant for this attempt, and a no-op otherwise.
 
 `replica=I` makes a fault fire only in replica I (TRANSOM_REPLICA_ID): a pod template's
 environment is every replica's, so that is how a fault set there (`TRANSOM_FAULT` in
 `spec.template`) reaches one replica. In a pod the list restarts with every generation.
+`node=NAME` makes any fault fire only on the node NAME (TRANSOM_NODE_NAME, the pod's
+spec.nodeName): the way to make one node bad whichever replica lands there.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip", "oom")
-PHASES = ("allreduce", "forward", "catchup", "serve", "checkpoint")
+from transom import contract
+
+ACTIONS = ("kill", "stop", "raise", "hang", "slow", "nan", "bitflip", "oom", "corrupt")
+PHASES = ("allreduce", "forward", "catchup", "serve", "checkpoint", "preflight")
+PREFLIGHT = "preflight"  # the phase of the pre-flight checks: `corrupt`'s only one
+# A Kubernetes node name (a DNS subdomain): anything else could never match spec.nodeName.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+FIELDS = {"step", "rank", "phase", "count", "factor", "replica", "mb", "node"}
 # Where the step hooks (ft/hooks.py) offer each of the detection faults: they need what the step holds there.
 FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
 FOREVER = 1 << 62
@@ -64,6 +84,7 @@ class Fault:
     factor: float = 1.5  # slow
     replica: int | None = None  # fires only in this replica; None: in whichever replica runs it
     mb: int | None = None  # oom: the most it allocates, in MiB
+    node: str | None = None  # fires only on this node (TRANSOM_NODE_NAME); None: on any
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -76,18 +97,14 @@ class Fault:
             if not eq:
                 raise ValueError(f"fault field must be key=value, got {part!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"step", "rank", "phase", "count", "factor", "replica", "mb"}
+        unknown = set(fields) - FIELDS
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
         if "step" not in fields or not fields["step"].isdigit():
             raise ValueError("fault needs step=<non-negative integer>")
-        phase = fields.get("phase", "allreduce")
-        if phase not in PHASES:
-            raise ValueError(f"fault phase must be one of {PHASES}, got {phase!r}")
-        if action in FIXED_PHASE:
-            if "phase" in fields:
-                raise ValueError(f"{action} takes no phase: it fires where the step offers it")
-            phase = FIXED_PHASE[action]
+        phase = _phase_of(action, fields.get("phase"))
+        if "node" in fields and not _NODE_NAME.match(fields["node"]):
+            raise ValueError(f"node must be a Kubernetes node name, got {fields['node']!r}")
         default_count = FOREVER if action in ("slow", "oom") else 1
         count = int(fields.get("count", default_count))
         factor = float(fields.get("factor", "1.5"))
@@ -100,7 +117,18 @@ class Fault:
             raise ValueError("mb is for oom only, and at least 1")
         return cls(action=action, step=int(fields["step"]), rank=int(fields.get("rank", "0")), phase=phase,
                    count=count, factor=factor, replica=int(fields["replica"]) if "replica" in fields else None,
-                   mb=int(fields["mb"]) if "mb" in fields else None)
+                   mb=int(fields["mb"]) if "mb" in fields else None, node=fields.get("node"))
+
+    def applies_here(self, environ: Mapping[str, str], replica: int | None) -> bool:
+        """Whether this fault is meant for this process: its replica (`replica`: this one's
+        index, None for a spare) and its node (environ's TRANSOM_NODE_NAME), where it names them."""
+        if self.replica is not None and self.replica != replica:
+            return False
+        return self.node is None or self.node == environ.get(contract.ENV_NODE_NAME)
+
+    def due(self, index: int) -> bool:
+        """Whether it fires at the `index`-th event it counts (a step, a pre-flight...)."""
+        return self.step <= index < self.step + self.count
 
     def maybe_fire(self, step: int, rank: int, phase: str, target=None, elapsed_s: float = 0.0) -> None:
         """Fire if this is the fault's step, rank and phase. `target`: the gradient (nan) or the
@@ -122,8 +150,26 @@ class Fault:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "oom":
             _exhaust_memory(self.mb)
+        elif self.action == "corrupt":
+            return  # no step offers it: the pre-flight compute check applies it (transom/check/compute.py)
         else:
             raise RuntimeError(f"injected fault at step {step}")
+
+
+def _phase_of(action: str, given: str | None) -> str:
+    """The phase of an `action` fault from its `phase=` field (None: not given); ValueError
+    for a phase the action does not take."""
+    phase = given if given is not None else (PREFLIGHT if action == "corrupt" else "allreduce")
+    if phase not in PHASES:
+        raise ValueError(f"fault phase must be one of {PHASES}, got {phase!r}")
+    if (action == "corrupt") != (phase == PREFLIGHT):
+        raise ValueError(f"corrupt fires only in phase {PREFLIGHT}, and only corrupt does, got {action} "
+                         f"with phase {phase}")
+    if action in FIXED_PHASE:
+        if given is not None:
+            raise ValueError(f"{action} takes no phase: it fires where the step offers it")
+        phase = FIXED_PHASE[action]
+    return phase
 
 
 def _flip_a_bit(param) -> None:
@@ -183,10 +229,23 @@ def parse_list(text: str) -> list[Fault]:
     return [Fault.parse(part.strip()) for part in text.split(";") if part.strip()]
 
 
-def from_environ(attempt: int, environ: dict[str, str] | None = None, replica: int | None = None) -> Fault | None:
-    """The fault meant for this attempt of replica `replica`, if any."""
-    faults = parse_list((environ if environ is not None else os.environ).get("TRANSOM_FAULT", ""))
+def from_environ(attempt: int, environ: Mapping[str, str] | None = None, replica: int | None = None) -> Fault | None:
+    """The step's fault meant for this attempt of replica `replica` on this node, if any (a
+    pre-flight fault in the attempt's place is the checks', not the step's: None)."""
+    environ = environ if environ is not None else os.environ
+    faults = parse_list(environ.get(contract.ENV_FAULT, ""))
     fault = faults[attempt] if attempt < len(faults) else None
-    if fault is not None and fault.replica is not None and fault.replica != replica:
+    if fault is None or fault.phase == PREFLIGHT or not fault.applies_here(environ, replica):
         return None
     return fault
+
+
+def preflight_faults(environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
+    """Every pre-flight fault of TRANSOM_FAULT (whichever attempt's place it takes) meant for
+    this replica (TRANSOM_REPLICA_ID; a spare has none, so `replica=` faults skip it) on
+    this node (TRANSOM_NODE_NAME). ValueError for a list that does not parse."""
+    environ = environ if environ is not None else os.environ
+    replica_text = environ.get(contract.ENV_REPLICA_ID, "")
+    replica = int(replica_text) if replica_text.isdigit() else None
+    return tuple(f for f in parse_list(environ.get(contract.ENV_FAULT, ""))
+                 if f.phase == PREFLIGHT and f.applies_here(environ, replica))

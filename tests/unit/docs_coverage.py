@@ -35,7 +35,8 @@ def unnamed(docs: Path = ROOT) -> list[str]:
         if name not in (environment if name in contract else text):
             out.append(f"env `{name}`" + (" (architecture.md, \"Environment\")" if name in contract else ""))
     text_flags = re.findall(r"--[a-z][\w-]*", text)
-    commands = [("run",), ("coordinator",), ("launch",), ("simulate",), ("detect", "replay"), ("checkpoint", "export")]
+    commands = [("run",), ("coordinator",), ("launch",), ("simulate",), ("detect", "replay"), ("checkpoint", "export"),
+                ("check",)]
     for command in commands:
         for flag in sorted(command_flags(command) - {"--help"}):
             if flag.startswith("--") and flag not in text_flags:

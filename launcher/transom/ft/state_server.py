@@ -9,6 +9,8 @@ While the coordinator names this replica a source, it serves
                                        joiner to train in step at once (ft/catchup.py)
     GET /snapshot                      the manifest of the kept snapshot (ft/transfer.py)
     GET /snapshot/<step>/chunk/<i>     one chunk of it
+    GET /healthz                       "ok", from any incarnation: a peer's pre-flight link
+                                       check (transom/check/link.py) times it
 
 Only the newest of each is kept, so memory is bounded by one copy of the rank's state.
 `bytes_per_s` caps what the server sends in all (the recovery traffic must not starve the
@@ -144,6 +146,8 @@ class StateServer:
 
     def answer(self, path: str) -> tuple[int, list, str]:
         """(status, body pieces, content type) for a GET of `path` by an authorized peer."""
+        if path == "/healthz":  # answers whether this incarnation may serve or not: it is the link's probe
+            return 200, [b"ok"], _TEXT
         if self._refusal is not None and (why := self._refusal()) is not None:
             return 409, [why.encode()], _TEXT
         with self._lock:
@@ -167,7 +171,7 @@ class StateServer:
             pieces = snapshot.chunk(i)
             self._throttle.take(sum(len(p) for p in pieces))
             return 200, pieces, _BYTES
-        return 400, [b"expected GET /small/<round>, /snapshot or /snapshot/<step>/chunk/<i>"], _TEXT
+        return 400, [b"expected GET /small/<round>, /snapshot, /snapshot/<step>/chunk/<i> or /healthz"], _TEXT
 
     def _chunk_asked(self) -> None:
         with self._lock:
