@@ -40,7 +40,7 @@ def bad_node(world: World, steps: int) -> Verdict:
             verdict.detect_s = job.since_fault()
             if entry.get("reason") != REASON:
                 verdict.problems.append(f"node {node} excluded for {entry.get('reason')}, not {REASON}")
-            r0 = next((r for r in job.status().get("replicas") or [] if r["id"] == 0), {})
+            r0: dict = next((r for r in job.status().get("replicas") or [] if r["id"] == 0), {})
             message = (r0.get("lastFailure") or {}).get("message", "")
             verdict.notes.append(f"node {node} excluded {verdict.detect_s:.1f} s after the job was created: {message}")
             if "compute: " not in message:

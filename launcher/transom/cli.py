@@ -178,21 +178,10 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
     return LocalRun(config).run()
 
 
-def parser() -> argparse.ArgumentParser:
-    from transom.launch.config import LaunchConfig, RunConfig, default_of
+def _run_arguments(r: argparse.ArgumentParser) -> None:
+    """`transom run`'s options (launch/config.py RunConfig holds their defaults)."""
+    from transom.launch.config import RunConfig, default_of
 
-    p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    from transom.coordinator import cli as coordinator_cli
-    coordinator_cli.add_arguments(sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)"))
-
-    la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
-    la.add_argument("--nproc-per-node", type=count, default=None)
-    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
-                    default=default_of(LaunchConfig, "max_restarts"))
-
-    r = sub.add_parser("run", help="run a whole fault-tolerant job locally")
     r.add_argument("--replicas", type=count, required=True)
     r.add_argument("--nproc-per-replica", type=count, default=default_of(RunConfig, "nproc_per_replica"))
     r.add_argument("--min-replicas", type=count, default=default_of(RunConfig, "min_replicas"))
@@ -229,6 +218,23 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=contract.BACKENDS, default=default_of(RunConfig, "backend"),
                    help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
                         "GPU of its own and the tensors are on it, Gloo otherwise")
+
+
+def parser() -> argparse.ArgumentParser:
+    from transom.launch.config import LaunchConfig, default_of
+
+    p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    from transom.coordinator import cli as coordinator_cli
+    coordinator_cli.add_arguments(sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)"))
+
+    la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
+    la.add_argument("--nproc-per-node", type=count, default=None)
+    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
+                    default=default_of(LaunchConfig, "max_restarts"))
+
+    _run_arguments(sub.add_parser("run", help="run a whole fault-tolerant job locally"))
     d = sub.add_parser("detect", help="anomaly detection over recorded traces")
     dsub = d.add_subparsers(dest="detect_cmd", required=True)
     from transom.detect import replay

@@ -58,9 +58,6 @@ ENV_NODE_NAME = "TRANSOM_NODE_NAME"
 # launcher and the workers read from the downward-API labels file in PODINFO_DIR.
 ENV_SPARE_ID = "TRANSOM_SPARE_ID"
 ENV_PODINFO_DIR = "TRANSOM_PODINFO_DIR"  # overrides PODINFO_DIR (tests, local runs)
-# The node a pod runs on, from the downward API (spec.nodeName): where a fault with `node=`
-# fires (transom/inject.py).
-ENV_NODE_NAME = "TRANSOM_NODE_NAME"
 PODINFO_DIR = "/etc/transom/podinfo"  # downward-API volume of spare pods; holds `labels`
 
 # --- set by the launcher for each worker --------------------------------------------

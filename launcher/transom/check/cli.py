@@ -1,7 +1,7 @@
 """`transom check`: the pre-flight checks, run by hand on this machine.
 
-    transom check [--json] [--checks compute,memory,...] [--device cpu|cuda] [--timeout S]
-                  [--checkpoint-uri URI] [--peer-url URL] [--nproc N] [--memory-mb N]
+    transom check [--json] [--checks compute,memory,...] [--device auto|cpu|cuda] [--timeout S]
+                  [--checkpoint-uri URI] [--peer-url URL] [--nproc N] [--memory-mb N] [--run-index K]
 
 One line per check (name, PASS / FAIL / SKIP, value, expected range, seconds) and a total;
 with --json one JSON object {"checks": [...], "passed": bool, "seconds": total}. Exit 0 when
@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--checks", type=check_names, default=contract.PREFLIGHT_CHECKS, metavar="NAME,...",
                    help=f"which checks (default all: {','.join(contract.PREFLIGHT_CHECKS)})")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the GPU forms (cuBLAS matmul, device memory, NCCL); default cpu")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: the GPU forms (cuBLAS matmul, device memory, NCCL); auto (default): cuda where "
+                        "torch sees a GPU, else cpu")
     p.add_argument("--timeout", type=seconds, default=defaults.PREFLIGHT_TIMEOUT_S,
                    help=f"seconds for all the checks together (default {defaults.PREFLIGHT_TIMEOUT_S:g})")
     p.add_argument("--checkpoint-uri",
@@ -52,6 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local processes of the collective check (default 1: skipped)")
     p.add_argument("--memory-mb", type=between(0, MAX_MEMORY_MB), default=256,
                    help="MiB the memory check writes and reads back (default 256)")
+    p.add_argument("--run-index", type=between(0, 1 << 30), default=0,
+                   help="which pre-flight of its launcher this is (0 the first; a waiting spare's count up): "
+                        "where the injected faults of phase preflight fire")
+
+
+def resolve_device(device: str) -> str:
+    """`auto`: cuda where torch is there and sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"transom check: {contract.ENV_FAULT}: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
     context = CheckContext(
-        device=args.device, nproc=args.nproc, memory_bytes=args.memory_mb << 20, faults=faults,
+        device=resolve_device(args.device), nproc=args.nproc, memory_bytes=args.memory_mb << 20, faults=faults,
+        run_index=args.run_index,
         checkpoint_uri=args.checkpoint_uri or os.environ.get(contract.ENV_CHECKPOINT_URI) or None,
         coordinator_url=os.environ.get(contract.ENV_COORDINATOR_URL) or None,
         token=os.environ.get(contract.ENV_COORDINATOR_TOKEN) or None,

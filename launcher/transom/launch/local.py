@@ -23,7 +23,9 @@ failed, the runner stops that replica's launcher and promotes a spare in its pla
 writing the spare's labels file (the kubelet's downward-API file in a pod), as the
 replica's next generation. No process starts on that recovery path.
 
-A launcher that exits 4 (`contract.EXIT_SCRIPT_ERROR`: a worker raised a ScriptError, a bug
+A launcher that exits 6 (`contract.EXIT_PREFLIGHT_FAILED`: a pre-flight check failed, with
+`--preflight`) is replaced like any other, and the run says which check. A launcher that
+exits 4 (`contract.EXIT_SCRIPT_ERROR`: a worker raised a ScriptError, a bug
 in the script that every replica and every retry would hit again) ends the whole run at
 once: the others are stopped, the message is printed once and is the summary's
 `script_error`, and `transom run` exits 4 too (script_errors.py). So does one that exits 5
@@ -197,9 +199,15 @@ class LocalRun:
                 continue
             if code == 0:
                 self.done.add(r)
-            elif not self._replace(r, f"launcher exited with {code}"):
+            elif not self._replace(r, self._why_ended(proc, code)):
                 return False
         return True
+
+    def _why_ended(self, proc: subprocess.Popen, code: int) -> str:
+        """What the run says about a launcher that exited non-zero; with a failed pre-flight, the
+        checks that failed (its termination message), as the operator's ReplicaFailed Event would."""
+        said = self.pods.termination_message(proc) if code == contract.EXIT_PREFLIGHT_FAILED else None
+        return f"launcher exited with {code}" + (f" ({said})" if said else "")
 
     def _supervise(self, received: list[int]) -> int:
         """Run until every replica finished (0), one failed for good or time ran out (1), or a

@@ -99,6 +99,11 @@ class LocalPods:
                 return code, script_errors.read_termination_log(path) or f"launcher pid {proc.pid} gave no message"
         return None
 
+    def termination_message(self, proc: subprocess.Popen) -> str | None:
+        """What a launcher that ended wrote as its termination message (a pod's), if anything."""
+        path = self._termination_logs.get(proc)
+        return script_errors.read_termination_log(path) if path is not None else None
+
     # --- a pod's contents --------------------------------------------------------------------
     def _output_of(self, who: int | str):
         """Where a replica's launcher and workers write: its log file, or None for this terminal."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from transom import contract, defaults, words
+from transom import contract, defaults, script_errors, words
 
 log = logging.getLogger("transom.launch")
 # Beyond the checks' own budget: the child's Python and torch imports, and its exit.
@@ -160,10 +160,10 @@ def run(spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str
 class Periodic:
     """A waiting spare's checks every `spare_interval_s`, never in the way of its promotion."""
 
-    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str],
+    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], runs: int,
                  clock: Callable[[], float] = time.monotonic):
         self.spec, self.env, self.environ, self.clock = spec, env, environ, clock
-        self.runs = 1  # the one at the spare's start
+        self.runs = runs  # pre-flights run so far: the next one's index
         self.next_at = clock() + spec.spare_interval_s if spec.spare_interval_s > 0 else float("inf")
         self.current: Check | None = None
 
@@ -187,3 +187,42 @@ class Periodic:
             self.current.stop()
             self.current = None
         self.next_at = float("inf")
+
+
+class NodeChecks:
+    """A launcher's pre-flights: `run` before an attempt, `poll_spare` while a spare waits."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.spec = PreflightSpec.from_environ(environ)
+        self.runs = 0
+        self.periodic: Periodic | None = None
+
+    def run(self, env: contract.ReplicaEnv, environ: Mapping[str, str], stopped: Callable[[], bool]) -> str | None:
+        """The checks now (none without a spec); the failure message, or None."""
+        if self.spec is None:
+            return None
+        failure = run(self.spec, env, environ, self.runs, stopped)
+        self.runs += 1
+        if failure is None and env.is_spare and self.periodic is None:
+            self.periodic = Periodic(self.spec, env, environ, self.runs)
+        return failure
+
+    def poll_spare(self) -> str | None:
+        return self.periodic.poll() if self.periodic is not None else None
+
+    def promoted(self) -> None:
+        """The spare trains now: a check still running is stopped, and none starts again."""
+        self.close()
+
+    def close(self) -> None:
+        if self.periodic is not None:
+            self.periodic.stop()
+            self.periodic = None
+
+
+def unfit(who: str, failure: str, environ: Mapping[str, str]) -> int:
+    """The end of a launcher whose node failed a check: the message where the pod's
+    termination message is read, and the exit code."""
+    log.error("%s: %s; this node is not fit to train", who, failure)
+    script_errors.write_termination_log(failure, dict(environ))
+    return contract.EXIT_PREFLIGHT_FAILED

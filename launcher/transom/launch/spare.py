@@ -75,6 +75,15 @@ def read_assignment(directory: Path) -> Assignment | None:
     return assignment(parse_labels((directory / "labels").read_text()))
 
 
+def poll_assignment(directory: Path) -> Assignment | None:
+    """`read_assignment`, None also while the file cannot be read (the volume not mounted yet:
+    the workers' `wait_for_assignment` logs it)."""
+    try:
+        return read_assignment(directory)
+    except OSError:
+        return None
+
+
 def wait_for_assignment(directory: Path, stopped: Callable[[], bool], poll_s: float = POLL_S) -> Assignment | None:
     """Poll `directory/labels` until it names a replica; None if `stopped()` first.
 

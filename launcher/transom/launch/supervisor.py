@@ -34,8 +34,9 @@ Workers that all exit 0 have finished only if the job is complete: the launcher 
 coordinator, and workers that stopped before a replica completed the job (a script that
 ends early, or never trains) are a failure like any other.
 
-MASTER_ADDR is found without cluster DNS: a single-node replica uses loopback; node 0 of
-a multi-node replica publishes its address through the coordinator and the others read it.
+MASTER_ADDR is found without cluster DNS (launch/rendezvous.py): a single-node replica uses
+loopback; node 0 of a multi-node replica publishes its address through the coordinator and
+the others read it.
 
 A hot spare's launcher (TRANSOM_SPARE_ID, single-node replicas) starts its workers at once;
 they load the model and wait for the promotion (launch/spare.py). Until the labels file
@@ -58,18 +59,19 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transom import contract, script_errors
 from transom.coordinator.client import CoordinatorClient, credential
-from transom.coordinator.models import FailureReport, Identity, RendezvousInfo
-from transom.launch import oom, preflight, processes, spare
+from transom.coordinator.models import FailureReport, Identity
+from transom.launch import oom, preflight, processes, rendezvous, spare
 from transom.launch.config import LaunchConfig
 from transom.launch.processes import describe_exit
+from transom.launch.rendezvous import free_port  # noqa: F401  (where tests and benchmarks take it from)
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
 from transom.launch.workers import WorkerGroup
@@ -81,17 +83,20 @@ COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordin
 REPORT_TIMEOUT_S = 2.0  # a failure report: the coordinator also notices by heartbeat, so never wait long
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def restart_delay_s(attempt: int, backoff_s: float) -> float:
     """How long to wait before starting `attempt`: the first restart at once (it is on the
     recovery path, and nothing says yet that restarting fails), then `backoff_s` doubling
     per attempt up to 30 s, so that a script that crashes at once does not spin."""
     return 0.0 if attempt <= 1 else min(backoff_s * 2.0 ** min(attempt - 2, 64), 30.0)  # 2**1024: OverflowError
+
+
+def backoff(seconds: float, going_on: Callable[[], bool]) -> bool:
+    """Sleep before a restart; False if `going_on()` turned False meanwhile (a signal came:
+    nothing is started then)."""
+    deadline = time.monotonic() + seconds
+    while going_on() and time.monotonic() < deadline:
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+    return going_on()
 
 
 class Launcher:
@@ -113,10 +118,7 @@ class Launcher:
         # The container's OOM-kill counter (launch/oom.py): how an OOM kill is told from a SIGKILL.
         self._oom = oom.Counter(oom.find())
         self._oom_kills = 0  # of this launcher's workers, all attempts
-        # Pre-flight checks on this node (launch/preflight.py); ValueError: TRANSOM_PREFLIGHT is malformed.
-        self._preflight = preflight.PreflightSpec.from_environ(self._environ)
-        self._preflight_runs = 0
-        self._periodic: preflight.Periodic | None = None  # a waiting spare's
+        self._checks = preflight.NodeChecks(self._environ)  # ValueError: TRANSOM_PREFLIGHT is malformed
 
     @property
     def workers(self) -> list[subprocess.Popen]:
@@ -133,41 +135,20 @@ class Launcher:
         """A spare whose labels file now names a replica supervises as that replica from now on
         (its workers read the same file and register as it)."""
         assert self._podinfo is not None
-        try:
-            found = spare.read_assignment(self._podinfo)
-        except OSError:
-            return  # not mounted yet: the workers log it
-        if found is None:
+        if (found := spare.poll_assignment(self._podinfo)) is None:
             return
         log.info("%s promoted to replica %d generation %d", self.who, found.replica_id, found.generation)
         self.env = self.env.promoted(found.replica_id, found.generation)
         self._environ = spare.promoted_environ(self._environ, found)
         self._podinfo = None
         self.group.who = self.who
-        if self._periodic is not None:  # a check still running is stopped: the replica trains now
-            self._periodic.stop()
-            self._periodic = None
+        self._checks.promoted()
 
     # --- one attempt -----------------------------------------------------------------------
-    def _master(self, attempt: int) -> tuple[str, int] | None:
-        """MASTER_ADDR/PORT of this attempt's world; None if a signal came while waiting."""
-        if self.env.nnodes == 1:
-            return "127.0.0.1", free_port()
-        if self.env.node_rank == 0:
-            port = free_port("0.0.0.0")
-            info = RendezvousInfo(identity=self.identity(attempt), master_addr=self.env.advertise_addr,
-                                  master_port=port)
-            self.client.put_rendezvous(info)
-            return info.master_addr, port
-        log.info("%s node %d: waiting up to %gs for node 0 to publish the replica's address", self.who,
-                 self.env.node_rank, self.config.rendezvous_timeout_s)
-        found = self.client.get_rendezvous(self.identity(attempt), self.config.rendezvous_timeout_s,
-                                           stopped=lambda: self._signal is not None)
-        return (found.master_addr, found.master_port) if found is not None else None
-
     def _spawn(self, attempt: int) -> None:
         """Start this attempt's workers (none if a signal came first: `_watch` then returns)."""
-        master = self._master(attempt)
+        master = rendezvous.master_address(self.env, self.client, lambda: self.identity(attempt), self.who,
+                                           self.config.rendezvous_timeout_s, stopped=lambda: self._signal is not None)
         if master is None:
             return
         self._oom.mark()
@@ -203,8 +184,8 @@ class Launcher:
         return reason
 
     def _watch(self, attempt: int) -> tuple[str, str]:
-        """Wait for this attempt to end: ('ok'|'failed'|'script_error'|'superseded'|'signal'|'preflight',
-        reason)."""
+        """Wait for this attempt to end: (outcome, reason); outcome 'ok', 'failed', 'script_error',
+        'superseded', 'signal' or 'preflight'."""
         watch: StateWatch | None = None  # the coordinator's view of this replica (launch/state_watch.py)
         next_progress_poll = 0.0
         try:
@@ -213,10 +194,8 @@ class Launcher:
                     return "signal", f"received {signal.Signals(self._signal).name}"
                 if self._podinfo is not None:
                     self._promote_if_assigned()
-                if self._periodic is not None:
-                    failure = self._periodic.poll()
-                    if failure is not None:
-                        return "preflight", failure
+                if (failure := self._checks.poll_spare()) is not None:
+                    return "preflight", failure
                 ended = self._workers_ended(attempt)
                 if ended is not None:
                     return ended
@@ -272,15 +251,7 @@ class Launcher:
 
     # --- main loop ---------------------------------------------------------------------------
     def _oom_message(self) -> str:
-        advice = contract.oom_advice(self.who, self._oom_kills, self._oom.limit())
-        return f"{contract.OOM_KILLED}: {advice}"
-
-    def _backoff(self, seconds: float) -> bool:
-        """Sleep before a restart; False if a signal came meanwhile (nothing is started then)."""
-        deadline = time.monotonic() + seconds
-        while self._signal is None and time.monotonic() < deadline:
-            time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        return self._signal is None
+        return f"{contract.OOM_KILLED}: {contract.oom_advice(self.who, self._oom_kills, self._oom.limit())}"
 
     def _ended(self, attempt: int, outcome: str, reason: str) -> int | None:
         """The exit code once an attempt that did not succeed ends the launcher, else None
@@ -316,24 +287,11 @@ class Launcher:
         return None
 
     def _preflight_failed(self) -> int | None:
-        """Run the pre-flight checks (if any); the exit code if they failed or a signal came."""
-        if self._preflight is None:
-            return None
-        failure = preflight.run(self._preflight, self.env, self._environ, self._preflight_runs,
-                                stopped=lambda: self._signal is not None)
-        self._preflight_runs += 1
+        """Run the pre-flight checks, if any; the exit code if they failed or a signal came."""
+        failure = self._checks.run(self.env, self._environ, stopped=lambda: self._signal is not None)
         if self._signal is not None:
             return 128 + self._signal
-        if failure is not None:
-            return self._unfit(failure)
-        if self.env.is_spare and self._periodic is None:
-            self._periodic = preflight.Periodic(self._preflight, self.env, self._environ)
-        return None
-
-    def _unfit(self, failure: str) -> int:
-        log.error("%s: %s; this node is not fit to train", self.who, failure)
-        script_errors.write_termination_log(failure, self._environ)
-        return contract.EXIT_PREFLIGHT_FAILED
+        return None if failure is None else preflight.unfit(self.who, failure, self._environ)
 
     def run(self) -> int:
         def on_signal(signum, _frame):
@@ -368,17 +326,18 @@ class Launcher:
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
                 self.group.stop(signal.SIGKILL, 0.0)
                 if outcome == "preflight":  # a waiting spare's periodic check
-                    return self._unfit(reason)
+                    return preflight.unfit(self.who, reason, self._environ)
                 code = self._ended(attempt, outcome, reason)
                 if code is None and preflight.hardware_class(reason, codes):
                     code = self._preflight_failed()
                 if code is not None:
                     return code
                 attempt += 1
-                if not self._backoff(restart_delay_s(attempt, self.config.restart_backoff_s)):
+                if not backoff(restart_delay_s(attempt, self.config.restart_backoff_s), lambda: self._signal is None):
                     assert self._signal is not None
                     return 128 + self._signal
         finally:
+            self._checks.close()
             self.group.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
