@@ -95,7 +95,10 @@ def test_a_replica_key_speaks_for_its_own_replica_only(coord, keys):
     mine.heartbeat(HeartbeatRequest(identity=ident(1), step=0))
     assert mine.replica_state(ident(1)).state == "healthy"
     assert mine.progress().peer_step == 0 and set(mine.progress().model_dump()) == {
-        "peer_step", "last_checkpoint", "completed_step"}
+        "peer_step", "last_checkpoint", "completed_step", "peer_endpoint"}
+    # A peer's state server (not its own) for its pre-flight's link check: no identity in it.
+    assert mine.progress().peer_endpoint == "http://127.0.0.1/0/0"
+    assert other.progress().peer_endpoint == "http://127.0.0.1/1/0"
 
 
 @pytest.mark.parametrize("credential", [

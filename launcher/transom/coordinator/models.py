@@ -264,6 +264,9 @@ class JobProgress(_Msg):
     peer_step: int | None = Field(description="the newest step a healthy replica other than the caller reported")
     last_checkpoint: int | None = Field(description="the newest checkpoint a replica reported committed")
     completed_step: int | None = None
+    peer_endpoint: str | None = Field(
+        None, max_length=256,
+        description="that peer's state server (its rank 0's), for a new pod's link check (transom.check)")
 
 
 class FingerprintRecord(_Msg):

@@ -72,10 +72,11 @@ def training(m: Membership, now: float) -> dict:
 
 def progress(m: Membership, caller: int | None) -> JobProgress:
     """What replica `caller` (None: the job's token holder) needs when it starts."""
-    peers = [r.step for r in m.replicas.values()
-             if r.state == IncarnationState.HEALTHY and r.identity.replica_id != caller]
-    return JobProgress(peer_step=max(peers, default=None), completed_step=m.completed_step,
-                       last_checkpoint=m.last_checkpoint[0] if m.last_checkpoint else None)
+    peers = [r for r in m.replicas.values() if r.state == IncarnationState.HEALTHY and r.identity.replica_id != caller]
+    newest = max(peers, key=lambda r: (r.step, -r.identity.replica_id), default=None)
+    return JobProgress(peer_step=newest.step if newest else None, completed_step=m.completed_step,
+                       last_checkpoint=m.last_checkpoint[0] if m.last_checkpoint else None,
+                       peer_endpoint=newest.state_endpoints[0] if newest and newest.state_endpoints else None)
 
 
 def status(m: Membership, now: float) -> JobStatus:

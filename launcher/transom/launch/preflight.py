@@ -31,11 +31,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from transom import contract, defaults, script_errors, words
+from transom.coordinator.client import CoordinatorClient
 
 log = logging.getLogger("transom.launch")
 # Beyond the checks' own budget: the child's Python and torch imports, and its exit.
 START_MARGIN_S = 20.0
 POLL_S = 0.05
+PEER_LOOKUP_TIMEOUT_S = 2.0  # the link check's peer from the coordinator: skipped rather than waited for
 SIGBUS_EXIT = -signal.SIGBUS  # Popen's return code of a process the kernel killed with SIGBUS
 # What a coordinator's verdict that blames the node begins with (the launcher's reason says
 # "coordinator declared the replica failed: <reason>: ...").
@@ -79,21 +81,38 @@ def hardware_class(reason: str, codes: list[int | None]) -> bool:
     return SIGBUS_EXIT in codes or any(f"failed: {v}" in reason for v in NODE_VERDICTS)
 
 
-def command(spec: PreflightSpec, env: contract.ReplicaEnv, run_index: int) -> list[str]:
+def command(spec: PreflightSpec, env: contract.ReplicaEnv, run_index: int, peer_url: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "transom", "check", "--json", "--checks", ",".join(spec.checks),
            "--timeout", f"{spec.timeout_s:g}", "--nproc", str(env.nproc_per_node), "--run-index", str(run_index)]
     if env.checkpoint_uri:
         cmd += ["--checkpoint-uri", env.checkpoint_uri]
+    if peer_url:
+        cmd += ["--peer-url", peer_url]
     return cmd
+
+
+def peer_url(spec: PreflightSpec, env: contract.ReplicaEnv, client: CoordinatorClient | None) -> str | None:
+    """A healthy peer replica's state server for the link check, as the coordinator knows it
+    (GET /v1/progress); None for a spare (no replica yet to ask as), the job's first pods, or
+    a coordinator that does not answer at once (the check is then skipped, never failed: a
+    coordinator away is no fault of this node)."""
+    if "link" not in spec.checks or env.is_spare or client is None:
+        return None
+    try:
+        return client.progress(timeout_s=PEER_LOOKUP_TIMEOUT_S).peer_endpoint
+    except Exception as e:
+        log.info("pre-flight: no peer for the link check (%s)", e)
+        return None
 
 
 class Check:
     """One run of the checks in a child process of its own group; `poll()` until it answers."""
 
-    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], run_index: int):
+    def __init__(self, spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], run_index: int,
+                 peer: str | None = None):
         self.deadline = time.monotonic() + spec.timeout_s + START_MARGIN_S
         self.budget_s = spec.timeout_s
-        self.proc = subprocess.Popen(command(spec, env, run_index), env=dict(environ), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(command(spec, env, run_index, peer), env=dict(environ), stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
 
     def poll(self) -> tuple[bool, str | None]:
@@ -140,11 +159,11 @@ def _failure(code: int, out: str) -> str | None:
 
 
 def run(spec: PreflightSpec, env: contract.ReplicaEnv, environ: Mapping[str, str], run_index: int,
-        stopped: Callable[[], bool]) -> str | None:
+        stopped: Callable[[], bool], peer: str | None = None) -> str | None:
     """Run the checks and wait for them; the failure message, or None if they passed (or a
     signal stopped the wait: the launcher is going anyway)."""
     started = time.monotonic()
-    check = Check(spec, env, environ, run_index)
+    check = Check(spec, env, environ, run_index, peer)
     try:
         while not stopped():
             done, failure = check.poll()
@@ -192,8 +211,9 @@ class Periodic:
 class NodeChecks:
     """A launcher's pre-flights: `run` before an attempt, `poll_spare` while a spare waits."""
 
-    def __init__(self, environ: Mapping[str, str]):
+    def __init__(self, environ: Mapping[str, str], client: CoordinatorClient | None = None):
         self.spec = PreflightSpec.from_environ(environ)
+        self.client = client  # asked for a peer for the link check
         self.runs = 0
         self.periodic: Periodic | None = None
 
@@ -201,7 +221,7 @@ class NodeChecks:
         """The checks now (none without a spec); the failure message, or None."""
         if self.spec is None:
             return None
-        failure = run(self.spec, env, environ, self.runs, stopped)
+        failure = run(self.spec, env, environ, self.runs, stopped, peer_url(self.spec, env, self.client))
         self.runs += 1
         if failure is None and env.is_spare and self.periodic is None:
             self.periodic = Periodic(self.spec, env, environ, self.runs)

@@ -118,7 +118,7 @@ class Launcher:
         # The container's OOM-kill counter (launch/oom.py): how an OOM kill is told from a SIGKILL.
         self._oom = oom.Counter(oom.find())
         self._oom_kills = 0  # of this launcher's workers, all attempts
-        self._checks = preflight.NodeChecks(self._environ)  # ValueError: TRANSOM_PREFLIGHT is malformed
+        self._checks = preflight.NodeChecks(self._environ, self.client)  # ValueError: TRANSOM_PREFLIGHT is malformed
 
     @property
     def workers(self) -> list[subprocess.Popen]:
