@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_a_replica_whose_compute_check_fails_never_joins_and_the_job_trains_on(transom_run):
-    result = transom_run(["--replicas", "3", "--preflight", json.dumps({"checks": ["compute", "memory", "link", "node"]}),
+    checks = {"checks": ["compute", "memory", "link", "node"]}
+    result = transom_run(["--replicas", "3", "--preflight", json.dumps(checks),
                           "--inject", "corrupt:replica=1,step=0,phase=preflight"], ["--steps", "40"])
     assert_consistent_finish(result, 40, 3)
     assert "replica 1 launcher exited with 6 (PreflightFailed: compute: max relative error" in result.output, \
