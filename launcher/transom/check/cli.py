@@ -22,6 +22,9 @@ import time
 from transom import contract, defaults
 
 MAX_MEMORY_MB = 1 << 20  # a TiB: a larger budget is a typo
+# The memory check's default size: on the CPU it costs a loaded 2-core node seconds per
+# 256 MiB (benchmarks/preflight.py), time a replacement waits; a GPU writes 1 GiB in ms.
+CPU_MEMORY_MB, CUDA_MEMORY_MB = 64, 1024
 
 
 def check_names(text: str) -> tuple[str, ...]:
@@ -51,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       f"${contract.ENV_PEER_TOKEN}; unset: skipped)")
     p.add_argument("--nproc", type=between(1, 1024), default=1,
                    help="local processes of the collective check (default 1: skipped)")
-    p.add_argument("--memory-mb", type=between(0, MAX_MEMORY_MB), default=256,
-                   help="MiB the memory check writes and reads back (default 256)")
+    p.add_argument("--memory-mb", type=between(0, MAX_MEMORY_MB), default=None,
+                   help=f"MiB the memory check writes and reads back (default {CPU_MEMORY_MB} on the CPU, where "
+                        f"it shares the cores with whatever else the node runs, {CUDA_MEMORY_MB} on a GPU)")
     p.add_argument("--run-index", type=between(0, 1 << 30), default=0,
                    help="which pre-flight of its launcher this is (0 the first; a waiting spare's count up): "
                         "where the injected faults of phase preflight fire")
@@ -78,8 +82,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"transom check: {contract.ENV_FAULT}: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
+    device = resolve_device(args.device)
+    memory_mb = args.memory_mb if args.memory_mb is not None else CUDA_MEMORY_MB if device == "cuda" else CPU_MEMORY_MB
     context = CheckContext(
-        device=resolve_device(args.device), nproc=args.nproc, memory_bytes=args.memory_mb << 20, faults=faults,
+        device=device, nproc=args.nproc, memory_bytes=memory_mb << 20, faults=faults,
         run_index=args.run_index,
         checkpoint_uri=args.checkpoint_uri or os.environ.get(contract.ENV_CHECKPOINT_URI) or None,
         coordinator_url=os.environ.get(contract.ENV_COORDINATOR_URL) or None,
