@@ -214,6 +214,14 @@ class Preflight(ApiModel):
                     "promoted). 0: only when it starts.",
     )
 
+    @field_validator("checks")
+    @classmethod
+    def _each_check_once(cls, checks: list[str]) -> list[str]:
+        # The API server refuses duplicates of a list-type set itself ("Duplicate value").
+        if len(set(checks)) != len(checks):
+            raise ValueError("spec.preflight.checks names each check at most once")
+        return checks
+
 
 _DETECT = DetectionSettings()  # the defaults are the detectors' own (transom/detect/step_rows.py)
 

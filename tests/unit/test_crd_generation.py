@@ -320,6 +320,9 @@ MODEL_ERRORS = {
     "detection-slow-factor-not-above-one": "greater than or equal to 101",
     "detection-unknown-slow-action": "Input should be 'Replace', 'Report' or 'Rebalance'",
     "backend-unknown": "Input should be 'auto', 'gloo' or 'nccl'",
+    "preflight-check-unknown": "Input should be 'compute', 'memory', 'collective', 'link', 'storage' or 'node'",
+    "preflight-check-twice": "each check at most once",
+    "preflight-timeout-zero": "greater than or equal to 1",
     "name-too-long": "metadata.name must be at most 40 characters",
     "name-starts-with-digit": "metadata.name must start with a lowercase letter",
 }
