@@ -77,7 +77,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--nproc", type=int, default=1)
     args = p.parse_args()
-    walls, imports, per_check, loads = [], [], {}, []
+    walls: list[float] = []
+    imports: list[float] = []
+    loads: list[float] = []
+    per_check: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="transom-preflight-bench-") as checkpoint:
         for _ in range(args.rounds):
             imports.append(_torch_import_once())
