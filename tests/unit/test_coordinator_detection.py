@@ -148,8 +148,9 @@ def test_a_waiting_replicas_hang_report_blames_the_rank_it_waits_for():
     see as one). Replica 2's own counts show it behind, and it made no progress the coordinator
     saw for longer than half the hang timeout: the verdict, and the Replace, are replica 2's."""
     m, d = _hang_world()
-    rows = [SignalRow(step=100, rank=0, step_seconds=0.5), SignalRow(step=100, rank=1, step_seconds=12.0)]
-    found = post(d, 0, rows, now=12.0, stacks="--- rank 1 ---\nin wait",
+    # The watchdog's post: its hang row alone (its rank 0 will not report step 100: the step
+    # is judged without it).
+    found = post(d, 0, [SignalRow(step=100, rank=1, step_seconds=12.0)], now=12.0, stacks="--- rank 1 ---\nin wait",
                  collectives=[_counts(0, (31, 30), (41, 41)), _counts(1, (30, 30), (41, 40))])
     found += _judge_step_100(d, now=12.5)
     (v,) = found

@@ -170,6 +170,12 @@ class Detection:
                 if rep.state == IncarnationState.HEALTHY and rep.identity.replica_id != replica:
                     self.detectors.expect(rep.identity.replica_id, 0, first)
         verdicts = [self._act(v, now) for v in self.detectors.observe_all(signals)]
+        hung = [s.step for s in signals if s.step_seconds >= self.settings.hang_timeout_s]
+        if batch.stacks and hung:
+            # The watchdog's post is its incarnation's last: its other ranks will not report the
+            # step it hung in (they wait for the hung one), so that step is judged without them.
+            self.detectors.step_aside(replica, min(hung))
+            verdicts += [self._act(v, now) for v in self.detectors.observe_all([])]
         for slow, busy_over_others in self.detectors.take_updates().items():
             if self.settings.slow_action == DetectAction.REBALANCE:
                 self.membership.shares.balance(slow, busy_over_others)  # published by the next decision

@@ -146,7 +146,13 @@ class SignalForwarder:
 
     def _changed_counts(self) -> list[CollectiveCounts]:
         """The workers' collective counts that changed since the coordinator took them: a
-        healthy rank's change every step, a hung one's and those waiting for it stop."""
+        healthy rank's change every step, a hung one's and those waiting for it stop. None
+        before a worker reported its first row: the coordinator takes an incarnation's first
+        post as its start (coordinator/detection.py forgets the previous one's history, and
+        the detectors wait for its rows from the other replicas' step then), which must stay
+        its first row, as it was before counts travelled; a hang needs a row first anyway."""
+        if all(w.progress_at is None for w in self._workers.values()):
+            return []
         return [CollectiveCounts(rank=w.rank, group_id=w.counts.group_id, ftar_entered=w.counts.ftar_entered,
                                  ftar_completed=w.counts.ftar_completed, group_entered=w.counts.group_entered,
                                  group_completed=w.counts.group_completed)
