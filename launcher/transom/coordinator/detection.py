@@ -146,6 +146,7 @@ class Detection:
         if known != batch.identity.key():
             self.detectors.forget(replica)  # a new incarnation: new history (maybe new hardware)
             self.collectives.forget(replica)
+            self._culprits.pop(replica, None)  # a hang of the old one that was never judged
             self._incarnation[replica] = batch.identity.key()
             if known is not None:  # not merely new to a restarted coordinator, which kept its share
                 self._restore(replica, now, "restarted")
