@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from membership_world import qreq
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
-from transom.coordinator.models import Identity, RegisterRequest, SignalBatch, SignalRow
+from transom.coordinator.models import CollectiveCounts, Identity, RegisterRequest, SignalBatch, SignalRow
 from transom.detect.step_rows import DetectionSettings, post_interval
 from transom.errors import Evicted
 
@@ -107,3 +108,69 @@ def test_rows_of_ranks_a_replica_does_not_have_are_refused():
     d.observe(SignalBatch(identity=Identity(replica_id=0, generation=0, attempt=0), rows=rows), now=1.0)
     assert d.rows_refused == 4094
     assert {k for (r, k) in d.detectors._ranks_seen if r == 0} == {0, 1}
+
+
+# --- a hang's culprit (detect/hangs.py) ------------------------------------------------------------
+def _counts(rank: int, group: tuple[int, int], ftar: tuple[int, int]) -> CollectiveCounts:
+    return CollectiveCounts(rank=rank, group_id=0, ftar_entered=ftar[0], ftar_completed=ftar[1],
+                            group_entered=group[0], group_completed=group[1])
+
+
+def _hang_world() -> tuple[Membership, Detection]:
+    """Three replicas of two ranks in quorum 0; rank 1 of replica 2 never entered all-reduce
+    41, and its rank 0 waits for it in the vote; replica 1's rank 1 waits in the all-reduce.
+    All of it posted at t=1 (none of them moves after)."""
+    m, d = world(DetectionSettings(hang_timeout_s=10), ranks=2)
+    for r in range(3):
+        m.request_quorum(qreq(r, step=100), 0.0)
+    assert m.current is not None and m.current.member_ids() == [0, 1, 2]
+    post(d, 1, [], now=1.0, collectives=[_counts(0, (31, 30), (41, 41)), _counts(1, (30, 30), (41, 40))])
+    post(d, 2, [], now=1.0, collectives=[_counts(0, (31, 30), (41, 41)), _counts(1, (30, 30), (40, 40))])
+    return m, d
+
+
+def post(d: Detection, replica: int, rows: list[SignalRow], now: float, stacks: str | None = None,
+         collectives: list[CollectiveCounts] | None = None) -> list:
+    return d.observe(SignalBatch(identity=Identity(replica_id=replica, generation=0, attempt=0), rows=rows,
+                                 stacks=stacks, collectives=collectives or []), now=now)
+
+
+def _judge_step_100(d: Detection, now: float) -> list:
+    """The other replicas' rows of step 100 complete it (the hang's row is of step 100)."""
+    out = []
+    for r in (1, 2):
+        out += post(d, r, [SignalRow(step=100, rank=k, step_seconds=0.5) for k in (0, 1)], now=now)
+    return out
+
+
+def test_a_waiting_replicas_hang_report_blames_the_rank_it_waits_for():
+    """Replica 0's watchdog fired on its rank 1 (waiting in the all-reduce, in a wait it did not
+    see as one). Replica 2's own counts show it behind, and it made no progress the coordinator
+    saw for longer than half the hang timeout: the verdict, and the Replace, are replica 2's."""
+    m, d = _hang_world()
+    # The watchdog's post: its hang row alone (its rank 0 will not report step 100: the step
+    # is judged without it).
+    found = post(d, 0, [SignalRow(step=100, rank=1, step_seconds=12.0)], now=12.0, stacks="--- rank 1 ---\nin wait",
+                 collectives=[_counts(0, (31, 30), (41, 41)), _counts(1, (30, 30), (41, 40))])
+    found += _judge_step_100(d, now=12.5)
+    (v,) = found
+    assert (v.replica, v.rank, v.culprit_replica, v.culprit_rank) == (2, 1, 2, 1)
+    assert v.evidence is not None and "rank 1 of replica 2 entered 40 all-reduces of quorum 0" in v.evidence
+    assert m.replicas[2].state == "failed" and m.replicas[0].state == "healthy"
+    (entry,) = d.status_verdicts()
+    assert entry["replica"] == 2 and "stacks of replica 0:" in entry["message"]
+
+
+def test_a_lying_replicas_hang_report_blames_no_one_else():
+    """Replica 0 claims its rank 1 entered 1,000 all-reduces and waits: replicas 1 and 2 are
+    level (their own counts), so the verdict stays replica 0's, as the watchdog had it."""
+    m, d = _hang_world()
+    post(d, 2, [], now=1.0, collectives=[_counts(0, (31, 31), (41, 41)), _counts(1, (31, 31), (41, 41))])
+    post(d, 1, [], now=1.0, collectives=[_counts(0, (31, 31), (41, 41)), _counts(1, (31, 31), (41, 41))])
+    rows = [SignalRow(step=100, rank=0, step_seconds=0.5), SignalRow(step=100, rank=1, step_seconds=12.0)]
+    found = post(d, 0, rows, now=12.0, stacks="x",
+                 collectives=[_counts(1, (31, 31), (1000, 999))])
+    found += _judge_step_100(d, now=12.5)
+    (v,) = found
+    assert (v.replica, v.rank, v.culprit_replica, v.culprit_rank, v.evidence) == (0, 1, 0, 1, None)
+    assert m.replicas[2].state == m.replicas[1].state == "healthy" and m.replicas[0].state == "failed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from transom.collective_counts import CollectiveCounter
 from transom.coordinator.models import DuplicateDataFinding, Identity, SignalAnswer
 from transom.detect.step_rows import DetectionSettings, Signal, write_trace
 from transom.errors import CoordinatorError
@@ -126,3 +127,37 @@ def test_the_finding_that_replicas_train_on_the_same_data_is_logged_once(tmp_pat
             fw.poll(t)
     assert len(client.batches) == 3
     assert [r.getMessage() for r in caplog.records] == ["duplicate data: replicas 0 and 1 ..."]
+
+
+def test_collective_counts_go_with_the_posts_when_they_changed_and_all_with_a_hang(tmp_path):
+    """The workers' counts (transom/collective_counts.py) travel without rows too, once a row
+    has gone: a hung replica's ranks write no rows, and their counts are what name the rank a
+    hang waits for."""
+    client = FakeClient()
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings(hang_timeout_s=10))
+    counter = CollectiveCounter()
+    counter.attach(tmp_path / "collectives-r1-g2-a0-k0")
+    counter.new_group(3)
+    counter.ftar_entered()
+    fw.poll(99.0)  # no row yet: an incarnation's first post is its first row (coordinator/detection.py)
+    assert client.batches == []
+    write(tmp_path / FILE, rows(0, header=True))
+    fw.poll(100.0)
+    (batch,) = client.batches
+    assert [r.step for r in batch.rows] == [0]
+    assert [(c.rank, c.group_id, c.ftar_entered, c.ftar_completed) for c in batch.collectives] == [(0, 3, 1, 0)]
+    fw.poll(101.5)  # unchanged: no post
+    assert len(client.batches) == 1
+    counter.ftar_completed()
+    fw.poll(103.0)
+    assert client.batches[-1].rows == [] and [c.ftar_completed for c in client.batches[-1].collectives] == [1]
+    write(tmp_path / FILE, rows(1))
+    (tmp_path / "stacks-r1-g2-a0-k0.txt").write_text("Thread 1 (most recent call first):\n")
+    fw.poll(104.5)
+    assert client.batches[-1].collectives == []  # the row went alone: the counts did not change
+    hang = fw.poll(115.0)
+    assert hang is not None
+    fw.report_hang(hang, [])
+    last = client.batches[-1]
+    assert last.stacks and [c.ftar_completed for c in last.collectives] == [1]  # sent again, with the stacks
+    counter.detach()

@@ -20,6 +20,13 @@ Rows that carry an input digest are also compared across ranks and replicas
 launcher's log (the answer to its posts carries it). It is a warning and acts on no replica:
 one that lies about its inputs can raise it, never restart or exclude anyone.
 
+A hang verdict acts on the rank the hang waits for, where the ranks' collective counts
+(posted with the rows, `SignalBatch.collectives`) name one (detect/hangs.py): inside the
+replica whose watchdog fired, on its own word; in another replica only on that replica's own
+counts and the coordinator's own sight of its stall. The culprit is found when the watchdog's
+post arrives (by the time the detectors judge the step, the counts have moved on) and the
+verdict carries it (`culprit_replica`, `culprit_rank`, the evidence in its message).
+
 It also paces the launchers: each answer says how long to wait before the next post, so
 that all of them together post about `SIGNAL_POSTS_PER_S` times a second
 (transom/detect/step_rows.py `post_interval`, over the posters heard from lately).
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -47,6 +55,7 @@ from transom.coordinator.membership import Membership
 from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.duplicates import DuplicateInputs
+from transom.detect.hangs import CollectiveLedger, Culprit, RankCounts
 from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 from transom.errors import TooManyRequests
 from transom.words import REASONS, DetectAction, FailureKind, IncarnationState, VerdictKind
@@ -116,6 +125,11 @@ class Detection:
         self._incarnation: dict[int, tuple[int, int]] = {}  # replica -> (generation, attempt) last seen
         self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
         self._stacks: dict[int, str] = {}  # replica -> a hang's stacks, for its verdict
+        self.collectives = CollectiveLedger()  # the ranks' collective counts (detect/hangs.py)
+        # replica -> whom its hang waits for, found when its watchdog's post came (the counts
+        # move on, and the replica restarts, before the detectors judge the step), with the
+        # culprit's incarnation then
+        self._culprits: dict[int, tuple[Culprit, tuple[int, int]]] = {}
         self._status: dict[int, dict] = {}  # replica -> its verdict in status.training
         self._posters: dict[tuple[int, int], float] = {}  # (replica, node rank) -> when it last posted
         self._pruned_at = 0.0
@@ -131,11 +145,15 @@ class Detection:
         known = self._incarnation.get(replica)
         if known != batch.identity.key():
             self.detectors.forget(replica)  # a new incarnation: new history (maybe new hardware)
+            self.collectives.forget(replica)
+            self._culprits.pop(replica, None)  # a hang of the old one that was never judged
             self._incarnation[replica] = batch.identity.key()
             if known is not None:  # not merely new to a restarted coordinator, which kept its share
                 self._restore(replica, now, "restarted")
+        self._count_collectives(batch, len(rep.state_endpoints), now)
         if batch.stacks:
             self._stacks[replica] = batch.stacks
+            self._find_culprit(batch, now)
         signals = []
         for r in batch.rows:
             if r.rank >= len(rep.state_endpoints) or not claims.signal_step_ok(self.membership, replica, r.step):
@@ -152,9 +170,13 @@ class Detection:
             for rep in self.membership.replicas.values():
                 if rep.state == IncarnationState.HEALTHY and rep.identity.replica_id != replica:
                     self.detectors.expect(rep.identity.replica_id, 0, first)
-        verdicts = self.detectors.observe_all(signals)
-        for v in verdicts:
-            self._act(v, now)
+        verdicts = [self._act(v, now) for v in self.detectors.observe_all(signals)]
+        hung = [s.step for s in signals if s.step_seconds >= self.settings.hang_timeout_s]
+        if batch.stacks and hung:
+            # The watchdog's post is its incarnation's last: its other ranks will not report the
+            # step it hung in (they wait for the hung one), so that step is judged without them.
+            self.detectors.step_aside(replica, min(hung))
+            verdicts += [self._act(v, now) for v in self.detectors.observe_all([])]
         for slow, busy_over_others in self.detectors.take_updates().items():
             if self.settings.slow_action == DetectAction.REBALANCE:
                 self.membership.shares.balance(slow, busy_over_others)  # published by the next decision
@@ -208,11 +230,16 @@ class Detection:
         if self.membership.shares.restore(replica):
             self.membership.event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
 
-    def _act(self, v: Verdict, now: float) -> None:
+    def _act(self, v: Verdict, now: float) -> Verdict:
+        """Record and carry out `v`; returns it as acted on (a hang: on the rank it waits for)."""
         reason = REASONS[v.kind]
+        stacks = self._stacks.pop(v.replica, None) if v.kind == VerdictKind.HANG else None
+        accuser, incarnation = v.replica, None
+        if v.kind == VerdictKind.HANG:
+            v, incarnation = self._blamed(v)
         message = v.message
-        if v.kind == VerdictKind.HANG and v.replica in self._stacks:
-            message += "; stacks: " + self._stacks.pop(v.replica)
+        if stacks:  # the workers' of the replica whose watchdog fired
+            message += (f"; stacks of replica {accuser}: " if accuser != v.replica else "; stacks: ") + stacks
         message = message[:MAX_MESSAGE]
         self.verdicts_total[v.kind] += 1
         action = self.settings.action_for(v.kind)
@@ -221,9 +248,11 @@ class Detection:
         rep = m.replicas.get(v.replica)
         if action == DetectAction.REBALANCE:
             m.shares.slow(v.replica, v.slowdown)  # published by the next decision
-            return
+            return v
         if action != DetectAction.REPLACE or rep is None:
-            return
+            return v
+        if incarnation is not None and rep.identity.key() != incarnation:
+            return v  # the culprit was replaced since it was found: its new incarnation is not to blame
         entry = {"replica": v.replica, "generation": rep.identity.generation, "reason": reason,
                  "message": message, "blame": v.blame,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -232,6 +261,48 @@ class Detection:
         self._status[v.replica] = entry
         if rep.state == IncarnationState.HEALTHY:
             m.fail(rep, now, f"{reason}: {message}", FailureKind.DETECTED)
+        return v
+
+    # --- whom a hang waits for (detect/hangs.py) ---------------------------------------------
+    def _count_collectives(self, batch: SignalBatch, size: int, now: float) -> None:
+        """Take the poster's counts of its own ranks (a rank it has; the rest are refused)."""
+        replica = batch.identity.replica_id
+        for c in batch.collectives:
+            if c.rank >= size:
+                self.rows_refused += 1
+                continue
+            self._node_of.setdefault((replica, c.rank), batch.node_rank)
+            self.collectives.record(replica, RankCounts(rank=c.rank, group_id=c.group_id, ftar_entered=c.ftar_entered,
+                                                        ftar_completed=c.ftar_completed, group_entered=c.group_entered,
+                                                        group_completed=c.group_completed), now)
+
+    def _find_culprit(self, batch: SignalBatch, now: float) -> None:
+        """A watchdog's post (its stacks): find whom the hang waits for while the counts are
+        those of the hang. Across replicas, only a member of the current quorum that has not
+        asked for the open round and that the coordinator saw make no progress for half the
+        hang timeout may be named (detect/hangs.py says why that is evidence enough)."""
+        replica = batch.identity.replica_id
+        hung = [r.rank for r in batch.rows if r.step_seconds >= self.settings.hang_timeout_s]
+        current = self.membership.current
+        members = current.member_ids() if current is not None else []
+        culprit = self.collectives.blame(replica, hung[-1] if hung else None, members, now,
+                                         stall_s=self.settings.hang_timeout_s / 2, asked=self.membership.pending)
+        rep = self.membership.replicas.get(culprit.replica) if culprit is not None else None
+        if culprit is not None and rep is not None:
+            self._culprits[replica] = (culprit, rep.identity.key())
+
+    def _blamed(self, v: Verdict) -> tuple[Verdict, tuple[int, int] | None]:
+        """The hang verdict `v` (the watchdog's replica and rank) on the rank it waits for, where
+        the counts named one when the watchdog posted; else as it is, its own culprit."""
+        found = self._culprits.pop(v.replica, None)
+        if found is None:
+            return dataclasses.replace(v, culprit_replica=v.replica, culprit_rank=v.rank), None
+        c, incarnation = found
+        node = self._node_of.get((c.replica, c.rank))
+        evidence = c.evidence + (f"; on the node of pod {node}" if node is not None else "")
+        message = f"{v.message}; the hang waits for rank {c.rank} of replica {c.replica}: {evidence}"
+        return dataclasses.replace(v, replica=c.replica, rank=c.rank, culprit_replica=c.replica,
+                                   culprit_rank=c.rank, evidence=evidence, message=message), incarnation
 
     def status_verdicts(self) -> list[dict]:
         """status.training.verdicts: the newest Replace verdict of each replica."""

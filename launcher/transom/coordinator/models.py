@@ -100,6 +100,28 @@ class SignalRow(_Msg):
     input_digest: int | None = Field(None, ge=-(2**63), lt=2**63, description="of the input the rank trained on")
 
 
+MAX_COLLECTIVES = 2**62  # transom/collective_counts.py MAX_COUNT
+Collectives = Field(ge=0, le=MAX_COLLECTIVES)
+
+
+class CollectiveCounts(_Msg):
+    """One rank's collectives entered and completed (transom/collective_counts.py): the
+    evidence of who a hang waits for (transom/detect/hangs.py)."""
+
+    rank: int = Field(ge=0, lt=1 << 20)
+    group_id: int = Field(ge=-1, le=MAX_STEP, description="the quorum id of the cross-replica group counted")
+    ftar_entered: int = Collectives
+    ftar_completed: int = Collectives
+    group_entered: int = Collectives
+    group_completed: int = Collectives
+
+    @model_validator(mode="after")
+    def _completed_not_above_entered(self) -> CollectiveCounts:
+        if self.ftar_completed > self.ftar_entered or self.group_completed > self.group_entered:
+            raise ValueError("a rank cannot have completed more collectives than it entered")
+        return self
+
+
 class SignalBatch(_Msg):
     """A launcher's rows since its last batch (at most one batch a second), for its replica."""
 
@@ -107,6 +129,8 @@ class SignalBatch(_Msg):
     node_rank: int = Field(0, ge=0, lt=1 << 12)
     rows: list[SignalRow] = Field(max_length=4096)
     stacks: str | None = Field(None, max_length=16384, description="a hung worker's stacks (the hang watchdog)")
+    collectives: list[CollectiveCounts] = Field(
+        default_factory=list, max_length=1024, description="its workers' collective counts, when they changed")
 
 
 class DuplicateDataFinding(_Msg):

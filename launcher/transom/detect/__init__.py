@@ -11,6 +11,7 @@ trace) and in the tests:
 - sdc.py       silent data corruption: parameter fingerprints compared across replicas
 - duplicates.py replicas (or ranks) that train on identical inputs: input digests compared
 - detectors.py all of them over a stream of signals, step by step: `Detectors`, `Verdict`
+- hangs.py     whom a hang waits for: the ranks' counts of collectives entered and completed
 
 The decisions inside a step (a non-finite or spiking step is applied on no replica) are the
 trainer's (ft/guard.py); the hang watchdog is the launcher's (launch/watchdog.py).

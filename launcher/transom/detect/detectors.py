@@ -60,13 +60,21 @@ class Verdict:
     message: str
     reached_step: int = -1  # the step whose signals completed the evidence (detection delay)
     slowdown: float | None = None  # slow: how many times longer than predicted, relative to the others
+    # hang: the rank the hang waits for, where the collectives' counts name it (detect/hangs.py;
+    # `replica` and `rank` are then the same), and why they do; None: the watchdog's word stands
+    culprit_replica: int | None = None
+    culprit_rank: int | None = None
+    evidence: str | None = None
 
     @property
     def blame(self) -> str:
         return "Node" if self.kind in NODE_KINDS else "Replica"
 
     def summary(self) -> dict:
-        return {"replica": self.replica, "rank": self.rank, "kind": self.kind, "first_step": self.first_step}
+        out: dict = {"replica": self.replica, "rank": self.rank, "kind": self.kind, "first_step": self.first_step}
+        if self.culprit_replica is not None:
+            out.update(culprit_replica=self.culprit_replica, culprit_rank=self.culprit_rank, evidence=self.evidence)
+        return out
 
 
 class Detectors:

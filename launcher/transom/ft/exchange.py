@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from transom.collective_counts import COUNTER
 from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
 from transom.errors import NoQuorum
 from transom.ft.config import FTConfig
@@ -100,6 +101,8 @@ class Exchange:
         changed = self.groups.changed(q.store_prefix)
         error = self.groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
             if changed else None
+        if changed:  # a new group: every member counts its collectives from 0 (collective_counts.py)
+            COUNTER.new_group(q.quorum_id)
         self.recovery.serve(q, self._step)
         self.hooks.allreduce(self._step)
         recovering = self.ctx.replica_id in q.recovering

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from transom.collective_counts import COUNTER
 from transom.ft.process_group import CrossReplicaGroup
 
 log = logging.getLogger("transom.ft")
@@ -130,6 +131,7 @@ class StepAllReduce:
         try:
             # No local alias of the group: fail() must drop the only reference at once.
             assert self.group is not None
+            COUNTER.ftar_entered()  # a hang names the member that never entered it (detect/hangs.py)
             self._pending.append((grads, flat, self.group.allreduce_sum([flat])))
         except Exception as e:  # RuntimeError from Gloo/NCCL
             self.fail(f"{type(e).__name__}: {e}")
@@ -143,6 +145,7 @@ class StepAllReduce:
             assert self.group is not None
             for _, _, works in pending:
                 self.group.wait(works)
+                COUNTER.ftar_completed()
         except Exception as e:  # RuntimeError from Gloo/NCCL, TimeoutError from our wait
             self.fail(f"{type(e).__name__}: {e}")
             return
@@ -167,7 +170,9 @@ class StepAllReduce:
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         try:
             assert self.group is not None
+            COUNTER.ftar_entered()
             self.group.wait(self.group.allreduce_sum([flag]))
+            COUNTER.ftar_completed()
         except Exception as e:
             self.fail(f"{type(e).__name__}: {e}")
             return False

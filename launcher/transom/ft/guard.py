@@ -36,7 +36,9 @@ SIGUSR1: the launcher's hang watchdog asks for it before it restarts a hung repl
 keeps one byte in `waiting-...-k<rank>` set while the rank waits for others (its quorum, the
 exchange, the votes): a job paused below minReplicas, or a replica whose peer hangs, is
 waiting, not hung (each of those waits has its own timeout), and the watchdog does not count
-that time.
+that time. And it mirrors the process's collective counts (transom/collective_counts.py) into
+`collectives-...-k<rank>`, which the launcher forwards: at a hang they name the rank that never
+arrived (detect/hangs.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import TextIO
 
 import torch
 
+from transom.collective_counts import COUNTER
 from transom.detect.loss import LossHistory
 from transom.detect.step_rows import DetectionSettings, Signal, write_trace
 from transom.ft.ftar import NUM_FLAGS
@@ -110,6 +113,7 @@ class Guard:
                 self._waiting = mmap.mmap(fd, 1)
             finally:
                 os.close(fd)
+            COUNTER.attach(base / f"collectives-{name}")  # read by the launcher at a hang
 
     # --- during the step -----------------------------------------------------------------------
     def begin(self) -> None:
@@ -228,6 +232,7 @@ class Guard:
                             batch_share=batch_share, input_digest=input_digest)], self._file, header=False)
 
     def close(self) -> None:
+        COUNTER.detach()
         if self._waiting is not None:
             self._waiting.close()
             self._waiting = None

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from transom import script_errors
+from transom.collective_counts import COUNTER
 from transom.contract import ReplicaEnv
 from transom.ft import backend as placement
 
@@ -55,13 +56,17 @@ class ReplicaContext:
         return "0.0.0.0" if self.env.advertise_addr != "127.0.0.1" else "127.0.0.1"
 
     # Agreements between the ranks of the replica, over its control group. Every rank must
-    # call them in the same order; with one process they return their argument.
+    # call them in the same order; with one process they return their argument. Each is
+    # counted (entered, completed: transom/collective_counts.py): a rank that never arrives
+    # at one is named by its count (detect/hangs.py).
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order."""
         if self.ctrl_group is None:
             return [value]
         out: list[Any] = [None] * self.world_size
+        COUNTER.group_entered()
         dist.all_gather_object(out, value, group=self.ctrl_group)
+        COUNTER.group_completed()
         return out
 
     def from_leader(self, value: Any) -> Any:
@@ -69,7 +74,9 @@ class ReplicaContext:
         if self.ctrl_group is None:
             return value
         box = [value]
+        COUNTER.group_entered()
         dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+        COUNTER.group_completed()
         return box[0]
 
     def wait_for_promotion(self) -> None:
@@ -91,7 +98,9 @@ class ReplicaContext:
         if self.ctrl_group is None:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        COUNTER.group_entered()
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctrl_group)
+        COUNTER.group_completed()
         return bool(flag.item())
 
 

@@ -18,7 +18,10 @@ has a timeout of its own; a paused job or a hung peer's partner waits, it does n
 is hung. The launcher then has every worker write all its threads' stacks (SIGUSR1, which
 the workers' faulthandler answers), logs them, sends them to the coordinator with a row
 that says how long the rank made no progress (the detectors' `hang`), and restarts the
-replica like any failure.
+replica like any failure. With its posts go its workers' collective counts when they changed
+(transom/collective_counts.py), and all of them with the stacks: they tell the coordinator
+which rank the hang waits for (detect/hangs.py), which need not be the one the watchdog saw
+stop.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from transom import collective_counts
 from transom.coordinator.client import CoordinatorClient
-from transom.coordinator.models import Identity, SignalBatch, SignalRow
+from transom.coordinator.models import CollectiveCounts, Identity, SignalBatch, SignalRow
 from transom.detect.step_rows import (
     FORWARD_INTERVAL_S,
     MAX_FORWARD_INTERVAL_S,
@@ -66,6 +70,8 @@ class _Worker:
     def __post_init__(self) -> None:
         self.parser = TraceParser(COLUMNS)  # holds an unfinished last line until the rest comes
         self.skipped_reported = 0  # of parser.skipped, in a warning
+        self.counts: collective_counts.Counts | None = None  # its collectives, as last read
+        self.counts_sent: collective_counts.Counts | None = None  # as the coordinator last took them
 
 
 def _row(signal: Signal) -> SignalRow:
@@ -105,9 +111,11 @@ class SignalForwarder:
     def poll(self, now: float) -> Hang | None:
         for w in self._workers.values():
             self._read(w, now)
-        if now >= self._next_post and self._buffer:
-            self.flush()  # its answer may set the pace
-            self._next_post = now + self.interval_s
+        if now >= self._next_post:
+            self._read_counts()
+            if self._buffer or self._changed_counts():
+                self.flush()  # its answer may set the pace
+                self._next_post = now + self.interval_s
         return self._hung(now) if self.settings.enabled else None
 
     def _read(self, w: _Worker, now: float) -> None:
@@ -131,6 +139,24 @@ class SignalForwarder:
         if len(self._buffer) > MAX_BUFFERED_ROWS:
             self._dropped += len(self._buffer) - MAX_BUFFERED_ROWS
             del self._buffer[: len(self._buffer) - MAX_BUFFERED_ROWS]
+
+    def _read_counts(self) -> None:
+        for w in self._workers.values():
+            w.counts = collective_counts.read(self.dir / f"collectives-{self._name(w.rank)}") or w.counts
+
+    def _changed_counts(self) -> list[CollectiveCounts]:
+        """The workers' collective counts that changed since the coordinator took them: a
+        healthy rank's change every step, a hung one's and those waiting for it stop. None
+        before a worker reported its first row: the coordinator takes an incarnation's first
+        post as its start (coordinator/detection.py forgets the previous one's history, and
+        the detectors wait for its rows from the other replicas' step then), which must stay
+        its first row, as it was before counts travelled; a hang needs a row first anyway."""
+        if all(w.progress_at is None for w in self._workers.values()):
+            return []
+        return [CollectiveCounts(rank=w.rank, group_id=w.counts.group_id, ftar_entered=w.counts.ftar_entered,
+                                 ftar_completed=w.counts.ftar_completed, group_entered=w.counts.group_entered,
+                                 group_completed=w.counts.group_completed)
+                for w in self._workers.values() if w.counts is not None and w.counts != w.counts_sent]
 
     def _report_skipped(self, w: _Worker, now: float) -> None:
         new = w.parser.skipped - w.skipped_reported
@@ -161,11 +187,13 @@ class SignalForwarder:
         """Post what is buffered (and `stacks`); rows stay buffered if the coordinator is away
         or asks for them later (429), which an attempt's last flush waits out for `patience_s`."""
         deadline = time.monotonic() + patience_s
-        while self._buffer or stacks:
+        counts = self._changed_counts()
+        while self._buffer or stacks or counts:
             rows = self._buffer[:MAX_BATCH_ROWS]
             try:
                 asked = self.client.report_signals(SignalBatch(identity=self.identity, node_rank=self.node_rank,
-                                                               rows=rows, stacks=stacks), timeout_s=2.0)
+                                                               rows=rows, stacks=stacks, collectives=counts),
+                                                   timeout_s=2.0)
             except TooManyRequests:
                 if time.monotonic() + LATER_S > deadline:
                     return  # its pace: the rows go with the next post
@@ -176,12 +204,16 @@ class SignalForwarder:
                     log.warning("could not forward %d signal rows: %s", len(rows), e)
                     return
                 self._buffer.clear()  # this incarnation is over for the coordinator: nobody judges it
+                for w in self._workers.values():
+                    w.counts_sent = w.counts
                 return
             except Exception as e:  # training goes on; the detectors see the rows later
                 log.warning("could not forward %d signal rows: %s", len(rows), e)
                 return
             del self._buffer[: len(rows)]
-            stacks = None
+            stacks, counts = None, []
+            for w in self._workers.values():
+                w.counts_sent = w.counts
             self.interval_s = min(max(asked.next_post_s, FORWARD_INTERVAL_S), MAX_FORWARD_INTERVAL_S)
             if asked.duplicate_data is not None and not self._duplicate_logged:
                 log.warning("duplicate data: %s", asked.duplicate_data.message)
@@ -204,6 +236,9 @@ class SignalForwarder:
         log.error("replica %d rank %d made no progress for %.0fs after step %d; every worker's stacks:\n%s",
                   self.identity.replica_id, hang.rank, hang.stalled_s, hang.step - 1, stacks)
         self._buffer.append(SignalRow(step=hang.step, rank=hang.rank, step_seconds=round(hang.stalled_s, 3)))
+        self._read_counts()  # as they stand at the hang: they say whom it waits for (detect/hangs.py)
+        for worker in self._workers.values():
+            worker.counts_sent = None  # all of them, with the stacks
         self.flush(stacks=stacks[-MAX_STACKS_CHARS:], patience_s=LAST_FLUSH_PATIENCE_S)
         return stacks
 
