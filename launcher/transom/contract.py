@@ -131,6 +131,9 @@ EXIT_PREFLIGHT_FAILED = 6
 PREFLIGHT_FAILED = "PreflightFailed"  # the word that begins a failed pre-flight's message; the operator's reason
 # The checks, in the order they run; spec.preflight.checks takes a subset (the CRD's enum).
 PREFLIGHT_CHECKS = ("compute", "memory", "collective", "link", "storage", "node")
+# The checks of what lies beyond the node (a peer's state server, the checkpoint store): their
+# failure is logged but fails no pod, since an outage there would fail every node alike.
+REMOTE_CHECKS = ("link", "storage")
 # spec.preflight as the operator passes it to a pod, JSON: {"checks": [...],
 # "timeoutSeconds": N, "spareIntervalSeconds": M}. Unset: the launcher runs no checks.
 ENV_PREFLIGHT = "TRANSOM_PREFLIGHT"

@@ -200,7 +200,8 @@ class Preflight(ApiModel):
             "matmul against a reference computed another way), memory (a pattern written and read back), "
             "collective (an all-reduce among the pod's processes), link (a transfer from a peer replica), storage "
             "(the checkpoint location written and read), node (free disk, clock skew against the coordinator). A "
-            "pod that fails one exits with PreflightFailed: its node is excluded and the replica placed elsewhere. "
+            "pod that fails one of its node's own exits with PreflightFailed: its node is excluded and the replica "
+            "placed elsewhere (link and storage failures are only logged: an outage there is not the node's). "
             "Spares run them again every spareIntervalSeconds while they wait. []: none."
         ),
     )

@@ -53,3 +53,15 @@ def test_the_answer_becomes_the_termination_message():
     # No answer (a crash of the checks themselves) is a failure too, never a pass.
     assert preflight._failure(1, "Traceback ...").startswith("PreflightFailed: `transom check` exited 1")
     assert preflight._failure(0, "") is not None
+
+
+def test_a_store_or_a_peer_that_fails_is_told_but_fails_no_pod():
+    """A checkpoint store that is down would fail every new pod on every node: the node is
+    not to blame, so the launcher logs it and starts its workers."""
+    answer = {"passed": False, "checks": [
+        {"name": "compute", "passed": True, "message": "compute: ok"},
+        {"name": "storage", "passed": False, "message": "storage: s3://b/x: connection refused"},
+        {"name": "link", "passed": False, "message": "link: peer unreachable"}]}
+    assert preflight._failure(contract.EXIT_PREFLIGHT_FAILED, json.dumps(answer)) is None
+    answer["checks"][0] = {"name": "memory", "passed": False, "message": "memory: 3 wrong"}
+    assert preflight._failure(contract.EXIT_PREFLIGHT_FAILED, json.dumps(answer)) == "PreflightFailed: memory: 3 wrong"

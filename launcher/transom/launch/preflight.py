@@ -144,7 +144,11 @@ class Check:
 
 
 def _failure(code: int, out: str) -> str | None:
-    """The failure message of a finished `transom check --json`, None if every check passed."""
+    """The failure message of a finished `transom check --json`: None if every check of the
+    node itself passed. A failed check of what lies beyond the node (contract.REMOTE_CHECKS:
+    the checkpoint store, a peer) is logged and does not fail it: a store that is down or a
+    peer that died is no fault of this node, and failing every new pod for it would exclude
+    every node of the cluster. No answer at all (the checks crashed) is a failure."""
     try:
         answer = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
     except ValueError:
@@ -152,7 +156,14 @@ def _failure(code: int, out: str) -> str | None:
     if code == 0 and answer.get("passed") is True:
         return None
     failed = [c for c in answer.get("checks", []) if isinstance(c, dict) and not c.get("passed")]
-    said = "; ".join(str(c.get("message", c.get("name", "?")))[:300] for c in failed)
+    remote = [c for c in failed if c.get("name") in contract.REMOTE_CHECKS]
+    if remote:
+        log.warning("pre-flight: %s; training starts anyway: not this node's fault alone",
+                    "; ".join(str(c.get("message", c.get("name")))[:300] for c in remote))
+    own = [c for c in failed if c not in remote]
+    if failed and not own:
+        return None
+    said = "; ".join(str(c.get("message", c.get("name", "?")))[:300] for c in own)
     if not said:
         said = f"`transom check` exited {code} without an answer"
     return f"{contract.PREFLIGHT_FAILED}: {said}"[:1024]
