@@ -17,6 +17,7 @@ from transom_operator.api_base import (
     MAX_GENERATION,
     MAX_INT,
     MAX_NODES_PER_REPLICA,
+    MAX_RANKS_PER_REPLICA,
     MAX_REPLICAS,
     MAX_RESTARTS,
     MAX_STEP,
@@ -138,6 +139,13 @@ class Verdict(StatusModel):
     )
     node_rank: int | None = Field(
         None, ge=0, le=MAX_NODES_PER_REPLICA - 1, description="The pod (node rank) whose node is blamed.",
+    )
+    rank: int | None = Field(
+        None, ge=0, le=MAX_RANKS_PER_REPLICA - 1,
+        description=(
+            "The replica's rank to blame, where the evidence names one: for a Hang, the rank the others waited "
+            "for (it entered fewer collectives; the message gives the counts)."
+        ),
     )
     time: Timestamp | None = Field(None, description="When the verdict was reached.")
 

@@ -83,3 +83,20 @@ def test_nccl_inside_a_replica_with_one_rank_per_gpu(transom_run):
                          ["--steps", "40", "--device", "ctx", "--inner", "ddp"])
     assert result.returncode == 0, result.output[-3000:]
     assert result.summary["steps_committed"] >= 40
+
+
+def test_the_gpu_forms_of_the_preflight_checks_pass_and_a_corrupt_device_fails():
+    """`transom check --device cuda`: cuBLAS matmul, device and pinned memory, the clock and disk."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "transom", "check", "--json", "--device", "cuda", "--checks", "compute,memory,node"]
+    env = {k: v for k, v in os.environ.items() if k != "TRANSOM_FAULT"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and answer["passed"], done.stdout + done.stderr
+    bad = subprocess.run(cmd, env={**env, "TRANSOM_FAULT": "corrupt:step=0"}, capture_output=True, text=True,
+                         timeout=240)
+    assert bad.returncode == 6 and "compute: " in bad.stdout, bad.stdout + bad.stderr

@@ -10,6 +10,7 @@ from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import CollectiveCounts, Identity, RegisterRequest, SignalBatch, SignalRow
 from transom.detect.step_rows import DetectionSettings, post_interval
 from transom.errors import Evicted
+from transom_operator import api
 
 
 def world(settings: DetectionSettings, replicas: int = 3, step: int = 100,
@@ -158,7 +159,8 @@ def test_a_waiting_replicas_hang_report_blames_the_rank_it_waits_for():
     assert v.evidence is not None and "rank 1 of replica 2 entered 40 all-reduces of quorum 0" in v.evidence
     assert m.replicas[2].state == "failed" and m.replicas[0].state == "healthy"
     (entry,) = d.status_verdicts()
-    assert entry["replica"] == 2 and "stacks of replica 0:" in entry["message"]
+    assert entry["replica"] == 2 and entry["rank"] == 1 and "stacks of replica 0:" in entry["message"]
+    api.Verdict.model_validate(entry)  # what the CRD's status takes
 
 
 def test_a_lying_replicas_hang_report_blames_no_one_else():
@@ -174,3 +176,5 @@ def test_a_lying_replicas_hang_report_blames_no_one_else():
     (v,) = found
     assert (v.replica, v.rank, v.culprit_replica, v.culprit_rank, v.evidence) == (0, 1, 0, 1, None)
     assert m.replicas[2].state == m.replicas[1].state == "healthy" and m.replicas[0].state == "failed"
+    (entry,) = d.status_verdicts()
+    assert entry["replica"] == 0 and "rank" not in entry  # the watchdog's word: no evidence names a rank

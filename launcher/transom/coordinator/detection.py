@@ -258,6 +258,8 @@ class Detection:
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if v.blame == "Node":
             entry["nodeRank"] = self._node_of.get((v.replica, v.rank if v.rank is not None else 0), 0)
+        if v.culprit_rank is not None and v.evidence is not None:  # a hang's: the rank the others waited for
+            entry["rank"] = v.culprit_rank
         self._status[v.replica] = entry
         if rep.state == IncarnationState.HEALTHY:
             m.fail(rep, now, f"{reason}: {message}", FailureKind.DETECTED)
