@@ -105,6 +105,7 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
     rep.step = max(rep.step, req.step)
     if req.completed and m.completed_step is None:
         m.completed_step = req.step
+        m.goodput.finish(now)
         m.event(now, "completed", f"replica {rep.identity.replica_id} completed the job at step {req.step}")
     m.open.drop(rep.identity.replica_id)
     why = req.reason or ("completed" if req.completed else "no reason given")
