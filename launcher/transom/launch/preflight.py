@@ -112,8 +112,9 @@ class Check:
                  peer: str | None = None):
         self.deadline = time.monotonic() + spec.timeout_s + START_MARGIN_S
         self.budget_s = spec.timeout_s
+        # Its stderr is the launcher's (the pod's log): a check that crashes says why there.
         self.proc = subprocess.Popen(command(spec, env, run_index, peer), env=dict(environ), stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     start_new_session=True)
 
     def poll(self) -> tuple[bool, str | None]:
         """(done, failure message or None)."""
