@@ -27,16 +27,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"memory_bytes": 16 << 20}
 
 
-def _children() -> list[int]:
-    """Pids of this process's living children (zombies included: an unreaped child counts)."""
-    me, out = os.getpid(), []
+def _children() -> set[int]:
+    """Pids of this process's living children (zombies included: an unreaped child counts).
+    Compare before and after: in a whole test session this process has children of its own
+    (the test environment's control plane)."""
+    me, out = os.getpid(), set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[1]) == me:
-            out.append(int(stat.parent.name))
+            out.add(int(stat.parent.name))
     return out
 
 
@@ -89,6 +91,7 @@ def test_every_check_passes_on_the_cpu(tmp_path, coordinator_clock, peer):
     context = CheckContext(nproc=2, checkpoint_uri=str(tmp_path / "ckpt"), snapshot_bytes=1 << 20,
                            snapshot_dir=str(tmp_path), coordinator_url=coordinator_clock(), peer_url=peer,
                            peer_token="peer-secret", **SMALL)
+    before = _children()
     results = run_checks(context, timeout_s=60)
     assert [r.name for r in results] == list(contract.PREFLIGHT_CHECKS)
     assert all(r.passed and not r.skipped for r in results), [r.message for r in results]
@@ -100,7 +103,7 @@ def test_every_check_passes_on_the_cpu(tmp_path, coordinator_clock, peer):
     assert found["node"].value is not None and found["node"].value >= 1 << 20  # free bytes
     assert failure_message(results) is None
     assert json.loads(json.dumps([r.to_json() for r in results]))[0]["name"] == "compute"
-    assert _children() == []
+    assert _children() - before == set()
 
 
 def test_what_does_not_apply_is_skipped_and_counts_as_passed():
@@ -125,11 +128,11 @@ def test_an_injected_corrupt_fault_fails_compute_with_its_value():
 
 
 def test_a_collective_past_its_budget_times_out_and_leaves_no_process():
-    started = time.monotonic()
+    before, started = _children(), time.monotonic()
     [result] = run_checks(CheckContext(nproc=2), names=("collective",), timeout_s=0.5)
     assert not result.passed and "timed out after 0.5 s" in result.message
     assert time.monotonic() - started < 0.5 + collective_check.REAP_S
-    assert _children() == []
+    assert _children() - before == set()
 
 
 def test_a_check_past_its_budget_is_abandoned_and_the_rest_get_nothing():
