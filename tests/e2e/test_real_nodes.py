@@ -81,7 +81,7 @@ def test_job_on_real_nodes_survives_a_killed_worker_and_a_deleted_pod(control_pl
         assert summary["in_place_restarts"] >= 1
         assert seen.killed_pod_uid[0] == seen.killed_pod_uid[1]
         # The deleted pod's replica was replaced once, on the other node; nothing else was.
-        assert summary["replica_replacements"] == 1
+        assert summary["replica_replacements"] == 1, (seen.status.get("replicas"), seen.events)
         assert seen.replacement_node != seen.deleted_pod_node, (seen.deleted_pod_node, seen.replacement_node)
         replicas = {r["id"]: r for r in seen.status["replicas"]}
         assert (replicas[0]["generation"], replicas[1]["generation"], replicas[2]["generation"]) == (0, 1, 0)

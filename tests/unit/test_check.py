@@ -19,9 +19,10 @@ from threading import Thread
 import pytest
 
 from transom import contract, inject
-from transom.check import CheckContext, CheckResult, failure_message, run_checks
+from transom.check import CheckContext, CheckResult, failure_message, node, run_checks
 from transom.check import collective as collective_check
 from transom.ft.state_server import StateServer
+from transom.launch.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"memory_bytes": 16 << 20}
@@ -63,9 +64,9 @@ class _Clock(BaseHTTPRequestHandler):
 def coordinator_clock():
     servers = []
 
-    def start(offset_s: float = 0.0) -> str:
+    def start(offset_s: float = 0.0, port: int = 0) -> str:
         handler = type("Clock", (_Clock,), {"offset_s": offset_s})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler)
         Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}"
@@ -162,6 +163,24 @@ def test_node_fails_on_too_little_disk_and_on_a_skewed_clock(tmp_path, coordinat
     assert "clock skew <= 5 s" in skewed.message
     [fine] = run_checks(CheckContext(coordinator_url=coordinator_clock(offset_s=0.5)), names=("node",))
     assert fine.passed, fine.message
+
+
+def test_node_does_not_blame_itself_for_a_coordinator_that_does_not_answer(monkeypatch):
+    # A job's coordinator starts with its first pods: one not listening yet is not a bad node.
+    monkeypatch.setattr(node, "CLOCK_PATIENCE_S", 1.0)
+    began = time.monotonic()
+    [result] = run_checks(CheckContext(coordinator_url="http://127.0.0.1:9"), names=("node",))
+    assert result.passed and "clock not compared (coordinator http://127.0.0.1:9 did not answer)" in result.message
+    assert time.monotonic() - began < 5
+
+
+def test_node_reads_the_clock_of_a_coordinator_that_starts_late(coordinator_clock):
+    port = free_port()
+    late = Thread(target=lambda: (time.sleep(1.0), coordinator_clock(offset_s=60, port=port)), daemon=True)
+    late.start()
+    [skewed] = run_checks(CheckContext(coordinator_url=f"http://127.0.0.1:{port}"), names=("node",))
+    late.join()
+    assert not skewed.passed and "clock skew <= 5 s" in skewed.message
 
 
 def test_link_fails_with_the_wrong_token_or_no_peer(peer):

@@ -9,13 +9,19 @@ a resolution of one second. The request is bracketed by this node's clock (sent,
 the coordinator's clock read some moment in [Date, Date + 1 s) while this one read some
 moment in [sent, received], so the skew is the smallest difference those intervals allow
 (0 where they overlap): never more than the true skew, so only a real one fails.
-Skipped without a coordinator URL.
+Skipped without a coordinator URL. A coordinator that does not answer is not evidence
+against this node: it is created with the job's first pods and may still be starting (seen
+in CI: a pod's check ran before the coordinator listened, and the node was excluded), so the
+GET is retried for up to CLOCK_PATIENCE_S of the budget and, with no answer, the clock is
+reported as not compared and the check passes on its disk half.
 """
 
 from __future__ import annotations
 
 import email.utils
+import http.client
 import shutil
+import time
 
 from transom.check import http_probe
 from transom.check.context import Budget, CheckContext
@@ -27,6 +33,10 @@ NAME = "node"
 # issue and expiry times, and logs are read side by side: a skew of seconds misorders them.
 MAX_SKEW_S = 5.0
 PROBE_TIMEOUT_S = 5.0
+# How long the clock reading waits for a coordinator that is still starting, at most; the
+# rest of the budget is the other checks'.
+CLOCK_PATIENCE_S = 10.0
+RETRY_INTERVAL_S = 0.5
 
 
 def check(context: CheckContext, budget: Budget) -> CheckResult:
@@ -38,6 +48,9 @@ def check(context: CheckContext, budget: Budget) -> CheckResult:
     if context.coordinator_url is None:
         return measured(NAME, float(free), True, disk_expected, what + "; clock not compared (no coordinator)")
     skew = _clock_skew(context, budget)
+    if skew is None:
+        return measured(NAME, float(free), True, disk_expected,
+                        f"{what}; clock not compared (coordinator {context.coordinator_url} did not answer)")
     skew_expected = f"clock skew <= {MAX_SKEW_S:g} s"
     if skew > MAX_SKEW_S:
         return measured(NAME, skew, False, skew_expected,
@@ -46,12 +59,20 @@ def check(context: CheckContext, budget: Budget) -> CheckResult:
                     f"{what}; clock skew {skew:.1f} s (the least the coordinator's 1 s Date allows)")
 
 
-def _clock_skew(context: CheckContext, budget: Budget) -> float:
-    """The smallest skew between this clock and the coordinator's that one GET allows;
-    raises (a failed check) when the coordinator does not answer with a Date."""
+def _clock_skew(context: CheckContext, budget: Budget) -> float | None:
+    """The smallest skew between this clock and the coordinator's that one GET allows; None
+    when the coordinator cannot be reached in time. Raises (a failed check) when it answers
+    without a Date: that is a coordinator that misbehaves, not one still starting."""
     assert context.coordinator_url is not None
-    answer = http_probe.get(context.coordinator_url, "/healthz", context.token,
-                            min(PROBE_TIMEOUT_S, max(0.001, budget.left())))
+    give_up = time.monotonic() + min(CLOCK_PATIENCE_S, budget.left() / 2)
+    while True:
+        try:
+            answer = http_probe.get(context.coordinator_url, "/healthz", context.token,
+                                    min(PROBE_TIMEOUT_S, max(0.001, give_up - time.monotonic())))
+            break
+        except (OSError, http.client.HTTPException):  # refused, reset, timed out: not up yet, or not reachable
+            if time.monotonic() + RETRY_INTERVAL_S >= give_up or budget.stop.wait(RETRY_INTERVAL_S):
+                return None
     if answer.status != 200 or answer.date is None:
         raise ConnectionError(f"coordinator {context.coordinator_url} answered GET /healthz with {answer.status} "
                               f"and {'no' if answer.date is None else 'a'} Date header")
