@@ -212,7 +212,8 @@ class TrainingProgress(StatusModel):
         description=(
             "Each replica's share of the global batch, in percent of the nominal one (the index is the "
             "replica), while a slow replica is rebalanced (spec.detection.slowAction Rebalance); absent "
-            "when every replica has its nominal share."
+            "when every replica has its nominal share. A replica outside the quorum takes no samples and "
+            "shows 100, the share it takes when it rejoins."
         ),
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )

@@ -21,7 +21,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from membership_world import ident, qreq, round_all, started
+from membership_world import ident, make, qreq, register, round_all, started
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import CheckpointReport
 from transom.coordinator.server import CoordinatorServer
@@ -150,6 +150,20 @@ def test_batch_shares_are_exported_per_replica_while_rebalanced():
     round_all(m, [qreq(r, step=1, commit=d.quorum_id, last_round=d.round).model_copy(update={"follows_shares": True})
                   for r in (0, 1)], 1.0)
     assert shares() == {"0": pytest.approx(4 / 3, abs=1e-3), "1": pytest.approx(2 / 3, abs=1e-3)}
+
+
+def test_a_replica_outside_the_quorum_exports_no_batch_share():
+    m = make(3, min_replicas=2, startup_wait_s=0.0)  # replica 1 is not in: failed, or not started yet
+    for r in (0, 2):
+        register(m, r)
+    server = CoordinatorServer(Settings(job="t", num_replicas=3), token="t")
+    server.membership = m
+    m.shares.slow(0, 2.0)
+    round_all(m, [qreq(r).model_copy(update={"follows_shares": True}) for r in (0, 2)], 2.0)
+    text = generate_latest(server.lookups.registry).decode()
+    shares = {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "transom_coordinator_batch_share"}
+    assert shares == {"0": pytest.approx(2 / 3, abs=1e-3), "2": pytest.approx(4 / 3, abs=1e-3)}
 
 
 # --- PromQL ---------------------------------------------------------------------------------------

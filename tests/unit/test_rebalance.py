@@ -295,3 +295,20 @@ def test_a_held_vector_that_does_not_fit_the_job_is_not_adopted():
         QuorumRequest(identity=ident(0), step=1, commit_quorum_id=0, last_round=0, shares_held=[float("nan"), 1.0])
     with pytest.raises(ValueError):
         QuorumRequest(identity=ident(0), step=1, commit_quorum_id=0, last_round=0, shares_held=[-1.0, 3.0])
+
+
+def test_only_the_quorums_members_share_the_batch():
+    # Replica 1 is outside the quorum (failed, say) while replica 0 is 2x slow: the members'
+    # shares balance them and keep their two nominal batches; replica 1 has no say and no share.
+    assert share_vector({0: 2.0, 1: 3.0}, 3, members=[0, 2]) == [pytest.approx(2 / 3, abs=1e-4), 1.0,
+                                                                  pytest.approx(4 / 3, abs=1e-4)]
+    assert share_vector({1: 3.0}, 3, members=[0, 2]) is None  # only a non-member is slow: nothing to balance
+    m = make(3, min_replicas=2, startup_wait_s=0.0)  # replica 1 not in
+    for r in (0, 2):
+        register(m, r)
+    m.shares.slow(0, 2.0)
+    decision = round_all(m, [QuorumRequest(identity=ident(r), step=0, commit_quorum_id=-1, last_round=-1,
+                                           follows_shares=True) for r in (0, 2)], now=1.0)
+    assert decision.shares == pytest.approx((2 / 3, 1.0, 4 / 3), abs=1e-3)
+    counts = samples_per_rank(list(decision.shares), 6, 3)
+    assert counts[0] + counts[2] == 2 * 6 and counts[0] * 2 == counts[2]  # equal time, the members' batch kept

@@ -288,7 +288,7 @@ class Membership:
             held = newest_held({i: (ready[i].shares_held, ready[i].shares_held_from) for i in p.ids})
             if held is not None and self.shares.adopt(*held):
                 self.event(now, "rebalance", f"kept from before the restart, from step {held[1]}: {describe(held[0])}")
-        if self.shares.publish(all(ready[i].follows_shares for i in p.ids), p.max_step):
+        if self.shares.publish(all(ready[i].follows_shares for i in p.ids), p.max_step, p.ids):
             self.event(now, "rebalance", f"from step {p.max_step + 1}: {describe(self.shares.published)}")
 
     def _record(self, decision: Decision, now: float) -> None:

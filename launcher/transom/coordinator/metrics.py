@@ -62,7 +62,8 @@ class MembershipCollector:
                               "A replica's share of the global batch (1 nominal), while Rebalance is in force",
                               labels=["replica"])
         for replica, share in enumerate(m.shares.published or []):
-            g.add_metric([str(replica)], share)
+            if m.shares.members is None or replica in m.shares.members:  # one outside takes no samples
+                g.add_metric([str(replica)], share)
         yield g
         yield from self._progress(m)
 

@@ -9,15 +9,17 @@ all finish together, instead of replacing it:
 - **Policy** (`SharePolicy`, the coordinator's). A `slow` verdict says how much longer the
   replica takes than its workload predicts, relative to the others (`factor`, at most
   `MAX_SLOWNESS` counted). Shares are proportional to speed (1/factor; 1 for the others)
-  and sum to the number of replicas, so the global batch keeps its size: with three
-  replicas and one 1.5x slow, 0.75 / 1.125 / 1.125, and a step takes 1.125x instead of
-  1.5x. The first measure can be off (where replicas share CPUs or a link, or where part
-  of a step does not shrink with the batch), so while the replica is rebalanced the
-  detector reports its busy time over the others' every `slowSteps` steps, and the
-  estimate is multiplied by the square root of it (1 when the share balances it; the root
-  damps the swings of a noisy measure), within `MAX_ADJUSTMENT` of the verdict's measure
-  either way. The share returns to 1
-  when the detector sees the replica at normal speed again for `slowSteps` steps, or when
+  among the round's members and sum to their number, so their part of the global batch
+  keeps its size: with three replicas and one 1.5x slow, 0.75 / 1.125 / 1.125, and a step
+  takes 1.125x instead of 1.5x. A replica outside the quorum (failed, catching up from
+  outside) takes no samples and has no say in the others' shares: its entry is the nominal
+  1.0, which it takes at the step it rejoins, until the first decision with it as a member.
+  The first measure can be off (where replicas share CPUs or a link, or where part of a
+  step does not shrink with the batch), so while the replica is rebalanced the detector
+  reports its busy time over the others' every `slowSteps` steps, and the estimate is
+  multiplied by the square root of it (1 when the share balances it; the root damps the
+  swings of a noisy measure), within `MAX_ADJUSTMENT` of the verdict's measure either way.
+  The share returns to 1 when the detector sees the replica at normal speed again for `slowSteps` steps, or when
   the replica is restarted or replaced (a new incarnation, maybe new hardware).
 - **Schedule** (`ShareSchedule`, each replica's). A new vector is published in a round's
   decision and applies from the step after that round's, so every member knows it before
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 MAX_SLOWNESS = 4.0  # a replica slower than this is given the share of one this slow (replace it instead)
@@ -44,14 +47,17 @@ MAX_ADJUSTMENT = 1.5
 CHANGE = 0.02  # shares that differ by less than this are not worth a new schedule
 
 
-def share_vector(slowness: dict[int, float], replicas: int) -> list[float] | None:
-    """Each replica's share of the global batch (1.0 the nominal one; they sum to `replicas`),
-    or None when every replica has the nominal share."""
-    speeds = [1.0 / min(max(slowness.get(r, 1.0), 1.0), MAX_SLOWNESS) for r in range(replicas)]
-    if all(s == 1.0 for s in speeds):
+def share_vector(slowness: dict[int, float], replicas: int,
+                 members: Collection[int] | None = None) -> list[float] | None:
+    """Each replica's share of the global batch (1.0 the nominal one), or None when every
+    member has the nominal share. The `members`' shares (all replicas' if None) sum to their
+    number; a replica outside them gets 1.0, so that the vector always sums to `replicas`."""
+    inside = sorted(set(range(replicas) if members is None else members) & set(range(replicas)))
+    speeds = {r: 1.0 / min(max(slowness.get(r, 1.0), 1.0), MAX_SLOWNESS) for r in inside}
+    if all(s == 1.0 for s in speeds.values()):
         return None
-    total = sum(speeds)
-    return [round(replicas * s / total, 4) for s in speeds]
+    total = sum(speeds.values())
+    return [round(len(inside) * speeds[r] / total, 4) if r in speeds else 1.0 for r in range(replicas)]
 
 
 def samples_per_rank(shares: list[float] | None, batch: int, replicas: int) -> list[int]:
@@ -112,6 +118,7 @@ class SharePolicy:
     measured: dict[int, float] = field(default_factory=dict)  # the verdict's slowdown
     published: list[float] | None = None  # the vector in the latest decision
     published_from: int = 0  # ... applies from this step
+    members: tuple[int, ...] | None = None  # the latest round's members (None: all replicas)
 
     def slow(self, replica: int, factor: float | None) -> bool:
         """A `slow` verdict with Rebalance; True if the wanted shares changed."""
@@ -136,7 +143,7 @@ class SharePolicy:
         return self.slowness.pop(replica, None) is not None
 
     def wanted(self) -> list[float] | None:
-        return share_vector(self.slowness, self.replicas)
+        return share_vector(self.slowness, self.replicas, self.members)
 
     def adopt(self, vector: list[float] | None, start: int, holders: list[int]) -> bool:
         """A restarted coordinator carries on with the schedule the replicas hold: `vector`
@@ -155,10 +162,12 @@ class SharePolicy:
         self.published, self.published_from = vector, start
         return True
 
-    def publish(self, all_follow: bool, step: int) -> bool:
-        """The vector for a round decided at `step` (applied from step + 1). Only when every
-        member takes its batches from the schedule (trainer.batches): a replica with its own
-        data loop would be weighted for samples it did not take. True if it changed."""
+    def publish(self, all_follow: bool, step: int, members: Collection[int] | None = None) -> bool:
+        """The vector for a round of `members` (None: all replicas) decided at `step` (applied
+        from step + 1). Only when every member takes its batches from the schedule
+        (trainer.batches): a replica with its own data loop would be weighted for samples it
+        did not take. True if it changed."""
+        self.members = None if members is None else tuple(sorted(members))
         want = self.wanted() if all_follow else None
         if want is not None and self.published is not None and \
                 max(abs(a - b) for a, b in zip(want, self.published)) < CHANGE:
