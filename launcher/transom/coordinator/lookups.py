@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transom.coordinator.server import CoordinatorServer
 
 MAX_RANK = 1 << 20  # ranks a fingerprint may be asked for
+READY_LOCK_S = 1.0  # /readyz: longer than this waiting for the state, and the coordinator is not ready
 
 
 class Lookups:
@@ -47,6 +48,7 @@ class Lookups:
         r.add_get("/v1/status", self._status)
         r.add_get("/metrics", self._metrics)
         r.add_get("/healthz", self._healthz)
+        r.add_get("/readyz", self._readyz)
 
     def states_changed(self) -> None:
         """Wake the replica-state long-polls: some incarnation's state may have changed."""
@@ -122,4 +124,19 @@ class Lookups:
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     async def _healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the event loop answers (the kubelet restarts a coordinator that does not)."""
         return web.Response(text="ok")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        """Readiness: the coordinator can do its work now, its round ticker running and its
+        state free within READY_LOCK_S; otherwise 503 with why (the Service stops sending
+        it calls it would only queue, and `kubectl describe` says so)."""
+        if not self.server.ticking():
+            return web.Response(status=503, text="the round ticker is not running")
+        try:
+            async with asyncio.timeout(READY_LOCK_S):
+                await self.server.lock.acquire()
+        except TimeoutError:
+            return web.Response(status=503, text=f"the coordinator's state stayed busy for {READY_LOCK_S:g} s")
+        self.server.lock.release()
+        return web.Response(text="ready")

@@ -47,6 +47,11 @@ class MembershipCollector:
         g = GaugeMetricFamily("transom_coordinator_paused", "1 while fewer than minReplicas are ready")
         g.add_metric([], 1 if m.paused else 0)
         yield g
+        # Alerts on a job that does not progress leave a finished one alone (its coordinator
+        # stays for inspection, its step still).
+        g = GaugeMetricFamily("transom_coordinator_completed", "1 once the job has trained to its last step")
+        g.add_metric([], 1 if m.completed_step is not None else 0)
+        yield g
         c = CounterMetricFamily("transom_coordinator_quorum_changes", "Quorums formed with new membership")
         c.add_metric([], m.quorum_changes_total)
         yield c

@@ -29,7 +29,8 @@ Endpoints (bearer token required on everything under /v1/):
     GET  /v1/fingerprints/{step}/{rank} -> FingerprintRecord (a joiner checks its snapshot)
     GET  /v1/status              -> JobStatus (the job token only: it names every replica's incarnation)
     GET  /metrics                Prometheus text (no token: it holds no secrets)
-    GET  /healthz
+    GET  /healthz                liveness: the event loop answers
+    GET  /readyz                 readiness: the round ticker runs and the state is free within 1 s
 
 Who may say what (coordinator/identity.py): every call under /v1/ carries a credential that
 names its caller, and a call about another replica than the caller's own is refused (403).
@@ -298,6 +299,10 @@ class CoordinatorServer:
                 self._status_writer.run(self.training, self._status_due))
         log.info("coordinator for job %s listening on %s:%d", self.settings.job, host, self.port)
         return self.port
+
+    def ticking(self) -> bool:
+        """Whether the round ticker runs (started, not stopped, not crashed)."""
+        return self._tick_task is not None and not self._tick_task.done()
 
     def training(self) -> dict:
         """status.training: the membership's progress, the detectors' verdicts, the finding
