@@ -80,7 +80,7 @@ demo: install
 
 # Leaves the test environment running (`kubectl get tj -A`, then `hack/testenv.sh down`).
 e2e-demo: install testenv
-	$(PY) hack/e2e_demo.py --metrics-out e2e-demo.metrics.jsonl
+	$(PY) hack/e2e_demo.py --panels-out e2e-demo.panels.json
 
 CHAOS_SCENARIOS ?=
 chaos: install testenv

@@ -1,7 +1,7 @@
 """`make e2e-demo`: a TrainingJob trains in containers on real kubelets and survives a
 killed worker process and a deleted pod.
 
-    .venv/bin/python hack/e2e_demo.py [--keep] [--metrics-out FILE]
+    .venv/bin/python hack/e2e_demo.py [--keep] [--panels-out FILE]
 
 It brings up the test environment with two real nodes (hack/testenv.sh up --real-nodes 2),
 installs the operator with the chart as a user would (`helm install`), applies
@@ -9,14 +9,15 @@ examples/trainingjob-cpu.yaml (with the test image: `use_test_image`), and while
 SIGKILLs one worker process inside replica 0's container (the launcher restarts it in
 place), deletes replica 1's pod (the operator replaces that replica, preferably on the
 other node), and lets the job finish. It prints `kubectl get tj` as it goes and ends with
-a summary whose last line is one JSON object. The e2e test (tests/e2e/test_real_nodes.py)
-runs the same `Scenario` and asserts on what it saw.
+a summary whose last line is one JSON object. Then it reads every dashboard panel over the
+run from the test environment's Prometheus (as Grafana would, hack/prom_panels.py) and the
+alerts that fired; `--panels-out` keeps those series for hack/render_dashboard.py. The e2e
+test (tests/e2e/test_real_nodes.py) runs the same `Scenario` and asserts on what it saw.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -24,7 +25,6 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "hack"))
 
-from testenv import addons, cluster, images, realnodes  # noqa: E402
+import prom_panels  # noqa: E402
+from testenv import addons, cluster, images, prometheus, realnodes  # noqa: E402
 from testenv.tools import Tool, kube_tools  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "trainingjob-cpu.yaml"
@@ -80,33 +81,6 @@ def _stage_checkout(checkout: Path) -> Path:
     return staged
 
 
-class MetricsRecorder:
-    """Scrapes the operator's and the coordinator's /metrics once a second through the API
-    server's service proxy, as JSON lines {"t", "source", "text"} (hack/render_dashboard.py)."""
-
-    def __init__(self, kubectl: Tool, out: Path, sources: dict[str, str]):
-        self.kubectl, self.out, self.sources = kubectl, out, sources
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-recorder", daemon=True)
-
-    def __enter__(self) -> MetricsRecorder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def _run(self) -> None:
-        with open(self.out, "a") as f:
-            while not self._stop.wait(1.0):
-                for source, path in self.sources.items():
-                    r = self.kubectl("get", "--raw", path, check=False, timeout_s=5)
-                    if r.returncode == 0:
-                        f.write(json.dumps({"t": time.time(), "source": source, "text": r.stdout}) + "\n")
-                f.flush()
-
-
 @dataclass
 class Observed:
     """What the scenario saw; the summary and the test's assertions read it."""
@@ -130,6 +104,8 @@ class Observed:
     events: list[str] = field(default_factory=list)
     checkpoint_keys: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    panels_with_data: list[str] = field(default_factory=list)  # dashboard panels Prometheus had data for
+    alerts_fired: list[str] = field(default_factory=list)  # alerts firing for the job's namespace
 
     def summary(self) -> dict:
         training = self.status.get("training") or {}
@@ -146,6 +122,9 @@ class Observed:
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,
             "seconds": round(self.seconds, 1),
+            "prometheus_panels_with_data": len(self.panels_with_data),
+            "prometheus_panels": len(prom_panels.dashboard.PANELS),
+            "alerts_fired": self.alerts_fired,
         }
 
 
@@ -165,11 +144,11 @@ def _worker_pids(pod_uid: str) -> list[int]:
 
 class Scenario:
     def __init__(self, env: cluster.Env, namespace: str, log=print, kubectl: Tool | None = None,
-                 helm: Tool | None = None, metrics_out: Path | None = None):
+                 helm: Tool | None = None, panels_out: Path | None = None):
         self.env, self.ns, self.log = env, namespace, log
         tools = kube_tools(env)
         self.kubectl, self.helm = kubectl or tools.kubectl, helm or tools.helm
-        self.metrics_out = metrics_out
+        self.panels_out = panels_out
         self.manifest = use_test_image(yaml.safe_load(EXAMPLE.read_text()))
         self.job = self.manifest["metadata"]["name"]
         self.seen = Observed(namespace=namespace, job=self.job)
@@ -285,26 +264,37 @@ class Scenario:
         self.prepare_storage()
         self.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(self.manifest))
         self.log(f"applied {EXAMPLE.relative_to(ROOT)} in namespace {self.ns}")
-        recorder = MetricsRecorder(self.kubectl, self.metrics_out, self.metrics_paths) if self.metrics_out \
-            else contextlib.nullcontext()
-        with recorder:
-            self.wait(f"step {STEP_BEFORE_KILL} with 3/3 replicas",
-                      lambda: (s := self.job_status()).get("healthyReplicas") == 3
-                      and ((s.get("training") or {}).get("step") or 0) >= STEP_BEFORE_KILL, 240)
-            pods = self.worker_pods()
-            self.seen.untouched_pod = pods[2]["metadata"]["name"]
-            uids = (pods[0]["metadata"]["uid"], pods[2]["metadata"]["uid"])
-            self.kill_a_worker()
-            self.wait(f"step {STEP_BEFORE_DELETE}", lambda: self.step() >= STEP_BEFORE_DELETE, 180)
-            self.delete_a_pod()
-            final = self.wait("the job Succeeded or Failed",
-                              lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s,
-                              JOB_TIMEOUT_S)
+        started = time.time()
+        self.wait(f"step {STEP_BEFORE_KILL} with 3/3 replicas",
+                  lambda: (s := self.job_status()).get("healthyReplicas") == 3
+                  and ((s.get("training") or {}).get("step") or 0) >= STEP_BEFORE_KILL, 240)
+        pods = self.worker_pods()
+        self.seen.untouched_pod = pods[2]["metadata"]["name"]
+        uids = (pods[0]["metadata"]["uid"], pods[2]["metadata"]["uid"])
+        self.kill_a_worker()
+        self.wait(f"step {STEP_BEFORE_DELETE}", lambda: self.step() >= STEP_BEFORE_DELETE, 180)
+        self.delete_a_pod()
+        final = self.wait("the job Succeeded or Failed",
+                          lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s,
+                          JOB_TIMEOUT_S)
         self.seen.status = final
         self.log(self.kubectl("get", "tj", "-n", self.ns).stdout.rstrip())
         self._after(uids)
+        self.read_prometheus(started)
         self.seen.seconds = time.monotonic() - t0
         return self.seen
+
+    def read_prometheus(self, start: float) -> None:
+        """The dashboard's panels over the run and the alerts that fired, from Prometheus, once
+        it has scraped the last values and evaluated its rules on them."""
+        time.sleep(3 * prom_panels.dashboard.parse_duration(prometheus.SCRAPE_INTERVAL))
+        end = time.time()
+        panels = prom_panels.panel_series(self.kubectl, self.ns, self.job, start, end)
+        self.seen.panels_with_data = [title for title, series in panels.items() if any(p for _, p in series)]
+        self.seen.alerts_fired = sorted(prom_panels.fired(self.kubectl, self.ns, start, end))
+        if self.panels_out is not None:
+            self.panels_out.write_text(json.dumps({"title": f"{self.ns}/{self.job}", "start": start, "end": end,
+                                                   "panels": panels}))
 
     def _after(self, uids: tuple[str, str]) -> None:
         listed = self.get("pods", "-n", self.ns, "-l", f"transom.io/job={self.job}")["items"]
@@ -325,7 +315,8 @@ class Scenario:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--namespace", default="e2e-demo")
-    p.add_argument("--metrics-out", type=Path, default=ROOT / "e2e-demo.metrics.jsonl")
+    p.add_argument("--panels-out", type=Path, default=ROOT / "e2e-demo.panels.json",
+                   help="the dashboard's series from Prometheus, for hack/render_dashboard.py")
     p.add_argument("--keep", action="store_true", help="leave the job and the test environment running")
     args = p.parse_args()
     with cluster.session_lock(60):  # not under a running test session
@@ -337,8 +328,8 @@ def main() -> int:
         tools = kube_tools(env)
         tools.kubectl("delete", "namespace", args.namespace, "--ignore-not-found", "--timeout=90s", timeout_s=100)
         tools.kubectl("create", "namespace", args.namespace)
-        args.metrics_out.unlink(missing_ok=True)
-        seen = Scenario(env, args.namespace, metrics_out=args.metrics_out).run()
+        args.panels_out.unlink(missing_ok=True)
+        seen = Scenario(env, args.namespace, panels_out=args.panels_out).run()
         if not args.keep:  # the job first, while the operator still runs to remove its finalizer
             tools.kubectl("delete", "namespace", args.namespace, "--timeout=120s", check=False, timeout_s=130)
             tools.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,

@@ -29,8 +29,9 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 GO_MIN = (1, 25)
 COREDNS_VERSION = "v1.14.7"
-# What a cluster admin checks a chart and its alerts with: promtool (`check rules`, `test
-# rules`, `check metrics`) from Prometheus's Go module, and kube-score.
+# What a cluster admin watches and checks a chart with: Prometheus (the test environment's
+# monitoring, testenv/prometheus.py) and promtool (`check rules`, `test rules`, `check
+# metrics`) from Prometheus's Go module, and kube-score.
 PROMETHEUS_VERSION = "v0.316.0"
 KUBE_SCORE_VERSION = "v1.20.0"
 K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
@@ -247,7 +248,7 @@ def lint_tool(name: str) -> Path:
 
 def binaries(real_nodes: bool = False) -> dict[str, Path]:
     """Paths of every tool `up` needs; MissingTool if one was not built yet."""
-    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns")}
+    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns", "prometheus")}
     missing = [n for n, p in paths.items() if not p.exists()]
     if real_nodes:
         paths.update({name: Path(path) for name, path in NODE_TOOLS.items()})
@@ -271,6 +272,7 @@ def build() -> dict[str, Path]:
     node_packages()
     go_install(go, f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", "kwok")
     go_install(go, f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", "helm")
+    go_install(go, f"github.com/prometheus/prometheus/cmd/prometheus@{PROMETHEUS_VERSION}", "prometheus")
     go_install(go, f"github.com/prometheus/prometheus/cmd/promtool@{PROMETHEUS_VERSION}", "promtool")
     go_install(go, f"github.com/zegl/kube-score/cmd/kube-score@{KUBE_SCORE_VERSION}", "kube-score")
     write_kwok_stages(go)

@@ -44,6 +44,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 PAUSE_IMAGE = "transom.local/pause:3.10"
 COREDNS_IMAGE = f"transom.local/coredns:{build.COREDNS_VERSION}"
+PROMETHEUS_IMAGE = f"transom.local/prometheus:{build.PROMETHEUS_VERSION}"
 # The chart's default image (values.yaml image.repository, tag = appVersion = this version).
 OPERATOR_REPOSITORY = "ghcr.io/transom-io/transom-operator"
 OPERATOR_IMAGE = f"{OPERATOR_REPOSITORY}:{PROJECT['version']}"
@@ -303,7 +304,15 @@ def pause_rootfs() -> tuple[Rootfs, dict]:
 
 
 def coredns_binary() -> Path:
-    path = build.bin_dir() / "coredns"
+    return _built("coredns")
+
+
+def prometheus_binary() -> Path:
+    return _built("prometheus")
+
+
+def _built(name: str) -> Path:
+    path = build.bin_dir() / name
     if not path.exists():
         raise build.MissingTool(f"{path} is not built yet: run `hack/testenv.sh build`")
     return path
@@ -320,6 +329,15 @@ def coredns_rootfs() -> tuple[Rootfs, dict]:
     fs.dir("etc")  # the kubelet mounts the Corefile's ConfigMap and resolv.conf here
     fs.dir("tmp", 0o1777)
     return fs, {"User": str(NONROOT), "Entrypoint": ["/coredns"]}
+
+
+def prometheus_rootfs() -> tuple[Rootfs, dict]:
+    fs = Rootfs()
+    fs.file("bin/prometheus", source=prometheus_binary(), mode=0o755)
+    for name in ("etc", "prometheus"):  # the configuration's ConfigMap and the TSDB's emptyDir
+        fs.dir(name)
+    fs.dir("tmp", 0o1777)
+    return fs, {"User": str(NONROOT), "Entrypoint": ["/bin/prometheus"]}
 
 
 def trainer_rootfs() -> tuple[Rootfs, dict]:
@@ -368,6 +386,7 @@ def _recipes() -> list[_Recipe]:
         _Recipe(PAUSE_IMAGE, "pause", lambda: [PAUSE_SOURCE.read_bytes()], pause_rootfs),
         # CoreDNS is 50 MB: its size and mtime stand for its contents.
         _Recipe(COREDNS_IMAGE, "coredns", lambda: _size_and_mtime(coredns_binary()), coredns_rootfs),
+        _Recipe(PROMETHEUS_IMAGE, "prometheus", lambda: _size_and_mtime(prometheus_binary()), prometheus_rootfs),
         _Recipe(OPERATOR_IMAGE, "operator", _operator_inputs, operator_rootfs),
         _Recipe(TRAINER_TEST_IMAGE, "trainer-hostvenv", lambda: [str(project_venv().path)], trainer_rootfs),
     ]

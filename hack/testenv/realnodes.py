@@ -3,7 +3,7 @@
 Order matters both ways. Up: record the host's state, create the namespaces, start the
 forwarder (so kubelets reach the API server and the API server reaches them), then per
 node containerd (images imported), kubelet and kube-proxy, then the cluster add-ons
-(`kubernetes` endpoints, CoreDNS, the S3 Service). Down: delete the pods while the
+(`kubernetes` endpoints, CoreDNS, the S3 Service, Prometheus). Down: delete the pods while the
 kubelets still run (so the CNI plugin and the volume manager undo their work), stop the
 processes, kill what is left in the nodes' cgroups and namespaces, unmount, delete the
 namespaces and cgroups, and put back the host's sysctls and paths.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from testenv import addons, build, certs, hostguard, images, network, nodes
+from testenv import addons, build, certs, hostguard, images, network, nodes, prometheus
 
 SERVICES_IP = network.SERVICES_IP
 S3_URL_IN_CLUSTER = addons.S3_URL_IN_CLUSTER
@@ -105,6 +105,9 @@ def up(d: Path, tools: dict, ca: certs.CA, count: int, api_port: int, s3_port: i
     apply(addons.coredns(images.COREDNS_IMAGE, replicas=min(2, count)))
     wait("CoreDNS ready", lambda: _ok(kubectl, "wait", "-n", "kube-system", "--for=condition=Available",
                                       "deployment/coredns", "--timeout=1s"), 90)
+    apply(prometheus.manifests(images.PROMETHEUS_IMAGE))
+    wait("Prometheus ready", lambda: _ok(kubectl, "wait", "-n", prometheus.NAMESPACE, "--for=condition=Available",
+                                         f"deployment/{prometheus.NAME}", "--timeout=1s"), 90)
     return [n.name for n in nets]
 
 

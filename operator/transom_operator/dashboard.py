@@ -3,17 +3,15 @@
     python -m transom_operator.dashboard           write charts/transom/dashboards/transom.json
     python -m transom_operator.dashboard --check   exit 1 with a diff if the committed file differs
 
-Each panel's queries are small `Query` values, not PromQL strings, so that the same
-definition yields both the PromQL the dashboard runs (`promql`) and a Python evaluation
-of the same series from recorded scrapes (`evaluate`; hack/render_dashboard.py draws a
-PNG with it from what an e2e run recorded). The evaluator follows PromQL's semantics,
-rate's extrapolation to the window's edges included, at the recording's scrape times.
+Each panel's queries are small `Query` values, not PromQL strings, so that the PromQL the
+dashboard runs (`promql`) is built one way for every panel, and the tests can reason about
+what each panel reads. The picture in the docs is drawn from a real Prometheus's answers to
+these same queries over an e2e run (hack/prom_panels.py, hack/render_dashboard.py).
 
 Coordinator series carry no job label of their own: the target labels Prometheus adds
 (`namespace`, and `service` = `<job>-coordinator` when a ServiceMonitor scrapes the
 coordinator Services) tell the jobs apart, so the dashboard's `namespace` and `job`
-variables select on those. A recording holds one job's coordinator and none of the
-target labels, so the evaluator ignores those selectors.
+variables select on those.
 """
 
 from __future__ import annotations
@@ -21,17 +19,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import math
 import re
-import statistics
 import sys
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = Path("charts") / "transom" / "dashboards" / "transom.json"
@@ -238,148 +231,6 @@ def dashboard_json() -> dict:
 
 def render() -> str:
     return json.dumps(dashboard_json(), indent=2, sort_keys=True) + "\n"
-
-
-# --- evaluation from recorded scrapes -------------------------------------------------------
-
-Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs
-Series = dict[str, list[tuple[float, float]]]  # legend -> (unix time, value) points
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """One recorded /metrics scrape: sample name -> label set -> value."""
-
-    t: float
-    source: Source
-    samples: dict[str, dict[Labels, float]]
-
-
-def parse_scrape(record: dict) -> Scrape:
-    """A recording line `{"t": unix seconds, "source": "operator"|"coordinator", "text": exposition}`."""
-    if record.get("source") not in ("operator", "coordinator"):
-        raise ValueError(f"a scrape's source must be operator or coordinator, got {record.get('source')!r}")
-    samples: dict[str, dict[Labels, float]] = defaultdict(dict)
-    for family in text_string_to_metric_families(record["text"]):
-        for s in family.samples:
-            samples[s.name][tuple(sorted(s.labels.items()))] = float(s.value)
-    return Scrape(t=float(record["t"]), source=record["source"], samples=dict(samples))
-
-
-def load_recording(lines: Iterable[str]) -> list[Scrape]:
-    """The scrapes of a JSON-lines recording, oldest first (blank lines skipped)."""
-    return sorted((parse_scrape(json.loads(line)) for line in lines if line.strip()), key=lambda s: s.t)
-
-
-def default_rate_window(scrapes: list[Scrape]) -> float:
-    """Like Grafana's $__rate_interval at its floor: four scrape intervals (60 s if unknown)."""
-    gaps = [b.t - a.t for a, b in zip(scrapes, scrapes[1:]) if b.t > a.t]
-    return 4 * statistics.median(gaps) if gaps else 60.0
-
-
-def _increase(points: list[tuple[float, float]], start: float, end: float) -> float | None:
-    """A counter's increase over the window (start, end], extrapolated as PromQL's
-    increase() does: towards the start no further than the counter's zero, then to each
-    edge within 1.1 sample intervals of the samples (half an interval if further)."""
-    if len(points) < 2 or points[-1][0] <= points[0][0]:
-        return None
-    # A drop is a counter reset: the counter restarted from zero.
-    result = sum(v1 - v0 if v1 >= v0 else v1 for (_, v0), (_, v1) in zip(points, points[1:]))
-    sampled = points[-1][0] - points[0][0]
-    average = sampled / (len(points) - 1)
-    to_start, to_end = points[0][0] - start, end - points[-1][0]
-    if result > 0 and points[0][1] >= 0:
-        to_start = min(to_start, sampled * points[0][1] / result)
-    if to_start >= 1.1 * average:
-        to_start = average / 2
-    if to_end >= 1.1 * average:
-        to_end = average / 2
-    return result * (sampled + to_start + to_end) / sampled
-
-
-def _slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope, as PromQL's deriv()."""
-    if len(points) < 2:
-        return None
-    mt = sum(t for t, _ in points) / len(points)
-    mv = sum(v for _, v in points) / len(points)
-    var = sum((t - mt) ** 2 for t, _ in points)
-    return sum((t - mt) * (v - mv) for t, v in points) / var if var > 0 else None
-
-
-def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
-    """PromQL's histogram_quantile over (upper bound, cumulative count) buckets."""
-    buckets = sorted(buckets)
-    if len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
-        return math.nan
-    rank = q * buckets[-1][1]
-    b = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
-    if b == len(buckets) - 1:
-        return buckets[-2][0]
-    upper, count = buckets[b]
-    lower, below = buckets[b - 1] if b > 0 else (0.0, 0.0)
-    if b == 0 and upper <= 0:
-        return upper
-    return lower + (upper - lower) * (rank - below) / (count - below) if count > below else upper
-
-
-def _per_series(q: Query, scrapes: list[Scrape], i: int, window: float) -> dict[Labels, float]:
-    """The value of every series of the query's sample at scrape i, before aggregation."""
-    now = scrapes[i].samples.get(q.sample_names[0], {})
-    if q.kind in ("gauge", "age"):
-        return dict(now)
-    recent = [s for s in scrapes[: i + 1] if s.t > scrapes[i].t - window]
-    out = {}
-    for labels in now:
-        points = [(s.t, s.samples[q.sample_names[0]][labels]) for s in recent
-                  if labels in s.samples.get(q.sample_names[0], {})]
-        if q.kind == "deriv":
-            value = _slope(points)
-        else:
-            value = _increase(points, scrapes[i].t - window, scrapes[i].t)
-            if value is not None and q.kind != "increase":
-                value /= window
-        if value is not None:
-            out[labels] = value
-    return out
-
-
-def _aggregate(q: Query, t: float, values: dict[Labels, float]) -> dict[tuple[str, ...], float]:
-    """Group by the query's own labels (a recording has no target labels) and aggregate."""
-    groups: dict[tuple[str, ...], list[tuple[dict, float]]] = defaultdict(list)
-    for labels, value in values.items():
-        d = dict(labels)
-        groups[tuple(d.get(label, "") for label in q.by)].append((d, value))
-    out = {}
-    for key, members in groups.items():
-        if q.kind == "quantile":
-            per_le: dict[float, float] = defaultdict(float)  # sum by (le): operator pods add up
-            for d, v in members:
-                per_le[float(d["le"])] += v
-            assert q.quantile is not None  # Query.__post_init__ ties it to the kind
-            out[key] = bucket_quantile(q.quantile, list(per_le.items()))
-        else:
-            vals = [v for _, v in members]
-            out[key] = sum(vals) if q.agg == "sum" else max(vals)
-            if q.kind == "age":
-                out[key] = t - out[key]
-    return out
-
-
-def evaluate(q: Query, scrapes: list[Scrape], rate_window_s: float | None = None) -> Series:
-    """The query's series at every scrape of its source; `rate_window_s` stands for
-    $__rate_interval (default: four scrape intervals)."""
-    mine = [s for s in scrapes if s.source == q.source]
-    if q.window != RATE_INTERVAL:
-        window = parse_duration(q.window)
-    else:
-        window = rate_window_s if rate_window_s is not None else default_rate_window(mine)
-    out: Series = defaultdict(list)
-    for i, scrape in enumerate(mine):
-        for key, value in _aggregate(q, scrape.t, _per_series(q, mine, i, window)).items():
-            if math.isfinite(value):
-                out[" ".join(([q.name] if q.name else []) + list(key)) or "value"].append((scrape.t, value))
-    return dict(sorted(out.items()))
 
 
 # --- command line -----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A TrainingJob on real kubelets: it trains in containers, survives a SIGKILLed worker
 process (restarted in place by the launcher) and a deleted pod (its replica replaced by the
 operator, on the other node), and finishes; status, Events, metrics and the checkpoint in
-S3 show it, and nothing it started is left running.
+S3 show it, and so does the test environment's Prometheus (every dashboard panel has data,
+the restart-loop alert fires); nothing it started is left running.
 
 The scenario is hack/e2e_demo.py's (what `make e2e-demo` runs); the operator is installed
 with the chart by `helm install`, and the job is examples/trainingjob-cpu.yaml with the test
@@ -19,13 +20,9 @@ import yaml
 from e2e_demo import EXAMPLE, OPERATOR_NAMESPACE, Scenario, use_test_image
 from kube_helpers import wait_for
 from transom.checkpoint import layout
-from transom_operator import reasons
+from transom_operator import dashboard, reasons
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _sources(recording: Path) -> set[str]:
-    return {json.loads(line)["source"] for line in recording.read_text().splitlines() if line.strip()}
 
 
 def _transom_processes() -> list[str]:
@@ -60,13 +57,37 @@ def test_example_manifest_is_applied_unchanged_but_for_the_image():
         {k: v for k, v in orig_pod.items() if k not in ("containers", "volumes")}
 
 
+def _metrics_and_prometheus_show_it(scenario: Scenario, seen, panels: Path, steps: int) -> None:
+    # Metrics as Prometheus would scrape them, through the Services (the operator counts
+    # the job Succeeded once its pass after the status write ends: a moment later).
+    operator = wait_for(lambda: (m := scenario.scrape("operator"))['transom_operator_jobs{state="Succeeded"}'] == 1
+                        and m, 30, "the operator's jobs gauge showing the job Succeeded")
+    assert isinstance(operator, dict)
+    assert operator['transom_operator_replica_failures_total{reason="PodDeleted"}'] == 1
+    assert operator["transom_operator_replacements_total"] == 1
+    assert operator["transom_operator_replacement_seconds_count"] == 1
+    # The test environment's Prometheus, configured from the chart's ServiceMonitors, had
+    # data for every panel of the dashboard but the batch shares (no Rebalance here), and
+    # the chart's restart-loop alert fired (rendered at two failures: the kill, the delete).
+    titles = [p.title for p in dashboard.PANELS]
+    assert seen.panels_with_data == [t for t in titles if t != "Batch share by replica"], seen.panels_with_data
+    assert seen.summary()["prometheus_panels"] == len(titles) == seen.summary()["prometheus_panels_with_data"] + 1
+    assert "TransomReplicaRestartLoop" in seen.alerts_fired, seen.alerts_fired
+    assert set(json.loads(panels.read_text())["panels"]) == set(titles)  # what the docs picture is drawn from
+    coordinator = scenario.scrape("coordinator")
+    assert coordinator["transom_coordinator_step"] == steps
+    assert coordinator['transom_coordinator_replica_failures_total{reason="reported"}'] >= 1  # the kill
+    assert coordinator["transom_coordinator_last_checkpoint_step"] == steps
+    assert 0 < coordinator["transom_coordinator_checkpoint_stall_seconds"] < 5
+
+
 def test_job_on_real_nodes_survives_a_killed_worker_and_a_deleted_pod(control_plane, kube, namespace, tmp_path):
     if len(control_plane.real_nodes) < 2:
         pytest.fail("this test needs the test environment's real nodes: `hack/testenv.sh down`, then let the "
                     "tests start it (or `hack/testenv.sh up --real-nodes 2`)", pytrace=False)
-    recording = tmp_path / "metrics.jsonl"
+    panels = tmp_path / "panels.json"
     scenario = Scenario(control_plane, namespace, log=lambda line: print(line, flush=True),
-                        kubectl=kube.kubectl, helm=kube.helm, metrics_out=recording)
+                        kubectl=kube.kubectl, helm=kube.helm, panels_out=panels)
     try:
         seen = scenario.run()
         summary = seen.summary()
@@ -98,19 +119,7 @@ def test_job_on_real_nodes_survives_a_killed_worker_and_a_deleted_pod(control_pl
         manifest = f"{layout.step_dir(last)}/{layout.MANIFEST}"
         assert any(k.endswith(manifest) for k in seen.checkpoint_keys), seen.checkpoint_keys[:20]
 
-        # Metrics as Prometheus would scrape them, through the Services (the operator counts
-        # the job Succeeded once its pass after the status write ends: a moment later).
-        operator = wait_for(lambda: (m := scenario.scrape("operator"))['transom_operator_jobs{state="Succeeded"}'] == 1
-                            and m, 30, "the operator's jobs gauge showing the job Succeeded")
-        assert operator['transom_operator_replica_failures_total{reason="PodDeleted"}'] == 1
-        assert operator["transom_operator_replacements_total"] == 1
-        assert operator["transom_operator_replacement_seconds_count"] == 1
-        assert _sources(recording) == {"operator", "coordinator"}  # what the dashboard's picture is drawn from
-        coordinator = scenario.scrape("coordinator")
-        assert coordinator["transom_coordinator_step"] == steps
-        assert coordinator['transom_coordinator_replica_failures_total{reason="reported"}'] >= 1  # the kill
-        assert coordinator["transom_coordinator_last_checkpoint_step"] == last
-        assert 0 < coordinator["transom_coordinator_checkpoint_stall_seconds"] < 5
+        _metrics_and_prometheus_show_it(scenario, seen, panels, steps)
     finally:
         kube.kubectl("delete", "tj", "--all", "-n", namespace, "--timeout=60s", check=False, timeout_s=70)
         kube.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,

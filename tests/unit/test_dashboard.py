@@ -2,16 +2,16 @@
 
 The committed JSON must equal the generator's output (as the CRDs must); every metric a
 panel reads must be one the operator or the coordinator really exports (asked of their
-registries, not parsed from source); the Python evaluator must compute what the PromQL
-would on a small synthetic recording; `helm template` must ship the same JSON only when
-enabled; and hack/render_dashboard.py must turn a recording into a PNG.
+registries, not parsed from source); Grafana's variables and macros are substituted as
+Grafana does for the real Prometheus of the e2e run (hack/prom_panels.py); `helm template`
+must ship the same JSON only when enabled; and hack/render_dashboard.py must turn a run's
+panels into a PNG.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "transom"
 sys.path.insert(0, str(ROOT / "hack"))
 
+import prom_panels  # noqa: E402
 from testenv import build  # noqa: E402
 
 
@@ -195,104 +196,22 @@ def test_durations():
             dashboard.parse_duration(bad)
 
 
-# --- the evaluator ----------------------------------------------------------------------------------
+# --- as Grafana sends it, and series names ----------------------------------------------------------
 
-def coordinator_scrape(t: float, step: int, healthy: int, reported: int, checkpoint_time: float | None = None) -> dict:
-    lines = ["# TYPE transom_coordinator_step gauge", f"transom_coordinator_step {step}",
-             "# TYPE transom_coordinator_healthy_replicas gauge", f"transom_coordinator_healthy_replicas {healthy}",
-             "# TYPE transom_coordinator_replica_failures counter",
-             f'transom_coordinator_replica_failures_total{{reason="reported"}} {reported}',
-             'transom_coordinator_replica_failures_total{reason="heartbeat"} 0',
-             "# TYPE transom_coordinator_goodput gauge",
-             "# TYPE transom_coordinator_last_checkpoint_timestamp_seconds gauge"]
-    if checkpoint_time is not None:
-        lines.append(f"transom_coordinator_last_checkpoint_timestamp_seconds {checkpoint_time}")
-    return {"t": t, "source": "coordinator", "text": "\n".join(lines) + "\n"}
+def test_grafana_variables_and_macros_are_substituted_as_grafana_does():
+    expr = dashboard.promql(query_of("Replica failures by reason"))
+    sent = prom_panels.grafana_expr(expr, "ml", "tiny", step_s=5)
+    # $__rate_interval: max($__interval + scrape interval, 4 x scrape interval), scrape every 5 s.
+    assert sent == 'sum by (namespace, service, reason) (increase(transom_coordinator_replica_failures_total' \
+                   '{namespace=~"ml", service=~"(tiny)-coordinator"}[20s]))'
+    assert "[65s]" in prom_panels.grafana_expr(expr, "ml", "tiny", step_s=60)  # a coarse step widens it
+    assert "$" not in "".join(prom_panels.grafana_expr(dashboard.promql(q), "ml", "tiny") for q in queries())
 
 
-def operator_scrape(t: float, buckets: dict[str, int]) -> dict:
-    lines = ["# TYPE transom_operator_replacement_seconds histogram"]
-    lines += [f'transom_operator_replacement_seconds_bucket{{le="{le}"}} {n}' for le, n in buckets.items()]
-    lines += [f"transom_operator_replacement_seconds_count {buckets['+Inf']}",
-              "transom_operator_replacement_seconds_sum 0"]
-    return {"t": t, "source": "operator", "text": "\n".join(lines) + "\n"}
-
-
-T0 = 1_700_000_000.0
-
-
-def recording() -> list[dict]:
-    """100 s of a job: 2 steps/s, a replica lost at 50 s, a checkpoint at 30 s; one replacement."""
-    out = []
-    for k in range(11):
-        t = T0 + 10 * k
-        out.append(coordinator_scrape(t, step=20 * k, healthy=3 if k < 5 else 2, reported=0 if k < 5 else 1,
-                                      checkpoint_time=T0 + 30 if k >= 3 else None))
-        done = k >= 6
-        out.append(operator_scrape(t, {"1.0": 0, "5.0": int(done), "10.0": int(done), "+Inf": int(done)}))
-    return out
-
-
-def scrapes() -> list[dashboard.Scrape]:
-    return dashboard.load_recording(json.dumps(r) for r in recording())
-
-
-def test_gauge_and_age_are_the_scraped_values():
-    s = scrapes()
-    healthy = dashboard.evaluate(query_of("Healthy replicas"), s)
-    assert healthy == {"value": [(T0 + 10 * k, 3.0 if k < 5 else 2.0) for k in range(11)]}
-    age = dashboard.evaluate(query_of("Checkpoint age"), s)["value"]
-    assert age[0] == (T0 + 30, 0.0) and age[-1] == (T0 + 100, 70.0)
-    assert dashboard.evaluate(query_of("Goodput"), s) == {}  # no sample: "no data"
-
-
-def test_step_rate_and_failures_over_the_window():
-    s = scrapes()
-    assert dashboard.default_rate_window([x for x in s if x.source == "coordinator"]) == 40.0
-    rate = dashboard.evaluate(query_of("Step rate (steps/s)"), s)["value"]
-    assert rate[0][0] == T0 + 10 and all(v == pytest.approx(2.0) for _, v in rate)
-    failures = dict(dashboard.evaluate(query_of("Replica failures by reason"), s, rate_window_s=25.0))
-    assert set(failures) == {"declared reported", "declared heartbeat"}
-    declared = dict(failures["declared reported"])
-    # The window (25 s, 50 s] holds the points at 30, 40 and 50 s: 0, 0, 1. PromQL would
-    # extrapolate 5 s towards the window's start, but not below the counter's zero.
-    assert declared[T0 + 50] == pytest.approx(1.0) and declared[T0 + 40] == 0
-    assert declared[T0 + 80] == 0
-    # The operator never exposed its labelled counter: no series, not a zero.
-    assert "replaced" not in " ".join(failures)
-
-
-def test_a_counter_reset_counts_from_zero():
-    points = [(0.0, 5.0), (10.0, 7.0), (20.0, 1.0), (30.0, 4.0)]
-    assert dashboard._increase(points, 0.0, 30.0) == pytest.approx(2 + 1 + 3)
-
-
-def test_increase_extrapolates_like_promql():
-    points = [(10.0, 10.0), (20.0, 20.0), (30.0, 30.0)]
-    # 5 s short of both edges (less than 1.1 intervals): extrapolated over the 30 s window.
-    assert dashboard._increase(points, 5.0, 35.0) == pytest.approx(20 * 30 / 20)
-    # Far from the start: back to the counter's zero (10 s) when that is near enough...
-    assert dashboard._increase(points, -100.0, 30.0) == pytest.approx(20 * 30 / 20)
-    assert dashboard._increase([(10.0, 1.0), (20.0, 3.0)], 0.0, 20.0) == pytest.approx(2 * 15 / 10)
-    # ...else half an interval.
-    far = [(10.0, 100.0), (20.0, 110.0), (30.0, 120.0)]
-    assert dashboard._increase(far, -100.0, 30.0) == pytest.approx(20 * 25 / 20)
-
-
-def test_replacement_quantiles_interpolate_within_the_bucket():
-    s = scrapes()
-    p50 = dashboard.evaluate(query_of("Recovery: replica replacement time"), s)["p50"]
-    # No replacement before 60 s (NaN, left out); then the one observation lies in (1, 5].
-    assert p50[0] == (T0 + 60, pytest.approx(3.0)) and len(p50) == 5
-    p90 = dashboard.evaluate(query_of("Recovery: replica replacement time", 1), s)["p90"]
-    assert p90[0][1] == pytest.approx(1 + 4 * 0.9)
-    assert dashboard.bucket_quantile(0.5, [(1.0, 2), (math.inf, 4)]) == 1.0  # in +Inf: the highest bound
-    assert math.isnan(dashboard.bucket_quantile(0.5, [(1.0, 0), (math.inf, 0)]))
-
-
-def test_a_recording_names_its_source():
-    with pytest.raises(ValueError, match="operator or coordinator"):
-        dashboard.parse_scrape({"t": 0, "source": "worker", "text": ""})
+def test_a_series_is_named_by_its_query_and_its_own_labels_not_the_job():
+    replaced = query_of("Replica failures by reason", 1)
+    assert prom_panels.series_name(replaced, {"namespace": "ml", "reason": "PodDeleted"}) == "replaced PodDeleted"
+    assert prom_panels.series_name(query_of("Goodput"), {"namespace": "ml", "service": "t-coordinator"}) == "value"
 
 
 # --- the chart ------------------------------------------------------------------------------------
@@ -330,33 +249,56 @@ def test_chart_dashboard_label_folder_and_namespace_are_configurable():
 
 # --- the PNG --------------------------------------------------------------------------------------
 
+T0 = 1_700_000_000.0
+
+
+def panels_file(tmp_path: Path) -> Path:
+    """A run's panels as `make e2e-demo` writes them: 100 s, a failure at 50 s."""
+    points = lambda f: [[T0 + 10 * k, f(k)] for k in range(11)]  # noqa: E731
+    panels = {
+        "Step rate (steps/s)": [["value", points(lambda k: 2.0)]],
+        "Replica failures by reason": [["declared reported", points(lambda k: 1.0 if k in (5, 6) else 0.0)],
+                                       ["declared heartbeat", points(lambda k: 0.0)]],
+        "Recovery: replica replacement time": [["p50", points(lambda k: float("nan") if k < 6 else 4.5)]],
+    }
+    path = tmp_path / "panels.json"
+    path.write_text(json.dumps({"title": "ml/tiny", "start": T0, "end": T0 + 100, "panels": panels}))
+    return path
+
+
 def test_render_writes_a_png_with_every_key_panel(tmp_path):
     renderer = _load_renderer()
-    path = tmp_path / "scrapes.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in recording()))
     out = tmp_path / "dashboard.png"
-    assert renderer.main([str(path), str(out), "--title", "synthetic"]) == 0
+    assert renderer.main([str(panels_file(tmp_path)), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(renderer.key_panels()) == 9
 
 
-def test_the_legend_names_only_the_series_that_left_zero():
+def test_the_legend_names_only_the_series_that_left_zero(tmp_path):
     import matplotlib.pyplot as plt
 
     renderer = _load_renderer()
     (panel,) = [p for p in renderer.key_panels() if p.title == "Replica failures by reason"]
-    s = scrapes()
+    series = json.loads(panels_file(tmp_path).read_text())["panels"]
     fig, ax = plt.subplots()
     try:
-        renderer._draw(ax, panel, s, (s[0].t, s[-1].t), 25.0)
+        renderer._draw(ax, panel, series[panel.title], (T0, T0 + 100))
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["declared reported"]
         assert len(ax.get_lines()) == 2  # the heartbeat series is still drawn, faint
     finally:
         plt.close(fig)
 
 
-def test_render_of_an_empty_recording_says_no_data(tmp_path):
+def test_render_of_a_run_without_data_says_no_data(tmp_path):
+    import matplotlib.pyplot as plt
+
     renderer = _load_renderer()
+    fig, ax = plt.subplots()
+    try:
+        renderer._draw(ax, renderer.key_panels()[0], [["p50", [[T0, float("nan")]]]], (T0, T0 + 100))
+        assert [t.get_text() for t in ax.texts] == ["no data"]  # NaN points only: nothing to draw
+    finally:
+        plt.close(fig)
     out = tmp_path / "empty.png"
-    renderer.render([], out)
+    renderer.render({}, (T0, T0 + 100), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
