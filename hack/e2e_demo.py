@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "hack"))
 import prom_panels  # noqa: E402
 from testenv import addons, cluster, images, prometheus, realnodes  # noqa: E402
 from testenv.tools import Tool, kube_tools  # noqa: E402
+from transom_operator import dashboard  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "trainingjob-cpu.yaml"
 CHART = ROOT / "charts" / "transom"
@@ -123,7 +124,7 @@ class Observed:
             "last_loss": self.losses[-1] if self.losses else None,
             "seconds": round(self.seconds, 1),
             "prometheus_panels_with_data": len(self.panels_with_data),
-            "prometheus_panels": len(prom_panels.dashboard.PANELS),
+            "prometheus_panels": len(dashboard.PANELS),
             "alerts_fired": self.alerts_fired,
         }
 
@@ -287,7 +288,7 @@ class Scenario:
     def read_prometheus(self, start: float) -> None:
         """The dashboard's panels over the run and the alerts that fired, from Prometheus, once
         it has scraped the last values and evaluated its rules on them."""
-        time.sleep(3 * prom_panels.dashboard.parse_duration(prometheus.SCRAPE_INTERVAL))
+        time.sleep(3 * dashboard.parse_duration(prometheus.SCRAPE_INTERVAL))
         end = time.time()
         panels = prom_panels.panel_series(self.kubectl, self.ns, self.job, start, end)
         self.seen.panels_with_data = [title for title, series in panels.items() if any(p for _, p in series)]

@@ -18,15 +18,10 @@ Queries reach it from the host through the API server's service proxy (QUERY_PAT
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import yaml
 
-from testenv import build
+from testenv.tools import render_chart
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "transom"
 NAMESPACE = "transom-monitoring"
 NAME = "prometheus"
 PORT = 9090
@@ -40,14 +35,8 @@ QUERY_PATH = f"/api/v1/namespaces/{NAMESPACE}/services/{NAME}:{PORT}/proxy"
 
 def rendered_chart() -> list[dict]:
     """The chart's objects with its ServiceMonitors and PrometheusRule on (RULE_VALUES)."""
-    helm = build.bin_dir() / "helm"
-    if not helm.exists():
-        raise build.MissingTool("helm is not built: run `hack/testenv.sh build`")
     sets = ["metrics.serviceMonitor.enabled=true", "metrics.prometheusRule.enabled=true", *RULE_VALUES]
-    out = subprocess.run([str(helm), "template", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
-                          *[a for s in sets for a in ("--set", s)]],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return render_chart(*[a for s in sets for a in ("--set", s)], namespace=RELEASE_NAMESPACE, release=RELEASE)
 
 
 def _label_keep(label: str, value: str) -> dict:

@@ -1,4 +1,5 @@
-"""Running the test environment's own kubectl and helm against it, from tests and scripts."""
+"""Running the test environment's own kubectl and helm against it, from tests and scripts, and
+rendering the chart with its helm (no cluster needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from testenv import build
+
 Tool = Callable[..., subprocess.CompletedProcess]
+CHART = Path(__file__).resolve().parents[2] / "charts" / "transom"
+
+
+def render_chart(*args: str, namespace: str = "transom-system", release: str = "transom") -> list[dict]:
+    """The chart's objects as `helm template` renders them with extra helm `args` (`--set`
+    ...); build.MissingTool when helm was not built."""
+    helm = build.bin_dir() / "helm"
+    if not helm.exists():
+        raise build.MissingTool(f"no helm at {helm}: run `hack/testenv.sh build`")
+    out = subprocess.run([str(helm), "template", release, str(CHART), "-n", namespace, *args],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 class CommandFailed(subprocess.CalledProcessError):

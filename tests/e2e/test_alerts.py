@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "hack"))
 
 from testenv import build  # noqa: E402
+from testenv.tools import render_chart  # noqa: E402
 from transom.coordinator.membership import Settings  # noqa: E402
 from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest  # noqa: E402
 from transom.coordinator.thread import CoordinatorThread  # noqa: E402
 from transom_operator import metrics as operator_metrics  # noqa: E402
 
-CHART = ROOT / "charts" / "transom"
 RULE_TESTS = ROOT / "tests" / "alerts" / "transom-rules.test.yaml"
 
 
@@ -42,13 +42,11 @@ def _promtool(*args: str, input: str | None = None, cwd: Path | None = None) -> 
 
 def rules_of_chart(tmp_path: Path) -> Path:
     """The chart's PrometheusRule (default thresholds) as a Prometheus rules file."""
-    helm = build.bin_dir() / "helm"
-    if not helm.exists():
-        pytest.fail("helm is not built: run `hack/testenv.sh build`", pytrace=False)
-    out = subprocess.run([str(helm), "template", "transom", str(CHART), "-n", "transom-system",
-                          "--set", "metrics.prometheusRule.enabled=true"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    [rule] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]
+    try:
+        chart = render_chart("--set", "metrics.prometheusRule.enabled=true")
+    except build.MissingTool as e:
+        pytest.fail(str(e), pytrace=False)
+    [rule] = [d for d in chart if d["kind"] == "PrometheusRule"]
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
     return path

@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT / "hack"))
 
 import operator_objects  # noqa: E402
 from testenv import build  # noqa: E402
+from testenv.tools import render_chart  # noqa: E402
 
-CHART = ROOT / "charts" / "transom"
-WAIVERS = CHART / "kube-score-waivers.yaml"
+WAIVERS = ROOT / "charts" / "transom" / "kube-score-waivers.yaml"
 OPTIONAL_PARTS = ("metrics.serviceMonitor.enabled=true", "metrics.prometheusRule.enabled=true",
                   "grafanaDashboard.enabled=true")
 
@@ -35,15 +35,13 @@ def _tool(name: str) -> Path:
 
 
 def _rendered(tmp_path: Path) -> list[Path]:
-    helm = build.bin_dir() / "helm"
-    if not helm.exists():
-        pytest.fail("helm is not built: run `hack/testenv.sh build`", pytrace=False)
-    sets = [a for part in OPTIONAL_PARTS for a in ("--set", part)]
-    chart = subprocess.run([str(helm), "template", "transom", str(CHART), "-n", "transom-system", *sets],
-                           capture_output=True, text=True, check=True, timeout=60).stdout
+    try:
+        chart = render_chart(*[a for part in OPTIONAL_PARTS for a in ("--set", part)])
+    except build.MissingTool as e:
+        pytest.fail(str(e), pytrace=False)
     objects = [o for path in operator_objects.EXAMPLES for o in operator_objects.objects_of(yaml.safe_load(
         path.read_text()), namespace="ml")]
-    (tmp_path / "chart.yaml").write_text(chart)
+    (tmp_path / "chart.yaml").write_text(yaml.safe_dump_all(chart))
     (tmp_path / "operator.yaml").write_text(yaml.safe_dump_all(objects))
     return [tmp_path / "chart.yaml", tmp_path / "operator.yaml"]
 

@@ -70,8 +70,9 @@ def _metrics_and_prometheus_show_it(scenario: Scenario, seen, panels: Path, step
     # data for every panel of the dashboard but the batch shares (no Rebalance here), and
     # the chart's restart-loop alert fired (rendered at two failures: the kill, the delete).
     titles = [p.title for p in dashboard.PANELS]
+    summary = seen.summary()
     assert seen.panels_with_data == [t for t in titles if t != "Batch share by replica"], seen.panels_with_data
-    assert seen.summary()["prometheus_panels"] == len(titles) == seen.summary()["prometheus_panels_with_data"] + 1
+    assert summary["prometheus_panels"] == len(titles) == summary["prometheus_panels_with_data"] + 1
     assert "TransomReplicaRestartLoop" in seen.alerts_fired, seen.alerts_fired
     assert set(json.loads(panels.read_text())["panels"]) == set(titles)  # what the docs picture is drawn from
     coordinator = scenario.scrape("coordinator")

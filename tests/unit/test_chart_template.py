@@ -8,29 +8,25 @@ tests/e2e/test_chart.py installs the chart and runs the operator with its Servic
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from reconcile_world import make_job
 from transom_operator import disruption, kube, resources
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "transom"
 sys.path.insert(0, str(ROOT / "hack"))
 from testenv import build  # noqa: E402
+from testenv.tools import render_chart  # noqa: E402
 
 
 def render(*args: str) -> list[dict]:
-    helm = build.bin_dir() / "helm"
-    if not helm.exists():
-        pytest.fail(f"no helm at {helm}: run `hack/testenv.sh build`", pytrace=False)
-    out = subprocess.run([str(helm), "template", "transom", str(CHART), "-n", "transom-system", *args],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+    try:
+        return render_chart(*args)
+    except build.MissingTool as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 def of_kind(docs: list[dict], kind: str) -> list[dict]:

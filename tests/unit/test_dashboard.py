@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,11 +26,11 @@ from transom.coordinator.server import CoordinatorServer
 from transom_operator import dashboard, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "transom"
 sys.path.insert(0, str(ROOT / "hack"))
 
 import prom_panels  # noqa: E402
 from testenv import build  # noqa: E402
+from testenv.tools import render_chart  # noqa: E402
 
 
 def _load_renderer():
@@ -217,12 +215,10 @@ def test_a_series_is_named_by_its_query_and_its_own_labels_not_the_job():
 # --- the chart ------------------------------------------------------------------------------------
 
 def helm_template(*args: str) -> list[dict]:
-    helm = build.bin_dir() / "helm"
-    if not helm.exists():
-        pytest.fail(f"no helm at {helm}: run `hack/testenv.sh build`", pytrace=False)
-    out = subprocess.run([str(helm), "template", "transom", str(CHART), "-n", "monitoring", *args],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+    try:
+        return render_chart(*args, namespace="monitoring")
+    except build.MissingTool as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 def dashboard_configmaps(docs: list[dict]) -> list[dict]:
