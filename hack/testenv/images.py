@@ -5,7 +5,7 @@ in an OCI image-layout tar (oci.py) that containerd 1.6 imports with
 `ctr -n k8s.io images import ARCHIVE`.
 
 - `PAUSE_IMAGE`: the sandbox image, a static C `pause` compiled from pause.c;
-  `COREDNS_IMAGE`: the CoreDNS binary that build.py builds.
+  `COREDNS_IMAGE`, `PROMETHEUS_IMAGE`, `KUEUE_IMAGE`: the static binaries build.py builds.
 - `OPERATOR_IMAGE` (the coordinator's too): images/operator.Dockerfile's image assembled
   from the host: its CPython with the shared libraries `ldd` names, the project's packages
   and the closure of the Dockerfile's extras copied from the project venv by their RECORDs.
@@ -45,6 +45,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PAUSE_IMAGE = "transom.local/pause:3.10"
 COREDNS_IMAGE = f"transom.local/coredns:{build.COREDNS_VERSION}"
 PROMETHEUS_IMAGE = f"transom.local/prometheus:{build.PROMETHEUS_VERSION}"
+KUEUE_IMAGE = f"transom.local/kueue:{build.KUEUE_VERSION}"
 # The chart's default image (values.yaml image.repository, tag = appVersion = this version).
 OPERATOR_REPOSITORY = "ghcr.io/transom-io/transom-operator"
 OPERATOR_IMAGE = f"{OPERATOR_REPOSITORY}:{PROJECT['version']}"
@@ -311,6 +312,10 @@ def prometheus_binary() -> Path:
     return _built("prometheus")
 
 
+def kueue_binary() -> Path:
+    return _built("kueue")
+
+
 def _built(name: str) -> Path:
     path = build.bin_dir() / name
     if not path.exists():
@@ -338,6 +343,17 @@ def prometheus_rootfs() -> tuple[Rootfs, dict]:
         fs.dir(name)
     fs.dir("tmp", 0o1777)
     return fs, {"User": str(NONROOT), "Entrypoint": ["/bin/prometheus"]}
+
+
+def kueue_rootfs() -> tuple[Rootfs, dict]:
+    fs = Rootfs()
+    fs.file("bin/kueue", source=kueue_binary(), mode=0o755)
+    # /etc/kueue-config: its Configuration's ConfigMap; /etc/kueue/{metrics,webhook}/certs: the
+    # certificates' Secret, at the metrics path main.go hard-codes when it manages none itself.
+    for name in ("etc/kueue-config", "etc/kueue/metrics/certs", "etc/kueue/webhook/certs"):
+        fs.dir(name)
+    fs.dir("tmp", 0o1777)
+    return fs, {"User": str(NONROOT), "Entrypoint": ["/bin/kueue"]}
 
 
 def trainer_rootfs() -> tuple[Rootfs, dict]:
@@ -387,6 +403,7 @@ def _recipes() -> list[_Recipe]:
         # CoreDNS is 50 MB: its size and mtime stand for its contents.
         _Recipe(COREDNS_IMAGE, "coredns", lambda: _size_and_mtime(coredns_binary()), coredns_rootfs),
         _Recipe(PROMETHEUS_IMAGE, "prometheus", lambda: _size_and_mtime(prometheus_binary()), prometheus_rootfs),
+        _Recipe(KUEUE_IMAGE, "kueue", lambda: _size_and_mtime(kueue_binary()), kueue_rootfs),
         _Recipe(OPERATOR_IMAGE, "operator", _operator_inputs, operator_rootfs),
         _Recipe(TRAINER_TEST_IMAGE, "trainer-hostvenv", lambda: [str(project_venv().path)], trainer_rootfs),
     ]

@@ -3,7 +3,7 @@
 Order matters both ways. Up: record the host's state, create the namespaces, start the
 forwarder (so kubelets reach the API server and the API server reaches them), then per
 node containerd (images imported), kubelet and kube-proxy, then the cluster add-ons
-(`kubernetes` endpoints, CoreDNS, the S3 Service, Prometheus). Down: delete the pods while the
+(`kubernetes` endpoints, CoreDNS, the S3 Service, Prometheus, Kueue). Down: delete the pods while the
 kubelets still run (so the CNI plugin and the volume manager undo their work), stop the
 processes, kill what is left in the nodes' cgroups and namespaces, unmount, delete the
 namespaces and cgroups, and put back the host's sysctls and paths.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from testenv import addons, build, certs, hostguard, images, network, nodes, prometheus
+from testenv import addons, build, certs, hostguard, images, kueue, network, nodes, prometheus
 
 SERVICES_IP = network.SERVICES_IP
 S3_URL_IN_CLUSTER = addons.S3_URL_IN_CLUSTER
@@ -106,9 +106,29 @@ def up(d: Path, tools: dict, ca: certs.CA, count: int, api_port: int, s3_port: i
     wait("CoreDNS ready", lambda: _ok(kubectl, "wait", "-n", "kube-system", "--for=condition=Available",
                                       "deployment/coredns", "--timeout=1s"), 90)
     apply(prometheus.manifests(images.PROMETHEUS_IMAGE))
+    start_kueue(kubectl, ca, apply)
     wait("Prometheus ready", lambda: _ok(kubectl, "wait", "-n", prometheus.NAMESPACE, "--for=condition=Available",
                                          f"deployment/{prometheus.NAME}", "--timeout=1s"), 90)
+    wait("Kueue ready", lambda: _ok(kubectl, "wait", "-n", kueue.NAMESPACE, "--for=condition=Available",
+                                    f"deployment/{kueue.NAME}", "--timeout=1s"), kueue.READY_TIMEOUT_S)
     return [n.name for n in nets]
+
+
+def start_kueue(kubectl: list[str], ca: certs.CA, apply) -> None:
+    """Kueue's CRDs (server-side: the Workload CRD is too big for client-side apply's
+    annotation), Established, then its manifests; `up` waits for its Deployment after."""
+    t0 = time.monotonic()
+    crds = build.kueue_manifests_dir() / "crds"
+    for args in (["apply", "--server-side", "--force-conflicts", "-f", str(crds)],
+                 ["wait", "--for=condition=Established", "--timeout=60s", "-f", str(crds)]):
+        out = subprocess.run([*kubectl, *args], text=True, capture_output=True, timeout=90)
+        if out.returncode != 0:
+            raise RuntimeError(f"kubectl {args[0]} of Kueue's CRDs failed: {out.stderr}")
+    role = kueue.load_cluster_role((build.kueue_manifests_dir() / "role.yaml").read_text())
+    pair = kueue.serving_certificate(ca)
+    apply(kueue.manifests(images.KUEUE_IMAGE, role, pair.cert.read_bytes(), pair.key.read_bytes(),
+                          ca.pair.cert.read_bytes()))
+    print(f"Kueue's CRDs and manifests applied in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def load_images(d: Path, count: int) -> list[str]:
