@@ -63,6 +63,7 @@ class JobState(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"  # waiting for Kueue to admit it (reconcile/admission.py)
 
 
 class ReplicaState(StrEnum):

@@ -257,8 +257,8 @@ class TrainingJobStatus(StatusModel):
     state: JobState | None = Field(
         None,
         description=(
-            "Summary: Pending, Running, Degraded, Recovering, Succeeded, Failed or Suspended. "
-            "Conditions carry the details."
+            "Summary: Pending, Running, Degraded, Recovering, Succeeded, Failed, Suspended or Queued "
+            "(waiting for Kueue). Conditions carry the details."
         ),
     )
     healthy: str | None = Field(

@@ -24,6 +24,7 @@ from transom_operator import api, metrics, reasons
 from transom_operator.cache import WatchCache
 from transom_operator.kube import REQUEST_TIMEOUT_S, Kube
 from transom_operator.provision import Provisioner
+from transom_operator.queueing import Queueing
 from transom_operator.reconcile import failures, job_status, replicas
 from transom_operator.reconcile.observe import observe_node, observe_pod
 from transom_operator.reconcile.status_diff import status_ops
@@ -58,6 +59,7 @@ class Controller:
         # The job's coordinator and the rest of what it needs besides its pods (provision.py).
         self.provisioner = Provisioner(self.kube, self.coordinator_image, self.network_policy,
                                        self.token_reviewer_role)
+        self.queueing = Queueing(self.kube)  # the Workload of a job queued through Kueue
 
     def close(self) -> None:
         """Stop the write threads (main.py, when kopf has stopped every daemon)."""
@@ -86,13 +88,14 @@ class Controller:
             self._refuse(namespace, name, raw, spec_error(e))
             return DEFAULT_REQUEUE_S
         self.provisioner.ensure(namespace, job)
+        queued = self.queueing.admission(namespace, job)  # None: not queued through Kueue
         # From the watches' cache (cache.py): a pass lists nothing, whatever the job's size, and
         # observes again only the pods that changed.
         pods = self.cache.pods(namespace, name, lambda: self.kube.list_pods(namespace, name), observe_pod)
         nodes = [observe_node(n) for n in self.cache.nodes(self.kube.list_nodes)]
         departed = self.cache.departed(namespace, name, observe_pod)  # why a pod that is gone went
         now = datetime.now(UTC)
-        plan = replicas.plan(job, pods, nodes, now, departed)
+        plan = replicas.plan(job, pods, nodes, now, departed, queued.admission if queued else None)
 
         # The pod creates go out with the status write, the deletes and relabels after it: a
         # replacement waits for no status write of tens of kilobytes (a 250-replica job's), and
@@ -110,6 +113,8 @@ class Controller:
                   len(plan.relabel), t_act - t_status)
         for node, reason in plan.excluded_nodes_added:
             self.kube.exclude_node(node, policy, reason)
+        if queued is not None:
+            self.queueing.settle(namespace, queued, plan.status.state, pods)
         self._observe(namespace, name, job, plan)
         self._set_state(namespace, name, plan.status.state)
         return plan.requeue_after if plan.requeue_after is not None else DEFAULT_REQUEUE_S

@@ -47,7 +47,7 @@ _PLURALS = {
     "Pod": "pods", "Secret": "secrets", "ServiceAccount": "serviceaccounts", "Service": "services",
     "Event": "events", "Node": "nodes", "Deployment": "deployments", "NetworkPolicy": "networkpolicies",
     "Role": "roles", "RoleBinding": "rolebindings", "ClusterRoleBinding": "clusterrolebindings", "TrainingJob": PLURAL,
-    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PodDisruptionBudget": "poddisruptionbudgets", "Workload": "workloads", "ResourceFlavor": "resourceflavors",
 }
 
 
@@ -153,7 +153,29 @@ class Kube:
         self._send("PATCH", _path("apps/v1", "Deployment", namespace, deployment), body,
                    "application/strategic-merge-patch+json")
 
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
+        """Any object of a kind the operator knows (kueue's Workloads and ResourceFlavors), or None."""
+        try:
+            return self._send("GET", _path(api_version, kind, namespace, name), None)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
     # --- writes --------------------------------------------------------------------------
+    def merge_patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict,
+                    subresource: str | None = None) -> dict:
+        """A JSON merge patch (one with metadata.resourceVersion fails with 409 if the object changed)."""
+        return self._send("PATCH", _path(api_version, kind, namespace, name, subresource), patch,
+                          "application/merge-patch+json")
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
+        try:
+            self._send("DELETE", _path(api_version, kind, namespace, name), None)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     def create(self, namespace: str | None, manifest: dict) -> bool:
         """Create any of the kinds the operator makes (`namespace` None: a cluster-wide one);
         False if it already existed."""

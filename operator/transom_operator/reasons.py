@@ -50,6 +50,7 @@ class ConditionReason(StrEnum):
     TOO_MANY_RESTARTS = "TooManyRestarts"
     NOT_FAILED = "NotFailed"
     SUSPENDED = "Suspended"
+    QUEUED = "Queued"  # Ready False while Kueue has not admitted the job
     INVALID_SPEC = "InvalidSpec"  # the operator cannot use the spec (also the Event): it acts on nothing
     SLOW_REPLICA_REBALANCED = "SlowReplicaRebalanced"  # spec.detection.slowAction Rebalance in force
     NOMINAL_SHARES = "NominalShares"
@@ -71,6 +72,8 @@ class EventReason(StrEnum):
     JOB_FAILED = "JobFailed"
     JOB_SUCCEEDED = "JobSucceeded"
     JOB_SUSPENDED = "JobSuspended"
+    JOB_QUEUED = "JobQueued"  # waiting for Kueue (again, after an eviction)
+    JOB_ADMITTED = "JobAdmitted"  # Kueue admitted the job: its pods are created
     REBALANCED = "Rebalanced"  # the batch shares changed (status.training.batchSharePercent)
 
 
@@ -110,6 +113,7 @@ NOT_COMPLETE = ConditionReason.NOT_COMPLETE
 TOO_MANY_RESTARTS = ConditionReason.TOO_MANY_RESTARTS
 NOT_FAILED = ConditionReason.NOT_FAILED
 SUSPENDED = ConditionReason.SUSPENDED
+QUEUED = ConditionReason.QUEUED
 INVALID_SPEC = ConditionReason.INVALID_SPEC
 SLOW_REPLICA_REBALANCED = ConditionReason.SLOW_REPLICA_REBALANCED
 NOMINAL_SHARES = ConditionReason.NOMINAL_SHARES
@@ -124,6 +128,8 @@ EVENT_JOB_DEGRADED = EventReason.JOB_DEGRADED
 EVENT_JOB_FAILED = EventReason.JOB_FAILED
 EVENT_JOB_SUCCEEDED = EventReason.JOB_SUCCEEDED
 EVENT_JOB_SUSPENDED = EventReason.JOB_SUSPENDED
+EVENT_JOB_QUEUED = EventReason.JOB_QUEUED
+EVENT_JOB_ADMITTED = EventReason.JOB_ADMITTED
 EVENT_REBALANCED = EventReason.REBALANCED
 
 NORMAL = EventType.NORMAL

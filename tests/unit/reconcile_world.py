@@ -45,6 +45,7 @@ class World:
         self.gone: dict[str, tuple[ObservedPod, datetime]] = {}  # name -> (last state, when deleted)
         self._next_node = 0
         self._uid = 0
+        self.admission = None  # what Kueue allows, for a job queued through it (reconcile/admission.py)
 
     def departed(self) -> list[ObservedPod]:
         return [pod for pod, at in self.gone.values() if (self.now - at).total_seconds() < DEPARTED_S]
@@ -54,7 +55,7 @@ class World:
         self.gone[name] = (self.pods.pop(name), self.now)
 
     def step(self):
-        p = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
+        p = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed(), self.admission)
         for name in p.delete:
             self.pods[name] = replace(self.pods[name], deleting=True)
         for name, labels in p.relabel:
@@ -108,7 +109,7 @@ class World:
         return self
 
     def assert_quiet(self):
-        again = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed())
+        again = plan(self.job, list(self.pods.values()), self.nodes, self.now, self.departed(), self.admission)
         assert (again.create, again.delete, again.relabel, again.events,
                 again.excluded_nodes_added) == ([], [], [], [], [])
         assert again.status == self.job.status

@@ -69,6 +69,18 @@ def test_disruption_budgets_are_read_created_and_resized_never_listed_or_deleted
     assert granted(rules, "policy", "pods/eviction") == set()  # the operator deletes; it never evicts
 
 
+@pytest.mark.parametrize("scope", sorted(SCOPES))
+def test_kueue_workloads_only_when_kueue_is_enabled(scope):
+    off = render(*SCOPES[scope])
+    on = render(*SCOPES[scope], "--set", "kueue.enabled=true")
+    assert granted(namespaced_rules(off, scope), "kueue.x-k8s.io", "workloads") == set()
+    assert granted(namespaced_rules(on, scope), "kueue.x-k8s.io", "workloads") == {
+        "get", "create", "patch", "delete"}
+    assert granted(namespaced_rules(on, scope), "kueue.x-k8s.io", "workloads/status") == {"patch"}
+    (cluster_role,) = [d for d in of_kind(on, "ClusterRole") if d["metadata"]["name"] == "transom-operator"]
+    assert granted(cluster_role["rules"], "kueue.x-k8s.io", "resourceflavors") == {"get"}
+
+
 def test_two_operators_by_default_on_different_nodes_where_there_is_room_and_one_kept_through_a_drain():
     docs = render()
     (deployment,) = of_kind(docs, "Deployment")

@@ -6,7 +6,8 @@ Pure: `job_state` and `conditions` read only their arguments. A condition keeps 
 lastTransitionTime while its status stays the same, so writing the same status twice
 changes nothing.
 
-States: Suspended, Failed and Succeeded win in that order; below minReplicas healthy
+States: Suspended (or Queued, while Kueue has not admitted the job), Failed and Succeeded
+win in that order; below minReplicas healthy
 replicas a job that ran before is Degraded (training pauses), one that never ran Pending;
 a replica being replaced makes it Recovering; otherwise Running.
 """
@@ -31,15 +32,17 @@ class JobView:
     min_replicas: int
     healthy: int
     replacing: list[int]
-    suspended: bool
+    suspended: bool  # no worker may run: spec.suspend, or not admitted by Kueue
     failed: bool  # failed now or before
     succeeded: bool  # succeeded before, or complete with no worker running
     ran_before: bool
+    queued: bool = False  # suspended because Kueue has not admitted the job (not spec.suspend)
+    queue: str = ""
 
 
 def job_state(v: JobView) -> api.JobState:
     if v.suspended:
-        return J.SUSPENDED
+        return J.QUEUED if v.queued else J.SUSPENDED
     if v.failed:
         return J.FAILED
     if v.succeeded:
@@ -69,7 +72,7 @@ def conditions(state: str, v: JobView, failed_message: str, prev: Mapping[str, a
         ready_reason, ready_message = reasons.ALL_REPLICAS_HEALTHY, f"all {healthy} replicas running"
     else:
         by_state: dict[str, str] = {
-            J.SUSPENDED: reasons.SUSPENDED, J.FAILED: failed_reason,
+            J.SUSPENDED: reasons.SUSPENDED, J.QUEUED: reasons.QUEUED, J.FAILED: failed_reason,
             J.SUCCEEDED: reasons.TRAINING_COMPLETE, J.DEGRADED: reasons.BELOW_MIN_REPLICAS,
             J.RECOVERING: reasons.REPLACING_REPLICAS,
         }
@@ -112,6 +115,16 @@ def rebalanced(shares: list[int] | None, prev: Mapping[str, api.Condition], gene
     return cond, (reasons.NORMAL, reasons.EVENT_REBALANCED, message) if changed else None
 
 
+def admitted(admitted_now: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
+             generation: int | None, now: datetime) -> tuple[api.Condition, tuple[str, str, str] | None]:
+    """The Admitted condition of a job queued through Kueue (reconcile/admission.py), and the
+    Event of its admission, if it was admitted now."""
+    cond = _condition("Admitted", admitted_now, reason, message, prev, generation, now)
+    old = prev.get("Admitted")
+    newly = admitted_now and (old is None or old.status != "True")
+    return cond, (reasons.NORMAL, reasons.EVENT_JOB_ADMITTED, message) if newly else None
+
+
 def transition_event(state: str, previous: str | None, v: JobView,
                      failed_message: str) -> tuple[str, str, str] | None:
     """The Event (type, reason, message) of entering `state`, if it has one."""
@@ -123,6 +136,8 @@ def transition_event(state: str, previous: str | None, v: JobView,
         J.FAILED: (reasons.WARNING, reasons.EVENT_JOB_FAILED, failed_message),
         J.SUCCEEDED: (reasons.NORMAL, reasons.EVENT_JOB_SUCCEEDED, "training finished"),
         J.SUSPENDED: (reasons.NORMAL, reasons.EVENT_JOB_SUSPENDED, "deleting the job's worker pods"),
+        J.QUEUED: (reasons.NORMAL, reasons.EVENT_JOB_QUEUED,
+                   f"waiting for Kueue to admit the job from queue {v.queue}"),
     }
     return events.get(state)
 

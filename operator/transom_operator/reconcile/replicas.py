@@ -54,6 +54,8 @@ Rules:
 - Fewer than minReplicas healthy replicas after the job ran: Degraded.
 - spec.suspend deletes every worker pod; the replicas come back with their next
   generation when it is cleared.
+- A job queued through Kueue (`admission.py`) is handled as suspended (state Queued) until
+  Kueue admits it, and again after an eviction; its pods are placed where the admission says.
 - Replicas with ids >= spec.replicas (a scale-down) have their pods deleted.
 - Hot spares (`spares.py`): a failed replica whose replacement a Ready spare can take is
   promoted at once by relabelling the spare's pods (no backoff: nothing new has to start);
@@ -70,12 +72,16 @@ from typing import Any
 
 from transom import contract
 from transom_operator import api, reasons, resources
+from transom_operator.reconcile import admission as kueue
 from transom_operator.reconcile import failures, job_status, oom, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase, group_pods
 
 J, R, S = api.JobState, api.ReplicaState, api.SpareState
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
+# A job waiting for Kueue reads its Workload again this often (no watch on Workloads: the
+# operator needs no Kueue installed to start, nor permission to watch Workloads everywhere).
+QUEUED_POLL_S = 2.0
 MAX_HELD_MESSAGE = 1024  # as status.replicas[].message
 
 
@@ -186,6 +192,7 @@ class _Pass:
     suspended: bool
     final: bool  # Failed or Succeeded before this pass
     out: Plan
+    admission: kueue.Admission | None = None  # None: the job does not queue through Kueue
     new_restarts: int = 0  # replicas this pass starts a new generation of
 
     @property
@@ -199,9 +206,10 @@ class _Pass:
 
 def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
          nodes: Mapping[str, ObservedNode] | Iterable[ObservedNode], now: datetime,
-         departed: Iterable[ObservedPod] = ()) -> Plan:
+         departed: Iterable[ObservedPod] = (), admission: kueue.Admission | None = None) -> Plan:
     """Actions and status for one reconcile pass of `job` (see the module docstring).
-    `departed`: the last state of the job's pods deleted lately (WatchCache.departed)."""
+    `departed`: the last state of the job's pods deleted lately (WatchCache.departed);
+    `admission`: what Kueue allows, for a job queued through it."""
     spec = job.spec
     prev = job.status or api.TrainingJobStatus()
     now_s = int(now.timestamp())
@@ -213,7 +221,8 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
         history=[h for h in prev.restart_history if now_s - h.time < spec.fault_tolerance.restart_window_seconds],
         excluded={e.name: e for e in prev.excluded_nodes},
         completed=training.completed_step is not None,  # the coordinator's record, not a pod's exit
-        suspended=spec.suspend and not final, final=final,
+        suspended=(spec.suspend or (admission is not None and not admission.admitted)) and not final,
+        final=final, admission=admission,
     )
     pods = list(pods)
     replicas, extra = _group(pods, spec, {r.id: r for r in prev.replicas})
@@ -247,7 +256,24 @@ def plan(job: api.TrainingJob, pods: Iterable[ObservedPod],
     if spare_plan.requeue_after is not None:
         ps.out._requeue(spare_plan.requeue_after)
     ps.out.status = _status(ps, prev, replicas, statuses, failed_now, spare_plan)
+    if admission is not None:
+        _queued(ps, admission)
     return ps.out
+
+
+def _queued(ps: _Pass, admission: kueue.Admission) -> None:
+    """A job queued through Kueue: its pods go where the admission places them, status gains
+    the Admitted condition, and a job still waiting is looked at again soon."""
+    for manifest in ps.out.create:
+        kueue.place(manifest, admission)
+    prev = {c.type: c for c in (ps.job.status.conditions if ps.job.status else [])}
+    cond, event = job_status.admitted(admission.admitted, admission.reason, admission.message, prev,
+                                      ps.job.metadata.get("generation"), ps.now)
+    ps.out.status.conditions.append(cond)
+    if event is not None:
+        ps.out.events.append(event)
+    if not admission.admitted and not ps.final:
+        ps.out._requeue(QUEUED_POLL_S)
 
 
 # --- detect ---------------------------------------------------------------------------------
@@ -489,6 +515,8 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
     view = job_status.JobView(
         replicas=spec.replicas, min_replicas=spec.min_replicas, healthy=healthy,
         replacing=[s.id for s in statuses if s.state == R.REPLACING], suspended=ps.suspended,
+        queued=ps.suspended and not ps.spec.suspend,
+        queue=ps.admission.queue if ps.admission is not None else "",
         failed=prev.state == J.FAILED or failed_now is not None, succeeded=prev.state == J.SUCCEEDED or all_done,
         ran_before=prev.state in (J.RUNNING, J.RECOVERING, J.DEGRADED) or any(s.restarts for s in statuses),
     )
