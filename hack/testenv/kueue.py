@@ -37,10 +37,12 @@ starts beside it.
 from __future__ import annotations
 
 import base64
+from typing import TYPE_CHECKING
 
 import yaml
 
-from testenv import certs
+if TYPE_CHECKING:  # certs needs `cryptography`, which `make test-compat`'s venv does not have
+    from testenv import certs
 
 NAMESPACE = "kueue-system"
 NAME = "kueue-controller-manager"  # the Deployment, its ServiceAccount, ConfigMap and container
