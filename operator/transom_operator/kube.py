@@ -129,12 +129,7 @@ class Kube:
             raise
 
     def get_disruption_budget(self, namespace: str, name: str) -> dict | None:
-        try:
-            return self._send("GET", _path("policy/v1", "PodDisruptionBudget", namespace, name), None)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return self.get("policy/v1", "PodDisruptionBudget", namespace, name)
 
     def patch_disruption_budget(self, namespace: str, name: str, patch: dict) -> None:
         """A merge patch (disruption.spec_patch): the budget follows the job's size."""
@@ -154,7 +149,8 @@ class Kube:
                    "application/strategic-merge-patch+json")
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
-        """Any object of a kind the operator knows (kueue's Workloads and ResourceFlavors), or None."""
+        """Any object of a kind the operator knows (a PodDisruptionBudget, kueue's Workloads and
+        ResourceFlavors), or None if there is none."""
         try:
             return self._send("GET", _path(api_version, kind, namespace, name), None)
         except ApiException as e:
