@@ -71,7 +71,10 @@ def test_ftar_averages_cuda_gradients_between_replicas_sharing_the_gpu():
 
 
 def test_sigkill_with_the_model_on_the_gpu(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"],
+    # --min-replicas 3: the others wait for the killed replica's return. Without it the job
+    # ended on an H200 (tens of ms a step) before the new process (Python, torch, CUDA: ~9 s)
+    # was back, even at 400 steps, and the replica under test never rejoined.
+    result = transom_run(["--replicas", "3", "--min-replicas", "3", "--inject", "kill:replica=1,step=15"],
                          ["--steps", "60", "--device", "ctx"])
     assert_consistent_finish(result, 60, 3)
     assert result.summary["replica_restarts"] >= 1 and result.incarnations(1) == 2
@@ -100,3 +103,50 @@ def test_the_gpu_forms_of_the_preflight_checks_pass_and_a_corrupt_device_fails()
     bad = subprocess.run(cmd, env={**env, "TRANSOM_FAULT": "corrupt:step=0"}, capture_output=True, text=True,
                          timeout=240)
     assert bad.returncode == 6 and "compute: " in bad.stdout, bad.stdout + bad.stderr
+
+
+class _Server:
+    """What a Source needs of its StateServer: the step it serves, and where it publishes."""
+
+    snapshot_step = None
+
+    def __init__(self) -> None:
+        self.published: list = []
+
+    def publish_snapshot(self, snapshot) -> None:  # noqa: ANN001 (a transfer.Published or None)
+        self.published.append(snapshot)
+
+
+def test_a_source_allocates_its_pinned_buffers_off_the_training_thread_and_snapshots_a_later_commit():
+    """A catch-up snapshot of CUDA state needs pinned host buffers; the training thread does
+    not wait for their allocation: the commit that finds none starts a helper and goes on,
+    and a later commit copies into them."""
+    import time
+
+    from transom.ft.catchup import Source
+
+    model = torch.nn.Linear(4096, 4096, device="cuda")  # 64 MiB of parameters
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def capture(step: int) -> dict:
+        return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    server = _Server()
+    source = Source(server, localize=None)
+    source.on_round(serve=True, snapshot_from=5)
+    t0 = time.monotonic()
+    source.after_commit(5, capture)
+    assert time.monotonic() - t0 < 0.05 and not source.snapshot_taken_at(5)
+    step = 5
+    deadline = time.monotonic() + 30
+    while not source.snapshot_taken_at(step):
+        assert time.monotonic() < deadline, "the reserved buffers never became ready"
+        step += 1
+        time.sleep(0.01)
+        source.after_commit(step, capture)
+    source.before_update(timeout_s=30)
+    source.wait_publisher(60)
+    published = server.published[-1]
+    assert published is not None and published.manifest.step == step
+    source.close()
+    assert server.published[-1] is None

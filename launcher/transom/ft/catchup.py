@@ -350,11 +350,15 @@ class Source:
         self._skeleton: Any = None
         self._copy_step = -1
         self._publisher: threading.Thread | None = None
+        self._reserved: Snapshot | None = None  # pinned buffers allocated by _reserving
+        self._reserving: threading.Thread | None = None
 
     def on_round(self, serve: bool, snapshot_from: int | None) -> None:
         """The round's instruction: keep a snapshot of a step >= `snapshot_from`, or none."""
         if not serve or snapshot_from is None:
             self._want = None
+            if self._reserving is not None and not self._reserving.is_alive():
+                self._reserving = self._reserved = None  # nobody joins: give the pinned memory back
             if self._copy is None and self._publisher is None:
                 self.server.publish_snapshot(None)
             return
@@ -370,10 +374,42 @@ class Source:
         if self._publisher is not None and self._publisher.is_alive():
             return  # the previous one is still being hashed: take this one at the next commit
         self._publisher = None
-        tensors, self._skeleton = structure.flatten(snapshot_part(capture(step)), torch.is_tensor, self.localize)
-        self._copy, self._copy_step, self._want = Snapshot(), step, None
-        self._copy.start(tensors)
-        log.info("taking a snapshot of step %d for a replica that catches up", step)
+        t0 = time.monotonic()
+        tensors, skeleton = structure.flatten(snapshot_part(capture(step)), torch.is_tensor, self.localize)
+        copy = self._snapshot_for(tensors)
+        if copy is None:
+            return  # its pinned buffers are being allocated: a later commit takes the snapshot
+        self._skeleton, self._copy, self._copy_step, self._want = skeleton, copy, step, None
+        copy.start(tensors)
+        log.info("taking a snapshot of step %d for a replica that catches up (started in %.3fs)", step,
+                 time.monotonic() - t0)
+
+    def _snapshot_for(self, tensors: dict[str, torch.Tensor]) -> Snapshot | None:
+        """A Snapshot ready to copy `tensors`, or None while its buffers are being allocated.
+
+        Host buffers for CPU tensors cost nothing to allocate (their pages are touched by the
+        copy thread). Pinned buffers for CUDA tensors lock their pages when allocated, a
+        fraction of a second per 100 MB, which on the training thread stalled the sources'
+        step at the start of every catch-up; a helper thread allocates them instead, and the
+        snapshot is taken at the first commit after they exist. A fresh Snapshot each time,
+        because the previous one's buffers may still be sent to a joiner."""
+        if not any(t.is_cuda for t in tensors.values()):
+            return Snapshot()
+        if self._reserving is None:
+            reserved = self._reserved = Snapshot()
+
+            def reserve() -> None:
+                try:
+                    reserved.reserve(tensors)
+                except Exception:  # start() allocates what is missing, on the training thread
+                    log.exception("could not allocate the pinned buffers of a snapshot ahead")
+
+            self._reserving = threading.Thread(target=reserve, name="transom-snapshot-reserve", daemon=True)
+            self._reserving.start()
+        if self._reserving.is_alive():
+            return None
+        copy, self._reserved, self._reserving = self._reserved, None, None
+        return copy
 
     def snapshot_taken_at(self, step: int) -> bool:
         """A snapshot of `step` was started at its commit: its row carries a fingerprint, which
@@ -411,6 +447,9 @@ class Source:
                 self._publisher = None
 
     def close(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join(30.0)
+            self._reserving = self._reserved = None
         if self._copy is not None:
             try:
                 self._copy.wait(30.0)
