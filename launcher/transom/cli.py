@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 
 MAX_SECONDS = 30 * 86400.0  # a month: a longer wait is a typo (and past ~1e10 s, waits overflow time_t)
 MAX_COUNT = 2**31 - 1  # any count; the settings that own a count bound it tighter (RunConfig, LaunchConfig)
-MAX_STEPS = 10_000_000  # the CRD's bound of checkpoint.intervalSteps
-MAX_KEEP = 1000  # the CRD's bound of checkpoint.keep
-MAX_LAUNCH_RESTARTS = 10_000  # in-place restarts: as many as the CRD allows a replica (maxReplicaRestarts)
-MAX_WAIT_S = 3600.0  # the CRD's bound of the heartbeat and collective timeouts
+MAX_STEPS = contract.MAX_INTERVAL_STEPS
+MAX_KEEP = contract.MAX_KEEP
+MAX_LAUNCH_RESTARTS = contract.MAX_REPLICA_RESTARTS  # in-place restarts: as many as the CRD allows a replica
+MAX_WAIT_S = float(contract.MAX_WAIT_SECONDS)
 
 
 def _seconds(high: float, zero: bool = False):

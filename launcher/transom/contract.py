@@ -73,6 +73,13 @@ ENV_ATTEMPT = "TRANSOM_ATTEMPT"
 ENV_COLLECTIVE_TIMEOUT = "TRANSOM_COLLECTIVE_TIMEOUT_S"
 # torch.distributed backend: auto, gloo or nccl (spec.faultTolerance.backend, transom run --backend)
 ENV_BACKEND = "TRANSOM_BACKEND"
+# FTConfig's other settings a worker's environment may give (FTConfig.from_environ): set by
+# hand or by a pod template, never by the operator.
+ENV_QUORUM_TIMEOUT = "TRANSOM_QUORUM_TIMEOUT_S"
+ENV_LR_SCALING = "TRANSOM_LR_SCALING"
+ENV_RECOVERY_BYTES_PER_S = "TRANSOM_RECOVERY_BYTES_PER_S"
+ENV_RECOVERY_CHUNK_BYTES = "TRANSOM_RECOVERY_CHUNK_BYTES"
+ENV_RECOVERY_YIELD = "TRANSOM_RECOVERY_YIELD"
 BACKENDS = ("auto", "gloo", "nccl")  # what each means: transom/ft/backend.py
 DEFAULT_BACKEND = "auto"
 # Optional fault injection for tests and demos (see transom.inject).
@@ -90,6 +97,15 @@ ENV_OWNER_PID = "TRANSOM_OWNER_PID"
 # container's termination message), or a file of `transom run`'s. Unset: nowhere.
 ENV_TERMINATION_LOG = "TRANSOM_TERMINATION_LOG"
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
+
+# --- bounds the CRD and `transom run` share -------------------------------------------
+# The operator's models (transom_operator/api.py) and the command line's checks (cli.py) take
+# these, so that a value `transom run` accepts is one a TrainingJob may hold.
+MAX_WAIT_SECONDS = 3600  # faultTolerance.heartbeatTimeoutSeconds and collectiveTimeoutSeconds
+MAX_INTERVAL_STEPS = 10_000_000  # checkpoint.intervalSteps
+MAX_KEEP = 1000  # checkpoint.keep
+MAX_REPLICA_RESTARTS = 10_000  # faultTolerance.maxReplicaRestarts (in-place restarts, locally)
+
 
 # --- Kubernetes labels and annotations ----------------------------------------------
 # Keys under this domain (or a subdomain of it) are the operator's: a pod template that sets

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, WithJsonSchema, field_validator
 
-from transom.contract import DEFAULT_BACKEND, PREFLIGHT_CHECKS
+from transom.contract import DEFAULT_BACKEND, MAX_INTERVAL_STEPS, MAX_KEEP, MAX_WAIT_SECONDS, PREFLIGHT_CHECKS
 from transom.defaults import CLUSTER, PREFLIGHT_SPARE_INTERVAL_S, PREFLIGHT_TIMEOUT_S
 from transom.detect.step_rows import SPEC_BOUNDS as _BOUNDS  # the ranges are the detectors' own too
 from transom.detect.step_rows import DetectionSettings
@@ -110,10 +110,10 @@ class Checkpoint(ApiModel):
         ),
     )
     interval_steps: int = Field(
-        500, ge=1, le=10_000_000, description="Optimizer steps between two checkpoints.",
+        500, ge=1, le=MAX_INTERVAL_STEPS, description="Optimizer steps between two checkpoints.",
     )
     keep: int = Field(
-        3, ge=1, le=1000, description="How many committed checkpoints to keep; older ones are deleted.",
+        3, ge=1, le=MAX_KEEP, description="How many committed checkpoints to keep; older ones are deleted.",
     )
     credentials_secret: SecretReference | None = Field(
         None,
@@ -157,7 +157,7 @@ class FaultTolerance(ApiModel):
         300, ge=0, le=86400, description="Upper bound of the replacement delay.",
     )
     collective_timeout_seconds: int = Field(
-        int(CLUSTER.collective_timeout_s), ge=1, le=3600,
+        int(CLUSTER.collective_timeout_s), ge=1, le=MAX_WAIT_SECONDS,
         description="Longest a cross-replica collective may block before its replica is dropped from the step.",
     )
     backend: Backend = Field(
@@ -169,7 +169,7 @@ class FaultTolerance(ApiModel):
         ),
     )
     heartbeat_timeout_seconds: int = Field(
-        int(CLUSTER.heartbeat_timeout_s), ge=1, le=3600,
+        int(CLUSTER.heartbeat_timeout_s), ge=1, le=MAX_WAIT_SECONDS,
         description=(
             "A replica whose leader has not sent a heartbeat to the job's coordinator for this long is "
             "declared failed: it leaves the quorum and its launcher restarts it in place."

@@ -19,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from transom.contract import MAX_REPLICA_RESTARTS
+
 GROUP = "transom.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -40,7 +42,7 @@ MAX_PODS = 16384  # (replicas + spareReplicas) x nodesPerReplica
 MAX_JOB_NAME = 40
 MAX_CONTAINERS = 32
 MAX_STEP = 2**62  # as the coordinator's
-MAX_RESTARTS = 10_000  # bound of faultTolerance.maxReplicaRestarts
+MAX_RESTARTS = MAX_REPLICA_RESTARTS  # bound of faultTolerance.maxReplicaRestarts (contract.py)
 MAX_GENERATION = 2**31
 MAX_COUNT = 2**31 - 1
 # The API server keeps `maximum` as a float64: 2**63 - 1 would round up and overflow to a

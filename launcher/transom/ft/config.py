@@ -81,18 +81,18 @@ class FTConfig:
     def from_environ(cls, **overrides: Any) -> FTConfig:
         env = {
             "collective_timeout_s": os.environ.get(ENV_COLLECTIVE_TIMEOUT),
-            "quorum_timeout_s": os.environ.get("TRANSOM_QUORUM_TIMEOUT_S"),
-            "lr_scaling": os.environ.get("TRANSOM_LR_SCALING"),
+            "quorum_timeout_s": os.environ.get(contract.ENV_QUORUM_TIMEOUT),
+            "lr_scaling": os.environ.get(contract.ENV_LR_SCALING),
             "backend": os.environ.get(contract.ENV_BACKEND),
-            "recovery_bytes_per_s": os.environ.get("TRANSOM_RECOVERY_BYTES_PER_S"),
-            "recovery_chunk_bytes": os.environ.get("TRANSOM_RECOVERY_CHUNK_BYTES"),
+            "recovery_bytes_per_s": os.environ.get(contract.ENV_RECOVERY_BYTES_PER_S),
+            "recovery_chunk_bytes": os.environ.get(contract.ENV_RECOVERY_CHUNK_BYTES),
         }
         values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else int(v) if k.endswith("_bytes") else v)
                                   for k, v in env.items() if v}
-        yields = os.environ.get("TRANSOM_RECOVERY_YIELD")
+        yields = os.environ.get(contract.ENV_RECOVERY_YIELD)
         if yields:
             if yields not in ("0", "1"):
-                raise ValueError(f"TRANSOM_RECOVERY_YIELD must be 0 or 1, got {yields!r}")
+                raise ValueError(f"{contract.ENV_RECOVERY_YIELD} must be 0 or 1, got {yields!r}")
             values["recovery_yields"] = yields == "1"
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from transom import script_errors
 from transom.collective_counts import COUNTER
-from transom.contract import ReplicaEnv
+from transom.contract import ENV_LOG_LEVEL, ReplicaEnv
 from transom.ft import backend as placement
 
 
@@ -124,7 +124,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
     script_errors.install_hook()
     env = ReplicaEnv.from_environ()
     rank = int(os.environ.get("RANK", "0"))
-    _log_to_stderr(os.environ.get("TRANSOM_LOG_LEVEL"), rank)
+    _log_to_stderr(os.environ.get(ENV_LOG_LEVEL), rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))

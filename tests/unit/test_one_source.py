@@ -1,0 +1,53 @@
+"""One source per name and bound: every TRANSOM_* environment variable the product reads or
+sets is spelled once, in transom/contract.py, and the bounds that `transom run` and the CRD
+share are the same numbers."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = (ROOT / "launcher" / "transom", ROOT / "operator" / "transom_operator")
+CONTRACT = ROOT / "launcher" / "transom" / "contract.py"
+ENV_NAME = re.compile(r"TRANSOM_[A-Z0-9_]+")
+
+
+def env_literals(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string constant in `path` that is a TRANSOM_* name, alone or at
+    the start of an f-string."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def test_every_transom_variable_is_named_in_contract_py_only():
+    outside = [f"{p.relative_to(ROOT)}:{line}: {text}"
+               for d in PRODUCT for p in sorted(d.rglob("*.py")) if p != CONTRACT
+               for line, text in env_literals(p)]
+    assert outside == [], "name these in transom/contract.py and import them:\n" + "\n".join(outside)
+
+
+def test_the_finder_sees_a_literal_name(tmp_path: Path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('import os\nos.environ.get("TRANSOM_SOMETHING")\nx = "TRANSOM_ is a prefix"\n')
+    assert env_literals(probe) == [(2, "TRANSOM_SOMETHING")]
+
+
+def test_transom_run_refuses_what_the_crd_refuses():
+    from transom import cli, contract
+    from transom_operator.api import Checkpoint, FaultTolerance
+
+    fields = FaultTolerance.model_fields
+    for name in ("heartbeat_timeout_seconds", "collective_timeout_seconds"):
+        assert _le(fields[name]) == contract.MAX_WAIT_SECONDS == cli.MAX_WAIT_S
+    assert _le(fields["max_replica_restarts"]) == contract.MAX_REPLICA_RESTARTS == cli.MAX_LAUNCH_RESTARTS
+    assert _le(Checkpoint.model_fields["interval_steps"]) == contract.MAX_INTERVAL_STEPS == cli.MAX_STEPS
+    assert _le(Checkpoint.model_fields["keep"]) == contract.MAX_KEEP == cli.MAX_KEEP
+
+
+def _le(field) -> int:  # noqa: ANN001 (a pydantic FieldInfo)
+    return next(m.le for m in field.metadata if getattr(m, "le", None) is not None)
