@@ -177,7 +177,8 @@ def checksums(published: transfer.Published, repeats: int) -> dict[str, list[tup
     return runs
 
 
-def joiner_pieces(data: bytearray, manifest: transfer.Manifest, src: tuple[torch.nn.Module, torch.optim.Optimizer],
+def joiner_pieces(data: bytearray, manifest: transfer.SnapshotManifest,
+                  src: tuple[torch.nn.Module, torch.optim.Optimizer],
                   repeats: int) -> tuple[dict[str, list[tuple[float, float]]], bool]:
     """Shadow, replay of `repeats` recorded steps (the source steps the same), swap; and
     whether the joiner ends bit-identical to the source."""

@@ -58,7 +58,7 @@ from transom_operator.api_base import (  # noqa: F401  (api.X is the public name
     PreflightCheck,
     PreflightCheckItem,
     Reason,
-    ReplicaState,
+    ReplicaPhase,
     Rule,
     SpareState,
     StatusModel,

@@ -68,8 +68,8 @@ class JobState(StrEnum):
     QUEUED = "Queued"  # waiting for Kueue to admit it (reconcile/admission.py)
 
 
-class ReplicaState(StrEnum):
-    """status.replicas[].state."""
+class ReplicaPhase(StrEnum):
+    """status.replicas[].state (named apart from ft/state.py's ReplicaState, the training state)."""
 
     PENDING = "Pending"
     RUNNING = "Running"

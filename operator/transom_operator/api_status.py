@@ -25,7 +25,7 @@ from transom_operator.api_base import (
     NodeName,
     NodeNameItem,
     Reason,
-    ReplicaState,
+    ReplicaPhase,
     Rule,
     SpareState,
     StatusModel,
@@ -64,7 +64,7 @@ class ReplicaStatus(StatusModel):
     generation: int = Field(
         0, ge=0, le=MAX_GENERATION, description="Incarnation of the replica; each replacement increments it.",
     )
-    state: ReplicaState = Field(ReplicaState.PENDING, description="Pending, Running, Replacing, Succeeded or Failed.")
+    state: ReplicaPhase = Field(ReplicaPhase.PENDING, description="Pending, Running, Replacing, Succeeded or Failed.")
     nodes: list[NodeNameItem] = Field(
         default_factory=list, max_length=MAX_NODES_PER_REPLICA,
         description="Nodes of the replica's pods, by node rank.",

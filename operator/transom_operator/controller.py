@@ -199,7 +199,7 @@ class Controller:
                   and r.last_failure != old.last_failure and r.last_failure.reason == reasons.OOM_KILLED):
                 metrics.REPLICA_FAILURES.labels(reasons.OOM_KILLED).inc()  # restarted in place, or ended the job
             key = (namespace, name, r.id, r.generation)
-            if r.state == api.ReplicaState.RUNNING and key in self._replacing:
+            if r.state == api.ReplicaPhase.RUNNING and key in self._replacing:
                 metrics.REPLACEMENT_SECONDS.observe(time.monotonic() - self._replacing.pop(key))
         spares_before = {s.id: s for s in (job.status.spares if job.status and job.status.spares else [])}
         for s in plan.status.spares or []:

@@ -254,7 +254,7 @@ def test_a_snapshot_the_verification_refuses_is_not_used_and_its_source_is_dropp
     committed = {5: fingerprint(list(peer.parameters()))}
     verified: list[tuple[int, bool]] = []
 
-    def verify(manifest: transfer.Manifest, shadow: Shadow) -> bool:
+    def verify(manifest: transfer.SnapshotManifest, shadow: Shadow) -> bool:
         ok = committed.get(manifest.step) == fingerprint(shadow.params)
         verified.append((manifest.step, ok))
         return ok

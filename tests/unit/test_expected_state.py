@@ -37,13 +37,13 @@ def replica(make_optimizer, steps: int, dtype: torch.dtype = torch.float32, seed
     return model, opt
 
 
-def manifest_of(state: dict, **replace: torch.Tensor) -> transfer.Manifest:
+def manifest_of(state: dict, **replace: torch.Tensor) -> transfer.SnapshotManifest:
     tensors, skeleton = structure.flatten(state, torch.is_tensor)
     tensors = {k: v.detach().clone() for k, v in {**tensors, **replace}.items()}
     return transfer.publish(5, tensors, skeleton, chunk_bytes=4096).manifest
 
 
-def snapshot_of(model, opt, **replace: torch.Tensor) -> transfer.Manifest:
+def snapshot_of(model, opt, **replace: torch.Tensor) -> transfer.SnapshotManifest:
     return manifest_of({"step": 5, "model": model.state_dict(), "optimizer": opt.state_dict()}, **replace)
 
 

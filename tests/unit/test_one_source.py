@@ -51,3 +51,22 @@ def test_transom_run_refuses_what_the_crd_refuses():
 
 def _le(field) -> int:  # noqa: ANN001 (a pydantic FieldInfo)
     return next(m.le for m in field.metadata if getattr(m, "le", None) is not None)
+
+
+def public_classes(package: Path) -> dict[str, list[str]]:
+    """Each public top-level class name of `package` and the modules that define it."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                names.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    return names
+
+
+def test_no_two_classes_of_a_package_share_a_name():
+    """A reader who meets `Manifest` or `ReplicaState` should not have to ask which one. (The
+    operator's status models mirror some of the coordinator's names on purpose: they are the
+    API's spelling of the same things, in another package.)"""
+    for package in PRODUCT:
+        twice = {name: where for name, where in public_classes(package).items() if len(where) > 1}
+        assert twice == {}, f"classes defined twice in {package.name}: {twice}"

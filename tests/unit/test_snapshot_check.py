@@ -16,7 +16,7 @@ from transom.detect.step_rows import DetectionSettings
 from transom.ft.catchup import Shadow
 from transom.ft.guard import fingerprint
 from transom.ft.snapshot_check import SnapshotCheck
-from transom.ft.transfer import Manifest
+from transom.ft.transfer import SnapshotManifest
 
 PARAMS = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
 MINE = int(fingerprint(PARAMS).item())
@@ -36,7 +36,7 @@ class Records:
 
 def check(client, **kw) -> bool:
     return SnapshotCheck(client, rank=1, wait_s=kw.pop("wait_s", 2.0), **kw)(
-        cast(Manifest, SimpleNamespace(step=40)), cast(Shadow, SimpleNamespace(model_params=PARAMS)))
+        cast(SnapshotManifest, SimpleNamespace(step=40)), cast(Shadow, SimpleNamespace(model_params=PARAMS)))
 
 
 @pytest.mark.parametrize("record, used", [

@@ -1,5 +1,5 @@
 """The step's fault-injection hooks (ft/hooks.py) and the typed quorum answer its ranks
-share (ft/leader.py `read_outcome`): production gets hooks that never fire, and a fault
+share (ft/coordinator_link.py `read_outcome`): production gets hooks that never fire, and a fault
 fires only at its own point, step and rank."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from transom.coordinator.models import QuorumResponse
 from transom.ft import hooks
-from transom.ft.leader import NoQuorumAnswer, read_outcome
+from transom.ft.coordinator_link import NoQuorumAnswer, read_outcome
 
 
 def test_without_a_fault_for_this_attempt_the_step_gets_hooks_that_do_nothing():

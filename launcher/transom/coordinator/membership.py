@@ -264,7 +264,7 @@ class Membership:
         self._record(decision, now)
         return decision
 
-    def _new_quorum(self, p: rounds.Plan, now: float) -> tuple[int, str, str]:
+    def _new_quorum(self, p: rounds.RoundPlan, now: float) -> tuple[int, str, str]:
         """A fresh quorum id, and the store its groups are built on: a member's holding the
         state, or any member's when every one of them is still catching up (they are told
         they cannot)."""
@@ -276,7 +276,8 @@ class Membership:
                     + (f", recovering {sorted(p.recovering)}" if p.recovering else ""))
         return quorum_id, owner.store_addr, f"transom/{self.settings.job}/{self.epoch}/q{quorum_id}"
 
-    def _announce(self, prev: Decision | None, p: rounds.Plan, ready: dict[int, QuorumRequest], now: float) -> None:
+    def _announce(self, prev: Decision | None, p: rounds.RoundPlan, ready: dict[int, QuorumRequest],
+                  now: float) -> None:
         """The round's news: who caught up, a resumed job, and new batch shares to publish."""
         if prev is not None:
             for rid in sorted(set(prev.recovering) & set(p.canonical)):

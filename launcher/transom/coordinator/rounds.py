@@ -68,7 +68,7 @@ class OpenRound:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RoundPlan:
     """What the ready requests of a round say, before it is given a quorum id."""
 
     ids: list[int]  # the members' replica ids, sorted
@@ -80,7 +80,7 @@ class Plan:
     snapshot_from: int | None  # the step the sources keep a snapshot of (None: nobody catches up)
 
 
-def plan(ready: Mapping[int, QuorumRequest]) -> Plan:
+def plan(ready: Mapping[int, QuorumRequest]) -> RoundPlan:
     ids = sorted(ready)
     max_step = max(ready[i].step for i in ids)
     at_max = [i for i in ids if ready[i].step == max_step]
@@ -94,7 +94,7 @@ def plan(ready: Mapping[int, QuorumRequest]) -> Plan:
     # What the joiners need: one that joins now records updates from this step on, one
     # catching up says from which step.
     needs = [max_step if (since := ready[i].catching_up_from) is None else since for i in recovering]
-    return Plan(ids=ids, members=tuple(ready[i].identity for i in ids), failed=any(ready[i].failed for i in ids),
+    return RoundPlan(ids=ids, members=tuple(ready[i].identity for i in ids), failed=any(ready[i].failed for i in ids),
                 max_step=max_step, canonical=canonical, recovering=recovering,
                 snapshot_from=max(needs) if needs else None)
 

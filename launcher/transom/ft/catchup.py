@@ -173,7 +173,7 @@ class Joiner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, token: str,
                  device: torch.device, rebuild: Callable | None, need_from: int, sources: list[str],
                  timeout_s: float, max_record_bytes: int, gate: transfer.LinkGate | None = None,
-                 verify: Callable[[transfer.Manifest, Shadow], bool] | None = None):
+                 verify: Callable[[transfer.SnapshotManifest, Shadow], bool] | None = None):
         """Make it on the training thread, in the round whose small state it took: `need_from`
         is that state's step, committed by the sources. `gate`: the trainer's; the transfer
         uses the link only while the exchange does not. `verify(manifest, shadow)`: called

@@ -35,7 +35,7 @@ from transom.ft.replica import ReplicaContext
 from transom.ft.shares import BatchShares
 from transom.ft.stats import StatsWriter
 from transom.ft.step_clock import StepClock
-from transom.ft.step_values import QuorumOutcome, StepRecord, Verdict
+from transom.ft.step_values import QuorumOutcome, StepRecord, StepVote
 
 log = logging.getLogger("transom.ft")
 
@@ -82,14 +82,14 @@ class Commit:
             raise TooManyFailedSteps(f"{self.failed_in_a_row} failed steps in a row, last: {outcome.ftar.error}")
         return verdict.committed
 
-    def _vote(self, outcome: QuorumOutcome, loss: Any) -> Verdict:
+    def _vote(self, outcome: QuorumOutcome, loss: Any) -> StepVote:
         skip, loss_value, norm = False, None, None
         with self.clock.waiting():
             if self.guard is not None:  # a bad step is applied on no replica (ft/guard.py)
                 skip, loss_value, norm = self.guard.decide(loss, outcome.ftar, self.ctx, not outcome.recovering,
                                                            self.device)
             committed = self.ctx.all_ok(not outcome.ftar.failed)  # the vote of the replica's ranks
-        return Verdict(committed=committed, skip=skip, loss=loss_value, norm=norm)
+        return StepVote(committed=committed, skip=skip, loss=loss_value, norm=norm)
 
     def _apply(self, q: QuorumResponse, before_optimizer: Callable[[], None] | None, update: bool) -> None:
         """Step the optimizer (its learning rate scaled for missing replicas) unless `update`
@@ -134,7 +134,7 @@ class Commit:
         if self.writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
             self.checkpoints.save(self.step, self.writers)
 
-    def _signal(self, step: int, verdict: Verdict, recovering: bool, serving: bool) -> None:
+    def _signal(self, step: int, verdict: StepVote, recovering: bool, serving: bool) -> None:
         """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
         if self.guard is not None:

@@ -4,7 +4,7 @@ The leader's quorum request leaves with the step's first forward pass (the train
 forward hook calls `ask`) and overlaps it; the answer is awaited when the first bucket
 of gradients is ready, or at the end of the backward pass (`open`). The other ranks of
 the replica never talk to the coordinator: the leader hands them its answer
-(ft/leader.py). A changed quorum rebuilds the cross-replica group (ft/process_group.py);
+(ft/coordinator_link.py). A changed quorum rebuilds the cross-replica group (ft/process_group.py);
 a round that serves a joiner publishes its small state first (ft/recovery.py); then the
 step's all-reduce (ft/ftar.py) starts, bucket by bucket as backward produces them
 (`bucket_ready`), and `finish` starts the rest and waits for all.
@@ -26,11 +26,11 @@ from transom.collective_counts import COUNTER
 from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
 from transom.errors import NoQuorum
 from transom.ft.config import FTConfig
+from transom.ft.coordinator_link import CoordinatorLink, hand_outcome, read_outcome
 from transom.ft.fencing import IncarnationFence
 from transom.ft.ftar import StepAllReduce, bucket_params
 from transom.ft.guard import Guard
 from transom.ft.hooks import StepHooks
-from transom.ft.leader import CoordinatorLink, hand_outcome, read_outcome
 from transom.ft.process_group import QuorumGroups
 from transom.ft.recovery import Recovery
 from transom.ft.replica import ReplicaContext

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from transom.checkpoint import blob, sharding, structure
-from transom.ft.transfer import ALIGN, MAX_CHUNKS, MAX_MANIFEST_BYTES, Manifest
+from transom.ft.transfer import ALIGN, MAX_CHUNKS, MAX_MANIFEST_BYTES, SnapshotManifest
 
 LAZY_ENTRIES = 8  # optimizer state tensors per parameter that has none here yet
 LAZY_FACTOR = 4  # ...holding together at most this many times the parameter's bytes
@@ -91,7 +91,7 @@ class ExpectedState:
         lazy = {i: Spec.of(sharding.localize(p)[0]) for i, p in enumerate(params) if not optimizer.state.get(p)}
         return cls({k: Spec.of(t) for k, t in tensors.items()}, lazy, len(json.dumps(skeleton)))
 
-    def mismatch(self, manifest: Manifest) -> str | None:
+    def mismatch(self, manifest: SnapshotManifest) -> str | None:
         """Why `manifest` cannot be a snapshot of this replica's state (the first thing found),
         None if it can."""
         lazy_used: dict[int, tuple[int, int]] = {}  # parameter index -> (entries, bytes)

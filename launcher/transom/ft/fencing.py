@@ -60,7 +60,7 @@ log = logging.getLogger("transom.ft")
 PAST = {"write": "written", "delete": "deleted", "serve": "served"}
 WAS = {"superseded": "was superseded", "failed": "was declared failed", "left": "had left"}
 RETRY_SERVE_S = 1.0  # after a failed confirmation, the state server refuses without asking for this long
-Verdict = Literal["go", "fenced", "unconfirmed"]
+FenceAnswer = Literal["go", "fenced", "unconfirmed"]
 
 
 def fenced_line(identity: Identity, state: str, consequence: str) -> str:
@@ -71,7 +71,7 @@ def fenced_line(identity: Identity, state: str, consequence: str) -> str:
 
 
 def verdict(fenced: str | None, answer: Literal["current", "refused", "none"], elapsed_s: float,
-            timeout_s: float) -> Verdict:
+            timeout_s: float) -> FenceAnswer:
     """Whether an effect may go ahead: `answer` is the coordinator's ("none": no answer),
     `elapsed_s` how long it took to come back, `fenced` what this incarnation already knew."""
     if fenced is not None or answer == "refused":

@@ -32,7 +32,7 @@ from transom.ft.guard import fingerprint
 
 if TYPE_CHECKING:
     from transom.ft.catchup import Shadow
-    from transom.ft.transfer import Manifest
+    from transom.ft.transfer import SnapshotManifest
 
 log = logging.getLogger("transom.ft")
 # Rows reach the coordinator within a launcher's post interval (at most 30 s) and are judged
@@ -47,7 +47,7 @@ class SnapshotCheck:
     def __init__(self, client: CoordinatorClient, rank: int, enabled: bool = True, wait_s: float = WAIT_S):
         self.client, self.rank, self.enabled, self.wait_s = client, rank, enabled, wait_s
 
-    def __call__(self, manifest: Manifest, shadow: Shadow) -> bool:
+    def __call__(self, manifest: SnapshotManifest, shadow: Shadow) -> bool:
         if not self.enabled:
             return True  # detection off: no replica fingerprints anything
         mine = int(fingerprint(shadow.model_params).item())

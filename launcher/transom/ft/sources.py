@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from transom.errors import WireError
 from transom.ft import transfer
 from transom.ft.expected import ExpectedState
-from transom.ft.transfer import Manifest
+from transom.ft.transfer import SnapshotManifest
 
 log = logging.getLogger("transom.ft")
 # Without a majority for this long, ask for a newer snapshot (or try one, verified). Sources
@@ -63,12 +63,12 @@ class Choice:
     """A snapshot to fetch: its manifest, the sources that serve it, and the others asked
     (`late`: they may serve it once they have hashed theirs, ft/transfer.fetch)."""
 
-    manifest: Manifest
+    manifest: SnapshotManifest
     serving: list[str]
     late: list[str] = field(default_factory=list)
 
 
-def _identity(m: Manifest) -> tuple[int, tuple[int, ...]]:
+def _identity(m: SnapshotManifest) -> tuple[int, tuple[int, ...]]:
     """What a chunk is checked against: a refused snapshot is this, whatever else its manifest says."""
     return m.step, tuple(m.digests)
 
@@ -89,13 +89,13 @@ class Sources:
                 self.dropped[ep] = why
                 log.warning("catch-up: dropping source %s: %s", ep, why)
 
-    def refuse(self, manifest: Manifest, endpoints: Sequence[str], why: str) -> None:
+    def refuse(self, manifest: SnapshotManifest, endpoints: Sequence[str], why: str) -> None:
         """The snapshot `manifest` describes is not to be used: its sources are dropped, and so
         is any other that serves it later."""
         self._refused.add(_identity(manifest))
         self.drop(endpoints, why)
 
-    def offer(self, ep: str, bounds: Callable[[], tuple[int, int]]) -> tuple[Manifest, bytes] | None:
+    def offer(self, ep: str, bounds: Callable[[], tuple[int, int]]) -> tuple[SnapshotManifest, bytes] | None:
         """`ep`'s snapshot and its manifest's bytes, if it is one the joiner could take now
         (`bounds()`: the oldest step wanted, the newest committed); None if it has none yet
         (or an older one), cannot be reached, or was dropped now."""

@@ -1,7 +1,7 @@
 """The typed values a step's stages hand each other (ft/trainer.py sequences them).
 
     exchange (ft/exchange.py)  --QuorumOutcome-->  recovery (ft/recovery.py), commit (ft/commit.py)
-    commit                     --Verdict-->        itself: apply the update, or count a failure
+    commit                     --StepVote-->       itself: apply the update, or count a failure
     commit                     --StepRecord-->     exchange: what the next quorum request reports
 
 A stage never calls back into the trainer; it returns one of these and the trainer passes
@@ -27,7 +27,7 @@ class QuorumOutcome:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StepVote:
     """The vote of a step's end, the same on every rank of the replica."""
 
     committed: bool  # every rank's exchange succeeded: the step counts

@@ -74,11 +74,11 @@ from transom.ft.backward import GradientsReady
 from transom.ft.checkpointing import Checkpoints
 from transom.ft.commit import Commit
 from transom.ft.config import FTConfig, Stateful, model_device, scales
+from transom.ft.coordinator_link import coordinator_view, leave_request, register, report_close_failure, report_failure
 from transom.ft.exchange import Exchange
 from transom.ft.fencing import IncarnationFence
 from transom.ft.guard import Guard, signals_dir
 from transom.ft.input_digest import InputDigest
-from transom.ft.leader import coordinator_view, leave_request, register, report_close_failure, report_failure
 from transom.ft.loop_aids import LoopAids
 from transom.ft.optimizer import FTOptimizer
 from transom.ft.process_group import QuorumGroups

@@ -75,7 +75,7 @@ class _Entry(TensorEntry):
     offset: int = Field(ge=0)
 
 
-class Manifest(BaseModel):
+class SnapshotManifest(BaseModel):
     """What a joiner learns before it fetches a byte; checked before anything is allocated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -89,7 +89,7 @@ class Manifest(BaseModel):
     digests: list[int] = Field(max_length=MAX_CHUNKS)  # the CRC32C of each chunk
 
     @model_validator(mode="after")
-    def _consistent(self) -> Manifest:
+    def _consistent(self) -> SnapshotManifest:
         end = 0
         for e in self.entries:
             if e.offset != _aligned(end):
@@ -114,7 +114,7 @@ class Manifest(BaseModel):
 class Published:
     """A snapshot as a source serves it: the manifest and the tensors' bytes (views, no copy)."""
 
-    manifest: Manifest
+    manifest: SnapshotManifest
     manifest_json: bytes
     views: list[memoryview] = field(repr=False)
 
@@ -162,28 +162,28 @@ def publish(step: int, tensors: dict[str, torch.Tensor], skeleton: Any, chunk_by
         views.append(view)
         offset += len(view)
     # A draft, unvalidated, to cut the chunks whose CRC32Cs the digests are: the manifest below is validated.
-    shape = Manifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset, entries=placed,
+    shape = SnapshotManifest.model_construct(step=step, chunk_bytes=chunk_bytes, total_bytes=offset, entries=placed,
                                      skeleton=skeleton, checksum=CHECKSUM, digests=[])
     draft = Published(shape, b"", views)
     digests = [digest(draft.chunk(i)) for i in range(-(-offset // chunk_bytes))]
     body = {"step": step, "chunk_bytes": chunk_bytes, "total_bytes": offset, "entries": entries,
             "skeleton": skeleton, "checksum": CHECKSUM, "digests": digests}
-    manifest = Manifest.model_validate(body)
+    manifest = SnapshotManifest.model_validate(body)
     return Published(manifest, json.dumps(body, separators=(",", ":")).encode(), views)
 
 
-def parse_manifest(data: bytes) -> Manifest:
+def parse_manifest(data: bytes) -> SnapshotManifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise WireError(f"a manifest of {len(data)} bytes is too large")
     try:
-        return Manifest.model_validate(json.loads(data))
+        return SnapshotManifest.model_validate(json.loads(data))
     except ValidationError as e:
         raise WireError(f"bad manifest: {e.errors()[0]['msg']}") from None
     except (ValueError, RecursionError, blob.BlobError) as e:
         raise WireError(f"bad manifest: {e}") from None
 
 
-def assemble(manifest: Manifest, data: bytearray | memoryview, device: torch.device | str = "cpu",
+def assemble(manifest: SnapshotManifest, data: bytearray | memoryview, device: torch.device | str = "cpu",
              rebuild: Callable[[torch.Tensor, dict], Any] | None = None) -> Any:
     """The state the manifest describes, its tensors made from `data` (checked bytes)."""
     if len(data) != manifest.total_bytes:
@@ -228,7 +228,7 @@ def http_get(endpoint: str, path: str, token: str, timeout_s: float,
 
 
 def manifest_of(endpoint: str, token: str, timeout_s: float,
-                max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest | None:
+                max_bytes: int = MAX_MANIFEST_BYTES) -> SnapshotManifest | None:
     """The snapshot `endpoint` serves now, None if it serves none (yet)."""
     status, body = http_get(endpoint, "/snapshot", token, timeout_s, max_bytes)
     if status == 404:
@@ -248,7 +248,7 @@ class _Link:
         self.endpoint, self.token, self.timeout_s = endpoint, token, timeout_s
         self._conn: http.client.HTTPConnection | None = None
 
-    def chunk_into(self, manifest: Manifest, i: int, view: memoryview) -> None:
+    def chunk_into(self, manifest: SnapshotManifest, i: int, view: memoryview) -> None:
         """Chunk `i` straight into `view` (no intermediate copy), checked against its CRC32C.
         A kept connection the source closed (its idle timeout: the request finds it gone) is
         opened again, once; any other failure, or a fresh connection's, is the source's."""
@@ -263,7 +263,7 @@ class _Link:
         if digest([view]) != manifest.digests[i]:
             raise WireError(f"chunk {i}: checksum mismatch")
 
-    def _get(self, manifest: Manifest, i: int, view: memoryview) -> None:
+    def _get(self, manifest: SnapshotManifest, i: int, view: memoryview) -> None:
         if self._conn is None:
             self._conn = _connection(self.endpoint, self.timeout_s)
         self._conn.request("GET", f"/snapshot/{manifest.step}/chunk/{i}",
@@ -286,7 +286,7 @@ class _Link:
             self._conn = None
 
 
-def _serves(ep: str, manifest: Manifest, token: str, timeout_s: float, give_up: Callable[[], bool],
+def _serves(ep: str, manifest: SnapshotManifest, token: str, timeout_s: float, give_up: Callable[[], bool],
             max_bytes: int) -> bool:
     """Wait until a source that had no snapshot yet serves this one (sources of one step
     publish within a moment of each other); False if it serves another or gives up. Only
@@ -323,7 +323,7 @@ class LinkGate:
         self._free.wait(self.max_wait_s)
 
 
-def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: float,
+def fetch(manifest: SnapshotManifest, endpoints: Sequence[str], token: str, timeout_s: float,
           stopped: Callable[[], bool] = lambda: False, per_source: int = 2,
           late: Sequence[str] = (), gate: LinkGate | None = None,
           max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> bytearray:
@@ -355,7 +355,7 @@ def fetch(manifest: Manifest, endpoints: Sequence[str], token: str, timeout_s: f
 class _Fetch:
     """One `fetch`: its chunk queue, shared by one worker thread per source connection."""
 
-    def __init__(self, manifest: Manifest, token: str, timeout_s: float, stopped: Callable[[], bool],
+    def __init__(self, manifest: SnapshotManifest, token: str, timeout_s: float, stopped: Callable[[], bool],
                  gate: LinkGate | None, max_manifest_bytes: int):
         self.manifest, self.token, self.timeout_s, self.stopped = manifest, token, timeout_s, stopped
         self.gate, self.max_manifest_bytes = gate, max_manifest_bytes

@@ -76,7 +76,7 @@ from transom_operator.reconcile import admission as kueue
 from transom_operator.reconcile import failures, job_status, oom, spares
 from transom_operator.reconcile.observe import ObservedNode, ObservedPod, PodPhase, group_pods
 
-J, R, S = api.JobState, api.ReplicaState, api.SpareState
+J, R, S = api.JobState, api.ReplicaPhase, api.SpareState
 
 MAX_EXCLUDED_NODES = 1024  # as status.excludedNodes
 # A job waiting for Kueue reads its Workload again this often (no watch on Workloads: the
@@ -115,7 +115,7 @@ class _Replica:
     stale: list[ObservedPod]
     recorded: api.ReplicaStatus | None
     failure: failures.ReplicaFailure | None = None
-    state: api.ReplicaState = R.PENDING
+    state: api.ReplicaPhase = R.PENDING
     # The failure that made the current generation, when the pass that replaced it was cut
     # short before its status write (`unrecorded`).
     lost: failures.ReplicaFailure | None = None
@@ -152,7 +152,7 @@ def _group(pods: Iterable[ObservedPod], spec: api.TrainingJobSpec,
             for i, s in enumerate(sets)], extra
 
 
-def _pods_state(r: _Replica, nodes_per_replica: int) -> api.ReplicaState:
+def _pods_state(r: _Replica, nodes_per_replica: int) -> api.ReplicaPhase:
     succeeded = True
     for rank in range(nodes_per_replica):
         p = r.current.get(rank)

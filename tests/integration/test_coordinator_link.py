@@ -1,4 +1,4 @@
-"""A replica leader's link to the coordinator (`transom.ft.leader`), over real HTTP and real
+"""A replica leader's link to the coordinator (`transom.ft.coordinator_link`), over real HTTP and real
 process groups.
 
 - `close()` stops a quorum request that is retrying against a coordinator that went away
@@ -24,7 +24,7 @@ from transom.coordinator.client import CoordinatorClient, CoordinatorError
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, QuorumRequest, RegisterRequest
 from transom.coordinator.thread import CoordinatorThread
-from transom.ft.leader import CoordinatorLink, hand_outcome
+from transom.ft.coordinator_link import CoordinatorLink, hand_outcome
 from transom.launch.supervisor import free_port
 
 TOKEN = "link-test-token"
