@@ -70,3 +70,14 @@ def test_no_two_classes_of_a_package_share_a_name():
     for package in PRODUCT:
         twice = {name: where for name, where in public_classes(package).items() if len(where) > 1}
         assert twice == {}, f"classes defined twice in {package.name}: {twice}"
+
+
+def test_the_crds_detection_actions_are_the_detectors_words():
+    from typing import get_args
+
+    from transom.words import DetectAction
+    from transom_operator.api import Detection
+
+    fields = Detection.model_fields
+    assert set(get_args(fields["slow_action"].annotation)) == set(DetectAction)
+    assert set(get_args(fields["action"].annotation)) == set(DetectAction) - {DetectAction.REBALANCE}

@@ -16,7 +16,7 @@ from transom.words import IncarnationState
 
 def failed_incarnations(status: JobStatus) -> list[tuple[int, int, str | None]]:
     """(replica, generation, last failure) of each replica the coordinator declared failed."""
-    return [(r.replica_id, r.generation, r.last_failure) for r in status.replicas if r.state == "failed"]
+    return [(r.replica_id, r.generation, r.last_failure) for r in status.replicas if r.state == IncarnationState.FAILED]
 
 
 def caught_up(status: JobStatus) -> set[int]:

@@ -63,6 +63,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 
 from transom import contract, script_errors
@@ -75,12 +76,24 @@ from transom.launch.rendezvous import free_port  # noqa: F401  (where tests and 
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
 from transom.launch.workers import WorkerGroup
+from transom.words import IncarnationState
 
 log = logging.getLogger("transom.launch")
 POLL_S = 0.05
 PROGRESS_POLL_S = 0.2  # the workers' signal files (launch/signal_forwarder.py)
 COMPLETION_CHECK_S = 30.0  # how long workers that exited 0 wait for the coordinator to confirm
 REPORT_TIMEOUT_S = 2.0  # a failure report: the coordinator also notices by heartbeat, so never wait long
+
+
+class Outcome(StrEnum):
+    """How one attempt of the replica's workers ended (Supervisor._watch)."""
+
+    OK = "ok"  # every worker succeeded
+    FAILED = "failed"  # a worker failed, hung, or the coordinator declared the replica failed
+    SCRIPT_ERROR = "script_error"  # a worker raised a ScriptError: every retry would fail alike
+    SUPERSEDED = "superseded"  # a newer incarnation of the replica registered
+    SIGNAL = "signal"  # the launcher was told to stop
+    PREFLIGHT = "preflight"  # a waiting spare's periodic check failed
 
 
 def restart_delay_s(attempt: int, backoff_s: float) -> float:
@@ -183,19 +196,18 @@ class Launcher:
         self._report(attempt, reason, None)
         return reason
 
-    def _watch(self, attempt: int) -> tuple[str, str]:
-        """Wait for this attempt to end: (outcome, reason); outcome 'ok', 'failed', 'script_error',
-        'superseded', 'signal' or 'preflight'."""
+    def _watch(self, attempt: int) -> tuple[Outcome, str]:
+        """Wait for this attempt to end: (outcome, reason)."""
         watch: StateWatch | None = None  # the coordinator's view of this replica (launch/state_watch.py)
         next_progress_poll = 0.0
         try:
             while True:
                 if self._signal is not None:
-                    return "signal", f"received {signal.Signals(self._signal).name}"
+                    return Outcome.SIGNAL, f"received {signal.Signals(self._signal).name}"
                 if self._podinfo is not None:
                     self._promote_if_assigned()
                 if (failure := self._checks.poll_spare()) is not None:
-                    return "preflight", failure
+                    return Outcome.PREFLIGHT, failure
                 ended = self._workers_ended(attempt)
                 if ended is not None:
                     return ended
@@ -203,21 +215,21 @@ class Launcher:
                     next_progress_poll = time.monotonic() + PROGRESS_POLL_S
                     hung = self._watch_progress(attempt)
                     if hung is not None:
-                        return "failed", hung
+                        return Outcome.FAILED, hung
                 if not self.env.is_spare:  # a spare has no identity until it is promoted
                     if watch is None:
                         watch = StateWatch(self.client.url, self.client.credential, self.identity(attempt))
                     state = watch.latest  # None: not answered yet, or the coordinator is unreachable
-                    if state is not None and state.state == "failed":
-                        return "failed", f"coordinator declared the replica failed: {state.reason}"
-                    if state is not None and state.state == "superseded":
-                        return "superseded", "a newer incarnation of this replica registered"
+                    if state is not None and state.state == IncarnationState.FAILED:
+                        return Outcome.FAILED, f"coordinator declared the replica failed: {state.reason}"
+                    if state is not None and state.state == IncarnationState.SUPERSEDED:
+                        return Outcome.SUPERSEDED, "a newer incarnation of this replica registered"
                 time.sleep(POLL_S)
         finally:
             if watch is not None:
                 watch.stop()
 
-    def _workers_ended(self, attempt: int) -> tuple[str, str] | None:
+    def _workers_ended(self, attempt: int) -> tuple[Outcome, str] | None:
         codes = self.group.codes()
         for rank, code in enumerate(codes):
             if code not in (None, 0):
@@ -225,18 +237,18 @@ class Launcher:
                 if failure is not None:  # reported as what it is, not as a crash
                     reason = failure.describe(self.who)
                     self._report(attempt, reason, code if code >= 0 else None)
-                    return "script_error", reason
+                    return Outcome.SCRIPT_ERROR, reason
                 global_rank = self.env.node_rank * self.config.nproc_per_node + rank
                 reason = self._oom.report(global_rank, code) or f"worker local rank {rank} {describe_exit(code)}"
                 self._report(attempt, reason, code if code >= 0 else None)
-                return "failed", reason
+                return Outcome.FAILED, reason
         if all(c == 0 for c in codes):
             if self.env.is_spare:
-                return "failed", "the workers of a spare exited before it was promoted"
+                return Outcome.FAILED, "the workers of a spare exited before it was promoted"
             return self._finished(attempt)
         return None
 
-    def _finished(self, attempt: int) -> tuple[str, str]:
+    def _finished(self, attempt: int) -> tuple[Outcome, str]:
         """Every worker exited 0: 'ok' if the coordinator says the job completed, else 'failed'."""
         try:
             state = self.client.replica_state(self.identity(attempt), timeout_s=COMPLETION_CHECK_S)
@@ -244,27 +256,27 @@ class Launcher:
             reason = f"workers exited 0, but the coordinator could not confirm that the job completed: {e}"
         else:
             if state.job_completed:
-                return "ok", "all workers succeeded"
+                return Outcome.OK, "all workers succeeded"
             reason = "workers exited 0 before the job completed (no replica reached the last step)"
         self._report(attempt, reason, 0)
-        return "failed", reason
+        return Outcome.FAILED, reason
 
     # --- main loop ---------------------------------------------------------------------------
     def _oom_message(self) -> str:
         return f"{contract.OOM_KILLED}: {contract.oom_advice(self.who, self._oom_kills, self._oom.limit())}"
 
-    def _ended(self, attempt: int, outcome: str, reason: str) -> int | None:
+    def _ended(self, attempt: int, outcome: Outcome, reason: str) -> int | None:
         """The exit code once an attempt that did not succeed ends the launcher, else None
         (restart). Its workers are stopped already."""
         # A worker writes its ScriptError before it reports the replica failed, so the file is
         # there also when the coordinator's word came before the worker's exit.
-        failure = self.group.script_failure(attempt) if outcome == "failed" else None
+        failure = self.group.script_failure(attempt) if outcome == Outcome.FAILED else None
         if failure is not None:
-            outcome, reason = "script_error", failure.describe(self.who)
-        if outcome == "superseded":
+            outcome, reason = Outcome.SCRIPT_ERROR, failure.describe(self.who)
+        if outcome == Outcome.SUPERSEDED:
             log.error("%s: %s; exiting", self.who, reason)
             return contract.EXIT_EVICTED
-        if outcome == "script_error":
+        if outcome == Outcome.SCRIPT_ERROR:
             log.error("%s: %s; not restarting: every attempt would fail the same way", self.who, reason)
             script_errors.write_termination_log(reason, self._environ)
             return contract.EXIT_SCRIPT_ERROR
@@ -312,10 +324,10 @@ class Launcher:
                     self._forwarder.poll(time.monotonic())
                     self._forwarder.flush(patience_s=LAST_FLUSH_PATIENCE_S)
                     self._forwarder = None
-                if outcome == "ok":
+                if outcome == Outcome.OK:
                     self.group.stop(signal.SIGKILL, 0.0)  # they exited: this sweeps what they left
                     return contract.EXIT_OK
-                if outcome == "signal":
+                if outcome == Outcome.SIGNAL:
                     assert self._signal is not None
                     # The pod is going (deleted, preempted, drained): say so at once, so that
                     # the other replicas' next round need not wait for this one to be missed.
@@ -325,7 +337,7 @@ class Launcher:
                     return 128 + self._signal
                 # A failed replica's workers may be hung in a collective or stopped: no grace.
                 self.group.stop(signal.SIGKILL, 0.0)
-                if outcome == "preflight":  # a waiting spare's periodic check
+                if outcome == Outcome.PREFLIGHT:  # a waiting spare's periodic check
                     return preflight.unfit(self.who, reason, self._environ)
                 code = self._ended(attempt, outcome, reason)
                 if code is None and preflight.hardware_class(reason, codes):
