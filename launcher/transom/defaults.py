@@ -10,8 +10,9 @@ A job runs in one of two settings, and their defaults differ on purpose:
   large model or its first NCCL call can take long: a healthy replica must not be dropped
   for that, so the timeouts are longer.
 
-The CLI, `FTConfig`, the coordinator's `Settings`, `transom run` and the CRD read their
-defaults from here; `table()` is docs/defaults.md (`make generate`, checked by a test).
+The CLI, `FTConfig`, `CheckpointConfig`, `LaunchConfig`, `RunConfig`, the coordinator's
+`Settings` and the CRD read their defaults from here (every wait a user can set; the short
+polls and grace periods that no flag or spec field sets stay beside the code they pace); `table()` is docs/defaults.md (`make generate`, checked by a test).
 """
 
 from __future__ import annotations
@@ -96,6 +97,22 @@ MAX_FORWARD_INTERVAL_S = 30.0
 CLIENT_QUICK_TIMEOUT_S = 2.0
 CLIENT_REPORT_TIMEOUT_S = 5.0
 CLIENT_TIMEOUT_S = 30.0
+
+# The checkpoint engine's waits (checkpoint/engine.py CheckpointConfig), the same in both
+# settings. Part 0's writer waits for the other parts CHECKPOINT_COMMIT_TIMEOUT_S, or 3x the
+# time its own part took if longer (parts are balanced by size: a writer far slower is gone).
+CHECKPOINT_COMMIT_TIMEOUT_S = 60.0
+CHECKPOINT_SNAPSHOT_TIMEOUT_S = 300.0  # the host copy of a snapshot, before the next optimizer step
+CHECKPOINT_CLOSE_TIMEOUT_S = 300.0  # close() waits this long for the last checkpoint to persist
+CHECKPOINT_RESTORE_TIMEOUT_S = 300.0  # a restore waits this long for storage that is away
+CHECKPOINT_RETRY_FIRST_S = 0.5  # a failed storage call is tried again after this, doubling
+CHECKPOINT_RETRY_MAX_S = 30.0  # ... up to this between two tries
+
+# The launcher's (launch/config.py LaunchConfig) and `transom run`'s (RunConfig) waits.
+RESTART_BACKOFF_S = 0.5  # before the second in-place restart of the workers, doubling
+TERM_GRACE_S = 10.0  # workers sent SIGTERM get this long before SIGKILL
+RENDEZVOUS_TIMEOUT_S = 300.0  # node k > 0 of a replica waits this long for node 0's address
+RUN_TIMEOUT_S = 3600.0  # `transom run --timeout`: the whole run
 
 
 def heartbeat_interval_s(timeout_s: float) -> float:

@@ -81,3 +81,37 @@ def test_the_crds_detection_actions_are_the_detectors_words():
     fields = Detection.model_fields
     assert set(get_args(fields["slow_action"].annotation)) == set(DetectAction)
     assert set(get_args(fields["action"].annotation)) == set(DetectAction) - {DetectAction.REBALANCE}
+
+
+SETTINGS_CLASSES = {  # the settings a user gives (flags, spec fields, constructor arguments)
+    "launcher/transom/ft/config.py": ("FTConfig",),
+    "launcher/transom/checkpoint/engine.py": ("CheckpointConfig",),
+    "launcher/transom/launch/config.py": ("LaunchConfig", "RunConfig"),
+}
+
+
+def literal_second_defaults(path: Path, classes: tuple[str, ...]) -> list[str]:
+    """`Class.field` of each `*_s` field of `classes` whose default is a number written in place
+    (0, "off", excepted) rather than a name from defaults.py."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in classes):
+            continue
+        for item in node.body:
+            if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                    and item.target.id.endswith("_s") and isinstance(item.value, ast.Constant)
+                    and isinstance(item.value.value, (int, float)) and item.value.value != 0):
+                found.append(f"{node.name}.{item.target.id}")
+    return found
+
+
+def test_every_wait_a_user_can_set_defaults_to_a_value_of_defaults_py():
+    literal = [f"{rel}: {name}" for rel, classes in SETTINGS_CLASSES.items()
+               for name in literal_second_defaults(ROOT / rel, classes)]
+    assert literal == [], "give these their default in transom/defaults.py:\n" + "\n".join(literal)
+
+
+def test_a_wait_written_in_place_is_seen(tmp_path: Path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("class C:\n    a_s: float = 3.0\n    b_s: float = 0\n    c: int = 5\n    d_s: float = X\n")
+    assert literal_second_defaults(probe, ("C",)) == ["C.a_s"]

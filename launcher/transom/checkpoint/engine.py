@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from transom import contract
+from transom import contract, defaults
 from transom.checkpoint import blob, layout, sharding, structure
 from transom.checkpoint.persist import commit, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
@@ -71,15 +71,14 @@ class CheckpointConfig:
     uri: str
     interval_steps: int = 0  # 0: only when save() is called
     keep: int = 2
-    # How long part 0's writer waits for the other parts: this, or 3x the time its own part
-    # took if longer (parts are balanced by size, so a writer far slower than that is gone).
-    commit_timeout_s: float = 60.0
-    snapshot_timeout_s: float = 300.0
+    # The waits: what each bounds is said in defaults.py.
+    commit_timeout_s: float = defaults.CHECKPOINT_COMMIT_TIMEOUT_S
+    snapshot_timeout_s: float = defaults.CHECKPOINT_SNAPSHOT_TIMEOUT_S
     save_on_close: bool = True  # FaultTolerant.close() saves the final step
-    close_timeout_s: float = 300.0  # how long close() waits for the last checkpoint to persist
-    restore_timeout_s: float = 300.0  # how long a restore waits for storage that is away
-    retry_first_s: float = 0.5
-    retry_max_s: float = 30.0
+    close_timeout_s: float = defaults.CHECKPOINT_CLOSE_TIMEOUT_S
+    restore_timeout_s: float = defaults.CHECKPOINT_RESTORE_TIMEOUT_S
+    retry_first_s: float = defaults.CHECKPOINT_RETRY_FIRST_S
+    retry_max_s: float = defaults.CHECKPOINT_RETRY_MAX_S
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The settings of `transom launch` (`LaunchConfig`, one pod's launcher: launch/supervisor.py)
 and of `transom run` (`RunConfig`, a local job: launch/local.py), with the checks that refuse
-bad values at once. The CLI's flags take their defaults from these fields (cli.py), so a
-default is written here only.
+bad values at once. The CLI's flags take their defaults from these fields (cli.py), whose
+waits take theirs from transom/defaults.py (test_one_source keeps it so).
 
 Light on purpose: the `transom` CLI reads it for every command, the launcher in every pod.
 
@@ -64,9 +64,9 @@ class LaunchConfig:
     command: list[str]  # what each worker runs (`transom launch -- CMD`)
     nproc_per_node: int  # workers of this node
     max_restarts: int = 3  # in-place restarts of the workers before the launcher gives up (exit 1)
-    restart_backoff_s: float = 0.5  # the wait before the second restart, doubling (restart_delay_s)
-    term_grace_s: float = 10.0  # how long workers sent SIGTERM get before SIGKILL
-    rendezvous_timeout_s: float = 300.0  # how long node k > 0 waits for node 0's address
+    restart_backoff_s: float = defaults.RESTART_BACKOFF_S  # before the second restart, doubling (restart_delay_s)
+    term_grace_s: float = defaults.TERM_GRACE_S  # how long workers sent SIGTERM get before SIGKILL
+    rendezvous_timeout_s: float = defaults.RENDEZVOUS_TIMEOUT_S  # node k > 0 waits this for node 0's address
     detection: DetectionSettings = field(default_factory=DetectionSettings)  # spec.detection (hang watchdog)
     oom_kill_limit: int = defaults.OOM_KILL_LIMIT  # OOM kills before the launcher exits EXIT_OOM_KILLED
 
@@ -93,7 +93,7 @@ class RunConfig:
     heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
     max_restarts: int = LaunchConfig.max_restarts  # each launcher's (`transom launch --max-restarts`)
     max_generations: int = 3  # incarnations of a replica before the run gives up
-    timeout_s: float = 3600.0
+    timeout_s: float = defaults.RUN_TIMEOUT_S
     quiet: bool = False
     checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
     checkpoint_interval: int | None = None
