@@ -150,6 +150,28 @@ def test_the_coordinator_rebalances_a_slow_replica_and_restores_it():
     assert m.training(3.0)["batchSharePercent"] is None  # removed from status by the merge patch
 
 
+
+def test_a_replica_that_under_reports_its_busy_time_moves_no_share_of_the_others():
+    """Issue 28: with Rebalance, one liar (busy time x1e-5) among three made the honest two
+    "slow" and moved their shares to [0.75, 0.75, 1.49]. The others are judged against the
+    median of the replicas' medians (and their own history), which one liar cannot move."""
+    m = make(3)
+    for r in range(3):
+        register(m, r)
+    d = Detection(DetectionSettings(warmup_steps=5, slow_steps=4, slow_action="Rebalance"), m)
+    prev = None
+    for step in range(40):
+        prev = round_all(m, [QuorumRequest(
+            identity=ident(r), step=step, commit_quorum_id=prev.quorum_id if prev else -1,
+            last_round=prev.round if prev else -1, follows_shares=True) for r in range(3)], now=1.0 + step)
+        assert prev.shares is None, f"shares moved at step {step}: {prev.shares}"
+        for r in range(3):
+            seconds = 0.5 * (1e-5 if r == 2 else 1.0) * (1.0 + 0.01 * ((step * 7 + r) % 5))
+            d.observe(SignalBatch(identity=ident(r), rows=[SignalRow(step=step, rank=0, step_seconds=seconds,
+                                                                     tokens=100.0)]), now=1.0 + step)
+    assert m.shares.slowness == {}  # nobody rebalanced: the liar claims speed it cannot be given
+    assert not any(e.kind == "rebalance" for e in m.events)
+
 def test_a_member_that_does_not_follow_shares_keeps_everyone_nominal():
     m = make(3)
     for r in range(3):
