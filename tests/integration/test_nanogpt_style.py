@@ -71,7 +71,9 @@ def test_the_nanogpt_style_example_survives_a_sigkill(transom_run, tmp_path):
     assert s["replica_restarts"] == 1 and result.incarnations(1) == 2 and result.incarnations(0) == 1, s
     # One replica evaluated at 40 and 80 (none at 0: no replica holds a committed step yet).
     assert re.findall(r"^step (\d+): train loss [\d.]+, val loss [\d.]+$", result.output, re.M) == ["40", "80"]
-    assert sorted(_iters(result.output)) == [19, 39, 59, 79, 99]  # log_due(20): one writer, one line
+    # log_due(20): one writer, one line per logged iteration (a failed step is not printed
+    # twice; the replica that catches up prints nothing of its stale weights).
+    assert re.findall(r"^iter (\d+): ", result.output, re.M) == ["19", "39", "59", "79", "99"]
     ckpt = _ckpt(out)
     assert ckpt["iter_num"] == 100
     assert set(result.digests().values()) == {_digest(ckpt)}  # the job's final weights
