@@ -4,8 +4,8 @@
     commit                     --StepVote-->       itself: apply the update, or count a failure
     commit                     --StepRecord-->     exchange: what the next quorum request reports
 
-A stage never calls back into the trainer; it returns one of these and the trainer passes
-it on.
+A stage does not call back into the trainer for the step's work; it returns one of these
+and the trainer passes it on (ft/trainer.py says which read-outs it still hands down).
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@
             optimizer.zero_grad()
 
 `FaultTolerant` is a thin facade: it builds a step's stages and sequences them, each a
-module of its own that hands the next a typed value (ft/step_values.py), never a callback
-into the trainer:
+module of its own that hands the next a typed value (ft/step_values.py). What the trainer
+still hands down as functions are read-outs for other threads (its step, for the
+heartbeat and the input digest) and the checkpoint engine's report of a persisted
+checkpoint (the coordinator link it reports through exists only after the restore):
 
     begin_step    exchange.begin            the quorum request, sent with the first forward pass
     backward()    exchange.open/finish      quorum, group, FTAR (ft/exchange.py) -> QuorumOutcome
