@@ -65,3 +65,53 @@ def test_a_store_or_a_peer_that_fails_is_told_but_fails_no_pod():
     assert preflight._failure(contract.EXIT_PREFLIGHT_FAILED, json.dumps(answer)) is None
     answer["checks"][0] = {"name": "memory", "passed": False, "message": "memory: 3 wrong"}
     assert preflight._failure(contract.EXIT_PREFLIGHT_FAILED, json.dumps(answer)) == "PreflightFailed: memory: 3 wrong"
+
+
+class _FakeCheck:
+    """Stands in for a `transom check` child: answers once `answers` is set; records stops."""
+
+    made: list[_FakeCheck] = []
+
+    def __init__(self, spec, env, environ, run_index, peer=None):  # noqa: ANN001 (Check's signature)
+        self.run_index, self.answer, self.stopped = run_index, None, False
+        _FakeCheck.made.append(self)
+
+    def poll(self) -> tuple[bool, str | None]:
+        return (self.answer is not None, self.answer or None)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_waiting_spare_is_checked_every_interval_and_a_promotion_stops_a_check_in_flight(monkeypatch):
+    monkeypatch.setattr(preflight, "Check", _FakeCheck)
+    _FakeCheck.made = []
+    now = [100.0]
+    periodic = preflight.Periodic(PreflightSpec(checks=("compute",), spare_interval_s=60), env=None,
+                                  environ={}, runs=1, clock=lambda: now[0])
+    assert periodic.poll() is None and _FakeCheck.made == []  # not before the interval
+    now[0] = 160.0
+    assert periodic.poll() is None and [c.run_index for c in _FakeCheck.made] == [1]  # started, run index 1
+    assert periodic.poll() is None  # still running
+    _FakeCheck.made[0].answer = ""  # passed
+    assert periodic.poll() is None and _FakeCheck.made[0].stopped and periodic.current is None
+    now[0] = 219.0
+    assert periodic.poll() is None and len(_FakeCheck.made) == 1  # the next one 60 s after the answer
+    now[0] = 220.0
+    periodic.poll()
+    _FakeCheck.made[1].answer = "PreflightFailed: memory: 3 mismatching elements"
+    assert periodic.poll() == "PreflightFailed: memory: 3 mismatching elements"
+    now[0] = 400.0
+    periodic.poll()  # a third one starts...
+    periodic.stop()  # ... and the spare is promoted
+    assert _FakeCheck.made[2].stopped and periodic.current is None
+    now[0] = 10_000.0
+    assert periodic.poll() is None and len(_FakeCheck.made) == 3  # never again once stopped
+
+
+def test_a_spare_interval_of_zero_checks_a_waiting_spare_never(monkeypatch):
+    monkeypatch.setattr(preflight, "Check", _FakeCheck)
+    _FakeCheck.made = []
+    periodic = preflight.Periodic(PreflightSpec(checks=("compute",), spare_interval_s=0), env=None,
+                                  environ={}, runs=0, clock=lambda: 1e9)
+    assert periodic.poll() is None and _FakeCheck.made == []
