@@ -12,7 +12,8 @@ A job runs in one of two settings, and their defaults differ on purpose:
 
 The CLI, `FTConfig`, `CheckpointConfig`, `LaunchConfig`, `RunConfig`, the coordinator's
 `Settings` and the CRD read their defaults from here (every wait a user can set; the short
-polls and grace periods that no flag or spec field sets stay beside the code they pace); `table()` is docs/defaults.md (`make generate`, checked by a test).
+polls and grace periods that no flag or spec field sets stay beside the code they pace);
+`table()` is docs/defaults.md (`make generate`, checked by a test).
 """
 
 from __future__ import annotations

@@ -102,38 +102,63 @@ def test_a_process_can_be_stopped_in_the_middle_of_a_checkpoint():
     assert (fault.action, fault.step, fault.phase) == ("stop", 10, "checkpoint")
 
 
-def test_a_coordinator_older_than_fencing_lets_writes_go_ahead_with_one_warning(caplog):
-    """The operator's coordinator image may lag the script's transom: an HTTP server without
-    /v1/fence answers its own 404 (not the coordinator's JSON one), and the checkpoint is
-    written unfenced rather than never (seen in make chaos with such a skew)."""
-    import http.server
-    import threading
+class _NotFound:
+    """An HTTP server that answers every POST 404 with `body`: a coordinator older than
+    fencing (aiohttp's own answer for a path without a route), or something in between."""
 
-    from transom.coordinator.client import CoordinatorClient
+    def __init__(self, body: bytes, content_type: str = "text/plain"):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(404)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def __enter__(self) -> _NotFound:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.thread.join(timeout=5)
+        self.server.server_close()
+
+
+def test_a_coordinator_older_than_fencing_lets_writes_go_ahead_with_one_warning(caplog):
+    """The operator's coordinator image may lag the script's transom: a coordinator without
+    /v1/fence answers its web server's own 404 (not the coordinator's JSON one), and the
+    checkpoint is written unfenced rather than never (seen in make chaos with such a skew)."""
+    from transom.coordinator.client import ROUTE_NOT_FOUND, CoordinatorClient
     from transom.ft.fencing import IncarnationFence
 
-    class OldCoordinator(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(404)
-            self.send_header("Content-Type", "text/plain")
-            self.end_headers()
-            self.wfile.write(b"404: Not Found")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OldCoordinator)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        fence = IncarnationFence(CoordinatorClient(f"http://127.0.0.1:{server.server_port}", "t"), OLD)
+    with _NotFound(ROUTE_NOT_FOUND) as old:
+        fence = IncarnationFence(CoordinatorClient(old.url, "t"), OLD)
         with caplog.at_level("WARNING", logger="transom.ft"):
             fence.confirm("write", "checkpoint part 1 of step 10")
             fence.confirm("write", "manifest of step 10")
         assert fence.fenced is None
         assert sum("predates fencing" in r.message for r in caplog.records) == 1
-    finally:
-        server.shutdown()
-        thread.join(timeout=5)
-        server.server_close()
+
+
+def test_a_404_page_from_something_in_between_is_no_answer_and_nothing_is_written():
+    from transom.coordinator.client import CoordinatorClient
+    from transom.errors import CoordinatorError
+    from transom.ft.fencing import IncarnationFence
+
+    with _NotFound(b"<html><body>404 page not found</body></html>", "text/html") as proxy:
+        fence = IncarnationFence(CoordinatorClient(proxy.url, "t"), OLD)
+        with pytest.raises(CoordinatorError, match="not written yet"):
+            fence.confirm("write", "checkpoint part 1 of step 10")
+        assert fence.fenced is None  # not fenced for ever: asked again later

@@ -91,6 +91,11 @@ def credential(identity_token_file: str, token: str) -> str | Callable[[], str]:
     return TokenFile(identity_token_file) if identity_token_file else token
 
 
+# What the coordinator's web server (aiohttp) answers for a path none of its routes takes: an
+# older coordinator without /v1/fence answers this to a fence question.
+ROUTE_NOT_FOUND = b"404: Not Found"
+
+
 def _payload(raw: bytes) -> dict:
     try:
         payload = json.loads(raw or b"{}")
@@ -190,10 +195,12 @@ class CoordinatorClient:
         NotRegistered (404) before it registered again after a coordinator restart. A
         coordinator older than fencing (the operator's image may lag the script's) has no such
         endpoint: the answer then says `supported=False`."""
-        status, payload = self._call("POST", "/v1/fence", req, timeout_s=timeout_s)
-        if status == 404 and "error" not in payload:  # the web server's own 404: no such route
+        status, raw = self._request("POST", "/v1/fence", req, timeout_s, None, None)
+        if status == 404 and raw.strip() == ROUTE_NOT_FOUND:
             return FenceAnswer(lease_s=FENCE_LEASE_S, supported=False)
-        return FenceAnswer.model_validate(self._expect(status, payload, "fence"))
+        # Any other 404 (the coordinator's own, or a page from something in between) is no
+        # answer: the write waits (fail closed), rather than go ahead unfenced.
+        return FenceAnswer.model_validate(self._expect(status, _payload(raw), "fence"))
 
     def report_signals(self, req: SignalBatch, timeout_s: float = CLIENT_QUICK_TIMEOUT_S) -> SignalAnswer:
         """Post a pod's rows; the answer says how long to wait before the next post, and the
