@@ -370,3 +370,36 @@ def test_a_committed_step_whose_manifest_is_gone_is_reported(tmp_path, caplog):
     finally:
         checkpoints.engine.close()
     assert "checkpoint step 20 was committed" in caplog.text and "it is lost" in caplog.text
+
+
+def test_the_scripts_own_values_come_back_from_a_checkpoint(tmp_path):
+    """`extra_state={"script": ScriptState(...)}` (nanoGPT's best_val_loss, iter_num) is in the
+    checkpoint and a new incarnation's restore puts it back, beside the model."""
+    from transom import contract
+    from transom.ft import ScriptState
+    from transom.ft.checkpointing import Checkpoints
+    from transom.ft.replica import ReplicaContext
+    from transom.ft.script_state import bundle
+    from transom.ft.state import ReplicaState
+
+    env = contract.ReplicaEnv.from_environ({contract.ENV_COORDINATOR_URL: "http://127.0.0.1:1",
+                                            contract.ENV_REPLICA_ID: "0", contract.ENV_NUM_REPLICAS: "1"})
+    ctx = ReplicaContext(env=env, rank=0, local_rank=0, world_size=1, backend="gloo", device=torch.device("cpu"),
+                         ctrl_group=None)
+    model, opt, _ = make_state()
+    saved = ReplicaState(model, opt, ctx.device,
+                         extra=bundle({"script": ScriptState(best_val_loss=1.25, iter_num=7, tag="run-a")}))
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path)))
+    save(engine, 10, saved.capture(10))
+    engine.close()
+
+    fresh_model, fresh_opt, _ = make_state(seed=1)
+    script = ScriptState(best_val_loss=1e9, iter_num=0, tag="fresh")
+    restored = ReplicaState(fresh_model, fresh_opt, ctx.device, extra=bundle({"script": script}))
+    checkpoints = Checkpoints(CheckpointConfig(uri=str(tmp_path)), ctx, restored)
+    try:
+        assert checkpoints.restore(lambda: (None, 10)) == 10
+    finally:
+        checkpoints.engine.close()
+    assert dict(script) == {"best_val_loss": 1.25, "iter_num": 7, "tag": "run-a"}
+    assert_same(fresh_model.state_dict(), model.state_dict())
