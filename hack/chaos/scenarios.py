@@ -265,7 +265,7 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
 def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
     """Suspend (every pod deleted), resume: the replicas that restore take the newest
     complete checkpoint. The steps after it are redone by design; the committed step is
-    judged again from the new coordinator's first write on."""
+    judged again from the first status write after every replica restored."""
     w = job.world
     selector = f"transom.io/job={job.name},transom.io/replica"
 
@@ -286,15 +286,21 @@ def whole_job_restart(job: ChaosJob, v: Verdict) -> set[str]:
         begun = {r: text for r, text in logs.items() if RESUMED.search(text) or "recovering from it" in text}
         return begun if len(begun) == job.replicas else None
     logs = w.wait("every replica restored or caught up after the resume", started, 240)
+    restored_at = len(job.watch.samples)
     steps = {r: int(m[1]) for r, text in logs.items() if (m := RESUMED.search(text))}
     if not steps or set(steps.values()) != {newest}:
         v.problems.append(f"replicas restored {steps}, not the newest checkpoint {newest}")
-    # The restart ends, for the committed step in status, at the new coordinator's first write.
-    w.wait("status written by the new coordinator", lambda: any(
-        s.step is not None and s.step != suspended_at for s in job.watch.samples[resumed_at:]), 120)
-    after = job.watch.samples[resumed_at:]
-    first = next(i for i, s in enumerate(after) if s.step is not None and s.step != suspended_at)
-    job.restart_window = (resumed_at, resumed_at + first)
+    # The restart ends, for the committed step in status, at the first write after every
+    # replica restored. Not at the first change after the resume: status may still show the
+    # old lineage's last steps then (the workers train on through their grace period after
+    # `suspended_at` was read, and the coordinator writes every few seconds): a run took
+    # such a late 158 for the new lineage's first write and judged its 156 a loss.
+    showing = next((s.step for s in reversed(job.watch.samples[:restored_at]) if s.step is not None), None)
+    w.wait("status written after the restore", lambda: any(
+        s.step is not None and s.step != showing for s in job.watch.samples[restored_at:]), 120)
+    after = job.watch.samples[restored_at:]
+    first = next(i for i, s in enumerate(after) if s.step is not None and s.step != showing)
+    job.restart_window = (resumed_at, restored_at + first)
     v.notes.append(f"suspended at step {suspended_at}; replicas restored the newest checkpoint {steps} (the others "
                    f"caught up from them); status then showed step {after[first].step}")
     return {"JobSuspended"}
