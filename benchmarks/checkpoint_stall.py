@@ -27,9 +27,10 @@ parameters; with AdamW's moments a 300 MB state) trains in each of its two shape
 the CPU, calibrated here), and is checkpointed every `--every` steps by (1) Transom as the
 trainer does it (`save` at the step boundary, the snapshot overlapping the next
 forward/backward, `wait_snapshot` before the next optimizer step) and (2) `dcp.async_save`
-with background staging into kept buffers (pinned where CUDA exists), waited for at the
-same point. The stall of a save is the extra time of the two steps around it (the one that
-saves and the next) over the median step before the segment's first save; each method's
+with background staging into kept buffers, waited for at the same point (on CUDA: staging
+into a kept pinned copy before it returns; DcpSaver says why). The stall of a save is the
+extra time of the two steps around it (the one that saves and the next) over the median
+step before the segment's first save; each method's
 figure is the median over its saves. The methods alternate over `--rounds` rounds; the
 figures are the median and p25-p75 of the per-round ratios Transom / DCP, with the load
 average. Printed per shape; the last line is one JSON object keyed by shape.
@@ -57,6 +58,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launcher"))
@@ -317,22 +319,30 @@ class TransomSaver:
 
 
 class DcpSaver:
-    """`dcp.async_save` (no_dist) at its best: a DefaultStager that stages in the background
-    into buffers it keeps from one save to the next (pinned where CUDA exists), waited for
-    before the next optimizer step, as Transom's snapshot is. Without DefaultStager (older
-    torch) the plain async_save, which stages before it returns."""
+    """`dcp.async_save` (no_dist) at its best: on the CPU a DefaultStager that stages in the
+    background into buffers it keeps from one save to the next, waited for before the next
+    optimizer step, as Transom's snapshot is; on CUDA a BlockingAsyncStager that keeps its
+    pinned copy (staging before async_save returns). Without either (older torch) the plain
+    async_save, which stages before it returns."""
 
     name = "dcp"
 
     def __init__(self, base: str, cuda: bool) -> None:
         self.base, self.saves, self.response = base, 0, None
+        self.stager: Any = None
+        if cuda:
+            # DefaultStager's deep copy into pinned memory failed on torch 2.11 (`KeyError:
+            # <class 'type'>`, its copier table empty): the blocking stager that keeps its
+            # pinned copy from one save to the next, the staging waited for in save().
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
+            return
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:
-            self.stager = None
-        else:
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+            return
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
 
     def save(self, step: int, state: dict) -> None:
         self.saves += 1
