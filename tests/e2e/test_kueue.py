@@ -119,8 +119,12 @@ def test_kueue_admits_whole_jobs_within_quota_and_a_replacement_keeps_the_admiss
 
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(_job(example, "second", 20)))
         wait_for(lambda: c.status("second").get("state") == "Queued", 60, "the second job Queued")
+        # Queued from the moment its Workload exists ("Kueue has not considered the Workload
+        # yet"); Kueue's own reason follows once it has tried to admit it (CI saw the first).
+        wait_for(lambda: "insufficient unused quota" in c.condition("second", "Admitted").get("message", ""),
+                 60, "the second job waiting for quota, in Kueue's words")
         waiting = c.condition("second", "Admitted")
-        assert waiting["status"] == "False" and "insufficient unused quota" in waiting["message"], waiting
+        assert waiting["status"] == "False", waiting
         assert c.condition("second", "Ready")["reason"] == reasons.QUEUED and not c.pods("second")
 
         reserved = _wl_condition(wl, "QuotaReserved")
