@@ -200,6 +200,15 @@ class TrainingProgress(StatusModel):
         description="Step of the last committed checkpoint (the directory step-<N>/ under spec.checkpoint.uri).",
     )
     last_checkpoint_time: Timestamp | None = Field(None, description="When the last checkpoint was committed.")
+    checkpoint_trouble: str | None = Field(
+        None, max_length=2048,
+        description=(
+            "Set while replicas' checkpoint writers fail and retry (the storage unreachable, a bucket "
+            "refused): what each says it fails at, as \"replica 0: writing part 0 of step 40: "
+            "ClientConnectorError\". Training goes on meanwhile and lastCheckpoint ages; removed once "
+            "their writes go through again."
+        ),
+    )
     goodput: str | None = Field(
         None, max_length=5, pattern=r"^(0(\.[0-9]{1,3})?|1(\.0{1,3})?)$",
         description=(

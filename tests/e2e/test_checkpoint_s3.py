@@ -104,6 +104,12 @@ def test_s3_outage_during_persist_training_goes_on_and_the_checkpoint_lands_afte
             slowest = max(slowest, time.monotonic() - t0)
         assert slowest < 1.0, f"a training step waited {slowest:.2f}s for the storage"
         assert engine.skipped == 4 and engine.committed_step == 10
+        # What the replica's heartbeats would say (status.training.checkpointTrouble).
+        deadline = time.monotonic() + 30
+        while engine.trouble is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failing = ("writing part 0 of step 20: ", "committing step 20: ")
+        assert engine.trouble is not None and engine.trouble.startswith(failing), engine.trouble
     finally:
         cluster.start_s3()
     # From now on a reader sees step 10 or a complete step 20, never anything in between.
@@ -121,5 +127,6 @@ def test_s3_outage_during_persist_training_goes_on_and_the_checkpoint_lands_afte
     for k, v in expected.items():
         assert torch.equal(restored.state["model"][k], v), f"{k} differs from the state saved at step 20"
     assert engine.wait_persisted(60)
+    assert engine.trouble is None  # the writes went through again
     engine.close()
     assert engine.committed_step == 20 and engine.failed == 0

@@ -293,10 +293,11 @@ def test_only_the_newest_keep_checkpoints_stay(tmp_path):
 
 def test_storage_errors_are_retried_until_they_pass(tmp_path, monkeypatch):
     _, _, state = make_state()
-    real, calls = persist.write_part, []
+    real, calls, trouble = persist.write_part, [], []
 
     def flaky(*args, **kwargs):
         calls.append(time.monotonic())
+        trouble.append(engine.trouble)  # what the replica's heartbeats would say now
         if len(calls) <= 2:
             raise ConnectionError("storage unreachable")
         return real(*args, **kwargs)
@@ -307,6 +308,8 @@ def test_storage_errors_are_retried_until_they_pass(tmp_path, monkeypatch):
     engine.close()
     assert len(calls) == 3 and engine.committed_step == 5 and engine.failed == 0
     assert load_latest(str(tmp_path)).step == 5
+    failing = "writing part 0 of step 5: ConnectionError"  # the type, never the error's text
+    assert trouble == [None, failing, failing] and engine.trouble is None
 
 
 WRITER = r'''

@@ -3,12 +3,16 @@
 A job that stops and is started again resumes from its newest checkpoint and ends with the
 same weights, bit for bit, as a job that never stopped, also with FSDP2 inside each replica;
 a checkpoint restores into a different number of replicas, and a replica SIGKILLed after
-the resume restores the checkpoint and catches up from a peer.
+the resume restores the checkpoint and catches up from a peer. Storage that goes away in the
+middle of a run is named in the coordinator's events while training goes on, and the
+checkpoints resume when it is back.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +108,37 @@ def test_fsdp2_sharded_state_resumes_bit_identical(transom_run, tmp_path):
     # A replica of another shape is refused with a message that says why.
     with pytest.raises(IncompatibleCheckpoint, match="sharded over 2 ranks per replica and this replica has 1"):
         load_step(Storage(str(ckpt)), 8, num_shards=1)
+
+
+def test_storage_lost_mid_run_is_named_and_checkpoints_resume_when_it_is_back(transom_run, tmp_path):
+    # The checkpoint directory goes away under the running job (a file where the directory
+    # was: every write fails with a real OSError, as on a lost mount) for 4 s, then comes back.
+    ckpt, away = tmp_path / "ckpt", tmp_path / "ckpt.away"
+    lost_at: list[float] = []
+
+    def lose_then_restore() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (ckpt.exists() and committed(ckpt)):
+            time.sleep(0.05)
+        ckpt.rename(away)
+        ckpt.write_text("not a directory")
+        lost_at.append(time.monotonic())
+        time.sleep(4)
+        ckpt.unlink()
+        away.rename(ckpt)
+
+    outage = threading.Thread(target=lose_then_restore, daemon=True)
+    outage.start()
+    run = transom_run(["--replicas", "2", "--checkpoint-uri", str(ckpt)],
+                      ["--steps", "150", "--checkpoint-interval", "10"])
+    outage.join(timeout=10)
+    ok(run)
+    assert lost_at, "the job ended before its first checkpoint was committed"
+    events = run.summary["events"]
+    started = [e for e in events if e.startswith("checkpoint_trouble:")]
+    over = [e for e in events if e.startswith("checkpoint_trouble_over:")]
+    assert started and over, events
+    assert "cannot write its checkpoint" in started[0] and "Error (retrying)" in started[0], started
+    assert events.index(started[0]) < events.index(over[0])
+    assert committed(ckpt)[-1] == 150 and run.summary["last_checkpoint"] == 150
+    assert run.summary["replicas_bit_identical"] is True

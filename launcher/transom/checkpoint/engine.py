@@ -142,6 +142,17 @@ class CheckpointEngine:
         self.fenced = 0  # checkpoints stopped because this incarnation was no longer current
         self.last_stall_s = 0.0
         self.last_persist_s = 0.0
+        self._trouble: str | None = None
+
+    @property
+    def trouble(self) -> str | None:
+        """While the storage fails and a retry waits: the last failure, as "writing part 0 of
+        step 40: ConnectionError"; None once a write goes through again. The replica's
+        heartbeats carry it to the coordinator, which names it in the job's status."""
+        return self._trouble
+
+    def _failed_once(self, what: str) -> None:
+        self._trouble = what
 
     def due(self, step: int) -> bool:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
@@ -248,16 +259,18 @@ class CheckpointEngine:
         if self.before_persist is not None:
             self.before_persist(job.step)
         retrying = functools.partial(retry, stopped=self._stopped, first_s=self.config.retry_first_s,
-                                     max_s=self.config.retry_max_s)
+                                     max_s=self.config.retry_max_s, on_failure=self._failed_once)
         t0 = time.monotonic()
         retrying(f"writing part {job.slot.part} of step {job.step}",
                  lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
                                     job.skeleton))
+        self._trouble = None  # the storage took a whole part
         if job.slot.part != 0:
             return
         wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))
         done = retrying(f"committing step {job.step}",
                         lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped))
+        self._trouble = None
         if not done:
             self.failed += 1
             log.error("checkpoint of step %d not committed: a part was skipped or not written within %.0fs",
@@ -265,6 +278,7 @@ class CheckpointEngine:
             return
         self.committed_step = job.step
         retrying("pruning old checkpoints", self._prune)
+        self._trouble = None
         if self.on_commit is not None:
             try:
                 self.on_commit(job.step, self.storage.url(layout.step_dir(job.step)))

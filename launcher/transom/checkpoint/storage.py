@@ -415,12 +415,15 @@ def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -
 
 
 def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: float = 0.5,
-          max_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> T:
+          max_s: float = 30.0, sleep: Callable[[float], None] = time.sleep,
+          on_failure: Callable[[str], None] | None = None) -> T:
     """Call `fn` until it succeeds, backing off exponentially (with jitter) between failures.
 
     Storage that is away does not fail the checkpoint: it waits for the storage to return.
     Raises the last error once `stopped()` (the engine is closing), and a PERMANENT_ERRORS
     one, or `Fenced` (this incarnation may no longer write: no retry changes that), at once.
+    `on_failure` hears each failure that will be retried, as "WHAT: ErrorType" (the type
+    only: an error's text may carry a URL with a signature, and this one goes to status).
     """
     delay = first_s
     while True:
@@ -432,5 +435,7 @@ def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: 
             if stopped():
                 raise
             log.warning("checkpoint: %s failed (%s: %s); retrying in %.1fs", what, type(e).__name__, e, delay)
+            if on_failure is not None:
+                on_failure(f"{what}: {type(e).__name__}")
             sleep(delay * random.uniform(0.8, 1.2))
             delay = min(max_s, delay * 2)

@@ -73,6 +73,18 @@ def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> None:
     claims.check(m, req.identity.replica_id, req.step, "heartbeat")
     rep.last_heartbeat = now
     rep.step = max(rep.step, req.step)
+    _note_checkpoint_trouble(m, rep, req.checkpoint_trouble, now)
+
+
+def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, now: float) -> None:
+    """Keep what the replica says its checkpoint writer fails at; an event when that starts
+    and when it ends (not for each new failure in between: a retry every few seconds)."""
+    rid = rep.identity.replica_id
+    if trouble is not None and rep.checkpoint_trouble is None:
+        m.event(now, "checkpoint_trouble", f"replica {rid} cannot write its checkpoint: {trouble} (retrying)")
+    elif trouble is None and rep.checkpoint_trouble is not None:
+        m.event(now, "checkpoint_trouble_over", f"replica {rid} writes its checkpoint again")
+    rep.checkpoint_trouble = trouble
 
 
 def step_aside(m: Membership, req: AsideRequest, now: float) -> None:

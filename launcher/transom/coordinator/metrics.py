@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from transom.coordinator.membership import Membership
 from transom.detect.detectors import KINDS
-from transom.words import FailureKind
+from transom.words import FailureKind, IncarnationState
 
 if TYPE_CHECKING:
     from transom.coordinator.server import CoordinatorServer
@@ -124,3 +124,8 @@ class MembershipCollector:
         if m.last_checkpoint_stall_s is not None:
             stall.add_metric([], m.last_checkpoint_stall_s)
         yield stall
+        trouble = GaugeMetricFamily("transom_coordinator_checkpoint_trouble_replicas",
+                                    "Healthy replicas whose checkpoint writer says it is failing and retrying")
+        trouble.add_metric([], sum(1 for r in m.replicas.values()
+                                   if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None))
+        yield trouble

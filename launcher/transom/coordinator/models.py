@@ -66,6 +66,11 @@ class RegisterResponse(_Msg):
 class HeartbeatRequest(_Msg):
     identity: Identity
     step: int = Step
+    checkpoint_trouble: str | None = Field(
+        None, min_length=1, max_length=300, pattern=r"^[\x20-\x7e]+$",
+        description="what this replica's checkpoint writer has been failing at, while it retries "
+                    "(CheckpointEngine.trouble): the replica's own word, shown as such in status.training",
+    )
 
 
 class AsideRequest(_Msg):
@@ -278,6 +283,7 @@ class ReplicaStatus(_Msg):
     heartbeat_age_s: float | None
     failures: int
     last_failure: str | None
+    checkpoint_trouble: str | None = None
 
 
 class JobProgress(_Msg):

@@ -23,6 +23,7 @@ class Replica:
     failures: int = 0  # over all incarnations of this replica id
     last_failure: str | None = None
     aside: bool = False  # stepped out of the rounds between two steps (trainer.aside()); its next request ends it
+    checkpoint_trouble: str | None = None  # its heartbeat's word: its checkpoint writer fails and retries
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transom.coordinator.membership import Membership
 
 STATUS_EVENTS = 50  # the newest events GET /v1/status shows (membership keeps more)
+TROUBLE_SHOWN = 4  # replicas checkpointTrouble quotes (each up to 300 characters; the CRD allows 2048)
 
 
 def response(m: Membership, decision: Decision, replica_id: int) -> QuorumResponse:
@@ -60,6 +61,7 @@ def training(m: Membership, now: float) -> dict:
         step, wall = m.last_checkpoint
         out["lastCheckpoint"] = step
         out["lastCheckpointTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+    out["checkpointTrouble"] = checkpoint_trouble(m)  # None: a merge patch's null removes what was shown
     goodput = m.goodput.value(now)
     if goodput is not None:
         out["goodput"] = as_decimal(goodput)
@@ -68,6 +70,18 @@ def training(m: Membership, now: float) -> dict:
     elif m.shares.published_from > 0:  # rebalanced before: a merge patch's null removes it
         out["batchSharePercent"] = None
     return out
+
+
+def checkpoint_trouble(m: Membership) -> str | None:
+    """status.training.checkpointTrouble: what the healthy replicas say their checkpoint
+    writers fail at, each in its own words ("replica 0: writing part 0 of step 40:
+    ConnectError"), the first TROUBLE_SHOWN of them; None when none does."""
+    said = [f"replica {r.identity.replica_id}: {r.checkpoint_trouble}"
+            for r in sorted(m.replicas.values(), key=lambda r: r.identity.replica_id)
+            if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None]
+    if len(said) > TROUBLE_SHOWN:
+        said = [*said[:TROUBLE_SHOWN], f"and {len(said) - TROUBLE_SHOWN} more replicas"]
+    return "; ".join(said) or None
 
 
 def progress(m: Membership, caller: int | None) -> JobProgress:
@@ -105,6 +119,7 @@ def status(m: Membership, now: float) -> JobStatus:
                 heartbeat_age_s=round(now - r.last_heartbeat, 3) if r.state == IncarnationState.HEALTHY else None,
                 failures=r.failures,
                 last_failure=r.last_failure,
+                checkpoint_trouble=r.checkpoint_trouble,
             )
             for r in sorted(m.replicas.values(), key=lambda r: r.identity.replica_id)
         ],

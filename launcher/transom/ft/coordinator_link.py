@@ -51,9 +51,12 @@ COMPLETION_ROUND_S = 180.0  # the most close() waits for the round a completion 
 
 class CoordinatorLink:
     def __init__(self, client: CoordinatorClient, registration: RegisterRequest, quorum_timeout_s: float,
-                 progress: Callable[[], int], fence: IncarnationFence | None = None):
-        """Register now and start heartbeating; `progress()` is the committed step a beat reports."""
+                 progress: Callable[[], int], fence: IncarnationFence | None = None,
+                 trouble: Callable[[], str | None] = lambda: None):
+        """Register now and start heartbeating; `progress()` is the committed step a beat
+        reports, `trouble()` what the replica's checkpoint writer fails at (None: nothing)."""
         self.client, self.registration = client, registration
+        self._trouble = trouble
         self.identity: Identity = registration.identity
         self.quorum_timeout_s = quorum_timeout_s
         self.evicted: str | None = None  # set by the heartbeat thread when the coordinator evicts us
@@ -152,8 +155,9 @@ class CoordinatorLink:
         while not self._stop.wait(interval_s):
             try:
                 sent = time.monotonic()
-                self.client.heartbeat(HeartbeatRequest(identity=self.identity, step=self._progress()),
-                                      timeout_s=interval_s)
+                beat = HeartbeatRequest(identity=self.identity, step=self._progress(),
+                                        checkpoint_trouble=_printable(self._trouble()))
+                self.client.heartbeat(beat, timeout_s=interval_s)
                 if self._fence is not None:
                     self._fence.vouch(sent)
             except Evicted as e:
@@ -168,11 +172,22 @@ class CoordinatorLink:
                 log.warning("heartbeat of replica %d failed: %s", self.identity.replica_id, e)
 
 
+def _printable(text: str | None, limit: int = 300) -> str | None:
+    """`text` as a heartbeat may carry it (printable ASCII, at most `limit` characters): a
+    beat the coordinator refuses would count as a missed one."""
+    if not text:
+        return None
+    kept = "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
+    return kept or None
+
+
 def register(ctx: ReplicaContext, client: CoordinatorClient, identity: Identity, config: FTConfig,
              fence: IncarnationFence, endpoints: list[str], progress: Callable[[], int],
+             trouble: Callable[[], str | None] = lambda: None,
              ) -> tuple[dist.TCPStore | None, CoordinatorLink | None]:
     """The leader's store and its link to the coordinator, registered at step `progress()`
-    with every rank's state endpoint (None, None on the other ranks)."""
+    with every rank's state endpoint (None, None on the other ranks); its heartbeats say
+    `trouble()` (the leader's checkpoint writer: other ranks' parts are not reported)."""
     if not ctx.is_leader:
         return None, None
     env = ctx.env
@@ -181,7 +196,7 @@ def register(ctx: ReplicaContext, client: CoordinatorClient, identity: Identity,
                           timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     registration = RegisterRequest(identity=identity, state_endpoints=endpoints, step=progress(),
                                    store_addr=f"{env.advertise_addr}:{store.port}")
-    return store, CoordinatorLink(client, registration, config.quorum_timeout_s, progress, fence)
+    return store, CoordinatorLink(client, registration, config.quorum_timeout_s, progress, fence, trouble)
 
 
 def leave_request(identity: Identity, step: int, num_steps: int | None, completed: bool, completed_elsewhere: bool,

@@ -194,8 +194,10 @@ class FaultTolerant(LoopAids):
                               self.restored_step if self.restored_step is not None else start_step, self._recovery,
                               self.checkpoints, self._guard, self._clock, self.shares, self._inputs, self.stats,
                               self.hooks)
+        engine = self.checkpoints.engine if self.checkpoints is not None else None  # its heartbeats say its trouble
         self._store, self._link = register(self.ctx, self.client, self.identity, self.config, self.fence,
-                                           self.ctx.gather(self._recovery.server.url), lambda: self.step)
+                                           self.ctx.gather(self._recovery.server.url), lambda: self.step,
+                                           lambda: engine.trouble if engine is not None else None)
         self._groups = QuorumGroups(backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
         self._exchange = Exchange(self.ctx, self.identity, self.config, model, self._groups, self._link, self.fence,
                                   self._recovery, self.shares, self._shared, self._guard, self._clock, self.hooks)
