@@ -242,6 +242,10 @@ def operator_loss(job: ChaosJob, v: Verdict) -> set[str]:
     return {"PodDeleted"}
 
 
+def checkpoint_trouble(job: ChaosJob) -> str | None:
+    return (job.status().get("training") or {}).get("checkpointTrouble")
+
+
 def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(CHECKPOINT_INTERVAL + 5)
     # Stop S3 just after a checkpoint began (its persist runs behind the next steps).
@@ -250,6 +254,9 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.mark_fault()
     cluster.stop_s3()
     try:
+        said = job.world.wait("status.training.checkpointTrouble", lambda: checkpoint_trouble(job), 120)
+        v.detect_s = job.since_fault()
+        v.notes.append(f"status named the outage after {v.detect_s:.1f} s: {said}")
         training_goes_on(job, 2 * CHECKPOINT_INTERVAL, 180)
         v.notes.append(f"S3 down from step {before.step} to {job.watch.now().step} "
                        f"({job.since_fault():.0f} s); last checkpoint {job.watch.now().last_checkpoint}")
@@ -258,6 +265,7 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.world.wait("a checkpoint committed after the outage",
                    lambda: (job.watch.now().last_checkpoint or 0) > (before.step or 0), 180)
     v.recover_s = job.since_fault()
+    job.world.wait("status.training.checkpointTrouble removed", lambda: not checkpoint_trouble(job), 120)
     # A whole-job restart restores the newest complete checkpoint.
     return whole_job_restart(job, v)
 
