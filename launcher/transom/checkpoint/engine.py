@@ -41,7 +41,6 @@ storage error). Without a fence (the engine used on its own) nothing is asked.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -51,7 +50,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,6 +63,7 @@ from transom.checkpoint.storage import Storage, retry
 from transom.errors import Fenced, UsageError
 
 log = logging.getLogger("transom.checkpoint")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,6 @@ class CheckpointEngine:
         step 40: ConnectionError"; None once a write goes through again. The replica's
         heartbeats carry it to the coordinator, which names it in the job's status."""
         return self._trouble
-
-    def _failed_once(self, what: str) -> None:
-        self._trouble = what
 
     def due(self, step: int) -> bool:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
@@ -258,32 +255,38 @@ class CheckpointEngine:
         buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
         if self.before_persist is not None:
             self.before_persist(job.step)
-        retrying = functools.partial(retry, stopped=self._stopped, first_s=self.config.retry_first_s,
-                                     max_s=self.config.retry_max_s, on_failure=self._failed_once)
         t0 = time.monotonic()
-        retrying(f"writing part {job.slot.part} of step {job.step}",
-                 lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
-                                    job.skeleton))
-        self._trouble = None  # the storage took a whole part
+        self._retrying(f"writing part {job.slot.part} of step {job.step}",
+                       lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
+                                          job.skeleton))
         if job.slot.part != 0:
             return
         wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))
-        done = retrying(f"committing step {job.step}",
-                        lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped))
-        self._trouble = None
+        done = self._retrying(f"committing step {job.step}",
+                              lambda: commit(self.storage, job.step, job.attempt, job.slot, wait_s, self._stopped))
         if not done:
             self.failed += 1
             log.error("checkpoint of step %d not committed: a part was skipped or not written within %.0fs",
                       job.step, wait_s)
             return
         self.committed_step = job.step
-        retrying("pruning old checkpoints", self._prune)
-        self._trouble = None
+        self._retrying("pruning old checkpoints", self._prune)
         if self.on_commit is not None:
             try:
                 self.on_commit(job.step, self.storage.url(layout.step_dir(job.step)))
             except Exception as e:
                 log.warning("could not report checkpoint of step %d: %s", job.step, e)
+
+    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn` retried with this engine's backoff (storage.retry); while a retry waits,
+        `trouble` says what failed, and once `fn` went through it is None again."""
+        def failed(said: str) -> None:
+            self._trouble = said
+
+        result = retry(what, fn, stopped=self._stopped, first_s=self.config.retry_first_s,
+                       max_s=self.config.retry_max_s, on_failure=failed)
+        self._trouble = None
+        return result
 
     def _prune(self) -> None:
         done, incomplete = committed_steps(self.storage)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from transom.coordinator.membership import Membership
+from transom.coordinator.reports import in_checkpoint_trouble
 from transom.detect.detectors import KINDS
-from transom.words import FailureKind, IncarnationState
+from transom.words import FailureKind
 
 if TYPE_CHECKING:
     from transom.coordinator.server import CoordinatorServer
@@ -126,6 +127,5 @@ class MembershipCollector:
         yield stall
         trouble = GaugeMetricFamily("transom_coordinator_checkpoint_trouble_replicas",
                                     "Healthy replicas whose checkpoint writer says it is failing and retrying")
-        trouble.add_metric([], sum(1 for r in m.replicas.values()
-                                   if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None))
+        trouble.add_metric([], len(in_checkpoint_trouble(m)))
         yield trouble

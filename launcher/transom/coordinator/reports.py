@@ -15,7 +15,7 @@ from transom.coordinator.models import (
     RecoverySource,
     ReplicaStatus,
 )
-from transom.coordinator.records import Decision
+from transom.coordinator.records import Decision, Replica
 from transom.words import IncarnationState
 
 if TYPE_CHECKING:
@@ -72,13 +72,17 @@ def training(m: Membership, now: float) -> dict:
     return out
 
 
+def in_checkpoint_trouble(m: Membership) -> list[Replica]:
+    """The healthy replicas whose heartbeats say their checkpoint writer fails, by id."""
+    return [r for r in sorted(m.replicas.values(), key=lambda r: r.identity.replica_id)
+            if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None]
+
+
 def checkpoint_trouble(m: Membership) -> str | None:
     """status.training.checkpointTrouble: what the healthy replicas say their checkpoint
     writers fail at, each in its own words ("replica 0: writing part 0 of step 40:
     ConnectError"), the first TROUBLE_SHOWN of them; None when none does."""
-    said = [f"replica {r.identity.replica_id}: {r.checkpoint_trouble}"
-            for r in sorted(m.replicas.values(), key=lambda r: r.identity.replica_id)
-            if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None]
+    said = [f"replica {r.identity.replica_id}: {r.checkpoint_trouble}" for r in in_checkpoint_trouble(m)]
     if len(said) > TROUBLE_SHOWN:
         said = [*said[:TROUBLE_SHOWN], f"and {len(said) - TROUBLE_SHOWN} more replicas"]
     return "; ".join(said) or None
