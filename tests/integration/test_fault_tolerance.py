@@ -13,6 +13,17 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+# Survivors slowed 3x (by the step's own busy time, so a loaded machine stretches it too)
+# from two steps after the fault to the end: the restarted replica must be back before the
+# job ends for the test to see it catch up, and its restart (a new process importing torch)
+# takes twice as long on a loaded CI machine. The pace is on the busy time, never on the
+# wait for a hung peer. It lasts to the end because FailSlow compares each rank with its
+# own learned step times: had the paced majority sped up again, the rejoined replica would
+# have looked 2x slow beside them (reported only, but a verdict all the same).
+SURVIVORS_PACED = ["--inject", "slow:replica=0,step=17,factor=3",
+                   "--inject", "slow:replica=2,step=17,factor=3"]
+
+
 def commit_gap(records: list[dict]) -> float:
     """Seconds from the last commit before the first failed attempt to the next commit."""
     for i, r in enumerate(records):
@@ -34,7 +45,7 @@ def assert_consistent_finish(result, steps: int, replicas: int) -> None:
 
 @pytest.mark.compat
 def test_sigkill_during_allreduce_survivors_go_on_and_replica_rejoins(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15"], ["--steps", "70"])
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15", *SURVIVORS_PACED], ["--steps", "70"])
     assert_consistent_finish(result, 70, 3)
     s = result.summary
     assert s["failures_injected"] == 1 and s["replica_restarts"] >= 1
@@ -51,7 +62,7 @@ def test_sigstop_survivors_continue_after_collective_timeout(transom_run):
     timeout = 2.0
     result = transom_run(
         ["--replicas", "3", "--collective-timeout", str(timeout), "--heartbeat-timeout", "2",
-         "--inject", "stop:replica=1,step=15"],
+         "--inject", "stop:replica=1,step=15", *SURVIVORS_PACED],
         ["--steps", "80"],
     )
     assert_consistent_finish(result, 80, 3)
@@ -83,8 +94,12 @@ def test_two_of_three_killed_with_min_replicas_two_pauses_then_resumes(transom_r
 
 @pytest.mark.parametrize("inner", ["ddp", "fsdp"])
 def test_two_process_replica_killed_is_restarted_whole(transom_run, inner):
+    # The survivor is paced as SURVIVORS_PACED are, for 50 steps: alone, it made 85 steps in
+    # about 9 s here, and CI once saw the restart (two processes importing torch) take 14 s.
+    # With two replicas FailSlow names no one (it needs three), so the pace may end early.
     result = transom_run(
-        ["--replicas", "2", "--nproc-per-replica", "2", "--inject", "kill:replica=0,step=5,rank=1"],
+        ["--replicas", "2", "--nproc-per-replica", "2", "--inject", "kill:replica=0,step=5,rank=1",
+         "--inject", "slow:replica=1,step=7,factor=3,count=50"],
         ["--steps", "90", "--inner", inner],
         timeout_s=280,
     )
