@@ -144,6 +144,7 @@ def _wait_as_spare() -> int | None:
 def _run(args: argparse.Namespace, command: list[str]) -> int:
     from transom.inject import parse_targeted
     from transom.launch.config import RunConfig
+    from transom.launch.end_on import Awaited
     from transom.launch.local import LocalRun
 
     try:
@@ -171,6 +172,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             detection=args.detection,
             preflight=args.preflight,
             trace_out=args.trace_out,
+            end_on=[Awaited.parse(text) for text in args.end_on],
+            end_margin=args.end_margin,
         )
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
@@ -181,6 +184,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
 def _run_arguments(r: argparse.ArgumentParser) -> None:
     """`transom run`'s options (launch/config.py RunConfig holds their defaults)."""
     from transom.launch.config import RunConfig, default_of
+    from transom.launch.end_on import MAX_MARGIN
 
     r.add_argument("--replicas", type=count, required=True)
     r.add_argument("--nproc-per-replica", type=count, default=default_of(RunConfig, "nproc_per_replica"))
@@ -215,6 +219,12 @@ def _run_arguments(r: argparse.ArgumentParser) -> None:
                         '\'{"checks": ["compute", "memory"]}\'); default: none')
     r.add_argument("--trace-out", metavar="FILE",
                    help="write every rank's step signals as one CSV trace (transom detect replay FILE)")
+    r.add_argument("--end-on", action="append", default=[], metavar="KIND[:REPLICA]",
+                   help="end the job --end-margin steps after this coordinator event (caught_up:1, verdict, "
+                        "resumed...; launch/end_on.py); repeatable: after all of them. The script's step count "
+                        "stays the cap, and the summary's end_on says whether the events came first")
+    r.add_argument("--end-margin", type=between(0, MAX_MARGIN), default=default_of(RunConfig, "end_margin"),
+                   help="steps the job trains after the --end-on events")
     r.add_argument("--backend", choices=contract.BACKENDS, default=default_of(RunConfig, "backend"),
                    help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
                         "GPU of its own and the tensors are on it, Gloo otherwise")

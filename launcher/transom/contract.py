@@ -195,6 +195,8 @@ class ReplicaEnv:
     spare_id: int | None = None  # a hot spare's pod: replica_id is UNASSIGNED until promoted
     identity_token_file: str = ""  # this pod's own credential towards the coordinator
     peer_token: str = ""  # the state servers' token (the job's token where unset)
+    fault: str = ""  # TRANSOM_FAULT: the faults tests and demos inject into this replica (transom/inject.py)
+    node_name: str = ""  # TRANSOM_NODE_NAME: the node the pod runs on (a fault may name it)
 
     @property
     def is_spare(self) -> bool:
@@ -240,6 +242,8 @@ class ReplicaEnv:
             spare_id=spare_id,
             identity_token_file=env.get(ENV_IDENTITY_TOKEN_FILE, ""),
             peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
+            fault=env.get(ENV_FAULT, ""),
+            node_name=env.get(ENV_NODE_NAME, ""),
         )
 
 

@@ -72,3 +72,27 @@ class DetectAction(StrEnum):
     REPLACE = "Replace"
     REPORT = "Report"
     REBALANCE = "Rebalance"  # slowAction only: a smaller share of each global batch
+
+
+class EventKind(StrEnum):
+    """What happened, as the coordinator's events name it (GET /v1/status `events[].kind`;
+    `transom run --end-on KIND[:REPLICA]` waits for them)."""
+
+    REGISTERED = "registered"  # an incarnation registered
+    FAILED = "failed"  # an incarnation was declared failed
+    QUORUM = "quorum"  # a new quorum (its members changed, or a step failed)
+    CAUGHT_UP = "caught_up"  # a replica that caught up from its peers holds the job's state
+    PAUSED = "paused"  # fewer than minReplicas ready: no round
+    RESUMED = "resumed"  # enough replicas again
+    ASIDE = "aside"  # a replica stepped out of the rounds (trainer.aside())
+    LEFT = "left"  # an incarnation left on its own
+    COMPLETED = "completed"  # a replica completed the job
+    FINISHING = "finishing"  # the job's owner set the step the job ends at
+    CHECKPOINT = "checkpoint"  # a checkpoint was committed
+    CHECKPOINT_TROUBLE = "checkpoint_trouble"  # a replica's checkpoint writer keeps failing
+    CHECKPOINT_TROUBLE_OVER = "checkpoint_trouble_over"  # ... and writes again
+    VERDICT = "verdict"  # a detector's verdict
+    REBALANCE = "rebalance"  # the batch shares changed
+    DUPLICATE_DATA = "duplicate_data"  # replicas trained on identical inputs
+    SHARED = "shared"  # a replica's shared script values were dropped
+    REFUSED = "refused"  # a call of an incarnation that is no longer current was refused

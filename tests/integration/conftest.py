@@ -11,43 +11,16 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from run_result import RunResult
+from threaded_job import ThreadedJob
+from transom import contract
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_tiny_gpt.py"
-
-
-@dataclass
-class RunResult:
-    returncode: int
-    summary: dict
-    output: str
-    stats_dir: Path
-
-    def records(self, replica: int) -> list[dict]:
-        """All step records of a replica, over its incarnations, in time order."""
-        out = []
-        for path in sorted(self.stats_dir.glob(f"steps-r{replica}-g*-a*.jsonl")):
-            for line in path.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # the last line of a SIGKILLed worker may be cut short
-        return sorted(out, key=lambda r: r["t"])
-
-    def digests(self) -> dict[tuple[int, int], str]:
-        """(replica, rank) -> sha256 of the rank's final parameters."""
-        out = {}
-        for path in self.stats_dir.glob("final-r*-k*.json"):
-            f = json.loads(path.read_text())
-            out[(f["replica"], f["rank"])] = f["digest"]
-        return out
-
-    def incarnations(self, replica: int) -> int:
-        return len(list(self.stats_dir.glob(f"steps-r{replica}-g*-a*.jsonl")))
 
 
 @pytest.fixture
@@ -73,5 +46,25 @@ def transom_run(tmp_path):
         output = proc.stdout + proc.stderr
         assert summary_path.exists(), f"no summary; output:\n{output[-4000:]}"
         return RunResult(proc.returncode, json.loads(summary_path.read_text()), output, stats)
+
+    return run
+
+
+@pytest.fixture
+def threaded_job(tmp_path, monkeypatch):
+    """`threaded_job(replicas, body, build, **ThreadedJob's settings) -> RunResult`: a job whose
+    replicas are threads of this process (threaded_job.py), its files under tmp_path."""
+    counter = iter(range(100))
+
+    def run(replicas: int, body, build, **settings) -> RunResult:
+        job = ThreadedJob(tmp_path / f"threaded{next(counter)}", replicas, body, build, **settings)
+        # What the trainers read from their pod environment (here, the process's).
+        monkeypatch.setenv(contract.ENV_STATS_DIR, str(job.stats_dir))
+        monkeypatch.setenv(contract.ENV_SIGNALS_DIR, str(job.signals_dir))
+        if job.detection is None:
+            monkeypatch.delenv(contract.ENV_DETECTION, raising=False)
+        else:
+            monkeypatch.setenv(contract.ENV_DETECTION, json.dumps(job.detection))
+        return job.run()
 
     return run

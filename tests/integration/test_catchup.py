@@ -5,7 +5,8 @@ for the catch-up is capped (TRANSOM_RECOVERY_BYTES_PER_S), so the transfer of th
 snapshot outlasts several training steps: the joiner records the updates it sees while it
 fetches and replays them, and every replica ends bit-identical. The kills land where
 recovery is fragile: a source while it serves chunks, a joiner while it catches up, three
-failures in a row.
+failures in a row. Each job ends a few steps after the last killed replica caught up
+(`--end-on`); its step count is only a cap.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import statistics
 
 import pytest
 
-from test_fault_tolerance import assert_consistent_finish
+from test_fault_tolerance import CAP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SNAPSHOT_BYTES_PER_S = "2000000"  # the tiny GPT's ~5 MB snapshot: about 2.5 s at this cap
@@ -27,9 +28,10 @@ def catching_up(records: list[dict]) -> list[dict]:
 
 def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(transom_run, monkeypatch):
     monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=10,phase=forward"],
-                         ["--steps", "110"])
-    assert_consistent_finish(result, 110, 3)
+    # Ten steps after the catch-up, all three training, are the reference below.
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=10,phase=forward",
+                          "--end-on", "caught_up:1", "--end-margin", "14"], CAP)
+    result.assert_finished_together(3)
     joined = catching_up(result.records(1))
     assert len(joined) >= 4, f"the transfer should outlast several steps, took {len(joined)}"
     window = {r["step"] for r in joined}
@@ -53,8 +55,9 @@ def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_
     # 20 chunks of 256 KiB: both sources are asked for some, whichever published first.
     monkeypatch.setenv("TRANSOM_RECOVERY_CHUNK_BYTES", str(256 << 10))
     result = transom_run(["--replicas", "3", "--inject", "kill:replica=2,step=10",
-                          "--inject", "kill:replica=0,step=1,phase=serve"], ["--steps", "150"])
-    assert_consistent_finish(result, 150, 3)
+                          "--inject", "kill:replica=0,step=1,phase=serve",
+                          "--end-on", "caught_up:0", "--end-on", "caught_up:2"], CAP)
+    result.assert_finished_together(3)
     assert result.summary["failures_injected"] == 2
     assert result.incarnations(0) == 2 and result.incarnations(2) == 2
     assert "dropped" in result.output  # the joiner lost a source mid-transfer and went on
@@ -66,8 +69,10 @@ def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_
 def test_three_failures_in_a_row_two_of_them_while_joining(transom_run, monkeypatch):
     monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
     faults = ["kill:replica=1,step=10", "kill:replica=1,step=2,phase=catchup", "kill:replica=1,step=1,phase=catchup"]
-    result = transom_run(["--replicas", "3", *[a for f in faults for a in ("--inject", f)]], ["--steps", "170"])
-    assert_consistent_finish(result, 170, 3)
+    # Replica 1 catches up only in its fourth incarnation: the other two die while catching up.
+    result = transom_run(["--replicas", "3", *[a for f in faults for a in ("--inject", f)], "--end-on", "caught_up:1"],
+                         CAP)
+    result.assert_finished_together(3)
     assert result.summary["failures_injected"] == 3
     assert result.incarnations(1) == 4
     for healthy in (0, 2):

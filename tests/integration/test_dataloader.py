@@ -3,7 +3,8 @@ wrapped optimizer, GradScaler) through a real SIGKILL of one replica, and throug
 restart from a checkpoint: the replicas end bit-identical, every committed step trained on
 exactly the batch the sampler gives that replica at that step, no sample was trained on
 twice in an epoch's committed steps, and an overflow on one replica skipped the update on
-all of them."""
+all of them. Each job with a kill ends a few steps after the killed replica caught up
+(`--end-on`); its step count is only a cap."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from transom.ft.data import ReplicaSampler  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 JOB = Path(__file__).parent / "scripts" / "dataloader_job.py"
-REPLICAS, STEPS = 3, 100
+REPLICAS = 3
+CAP = "600"  # steps: only a cap, each job with a kill ends on its replica's catch-up
 
 
 class _Ctx:
@@ -63,18 +65,16 @@ def _check_overflow(committed: list[dict], inf_step: int) -> None:
 def test_dataloader_loop_survives_a_sigkill_without_training_a_sample_twice(transom_run, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    result = transom_run(["--replicas", str(REPLICAS), "--inject", "kill:replica=1,step=12"],
-                         ["--steps", str(STEPS), "--log-dir", str(logs), "--workers", "2",
-                          "--step-seconds", "0.15", "--inf-at", "0:30"], script=JOB)
-    assert result.returncode == 0, result.output[-4000:]
-    s = result.summary
-    assert s["completed_step"] == STEPS and s["replicas_bit_identical"] is True
-    assert s["replica_restarts"] >= 1, "the kill must have happened"
+    result = transom_run(["--replicas", str(REPLICAS), "--inject", "kill:replica=1,step=12", "--end-on", "caught_up:1"],
+                         ["--steps", CAP, "--log-dir", str(logs), "--workers", "2", "--inf-at", "0:5"], script=JOB)
+    result.assert_finished_together(REPLICAS)
+    steps = result.end_step()
+    assert result.summary["replica_restarts"] >= 1, "the kill must have happened"
     committed = _committed(logs)
-    steps_of = _check_samples(committed, STEPS)
-    _check_overflow(committed, 30)
+    steps_of = _check_samples(committed, steps)
+    _check_overflow(committed, 5)
     # The killed replica's share of the steps it missed was skipped, not trained later.
-    missed = {step for step in range(STEPS) if (1, step) not in steps_of}
+    missed = {step for step in range(steps) if (1, step) not in steps_of}
     assert missed, "replica 1 was killed: some steps went on without it"
     assert all(step >= 12 for step in missed)
     assert any(r["replica"] == 1 and r["step"] > max(missed) for r in committed), "replica 1 never rejoined"
@@ -90,14 +90,12 @@ def test_dataloader_loop_goes_on_from_a_checkpoint_where_it_left_off(transom_run
     first = transom_run(common, ["--steps", "30", "--log-dir", str(logs), "--workers", "2", "--inf-at", "2:20"],
                         script=JOB)
     assert first.returncode == 0 and first.summary["completed_step"] == 30, first.output[-4000:]
-    second = transom_run([*common, "--inject", "kill:replica=2,step=40"],
-                         ["--steps", str(STEPS), "--log-dir", str(logs), "--workers", "2", "--step-seconds", "0.1"],
-                         script=JOB)
-    assert second.returncode == 0, second.output[-4000:]
-    s = second.summary
-    assert s["completed_step"] == STEPS and s["replicas_bit_identical"] is True and s["replica_restarts"] >= 1
+    second = transom_run([*common, "--inject", "kill:replica=2,step=40", "--end-on", "caught_up:2"],
+                         ["--steps", CAP, "--log-dir", str(logs), "--workers", "2"], script=JOB)
+    second.assert_finished_together(REPLICAS)
+    assert second.summary["replica_restarts"] >= 1
     committed = _committed(logs)
-    steps_of = _check_samples(committed, STEPS)
+    steps_of = _check_samples(committed, second.end_step())
     assert all(steps_of[(r, step)] == 1 for r in range(REPLICAS) for step in range(30)), "the first run is whole"
     _check_overflow(committed, 20)  # the second run's steps at 512: the scale came from the checkpoint
     assert any(r["step"] >= 30 for r in committed)
@@ -109,10 +107,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dataloader.p
 def test_the_dataloader_example_survives_a_sigkill(transom_run):
     """examples/train_dataloader.py (sampler, worker processes, AdamW with a cosine schedule
     as extra state, clipping on the averaged gradients) through a real SIGKILL."""
-    # 1,500 steps (~25 s): long enough that the killed replica (~5 s to restart) rejoins.
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=30"],
-                         ["--steps", "1500", "--workers", "2"], script=EXAMPLE)
-    assert result.returncode == 0, result.output[-4000:]
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=30", "--end-on", "caught_up:1"],
+                         ["--steps", "3000", "--workers", "2"], script=EXAMPLE)
+    result.assert_finished_together(3)
     s = result.summary
-    assert s["completed_step"] == 1500 and s["replicas_bit_identical"] is True and s["replica_restarts"] >= 1
-    assert s["final_loss"] < 0.5, s
+    assert s["replica_restarts"] >= 1
+    first = [r["loss"] for r in result.records(0) if r["committed"]][:10]
+    assert s["final_loss"] < 0.5 * sum(first) / len(first), s  # it trained through the kill

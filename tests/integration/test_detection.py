@@ -1,10 +1,18 @@
-"""Anomalies really happening in real multi-process runs: each is detected, acted on, survived.
+"""Anomalies really happening in real runs: each is detected, acted on, survived.
 
-`transom run` with the tiny GPT example; the faults are injected in the workers
-(transom/inject.py): a rank that sleeps half its step again (1.5x), a worker that hangs in
-Python mid-step, NaN gradients on one replica, a flipped bit in one replica's weights. The
-other replicas keep training, the faulty one is replaced (restarted) by the detectors'
-verdict, and every replica ends bit-identical.
+The faults are injected in the workers (transom/inject.py): a rank that sleeps half its
+step again (1.5x), a worker that hangs in Python mid-step, NaN gradients on one replica, a
+flipped bit in one replica's weights, a replica that lies about its step times, replicas
+seeded so that they train on the same data. The other replicas keep training, the faulty
+one is replaced (restarted) by the detectors' verdict, and every replica ends
+bit-identical. A job with a verdict ends a few steps after the replaced replica caught up
+(`--end-on`); its step count is only a cap.
+
+Where a process is the point (a hang, which a thread cannot leave; a step time measured
+against another process's; a replica's own credential; the CLI's trace and replay) the job
+is `transom run` with the tiny GPT example. Where only the logic is (non-finite gradients,
+silent data corruption, duplicate data), the replicas are threads of this process
+(threaded_job.py) with the same coordinator, detectors, forwarder and trainer.
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from test_fault_tolerance import assert_consistent_finish
+from test_fault_tolerance import CAP
+from threaded_job import TinyGPT
+from transom.ft import FaultTolerant
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,8 +47,9 @@ def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
     # Two replicas, one per core: with three on two cores, the sleeping replica frees CPU for
     # the others' compute and the slowdown it shows is much less than 1.5x.
     result = transom_run(["--replicas", "2", "--detection", json.dumps(detection), "--trace-out", str(trace),
-                          "--inject", "slow:replica=1,step=20,factor=1.5"], ["--steps", "90"])
-    assert_consistent_finish(result, 90, 2)
+                          "--inject", "slow:replica=1,step=20,factor=1.5",
+                          "--end-on", "verdict:1", "--end-on", "caught_up:1"], CAP)
+    result.assert_finished_together(2)
     found = verdicts(result)
     # Named once, for the slowdown. The run of slow steps that made the verdict need not start
     # at step 20: on this shared machine a noisy step below the threshold can restart it later,
@@ -59,8 +71,9 @@ def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
 
 def test_a_hang_dumps_every_thread_and_restarts_the_replica(transom_run):
     result = transom_run(["--replicas", "2", "--detection", '{"hangTimeoutSeconds": 5}',
-                          "--inject", "hang:replica=1,step=12"], ["--steps", "70"])
-    assert_consistent_finish(result, 70, 2)
+                          "--inject", "hang:replica=1,step=12", "--end-on", "verdict:1", "--end-on", "caught_up:1"],
+                         CAP)
+    result.assert_finished_together(2)
     assert result.incarnations(0) == 1 and result.incarnations(1) == 2
     found = verdicts(result)
     assert len(found) == 1 and "replica 1: Hang" in found[0]
@@ -69,9 +82,11 @@ def test_a_hang_dumps_every_thread_and_restarts_the_replica(transom_run):
     assert "stacks:" in found[0]
 
 
-def test_nan_gradients_are_applied_nowhere_and_repeated_ones_replace_the_replica(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "nan:replica=1,step=12,count=3"], ["--steps", "70"])
-    assert_consistent_finish(result, 70, 3)
+def test_nan_gradients_are_applied_nowhere_and_repeated_ones_replace_the_replica(threaded_job):
+    gpt = TinyGPT()
+    result = threaded_job(3, gpt.steps(500), gpt.build, faults={1: ["nan:step=12,count=3"]},
+                          end_on=["verdict:1", "caught_up:1"])
+    result.assert_finished_together(3)
     found = verdicts(result)
     assert len(found) == 1 and "replica 1: NonFinite" in found[0], found
     assert result.incarnations(1) == 2
@@ -80,17 +95,19 @@ def test_nan_gradients_are_applied_nowhere_and_repeated_ones_replace_the_replica
     assert "step 12 applied on no replica" in result.output
 
 
-def test_one_nan_step_is_skipped_everywhere_without_a_verdict(transom_run):
-    result = transom_run(["--replicas", "2", "--inject", "nan:replica=0,step=8"], ["--steps", "30"])
-    assert_consistent_finish(result, 30, 2)
+def test_one_nan_step_is_skipped_everywhere_without_a_verdict(threaded_job):
+    gpt = TinyGPT()
+    result = threaded_job(2, gpt.steps(30), gpt.build, faults={0: ["nan:step=8"]})
+    result.assert_finished_together(2)
     assert verdicts(result) == [] and result.incarnations(0) == 1
     assert result.output.count("step 8 applied on no replica") == 2  # one line per replica
 
 
-def test_a_flipped_bit_is_caught_at_the_next_fingerprint_and_the_replica_replaced(transom_run):
-    result = transom_run(["--replicas", "3", "--detection", '{"fingerprintInterval": 10}',
-                          "--inject", "bitflip:replica=0,step=13"], ["--steps", "70"])
-    assert_consistent_finish(result, 70, 3)  # bit-identical: the corrupt copy did not survive
+def test_a_flipped_bit_is_caught_at_the_next_fingerprint_and_the_replica_replaced(threaded_job):
+    gpt = TinyGPT()
+    result = threaded_job(3, gpt.steps(500), gpt.build, detection={"fingerprintInterval": 10},
+                          faults={0: ["bitflip:step=13"]}, end_on=["verdict:0", "caught_up:0"])
+    result.assert_finished_together(3)  # bit-identical: the corrupt copy did not survive
     found = verdicts(result)
     assert len(found) == 1 and "replica 0: SilentDataCorruption from step 19" in found[0], found
     assert result.incarnations(0) == 2
@@ -112,14 +129,43 @@ def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_
     assert result.incarnations(0) == result.incarnations(1) == 1
 
 
-SEEDED = Path(__file__).parent / "scripts" / "seeded_batches.py"
+def seeded_batches(seed_by: str, indices: bool):
+    """The build and body of a loop whose batches are drawn from a generator seeded the way a
+    first port often seeds it: by the rank alone (`seed_by` "rank", nanoGPT's `seed_offset =
+    ddp_rank`; every replica is a world of its own with ranks 0..world_size-1, so rank k of
+    every replica draws the same batches), or by the replica and the rank ("replica-rank").
+    `indices`: the model's input is not the data; the loop names the sample indices with
+    `trainer.fingerprint_input` instead."""
+    data = torch.randn(4096, 4, generator=torch.Generator().manual_seed(1))
+
+    def build(replica: int):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> None:
+        ctx = trainer.ctx
+        offset = ctx.rank if seed_by == "rank" else replica * ctx.world_size + ctx.rank
+        for step in trainer.steps(8):
+            g = torch.Generator().manual_seed(1000 * step + offset)
+            drawn = torch.randint(len(data), (16,), generator=g)
+            if indices:
+                trainer.fingerprint_input(drawn.tolist())
+                x = torch.ones(16, 4)  # the model's first argument says nothing about the data
+                loss = (model(x).squeeze(1) - data[drawn, 0]).pow(2).mean()
+            else:
+                loss = model(data[drawn]).pow(2).mean()
+            loss.backward()
+            trainer.finish_step(loss)
+
+    return body, build
 
 
-def test_replicas_seeded_by_rank_alone_are_told_they_train_on_the_same_data(transom_run):
-    """nanoGPT's port: batches seeded by ctx.rank, so both replicas draw the same ones. The run
-    still succeeds (a warning, not a verdict), and says so in its summary, once in its events,
+def test_replicas_seeded_by_rank_alone_are_told_they_train_on_the_same_data(threaded_job):
+    """nanoGPT's port: batches seeded by ctx.rank, so both replicas draw the same ones. The job
+    still succeeds (a warning, not a verdict), and says so once in its events, in its status
     and in the coordinator's and a launcher's log."""
-    result = transom_run(["--replicas", "2"], ["--steps", "8", "--seed-by", "rank"], script=SEEDED)
+    result = threaded_job(2, *seeded_batches("rank", indices=False))
     assert result.returncode == 0, result.output[-3000:]
     found = result.summary["duplicate_data"]
     assert found is not None and found["step"] == 0 and found["replicas"] == [0, 1], found
@@ -133,16 +179,15 @@ def test_replicas_seeded_by_rank_alone_are_told_they_train_on_the_same_data(tran
 
 
 @pytest.mark.parametrize("indices", [False, True], ids=["model-input", "fingerprint-input"])
-def test_replicas_seeded_by_replica_and_rank_are_not_flagged(transom_run, indices):
-    args = ["--steps", "8", "--seed-by", "replica-rank", *(["--indices"] if indices else [])]
-    result = transom_run(["--replicas", "2"], args, script=SEEDED)
+def test_replicas_seeded_by_replica_and_rank_are_not_flagged(threaded_job, indices):
+    result = threaded_job(2, *seeded_batches("replica-rank", indices))
     assert result.returncode == 0, result.output[-3000:]
     assert result.summary["duplicate_data"] is None
     assert not any(e.startswith("duplicate_data:") for e in result.summary["events"])
 
 
-def test_sample_indices_named_by_the_script_are_what_is_compared(transom_run):
+def test_sample_indices_named_by_the_script_are_what_is_compared(threaded_job):
     """The model's input is a constant here; the indices the script names show the duplicate."""
-    result = transom_run(["--replicas", "2"], ["--steps", "8", "--seed-by", "rank", "--indices"], script=SEEDED)
+    result = threaded_job(2, *seeded_batches("rank", indices=True))
     assert result.returncode == 0, result.output[-3000:]
     assert result.summary["duplicate_data"]["replicas"] == [0, 1]

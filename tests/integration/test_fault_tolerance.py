@@ -3,7 +3,10 @@
 Each test runs `transom run` with the tiny GPT example: a coordinator, one launcher per
 replica and real worker processes over Gloo. Faults are real signals (SIGKILL, SIGSTOP)
 sent by a worker to itself at a chosen step, just before the cross-replica all-reduce its
-peers are already waiting in. Assertions are on what the workers recorded per step.
+peers are already waiting in. Each job ends a few steps after the event the test is about
+(`--end-on caught_up:R`: the failed replica is back and holds the job's state), however
+long the machine takes to get there; its step count is only a cap. Assertions are on what
+the workers recorded per step.
 """
 
 from __future__ import annotations
@@ -12,16 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-
-# Survivors slowed 3x (by the step's own busy time, so a loaded machine stretches it too)
-# from two steps after the fault to the end: the restarted replica must be back before the
-# job ends for the test to see it catch up, and its restart (a new process importing torch)
-# takes twice as long on a loaded CI machine. The pace is on the busy time, never on the
-# wait for a hung peer. It lasts to the end because FailSlow compares each rank with its
-# own learned step times: had the paced majority sped up again, the rejoined replica would
-# have looked 2x slow beside them (reported only, but a verdict all the same).
-SURVIVORS_PACED = ["--inject", "slow:replica=0,step=17,factor=3",
-                   "--inject", "slow:replica=2,step=17,factor=3"]
+CAP = ["--steps", "500"]  # a cap, never reached on a working machine: each job ends on its event
 
 
 def commit_gap(records: list[dict]) -> float:
@@ -35,18 +29,10 @@ def commit_gap(records: list[dict]) -> float:
     raise AssertionError("this replica never saw a failed step")
 
 
-def assert_consistent_finish(result, steps: int, replicas: int) -> None:
-    s = result.summary
-    assert result.returncode == 0, result.output[-3000:]
-    assert s["replicas_finished"] == replicas, result.output[-3000:]
-    assert s["steps_committed"] >= steps
-    assert s["replicas_bit_identical"] is True
-
-
 @pytest.mark.compat
 def test_sigkill_during_allreduce_survivors_go_on_and_replica_rejoins(transom_run):
-    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15", *SURVIVORS_PACED], ["--steps", "70"])
-    assert_consistent_finish(result, 70, 3)
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=15", "--end-on", "caught_up:1"], CAP)
+    result.assert_finished_together(3)
     s = result.summary
     assert s["failures_injected"] == 1 and s["replica_restarts"] >= 1
     assert s["healthy_stall_seconds"] <= 2.0
@@ -62,10 +48,10 @@ def test_sigstop_survivors_continue_after_collective_timeout(transom_run):
     timeout = 2.0
     result = transom_run(
         ["--replicas", "3", "--collective-timeout", str(timeout), "--heartbeat-timeout", "2",
-         "--inject", "stop:replica=1,step=15", *SURVIVORS_PACED],
-        ["--steps", "80"],
+         "--inject", "stop:replica=1,step=15", "--end-on", "caught_up:1"],
+        CAP,
     )
-    assert_consistent_finish(result, 80, 3)
+    result.assert_finished_together(3)
     for survivor in (0, 2):
         gap = commit_gap(result.records(survivor))
         # They really waited for the hung peer (a hang is only visible at the timeout) ...
@@ -79,10 +65,11 @@ def test_sigstop_survivors_continue_after_collective_timeout(transom_run):
 def test_two_of_three_killed_with_min_replicas_two_pauses_then_resumes(transom_run):
     result = transom_run(
         ["--replicas", "3", "--min-replicas", "2",
-         "--inject", "kill:replica=1,step=10", "--inject", "kill:replica=2,step=10"],
-        ["--steps", "60"],
+         "--inject", "kill:replica=1,step=10", "--inject", "kill:replica=2,step=10",
+         "--end-on", "caught_up:1", "--end-on", "caught_up:2"],
+        CAP,
     )
-    assert_consistent_finish(result, 60, 3)
+    result.assert_finished_together(3)
     kinds = [e.split(":")[0] for e in result.summary["events"]]
     assert "paused" in kinds and "resumed" in kinds
     assert kinds.index("paused") < kinds.index("resumed")
@@ -94,16 +81,13 @@ def test_two_of_three_killed_with_min_replicas_two_pauses_then_resumes(transom_r
 
 @pytest.mark.parametrize("inner", ["ddp", "fsdp"])
 def test_two_process_replica_killed_is_restarted_whole(transom_run, inner):
-    # The survivor is paced as SURVIVORS_PACED are, for 50 steps: alone, it made 85 steps in
-    # about 9 s here, and CI once saw the restart (two processes importing torch) take 14 s.
-    # With two replicas FailSlow names no one (it needs three), so the pace may end early.
     result = transom_run(
         ["--replicas", "2", "--nproc-per-replica", "2", "--inject", "kill:replica=0,step=5,rank=1",
-         "--inject", "slow:replica=1,step=7,factor=3,count=50"],
-        ["--steps", "90", "--inner", inner],
+         "--end-on", "caught_up:0"],
+        [*CAP, "--inner", inner],
         timeout_s=280,
     )
-    assert_consistent_finish(result, 90, 2)
+    result.assert_finished_together(2)
     assert result.incarnations(0) == 2 and result.incarnations(1) == 1
     assert commit_gap(result.records(1)) <= 2.0
     assert any(r["recovering"] and r["committed"] for r in result.records(0))
@@ -121,39 +105,37 @@ def samples_seen(records: list[dict]) -> list[int]:
 
 def test_loss_after_two_failures_matches_failure_free_run_on_the_same_samples(transom_run):
     # A killed replica contributes no batches until it has rejoined, and how long that takes
-    # depends on the machine's load. So the run with failures is compared with the failure-free
-    # run at the point where that one had used as many replica-batches: the failures must cost
-    # the batches the missing replicas did not train on, and nothing more.
-    clean = transom_run(["--replicas", "3"], ["--steps", "100"])
-    assert_consistent_finish(clean, 100, 3)
+    # depends on the machine's load. So the run with failures is compared with a failure-free
+    # run of as many steps at the point where that one had used as many replica-batches: the
+    # failures must cost the batches the missing replicas did not train on, and nothing more.
     faulty = transom_run(
-        ["--replicas", "3", "--inject", "kill:replica=1,step=10", "--inject", "kill:replica=2,step=30"],
-        ["--steps", "100"],
+        ["--replicas", "3", "--inject", "kill:replica=1,step=10", "--inject", "kill:replica=2,step=30",
+         "--end-on", "caught_up:1", "--end-on", "caught_up:2"],
+        CAP,
     )
-    assert_consistent_finish(faulty, 100, 3)
+    faulty.assert_finished_together(3)
     assert faulty.summary["failures_injected"] == 2
+    steps = faulty.end_step()
+    clean = transom_run(["--replicas", "3"], ["--steps", str(steps)])
+    clean.assert_finished_together(3)
     used = samples_seen(faulty.records(0))[-1]  # replica 0 never failed: it saw every step
-    assert used < 300, "the killed replicas must have missed some steps"
+    assert used < 3 * steps, "the killed replicas must have missed some steps"
     clean_records = [r for r in clean.records(0) if r["committed"]]
     matched = next(i for i, n in enumerate(samples_seen(clean_records)) if n >= used)
     window = clean_records[max(0, matched - 9):matched + 1]  # ten steps, like `final_loss`
     reference = sum(r["loss"] for r in window) / len(window)
-    base, hurt = clean.summary["final_loss"], faulty.summary["final_loss"]
+    hurt, start = faulty.summary["final_loss"], clean_records[0]["loss"]
     assert hurt <= reference * 1.05, (hurt, reference, used)
-    # ... and the run trained: it ends near the failure-free run, not back where it started.
-    assert hurt >= base * 0.95 and hurt <= base * 1.25, (hurt, base, used)
+    # ... and the run trained: far below where it started.
+    assert hurt <= start * 0.8, (hurt, reference, start, used)
 
 
 def test_an_exception_restarts_the_replica_even_when_the_script_closes_in_finally(transom_run):
     # The example closes its trainer in a `finally:`. A replica that raises must count as
     # failed and be restarted; closing must not end the whole job as if it were complete.
-    # The survivor is paced (see SURVIVORS_PACED) so the restarted replica is back before the
-    # end: unpaced, it rejoined at step 49 of 100 here, too close for a loaded CI machine.
-    result = transom_run(["--replicas", "2", "--inject", "raise:replica=1,step=5",
-                          "--inject", "slow:replica=0,step=7,factor=3,count=50"], ["--steps", "100"])
-    assert_consistent_finish(result, 100, 2)
-    assert result.summary["completed_step"] == 100
+    result = transom_run(["--replicas", "2", "--inject", "raise:replica=1,step=5", "--end-on", "caught_up:1"], CAP)
+    result.assert_finished_together(2)
     assert result.incarnations(1) == 2 and result.incarnations(0) == 1
     assert "injected fault at step 5" in result.output
-    assert "closed at step 5, before the target 100" in result.output
+    assert "closed at step 5, before the target 500" in result.output
     assert commit_gap(result.records(0)) <= 2.0

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dataloader_job import BATCH, SAMPLES, dataset  # noqa: E402
 from launching import kill_all, start_launcher  # noqa: E402
 from test_dataloader import JOB, _committed  # noqa: E402
-from test_fault_tolerance import assert_consistent_finish  # noqa: E402
+from test_fault_tolerance import CAP  # noqa: E402
 from transom import contract  # noqa: E402
 from transom.coordinator.membership import Settings  # noqa: E402
 from transom.coordinator.thread import CoordinatorThread  # noqa: E402
@@ -33,7 +33,7 @@ from transom.launch.supervisor import free_port  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-REPLICAS, STEPS = 2, 80
+REPLICAS = 2
 
 
 def _replay(global_batches: dict[int, list[int]], weighted: bool, by_replica: dict[int, dict[int, list[int]]]):
@@ -66,17 +66,18 @@ def test_a_slow_replica_gets_a_smaller_share_and_the_update_stays_exact(transom_
     # Two replicas, one per core. A high threshold: the 2x slowdown shows as ~2x, while the
     # other replica's larger batch after the rebalance must not look slow.
     detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 140, "slowAction": "Rebalance"}
+    # Ten steps on the new shares after they were published are the end of the job.
     result = transom_run(["--replicas", str(REPLICAS), "--detection", json.dumps(detection),
-                          "--inject", "slow:replica=1,step=15,factor=2"],
-                         ["--steps", str(STEPS), "--log-dir", str(logs), "--workers", "0",
-                          "--sample-seconds", "0.02"], script=JOB)
-    assert_consistent_finish(result, STEPS, REPLICAS)
+                          "--inject", "slow:replica=1,step=15,factor=2",
+                          "--end-on", "verdict:1", "--end-on", "rebalance", "--end-margin", "10"],
+                         [*CAP, "--log-dir", str(logs), "--workers", "0", "--sample-seconds", "0.02"], script=JOB)
+    result.assert_finished_together(REPLICAS)
     events = result.summary["events"]
     assert any(e.startswith("verdict:") and "replica 1: FailSlow" in e and "(Rebalance)" in e for e in events), events
     assert any(e.startswith("rebalance:") and "replica 1 0." in e for e in events), events
     assert result.incarnations(1) == 1 and result.incarnations(0) == 1  # nobody was replaced
 
-    _assert_exact(logs, STEPS)
+    _assert_exact(logs, result.end_step())
 
 
 def _assert_exact(logs: Path, steps: int) -> list[tuple[int, int]]:

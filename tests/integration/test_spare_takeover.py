@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launching import start_launcher
-from test_fault_tolerance import assert_consistent_finish
+from test_fault_tolerance import CAP
 from transom import contract
 from transom.coordinator.membership import Settings
 from transom.coordinator.thread import CoordinatorThread
@@ -96,9 +96,9 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
 
 def test_transom_run_spares_take_over_failed_replicas_with_processes_already_running(transom_run):
     kills = ["kill:replica=1,step=12,phase=forward", "kill:replica=2,step=60,phase=forward"]
-    result = transom_run(["--replicas", "3", "--spares", "1", *[a for k in kills for a in ("--inject", k)]],
-                         ["--steps", "110"])
-    assert_consistent_finish(result, 110, 3)
+    result = transom_run(["--replicas", "3", "--spares", "1", *[a for k in kills for a in ("--inject", k)],
+                          "--end-on", "caught_up:1", "--end-on", "caught_up:2"], CAP)
+    result.assert_finished_together(3)
     for replica in (1, 2):
         assert result.incarnations(replica) == 2, result.output[-3000:]
         assert f"replica {replica} failed" in result.output and "spare 0 takes over" in result.output

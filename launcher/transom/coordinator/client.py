@@ -33,6 +33,8 @@ from transom.coordinator.models import (
     FenceAnswer,
     FenceRequest,
     FingerprintRecord,
+    FinishAnswer,
+    FinishRequest,
     HeartbeatRequest,
     Identity,
     IncarnationAnswer,
@@ -254,6 +256,14 @@ class CoordinatorClient:
         """The whole job's state (the job's token only)."""
         status, payload = self._call("GET", "/v1/status", timeout_s=timeout_s)
         return JobStatus.model_validate(self._expect(status, payload, "status"))
+
+    def finish(self, step: int, timeout_s: float = CLIENT_REPORT_TIMEOUT_S) -> int:
+        """End the job at `step`, or at the earliest step it still can (the job's token only);
+        returns the step it will end at. JobCompleted if it already did."""
+        status, payload = self._call("POST", "/v1/finish", FinishRequest(step=step), timeout_s=timeout_s)
+        if status == 410:
+            raise JobCompleted(payload.get("error", "job completed"), 410)
+        return FinishAnswer.model_validate(self._expect(status, payload, "finish")).step
 
     def put_rendezvous(self, info: RendezvousInfo) -> None:
         status, payload = self._call("PUT", "/v1/rendezvous", info)

@@ -58,7 +58,7 @@ from transom.detect.duplicates import DuplicateInputs
 from transom.detect.hangs import CollectiveLedger, Culprit, RankCounts
 from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
 from transom.errors import TooManyRequests
-from transom.words import REASONS, DetectAction, FailureKind, IncarnationState, VerdictKind
+from transom.words import REASONS, DetectAction, EventKind, FailureKind, IncarnationState, VerdictKind
 
 MAX_MESSAGE = 1024
 POSTER_MEMORY_S = 2 * MAX_FORWARD_INTERVAL_S  # a launcher not heard from for this long is no longer counted
@@ -195,7 +195,7 @@ class Detection:
             if s.input_digest is not None and self.duplicates.observe(s.step, s.replica, s.rank, s.input_digest):
                 finding = self.duplicates.finding  # what observe() just found
                 if finding is not None:
-                    self.membership.event(now, "duplicate_data", finding.message)
+                    self.membership.event(now, EventKind.DUPLICATE_DATA, finding.message)
 
     def duplicate_data(self) -> DuplicateDataFinding | None:
         """The job's finding that ranks trained on identical inputs, if there is one."""
@@ -228,7 +228,8 @@ class Detection:
 
     def _restore(self, replica: int, now: float, why: str) -> None:
         if self.membership.shares.restore(replica):
-            self.membership.event(now, "rebalance", f"replica {replica} {why}: back to its nominal share")
+            self.membership.event(now, EventKind.REBALANCE, f"replica {replica} {why}: back to its nominal share",
+                                  replica)
 
     def _act(self, v: Verdict, now: float) -> Verdict:
         """Record and carry out `v`; returns it as acted on (a hang: on the rank it waits for)."""
@@ -244,7 +245,8 @@ class Detection:
         self.verdicts_total[v.kind] += 1
         action = self.settings.action_for(v.kind)
         m = self.membership
-        m.event(now, "verdict", f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}")
+        m.event(now, EventKind.VERDICT, f"replica {v.replica}: {reason} from step {v.first_step} ({action}): {message}",
+                v.replica)
         rep = m.replicas.get(v.replica)
         if action == DetectAction.REBALANCE:
             m.shares.slow(v.replica, v.slowdown)  # published by the next decision

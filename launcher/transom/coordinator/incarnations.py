@@ -21,7 +21,7 @@ from transom.coordinator.models import (
 )
 from transom.coordinator.records import Replica
 from transom.errors import Evicted
-from transom.words import FailureKind, IncarnationState
+from transom.words import EventKind, FailureKind, IncarnationState
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Membership
@@ -58,7 +58,8 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
             last_failure=last_failure,
         ))
         m.answers.pop(rid, None)
-        m.event(now, "registered", f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}")
+        m.event(now, EventKind.REGISTERED,
+                f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}", rid)
     s = m.settings
     return RegisterResponse(
         heartbeat_interval_s=s.heartbeat_interval_s,
@@ -81,9 +82,10 @@ def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, n
     and when it ends (not for each new failure in between: a retry every few seconds)."""
     rid = rep.identity.replica_id
     if trouble is not None and rep.checkpoint_trouble is None:
-        m.event(now, "checkpoint_trouble", f"replica {rid} cannot write its checkpoint: {trouble} (retrying)")
+        m.event(now, EventKind.CHECKPOINT_TROUBLE, f"replica {rid} cannot write its checkpoint: {trouble} (retrying)",
+                rid)
     elif trouble is None and rep.checkpoint_trouble is not None:
-        m.event(now, "checkpoint_trouble_over", f"replica {rid} writes its checkpoint again")
+        m.event(now, EventKind.CHECKPOINT_TROUBLE_OVER, f"replica {rid} writes its checkpoint again", rid)
     rep.checkpoint_trouble = trouble
 
 
@@ -95,7 +97,8 @@ def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
     rep.last_heartbeat = now
     if not rep.aside:
         rep.aside = True
-        m.event(now, "aside", f"replica {req.identity.replica_id} stepped aside at step {req.step}")
+        m.event(now, EventKind.ASIDE, f"replica {req.identity.replica_id} stepped aside at step {req.step}",
+                req.identity.replica_id)
 
 
 def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
@@ -118,10 +121,12 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
     if req.completed and m.completed_step is None:
         m.completed_step = req.step
         m.goodput.finish(now)
-        m.event(now, "completed", f"replica {rep.identity.replica_id} completed the job at step {req.step}")
+        m.event(now, EventKind.COMPLETED, f"replica {rep.identity.replica_id} completed the job at step {req.step}",
+                rep.identity.replica_id)
     m.open.drop(rep.identity.replica_id)
     why = req.reason or ("completed" if req.completed else "no reason given")
-    m.event(now, "left", f"replica {rep.identity.replica_id} left at step {req.step}: {why}")
+    m.event(now, EventKind.LEFT, f"replica {rep.identity.replica_id} left at step {req.step}: {why}",
+            rep.identity.replica_id)
 
 
 def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
@@ -151,5 +156,6 @@ def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, no
         return False
     m.last_checkpoint = (req.step, wall_time)
     m.last_checkpoint_stall_s = req.stall_seconds
-    m.event(now, "checkpoint", f"checkpoint of step {req.step} committed by replica {req.identity.replica_id}")
+    m.event(now, EventKind.CHECKPOINT, f"checkpoint of step {req.step} committed by replica {req.identity.replica_id}",
+            req.identity.replica_id)
     return True

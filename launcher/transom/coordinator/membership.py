@@ -66,7 +66,7 @@ from transom.coordinator.roster import Roster
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 from transom.detect.rebalance import SharePolicy, describe, newest_held
 from transom.errors import JobCompleted
-from transom.words import FailureKind, IncarnationState
+from transom.words import EventKind, FailureKind, IncarnationState
 
 ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
 
@@ -91,6 +91,9 @@ class Membership:
     # Set when the first replica leaves with `completed`: the job's last step. A replica
     # still asking for a quorum after that cannot be helped (its peers are gone).
     completed_step: int | None = None
+    # Where the job's owner asked it to end (POST /v1/finish): the round that reaches this
+    # step tells its members so, and they complete the job there.
+    end_step: int | None = None
     events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
     # Monotonic counters exported as metrics.
     failures_total: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -109,9 +112,10 @@ class Membership:
         self.shares = SharePolicy(self.settings.num_replicas)
 
     # --- helpers -----------------------------------------------------------------------
-    def event(self, now: float, kind: str, message: str) -> None:
-        """Record what happened (GET /v1/status shows the newest; metrics count them)."""
-        self.events.append(Event(time=now, kind=kind, message=message))
+    def event(self, now: float, kind: str, message: str, replica: int | None = None) -> None:
+        """Record what happened, about `replica` if about one (GET /v1/status shows the newest;
+        metrics count them)."""
+        self.events.append(Event(time=now, kind=kind, message=message, replica=replica))
         self.events_total += 1
 
     def fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
@@ -121,7 +125,7 @@ class Membership:
         rep.last_failure = reason
         self.failures_total[kind] += 1
         self.open.drop(rep.identity.replica_id)
-        self.event(now, "failed", f"replica {rep.identity.replica_id}: {reason}")
+        self.event(now, EventKind.FAILED, f"replica {rep.identity.replica_id}: {reason}", rep.identity.replica_id)
 
     # --- calls about one incarnation (incarnations.py) ----------------------------------------
     def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
@@ -165,9 +169,9 @@ class Membership:
         if answered is not None:
             return answered
         if not self.open.enter(req, now):
-            self.event(now, "shared", f"replica {req.identity.replica_id}: shared script values dropped "
+            self.event(now, EventKind.SHARED, f"replica {req.identity.replica_id}: shared script values dropped "
                                        f"(more than {rounds.MAX_SHARED_KEYS} keys or {MAX_SHARED_BYTES} bytes "
-                                       f"since the last round)")
+                                       f"since the last round)", req.identity.replica_id)
         self.try_decide(now)
         return self.answer_for(req)
 
@@ -192,9 +196,8 @@ class Membership:
         if len(ready) < self.settings.min_replicas:
             if not self.paused:
                 self.paused = True
-                self.event(
-                    now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas {self.settings.min_replicas}"
-                )
+                self.event(now, EventKind.PAUSED,
+                           f"{len(ready)} replicas ready, fewer than minReplicas {self.settings.min_replicas}")
             return None
         return self._decide(ready, now)
 
@@ -218,7 +221,7 @@ class Membership:
         for rid in missing:
             self.fail(self.replicas[rid], now, why, FailureKind.HUNG)
         if len(ready) < self.settings.min_replicas:
-            self.event(now, "paused", f"{len(ready)} replicas ready, fewer than minReplicas")
+            self.event(now, EventKind.PAUSED, f"{len(ready)} replicas ready, fewer than minReplicas")
             self.paused = True
             return True
         return False
@@ -260,9 +263,20 @@ class Membership:
             shares=tuple(self.shares.published) if self.shares.published is not None else None,
             shares_from=self.shares.published_from,
             shared=self.open.shared or None,
+            ends_job=self.end_step is not None and p.max_step >= self.end_step,
         )
         self._record(decision, now)
         return decision
+
+    def finish(self, step: int, now: float) -> int:
+        """The job's owner ends the job at `step`, or at the earliest step it still can: the
+        members of the current round may be committing `step_limit` already, so a round at
+        that step is the first that can end it. Returns the step the job will end at."""
+        if self.completed_step is not None:
+            raise JobCompleted(f"the job completed at step {self.completed_step}")
+        self.end_step = max(step, self.step_limit)
+        self.event(now, EventKind.FINISHING, f"the job ends at step {self.end_step}, as its owner asked")
+        return self.end_step
 
     def _new_quorum(self, p: rounds.RoundPlan, now: float) -> tuple[int, str, str]:
         """A fresh quorum id, and the store its groups are built on: a member's holding the
@@ -272,7 +286,7 @@ class Membership:
         quorum_id = self.last_quorum_id
         owner = self.replicas[p.canonical[0] if p.canonical else p.ids[0]]
         self.quorum_changes_total += 1
-        self.event(now, "quorum", f"quorum {quorum_id}: replicas {p.ids} at step {p.max_step}"
+        self.event(now, EventKind.QUORUM, f"quorum {quorum_id}: replicas {p.ids} at step {p.max_step}"
                     + (f", recovering {sorted(p.recovering)}" if p.recovering else ""))
         return quorum_id, owner.store_addr, f"transom/{self.settings.job}/{self.epoch}/q{quorum_id}"
 
@@ -281,16 +295,17 @@ class Membership:
         """The round's news: who caught up, a resumed job, and new batch shares to publish."""
         if prev is not None:
             for rid in sorted(set(prev.recovering) & set(p.canonical)):
-                self.event(now, "caught_up", f"replica {rid} caught up at step {p.max_step}")
+                self.event(now, EventKind.CAUGHT_UP, f"replica {rid} caught up at step {p.max_step}", rid)
         if self.paused:
             self.paused = False
-            self.event(now, "resumed", f"{len(p.ids)} replicas ready")
+            self.event(now, EventKind.RESUMED, f"{len(p.ids)} replicas ready")
         if self.next_round == 0:  # a restarted coordinator: the shares under which batches were drawn
             held = newest_held({i: (ready[i].shares_held, ready[i].shares_held_from) for i in p.ids})
             if held is not None and self.shares.adopt(*held):
-                self.event(now, "rebalance", f"kept from before the restart, from step {held[1]}: {describe(held[0])}")
+                self.event(now, EventKind.REBALANCE,
+                           f"kept from before the restart, from step {held[1]}: {describe(held[0])}")
         if self.shares.publish(all(ready[i].follows_shares for i in p.ids), p.max_step, p.ids):
-            self.event(now, "rebalance", f"from step {p.max_step + 1}: {describe(self.shares.published)}")
+            self.event(now, EventKind.REBALANCE, f"from step {p.max_step + 1}: {describe(self.shares.published)}")
 
     def _record(self, decision: Decision, now: float) -> None:
         """Make `decision` the current round: answer its members, time it, open the next."""

@@ -269,8 +269,23 @@ class QuorumResponse(_Msg):
     shared: dict[str, JsonValue] | None = Field(
         default=None, description="script values set aside by members since the last decision: every member "
                                   "sets them before the step's exchange")
+    ends_job: bool = Field(
+        default=False, description="the job ends at `max_step` (its owner asked: POST /v1/finish): the members "
+                                   "train no further step and complete the job where they are")
 
     _shared_size = field_validator("shared")(_bounded_shared)
+
+
+class FinishRequest(_Msg):
+    """The job's owner ends the job at a step (`transom run --end-on`, or an administrator
+    with the job's token): every replica completes it there, with its final checkpoint."""
+
+    step: int = Field(ge=0, le=MAX_STEP, description="the step to end at; a job already past it ends at the "
+                      "earliest step it still can (the step after the current round's)")
+
+
+class FinishAnswer(_Msg):
+    step: int = Field(description="the step at which the job will end")
 
 
 class ReplicaStatus(_Msg):
@@ -323,6 +338,7 @@ class Event(_Msg):
     time: float
     kind: str
     message: str
+    replica: int | None = Field(default=None, description="the replica it is about, if one")
 
 
 class JobStatus(_Msg):

@@ -41,6 +41,7 @@ class Decision:
     shares: tuple[float, ...] | None = None  # each replica's share of the global batch (Rebalance)
     shares_from: int = 0  # ... from this step on
     shared: dict | None = None  # script values set aside since the last decision (QuorumResponse.shared)
+    ends_job: bool = False  # the job's last round: its members complete the job at max_step (POST /v1/finish)
 
     def member_ids(self) -> list[int]:
         return [m.replica_id for m in self.members]

@@ -46,6 +46,7 @@ def response(m: Membership, decision: Decision, replica_id: int) -> QuorumRespon
         shares=list(decision.shares) if decision.shares is not None else None,
         shares_from=decision.shares_from,
         shared=decision.shared,
+        ends_job=decision.ends_job,
     )
 
 

@@ -16,6 +16,8 @@ Endpoints (bearer token required on everything under /v1/):
     POST /v1/failure             FailureReport    -> {"accepted": bool}
     POST /v1/leave               LeaveRequest     -> {}
     POST /v1/aside               AsideRequest     -> {} (rounds stop waiting for it until it asks again)
+    POST /v1/finish              FinishRequest    -> FinishAnswer (the job's token only: the job ends at
+                                                     that step; 410 = it already completed)
     POST /v1/fence               FenceRequest     -> FenceAnswer (409: this incarnation may no longer
                                                      act; asked before each checkpoint write: fencing)
     POST /v1/signals             SignalBatch      -> SignalAnswer (verdicts, the pace, the DuplicateData
@@ -65,6 +67,8 @@ from transom.coordinator.models import (
     FailureReport,
     FenceAnswer,
     FenceRequest,
+    FinishAnswer,
+    FinishRequest,
     HeartbeatRequest,
     LeaveRequest,
     QuorumRequest,
@@ -76,6 +80,7 @@ from transom.coordinator.oom_kills import OomKills
 from transom.defaults import COORDINATOR_TICK_S, QUORUM_WAKE_S
 from transom.detect.step_rows import DetectionSettings
 from transom.errors import EVICTED_STATES, Evicted, JobCompleted
+from transom.words import EventKind
 
 if TYPE_CHECKING:
     from transom.coordinator.kube_identity import KubeIdentity
@@ -131,6 +136,7 @@ class CoordinatorServer:
         r.add_post("/v1/checkpoint", self._checkpoint)
         r.add_post("/v1/fence", self._fence)
         r.add_post("/v1/signals", self._signals)
+        r.add_post("/v1/finish", self._finish)
         self.lookups.add_routes(r)
         return app
 
@@ -186,6 +192,15 @@ class CoordinatorServer:
             self._changed.notify_all()
         return http.ok()
 
+    async def _finish(self, request: web.Request) -> web.Response:
+        """The job's owner ends the job at a step: the round that reaches it tells its members."""
+        http.principal(request).require_admin("POST /v1/finish")
+        req = await http.parse(request, FinishRequest)
+        async with self.lock:
+            step = self.membership.finish(req.step, self.clock())
+        log.info("the job ends at step %d, as its owner asked", step)
+        return http.ok(FinishAnswer(step=step))
+
     async def _checkpoint(self, request: web.Request) -> web.Response:
         req = await http.parse(request, CheckpointReport)
         await self.access.authorize(request, req.identity)
@@ -216,7 +231,8 @@ class CoordinatorServer:
         if self.refusals.record(endpoint, identity):
             current = self.membership.replicas.get(identity.replica_id)
             message = refusal_message(identity, endpoint, known, current.identity if current else None, what)
-            self.membership.event(self.clock(), "refused", message)  # no await since: no handler in between
+            # No await since the lookup above: no other handler ran in between.
+            self.membership.event(self.clock(), EventKind.REFUSED, message, identity.replica_id)
             log.warning("%s", message)
         state = e.state or (known.state if known.state in EVICTED_STATES else None)
         return http.error(409, str(e), state=state)

@@ -67,7 +67,8 @@ class CoordinatorLink:
         if fence is not None:
             fence.vouch(sent, reg.heartbeat_timeout_s)
         self._stop = threading.Event()
-        self._requests: queue.SimpleQueue[tuple[QuorumRequest, concurrent.futures.Future]] = queue.SimpleQueue()
+        # A request without a QuorumRequest is close()'s: the asker stops.
+        self._requests: queue.SimpleQueue[tuple[QuorumRequest | None, concurrent.futures.Future]] = queue.SimpleQueue()
         self._asker = threading.Thread(target=self._ask_loop, name="transom-quorum", daemon=True)
         self._asker.start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(reg.heartbeat_interval_s,),
@@ -89,6 +90,8 @@ class CoordinatorLink:
                 req, future = self._requests.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if req is None:  # close(): wake up and go
+                return
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(self._quorum_call(req))
@@ -137,6 +140,7 @@ class CoordinatorLink:
         """Stop the heartbeat and the quorum thread; `leave`: say goodbye first (never raises).
         A request not yet sent is cancelled; one in flight ends at its next retry or poll."""
         self._stop.set()
+        self._requests.put((None, concurrent.futures.Future()))  # the asker waits for a request: this one
         self._heartbeat.join(timeout=5)
         self._asker.join(timeout=1)  # a long-poll on the wire may outlast this: a daemon
         while True:

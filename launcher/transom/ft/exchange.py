@@ -10,9 +10,9 @@ step's all-reduce (ft/ftar.py) starts, bucket by bucket as backward produces the
 (`bucket_ready`), and `finish` starts the rest and waits for all.
 
 What comes out is a `QuorumOutcome` (ft/step_values.py), or None where the job completed
-without this replica; an eviction raises. The trainer hands the outcome on to the
-recovery and the commit; what the commit reports back (`StepRecord`) goes into the next
-request.
+without this replica or its owner ended it at the step this replica holds; an eviction
+raises. The trainer hands the outcome on to the recovery and the commit; what the commit
+reports back (`StepRecord`) goes into the next request.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Exchange:
         self.last_round = -1  # the last round answered
         self.evicted: str | None = None  # why the coordinator no longer counts this incarnation
         self.completed_elsewhere = False  # the job finished without this replica
+        self.ended_by_owner = False  # the job's owner ended the job at this replica's step (POST /v1/finish)
         self.asked = False  # this step's quorum request left (on the leader; the flag on every rank)
         self._step = 0
         self._request: QuorumRequest | None = None  # this step's, until the forward pass sends it
@@ -94,6 +95,10 @@ class Exchange:
             q = self._await_quorum()
         self._awaited = True
         if q is None:
+            return None
+        if q.ends_job:  # the job ends at the step this replica holds: nothing of this step is exchanged
+            log.info("replica %d: the job ends at step %d, as its owner asked", self.ctx.replica_id, q.max_step)
+            self.ended_by_owner = True
             return None
         self.last_round = q.round
         self.shared.apply(q.shared)  # before anything of this step is served or captured

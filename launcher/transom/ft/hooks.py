@@ -2,7 +2,7 @@
 
 The production step calls `hooks.<point>(...)` at each such place and nothing else; the
 default object does nothing there. Only when `TRANSOM_FAULT` asks for a fault for this
-attempt of this replica (transom/inject.py) does `from_environ` build `InjectedFaults`,
+attempt of this replica (transom/inject.py) does `for_replica` build `InjectedFaults`,
 which fires the fault at its point. So a fault is injected through the harness, never
 through an `if` in the step, and a newcomer reading the step sees where faults can land
 without reading how they are made.
@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from transom import inject
+from transom.contract import ENV_FAULT, ENV_NODE_NAME, ReplicaEnv
 
 
 class StepHooks:
@@ -87,6 +88,13 @@ class InjectedFaults(StepHooks):
 
     def checkpoint(self, step: int) -> None:
         self.fault.maybe_fire(step, self.rank, "checkpoint")
+
+
+def for_replica(env: ReplicaEnv, rank: int) -> StepHooks:
+    """The hooks of rank `rank` of the incarnation `env` describes: the fault its environment's
+    TRANSOM_FAULT holds for its attempt (replicas that are threads of one process each have an
+    environment of their own: tests/integration/threaded_job.py)."""
+    return from_environ(env.attempt, env.replica_id, rank, {ENV_FAULT: env.fault, ENV_NODE_NAME: env.node_name})
 
 
 def from_environ(attempt: int, replica: int, rank: int, environ: dict[str, str] | None = None) -> StepHooks:

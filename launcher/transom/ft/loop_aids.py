@@ -53,7 +53,7 @@ class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
     _aside, _no_sync, _link, _guard, _clock, _loss, _shared, _inputs, _exchange (asked),
     _commit (writers), last_step_committed, last_batch_trained, num_steps, state,
-    completed_elsewhere; and calls its begin_step()."""
+    job_ended; and calls its begin_step()."""
 
     ctx: Any
     model: torch.nn.Module
@@ -67,7 +67,7 @@ class LoopAids:
 
     if TYPE_CHECKING:  # FaultTolerant's properties and methods (no runtime definitions here)
         @property
-        def completed_elsewhere(self) -> bool: ...
+        def job_ended(self) -> bool: ...
         @property
         def last_step_committed(self) -> bool: ...
         @property
@@ -88,7 +88,7 @@ class LoopAids:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
             raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
         self.num_steps = num_steps
-        while self.step < num_steps and not self.completed_elsewhere:
+        while self.step < num_steps and not self.job_ended:
             self.begin_step()
             yield self.step
             if self._in_step:

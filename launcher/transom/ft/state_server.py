@@ -42,6 +42,7 @@ log = logging.getLogger("transom.ft")
 _SMALL_PATH = re.compile(r"^/small/(\d{1,18})$")
 _CHUNK_PATH = re.compile(r"^/snapshot/(\d{1,18})/chunk/(\d{1,9})$")
 _TEXT, _BYTES = "text/plain", "application/octet-stream"
+SHUTDOWN_POLL_S = 0.05  # how soon the server's loop sees close(): a replica's exit waits for it
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -137,7 +138,9 @@ class StateServer:
         handler = type("Handler", (_Handler,), {"timeout": idle_timeout_s, "state_server": self})
         self._httpd = _BoundedServer((bind_host, 0), handler, max_connections)
         self.url = f"http://{advertise_host}:{self._httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="transom-state-server", daemon=True)
+        # serve_forever looks for a shutdown between waits for a request: close() waits out one.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(SHUTDOWN_POLL_S,),
+                                        name="transom-state-server", daemon=True)
         self._thread.start()
 
     def authorized(self, header: str) -> bool:

@@ -145,7 +145,7 @@ class FaultTolerant(LoopAids):
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
-        self.hooks = hooks.from_environ(env.attempt, env.replica_id, self.ctx.rank)
+        self.hooks = hooks.for_replica(env, self.ctx.rank)
         self.fence = IncarnationFence(self.client, self.identity)  # may this incarnation still act?
         self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
                                  self.ctx.rank)
@@ -239,6 +239,13 @@ class FaultTolerant(LoopAids):
         """The job finished without this replica."""
         return self._exchange.completed_elsewhere
 
+    @property
+    def job_ended(self) -> bool:
+        """The job ended before this replica's target: it completed without this replica, or
+        its owner ended it at the step this replica holds (POST /v1/finish; this replica
+        then completes it, with the final checkpoint, as if that were the target)."""
+        return self.completed_elsewhere or self._exchange.ended_by_owner
+
     def begin_step(self) -> None:
         self._exchange.begin(self.step, self._commit.last, self._recovery.need_from)
         self._in_step = True
@@ -292,8 +299,8 @@ class FaultTolerant(LoopAids):
             raise UsageError("optimizer.step() outside a step: iterate over trainer.steps() or trainer.batches()")
         try:
             outcome = self._exchange_now()
-            if outcome is None:  # the job completed without us: nothing to commit
-                self._optimizer.zero_grad(set_to_none=True)
+            if outcome is None:  # the job ended (without us, or here): nothing to commit
+                self._commit.not_committed()
                 return False
             return self._commit.finish(outcome, self._loss, before_optimizer, update)
         finally:
@@ -322,7 +329,8 @@ class FaultTolerant(LoopAids):
         Closing completes the job once this replica has committed the `num_steps` that
         `steps()` was given, or with `end_job=True`: the script ends the job at the current
         step on purpose (early stopping), and every replica still training stops at its next
-        step. Closing before that (an exception, a `break`) is a failure: the coordinator drops
+        step; or once the job's owner ended the job at this replica's step (`job_ended`).
+        Closing before that (an exception, a `break`) is a failure: the coordinator drops
         this replica from the next quorum at once, and its launcher restarts it.
         """
         if self._closed:
@@ -331,7 +339,8 @@ class FaultTolerant(LoopAids):
         if self._guard is not None:
             self._guard.waiting(True)  # a final checkpoint may take long: that is not a hang
         self._uncaught.uninstall()
-        done = end_job or (self.num_steps is not None and self.step >= self.num_steps)
+        ended = end_job or self._exchange.ended_by_owner
+        done = ended or (self.num_steps is not None and self.step >= self.num_steps)
         gone = self.completed_elsewhere or bool(self._exchange.evicted)
         completed, failed = done and not gone, not done and not gone
         if failed:  # before anything slow: the other replicas stop waiting for this one now
@@ -343,7 +352,7 @@ class FaultTolerant(LoopAids):
             if completed and self._exchange.last_round < 0:  # e.g. restored at the target: no round answered it yet
                 self._link.take_one_round(self.step, self._commit.last.commit_quorum_id)
             self._link.close(leave_request(self.identity, self.step, self.num_steps, completed,
-                                           self.completed_elsewhere, end_job))
+                                           self.completed_elsewhere, ended))
         self._recovery.close()
         self._backward.remove()
         self._forward_hook.remove()

@@ -24,6 +24,7 @@ from transom.defaults import LOCAL
 from transom.detect.step_rows import DetectionSettings
 from transom.inject import Fault
 from transom.launch import gpus
+from transom.launch.end_on import MAX_MARGIN, Awaited
 from transom.launch.preflight import PreflightSpec
 
 
@@ -104,6 +105,8 @@ class RunConfig:
     detection: str | None = None  # spec.detection as JSON (TRANSOM_DETECTION); None: the defaults
     preflight: str | None = None  # spec.preflight as JSON (TRANSOM_PREFLIGHT); None: no pre-flight checks
     trace_out: str | None = None  # write every rank's step signals here as one CSV trace
+    end_on: list[Awaited] = field(default_factory=list)  # end the job once these events happened (end_on.py)
+    end_margin: int = 3  # ... this many steps after them
     devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
 
     def __post_init__(self) -> None:
@@ -133,6 +136,12 @@ class RunConfig:
         if not 0 <= self.spares <= 8:
             raise ValueError("--spares must be between 0 and 8 in local mode")
         self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)
+        if not 0 <= self.end_margin <= MAX_MARGIN:
+            raise ValueError(f"--end-margin must be between 0 and {MAX_MARGIN} steps")
+        for awaited in self.end_on:
+            if awaited.replica is not None and awaited.replica >= self.replicas:
+                raise ValueError(f"--end-on {awaited} names replica {awaited.replica}, but there are only "
+                                 f"{self.replicas}")
         for replica, spec in self.injects:
             if replica >= self.replicas:
                 raise ValueError(f"--inject names replica {replica}, but there are only {self.replicas}")

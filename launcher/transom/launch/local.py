@@ -56,9 +56,11 @@ from transom.coordinator.models import JobStatus
 from transom.coordinator.thread import CoordinatorThread
 from transom.defaults import heartbeat_interval_s
 from transom.detect.step_rows import DetectionSettings
+from transom.errors import JobCompleted
 from transom.launch import processes
 from transom.launch.config import LaunchConfig, RunConfig, default_of
 from transom.launch.display import Display, closing_table
+from transom.launch.end_on import EndOn
 from transom.launch.job_view import EventFeed, caught_up, failed_incarnations, progress
 from transom.launch.local_pods import LocalPods
 from transom.launch.local_spares import SparePool
@@ -104,6 +106,7 @@ class LocalRun:
         self._t0 = time.monotonic()
         self._feed = EventFeed()
         self._events: list[str] = []
+        self.end_on = EndOn(config.end_on, config.end_margin)  # --end-on: the events that end the job
         self.display = Display(quiet=config.quiet)
         self.script_error: str | None = None  # why a launcher exited EXIT_SCRIPT_ERROR
         self.oom_killed: str | None = None  # why a launcher exited EXIT_OOM_KILLED
@@ -157,11 +160,27 @@ class LocalRun:
 
     def _show_progress(self) -> None:
         status = self._status()
-        for ev in self._feed.new(status.events):
+        fresh = self._feed.new(status.events)
+        for ev in fresh:
             self.display.event(ev.kind, ev.message)
             self._events.append(f"{ev.kind}: {ev.message}")
         restarts = sum(1 for e in self._events if e.startswith("failed:"))
         self.display.progress(progress(status, restarts), (tuple(status.members), status.quorum_id, status.paused))
+        self.end_on.observe(fresh)
+        self._end_if_due(status.max_step)
+
+    def _end_if_due(self, step: int) -> None:
+        """--end-on: once its events happened, the job ends a margin of steps later."""
+        end = self.end_on.due(step)
+        if end is None:
+            return
+        assert self.client is not None
+        try:
+            self.end_on.asked(self.client.finish(end, timeout_s=STATUS_TIMEOUT_S))
+        except JobCompleted:  # it reached its step count first
+            self.end_on.asked(None)
+            return
+        self.say(f"{', '.join(map(str, self.end_on.awaited))} happened: the job ends at step {self.end_on.end_step}")
 
     def _outcome(self) -> tuple[int | None, int | None, dict | None]:
         """(the step at which a replica completed the job, the newest committed checkpoint, the
@@ -283,6 +302,8 @@ class LocalRun:
             exit_code = 1
         outcome = {"exit_code": exit_code, "completed_step": completed_step, "last_checkpoint": last_checkpoint,
                    "script_error": self.script_error, "oom_killed": self.oom_killed, "duplicate_data": duplicate_data}
+        if self.config.end_on:
+            outcome["end_on"] = self.end_on.summary()
         self._conclude(outcome)
         return exit_code
 

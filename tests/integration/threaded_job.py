@@ -1,0 +1,302 @@
+"""A job whose replicas are threads of the test's own process, for the logic of fault
+tolerance that needs no process of its own: detection and its verdicts, completion,
+checkpoints and their resume, what failures cost. torchft's integration tests are the
+model: replicas as threads, faults at a step, restarts in process.
+
+Real: the coordinator (on loopback, through its HTTP API), the Gloo groups between the
+threads, the trainer (`ft.FaultTolerant`) with its checkpoint engine, the detectors' rows
+posted by the launcher's own `SignalForwarder`, and faults through the step hooks (each
+replica's own TRANSOM_FAULT: the k-th fault for its k-th attempt, as `transom run --inject`
+gives them). Standing in for the launcher: a replica whose body raises (a `raise` fault,
+an eviction after a verdict) is restarted in place as its next attempt, a fresh model and
+trainer on a new thread. No process starts, and so no `import torch` (2 s a process on the
+2-core development machine) and no interpreter teardown.
+
+What processes are for stays with `transom run` (conftest.py `transom_run`): SIGKILL and
+SIGSTOP, OOM kills, orphans, partitions, pod termination, a coordinator restart, spares,
+hangs (a thread cannot be killed), replicas of several ranks (one torch.distributed world
+per process), and the launcher's and runner's own behaviour.
+
+The result is the `RunResult` a `transom run` gives (run_result.py), its summary computed
+by the same code from the same files, and its output the `transom` loggers' lines.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from run_result import RunResult
+from transom import contract
+from transom.checkpoint.engine import CheckpointConfig
+from transom.coordinator.client import CoordinatorClient
+from transom.coordinator.membership import Settings
+from transom.coordinator.models import Identity, JobStatus
+from transom.coordinator.thread import CoordinatorThread
+from transom.detect.step_rows import DetectionSettings
+from transom.errors import JobCompleted
+from transom.ft import FaultTolerant, FTConfig
+from transom.ft.replica import ReplicaContext
+from transom.launch.end_on import Awaited, EndOn
+from transom.launch.job_view import EventFeed
+from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
+from transom.launch.summary import summarize
+
+TOKEN = "threaded-job"
+POLL_S = 0.05
+Build = Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]]
+Body = Callable[[int, FaultTolerant, torch.nn.Module], Any]
+
+
+@dataclass
+class _Replica:
+    """One replica id: its current attempt's thread and forwarder, and how its attempts ended."""
+
+    rid: int
+    faults: list[str]
+    attempt: int = -1
+    thread: threading.Thread | None = None
+    forwarder: SignalForwarder | None = None
+    result: Any = None
+    errors: list[BaseException] = field(default_factory=list)
+    finished: bool = False  # its last attempt's body returned
+
+
+@dataclass
+class ThreadedJob:
+    """`replicas` threads running `body(replica, trainer, model)` on what `build(replica)`
+    made, with a trainer of `config`, `checkpoint` and `trainer_kwargs` (per replica: a list);
+    `faults[replica]` are its TRANSOM_FAULT list; `attempts` per replica before the job fails."""
+
+    stats_dir: Path
+    replicas: int
+    body: Body
+    build: Build
+    min_replicas: int | None = None
+    faults: dict[int, list[str]] = field(default_factory=dict)
+    detection: dict | None = None
+    checkpoint: CheckpointConfig | None = None
+    config: FTConfig = field(default_factory=lambda: FTConfig(collective_timeout_s=10, quorum_timeout_s=30))
+    trainer_kwargs: dict = field(default_factory=dict)
+    attempts: int = 4
+    end_on: list[str] = field(default_factory=list)
+    end_margin: int = 3
+    timeout_s: float = 90
+
+    def __post_init__(self) -> None:
+        self.signals_dir = self.stats_dir / "signals"
+        self.signals_dir.mkdir(parents=True, exist_ok=True)
+        self._build_lock = threading.Lock()  # torch's seed is the process's: one model is built at a time
+        self._detection = DetectionSettings.from_spec(json.dumps(self.detection) if self.detection else None)
+        self._replicas = {r: _Replica(r, self.faults.get(r, [])) for r in range(self.replicas)}
+        self._end = EndOn([Awaited.parse(a) for a in self.end_on], self.end_margin)
+        self._feed = EventFeed()
+        self._events: list[str] = []
+
+    # --- one attempt of one replica ----------------------------------------------------------
+    def _context(self, rep: _Replica, url: str) -> ReplicaContext:
+        env = contract.ReplicaEnv.from_environ({
+            contract.ENV_COORDINATOR_URL: url, contract.ENV_COORDINATOR_TOKEN: TOKEN,
+            contract.ENV_REPLICA_ID: str(rep.rid), contract.ENV_NUM_REPLICAS: str(self.replicas),
+            contract.ENV_ATTEMPT: str(rep.attempt), contract.ENV_FAULT: ";".join(rep.faults)})
+        return ReplicaContext(env=env, rank=0, local_rank=0, world_size=1, backend="gloo", device=torch.device("cpu"),
+                              ctrl_group=None)
+
+    def _attempt(self, rep: _Replica, ctx: ReplicaContext) -> None:
+        with self._build_lock:
+            model, optimizer = self.build(rep.rid)
+        kwargs = {k: v[rep.rid] if isinstance(v, list) else v for k, v in self.trainer_kwargs.items()}
+        trainer = FaultTolerant(model, optimizer, ctx, checkpoint=self.checkpoint, config=self.config, **kwargs)
+        try:
+            rep.result = self.body(rep.rid, trainer, model)
+        finally:
+            trainer.close()  # a body that raised: the replica's failure, reported (the example's `finally:`)
+        rep.finished = True
+
+    def _start(self, rep: _Replica, url: str, client: CoordinatorClient) -> None:
+        """The replica's next attempt, on a new thread, with the forwarder its launcher would run."""
+        rep.attempt += 1
+        rep.forwarder = SignalForwarder(self.signals_dir, Identity(replica_id=rep.rid, generation=0,
+                                                                   attempt=rep.attempt),
+                                        0, [0], client, self._detection)
+        ctx = self._context(rep, url)
+
+        def run() -> None:
+            try:
+                self._attempt(rep, ctx)
+            except BaseException as e:  # noqa: BLE001 - the attempt's end, told to the job
+                rep.errors.append(e)
+
+        rep.thread = threading.Thread(target=run, name=f"replica-{rep.rid}-a{rep.attempt}", daemon=True)
+        rep.thread.start()
+
+    def _end_attempt(self, rep: _Replica) -> None:
+        """What its launcher does once an attempt's worker is gone: post its last rows."""
+        if rep.forwarder is not None:
+            rep.forwarder.poll(time.monotonic())
+            rep.forwarder.flush(patience_s=LAST_FLUSH_PATIENCE_S)
+            rep.forwarder = None
+
+    # --- the job -----------------------------------------------------------------------------------
+    def _tend(self, url: str, client: CoordinatorClient) -> bool:
+        """One pass: forward rows, restart failed attempts. False once every replica is done or
+        one has used up its attempts."""
+        now = time.monotonic()
+        running = False
+        for rep in self._replicas.values():
+            if rep.thread is not None and rep.thread.is_alive():
+                running = True
+                if rep.forwarder is not None:
+                    rep.forwarder.poll(now)
+                continue
+            self._end_attempt(rep)
+            if rep.finished:
+                continue
+            if rep.attempt + 1 >= self.attempts:
+                return False
+            self._start(rep, url, client)
+            running = True
+        return running
+
+    def _watch(self, client: CoordinatorClient) -> None:
+        """The events: kept for the summary, and --end-on's (it ends the job after them)."""
+        status = client.status(timeout_s=5)
+        fresh = self._feed.new(status.events)
+        self._events += [f"{e.kind}: {e.message}" for e in fresh]
+        self._end.observe(fresh)
+        end = self._end.due(status.max_step)
+        if end is not None:
+            try:
+                self._end.asked(client.finish(end, timeout_s=5))
+            except JobCompleted:
+                self._end.asked(None)
+
+    def run(self) -> RunResult:
+        settings = Settings(job="threaded", num_replicas=self.replicas, min_replicas=self.min_replicas or 1)
+        coordinator = CoordinatorThread(settings, TOKEN, detection=self._detection)
+        url = coordinator.start()
+        client = CoordinatorClient(url, TOKEN, timeout_s=5)
+        output, t0 = _Captured(), time.monotonic()
+        try:
+            with output:
+                for rep in self._replicas.values():
+                    self._start(rep, url, client)
+                while self._tend(url, client):
+                    if time.monotonic() - t0 > self.timeout_s:
+                        raise AssertionError(f"the threaded job did not end within {self.timeout_s}s: "
+                                             f"{self._describe()}\n{output.text()[-3000:]}")
+                    self._watch(client)
+                    time.sleep(POLL_S)
+                self._watch(client)
+                status = client.status(timeout_s=5)
+        finally:
+            coordinator.stop()
+        return self._result(status, output.text(), time.monotonic() - t0)
+
+    def _result(self, status: JobStatus, output: str, wall_s: float) -> RunResult:
+        summary = summarize(self.stats_dir, self.replicas, {r: len(f) for r, f in self.faults.items()}, wall_s)
+        summary.update(completed_step=status.completed_step, events=self._events,
+                       duplicate_data=status.duplicate_data.model_dump() if status.duplicate_data else None)
+        if self.end_on:
+            summary["end_on"] = self._end.summary()
+        errors = [f"replica {r.rid}: {type(e).__name__}: {e}" for r in self._replicas.values() for e in r.errors]
+        ok = all(r.finished for r in self._replicas.values()) and status.completed_step is not None
+        return RunResult(0 if ok else 1, summary, output + "".join(f"\n{line}" for line in errors), self.stats_dir,
+                         results={r: rep.result for r, rep in self._replicas.items()})
+
+    def _describe(self) -> str:
+        return "; ".join(f"replica {r.rid} attempt {r.attempt} {'finished' if r.finished else 'running'} "
+                         f"errors {[type(e).__name__ for e in r.errors]}" for r in self._replicas.values())
+
+
+class _Captured:
+    """The `transom` loggers' lines (INFO and up) while the job runs: its output."""
+
+    def __init__(self) -> None:
+        self._buffer = io.StringIO()
+        self._handler = logging.StreamHandler(self._buffer)
+        self._handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self._logger = logging.getLogger("transom")
+
+    def __enter__(self) -> _Captured:
+        self._level = self._logger.level
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+
+    def text(self) -> str:
+        return self._buffer.getvalue()
+
+
+# --- the tiny GPT of examples/train_tiny_gpt.py, as a threaded job's replicas train it ------------------------------
+def _example():
+    import sys
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import train_tiny_gpt
+
+    return train_tiny_gpt
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """The example's model, smaller by default (what these tests check does not need its size),
+    its data, and the loop of its `main()`."""
+
+    dim: int = 32
+    layers: int = 1
+    context: int = 32
+    batch_size: int = 8
+    lr: float = 3e-3
+
+    def build(self, replica: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        tg = _example()
+        torch.manual_seed(0)  # the same weights on every replica (ThreadedJob builds one at a time)
+        model = tg.TinyGPT(len(_chars()), dim=self.dim, layers=self.layers, context=self.context)
+        return model, torch.optim.AdamW(model.parameters(), lr=self.lr)
+
+    def steps(self, num_steps: int) -> Body:
+        """A body that trains to `num_steps` as the example does, and returns the last loss."""
+        tg, data = _example(), _data()
+
+        def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> float | None:
+            loss = None
+            for step in trainer.steps(num_steps):
+                x, y = tg.batch(data, step, replica, 0, 1, self.batch_size, self.context)
+                loss = model(x, y)
+                loss.backward()
+                trainer.finish_step(loss)
+            return None if loss is None else loss.item()
+
+        return body
+
+
+_CORPUS: dict[str, Any] = {}
+
+
+def _chars() -> list[str]:
+    if "chars" not in _CORPUS:
+        text = _example().make_corpus()
+        _CORPUS["chars"] = sorted(set(text))
+        _CORPUS["data"] = torch.tensor([_CORPUS["chars"].index(c) for c in text], dtype=torch.long)
+    return _CORPUS["chars"]
+
+
+def _data() -> torch.Tensor:
+    _chars()
+    return _CORPUS["data"]
