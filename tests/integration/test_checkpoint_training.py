@@ -1,23 +1,30 @@
-"""Checkpoints of real training runs: `transom run` of the tiny GPT example with a checkpoint URI.
+"""Checkpoints of real training runs: the tiny GPT example's training with a checkpoint URI.
 
 A job that stops and is started again resumes from its newest checkpoint and ends with the
 same weights, bit for bit, as a job that never stopped, also with FSDP2 inside each replica;
-a checkpoint restores into a different number of replicas, and a replica SIGKILLed after
-the resume restores the checkpoint and catches up from a peer. Storage that goes away in the
-middle of a run is named in the coordinator's events while training goes on, and the
-checkpoints resume when it is back.
+a checkpoint restores into a different number of replicas, and a replica that fails after
+the resume does not restore the checkpoint but catches up from a peer. Storage that goes
+away in the middle of a run is named in the coordinator's events while training goes on,
+and the checkpoints resume when it is back.
+
+FSDP2 needs a torch.distributed world per replica, so that job is `transom run` with
+processes; the others are the checkpoint engine's and the trainer's logic, with replicas as
+threads of this process (threaded_job.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from threaded_job import TinyGPT
 from transom.checkpoint import layout
+from transom.checkpoint.engine import CheckpointConfig
 from transom.checkpoint.restore import IncompatibleCheckpoint, load_step
 from transom.checkpoint.storage import Storage
 
@@ -44,13 +51,13 @@ def ok(result) -> None:
 
 
 @pytest.mark.compat
-def test_a_stopped_job_resumes_bit_identical(transom_run, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    with_ckpt = ["--replicas", "2", "--checkpoint-uri", str(ckpt), "--checkpoint-keep", "2"]
-    reference = transom_run(["--replicas", "2"], ["--steps", "60"])
+def test_a_stopped_job_resumes_bit_identical(threaded_job, tmp_path):
+    gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
+    with_ckpt = CheckpointConfig(str(ckpt), interval_steps=10, keep=2)
+    reference = threaded_job(2, gpt.steps(60), gpt.build)
     ok(reference)
 
-    first = transom_run(with_ckpt, ["--steps", "25", "--checkpoint-interval", "10"])
+    first = threaded_job(2, gpt.steps(25), gpt.build, checkpoint=with_ckpt)
     ok(first)
     # Due at 10 and 20 (20 is skipped if 10 is still persisting), and 25 at the end; keep 2.
     done = committed(ckpt)
@@ -58,32 +65,33 @@ def test_a_stopped_job_resumes_bit_identical(transom_run, tmp_path):
     assert first.summary["last_checkpoint"] == 25  # reported to the coordinator
     assert manifest(ckpt, 25).num_parts == 2  # both replicas wrote a part
 
-    second = transom_run(with_ckpt, ["--steps", "60", "--checkpoint-interval", "10"])
+    second = threaded_job(2, gpt.steps(60), gpt.build, checkpoint=with_ckpt)
     ok(second)
     # Both restore: a peer that restored the same step is not "ahead" (recovering from it
     # would cost the first step this replica's gradients, and bit-identity).
-    assert second.output.count("resumed from the checkpoint of step 25") == 2, second.output[-3000:]
+    assert [second.results[r]["restored_step"] for r in range(2)] == [25, 25], second.output[-3000:]
     assert first_committed_step(second, 0) == 26 and first_committed_step(second, 1) == 26
     assert committed(ckpt)[-1] == 60 and second.summary["last_checkpoint"] == 60
     assert second.digests() == reference.digests(), "the resumed run must end where the uninterrupted one did"
 
 
-def test_a_checkpoint_restores_into_more_replicas_and_a_killed_one_catches_up(transom_run, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ok(transom_run(["--replicas", "2", "--checkpoint-uri", str(ckpt)], ["--steps", "10"]))
+def test_a_checkpoint_restores_into_more_replicas_and_a_failed_one_catches_up(threaded_job, tmp_path):
+    gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
+    ok(threaded_job(2, gpt.steps(10), gpt.build, checkpoint=CheckpointConfig(str(ckpt))))
     assert committed(ckpt) == [10]
-    # Three replicas resume from the two-replica checkpoint. Replica 1 is SIGKILLed at step
-    # 20; its restart sees healthy peers past the newest checkpoint, so it does not
-    # restore but catches up from a peer. No interval checkpoint is written meanwhile (only
-    # the final one at close): with one every few steps, a restart that happened to meet
-    # the peers exactly at a fresh checkpoint's step would restore it instead (by design:
-    # then restoring costs nobody anything), and the test would depend on the machine's speed.
-    more = transom_run(["--replicas", "3", "--checkpoint-uri", str(ckpt), "--inject", "kill:replica=1,step=20",
-                        "--end-on", "caught_up:1"], [*CAP, "--checkpoint-interval", "1000"])
+    # Three replicas resume from the two-replica checkpoint. Replica 1 fails at step 20; its
+    # restart sees healthy peers past the newest checkpoint, so it does not restore but
+    # catches up from a peer. No interval checkpoint is written meanwhile (only the final one
+    # at close): with one every few steps, a restart that happened to meet the peers exactly
+    # at a fresh checkpoint's step would restore it instead (by design: then restoring costs
+    # nobody anything), and the test would depend on the machine's speed.
+    more = threaded_job(3, gpt.steps(500), gpt.build, checkpoint=CheckpointConfig(str(ckpt), interval_steps=1000),
+                        faults={1: ["raise:step=20"]}, end_on=["caught_up:1"])
     more.assert_finished_together(3)
     end = more.end_step()
     assert all(first_committed_step(more, r) == 11 for r in range(3))
-    assert more.output.count("resumed from the checkpoint of step") == 3  # not the restarted replica
+    assert more.output.count("restored checkpoint step 10") == 3  # every first attempt, not the restarted one
+    assert [more.results[r]["restored_step"] for r in range(3)] == [10, None, 10]
     assert "recovering from it instead of restoring the checkpoint" in more.output
     assert more.incarnations(1) == 2
     assert any(r["recovering"] and r["committed"] for r in more.records(1))
@@ -94,24 +102,26 @@ def test_fsdp2_sharded_state_resumes_bit_identical(transom_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     run = ["--replicas", "2", "--nproc-per-replica", "2"]
     script = ["--inner", "fsdp", *SMALL]
-    reference = transom_run(run, ["--steps", "8", *script])
-    ok(reference)
-    first = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "5", *script])
-    ok(first)
+    # The uninterrupted job, checkpointed at step 5 on its way to 8 ...
+    whole = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "8", "--checkpoint-interval", "5", *script])
+    ok(whole)
+    assert committed(ckpt) == [5, 8]
     m = manifest(ckpt, 5)
     assert (m.num_shards, m.num_parts) == (2, 4)  # a shard per rank, each split between 2 replicas
     assert {e.key.split("/")[0] for e in m.entries} == {"shard-0", "shard-1"}
     assert any("__meta__" in json.dumps(s) for s in m.structures)  # DTensor placements recorded
+    # ... and the job as if it had stopped after that checkpoint, started again.
+    shutil.rmtree(ckpt / layout.step_dir(8))
     second = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "8", *script])
     ok(second)
     assert "resumed from the checkpoint of step 5" in second.output
-    assert second.digests() == reference.digests()
+    assert second.digests() == whole.digests()
     # A replica of another shape is refused with a message that says why.
     with pytest.raises(IncompatibleCheckpoint, match="sharded over 2 ranks per replica and this replica has 1"):
         load_step(Storage(str(ckpt)), 8, num_shards=1)
 
 
-def test_storage_lost_mid_run_is_named_and_checkpoints_resume_when_it_is_back(transom_run, tmp_path):
+def test_storage_lost_mid_run_is_named_and_checkpoints_resume_when_it_is_back(threaded_job, tmp_path):
     # The checkpoint directory goes away under the running job (a file where the directory
     # was: every write fails with a real OSError, as on a lost mount) for 4 s, then comes back.
     ckpt, away = tmp_path / "ckpt", tmp_path / "ckpt.away"
@@ -132,8 +142,9 @@ def test_storage_lost_mid_run_is_named_and_checkpoints_resume_when_it_is_back(tr
     outage.start()
     # The job ends once the writers write again (the final checkpoint, at its last step, is
     # written after that).
-    run = transom_run(["--replicas", "2", "--checkpoint-uri", str(ckpt), "--end-on", "checkpoint_trouble_over"],
-                      [*CAP, "--checkpoint-interval", "10"])
+    gpt = TinyGPT()
+    run = threaded_job(2, gpt.steps(2000), gpt.build, checkpoint=CheckpointConfig(str(ckpt), interval_steps=10),
+                       end_on=["checkpoint_trouble_over"])
     outage.join(timeout=10)
     run.assert_finished_together(2)
     end = run.end_step()

@@ -65,10 +65,16 @@ class _Replica:
     faults: list[str]
     attempt: int = -1
     thread: threading.Thread | None = None
+    trainer: FaultTolerant | None = None  # the current attempt's, once built
     forwarder: SignalForwarder | None = None
     result: Any = None
     errors: list[BaseException] = field(default_factory=list)
     finished: bool = False  # its last attempt's body returned
+    gave_up: bool = False  # its last attempt failed, and it had no attempt left
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
 
 @dataclass
@@ -115,7 +121,8 @@ class ThreadedJob:
         with self._build_lock:
             model, optimizer = self.build(rep.rid)
         kwargs = {k: v[rep.rid] if isinstance(v, list) else v for k, v in self.trainer_kwargs.items()}
-        trainer = FaultTolerant(model, optimizer, ctx, checkpoint=self.checkpoint, config=self.config, **kwargs)
+        trainer = rep.trainer = FaultTolerant(model, optimizer, ctx, checkpoint=self.checkpoint, config=self.config,
+                                              **kwargs)
         try:
             rep.result = self.body(rep.rid, trainer, model)
         finally:
@@ -148,24 +155,33 @@ class ThreadedJob:
 
     # --- the job -----------------------------------------------------------------------------------
     def _tend(self, url: str, client: CoordinatorClient) -> bool:
-        """One pass: forward rows, restart failed attempts. False once every replica is done or
-        one has used up its attempts."""
+        """One pass: forward rows, restart failed attempts. False once no replica runs."""
         now = time.monotonic()
-        running = False
         for rep in self._replicas.values():
-            if rep.thread is not None and rep.thread.is_alive():
-                running = True
+            if rep.running:
                 if rep.forwarder is not None:
                     rep.forwarder.poll(now)
                 continue
             self._end_attempt(rep)
-            if rep.finished:
+            if rep.finished or rep.gave_up:
                 continue
             if rep.attempt + 1 >= self.attempts:
-                return False
+                rep.gave_up = True  # the others go on without it, as far as they can
+                continue
             self._start(rep, url, client)
-            running = True
-        return running
+        return any(rep.running for rep in self._replicas.values())
+
+    def _stop(self) -> None:
+        """A job given up on: close the trainers still running (their coordinator calls stop at
+        the next retry, their steps fail) and wait for their threads."""
+        for rep in self._replicas.values():
+            if rep.running and rep.trainer is not None:
+                rep.trainer.close()
+        for rep in self._replicas.values():
+            if rep.thread is not None:
+                rep.thread.join(timeout=2 * self.config.collective_timeout_s)
+        left = [rep.rid for rep in self._replicas.values() if rep.running]
+        assert not left, f"replica threads {left} still run after the job was stopped"
 
     def _watch(self, client: CoordinatorClient) -> None:
         """The events: kept for the summary, and --end-on's (it ends the job after them)."""
@@ -199,12 +215,16 @@ class ThreadedJob:
                 self._watch(client)
                 status = client.status(timeout_s=5)
         finally:
-            coordinator.stop()
+            try:
+                self._stop()
+            finally:
+                coordinator.stop()
         return self._result(status, output.text(), time.monotonic() - t0)
 
     def _result(self, status: JobStatus, output: str, wall_s: float) -> RunResult:
         summary = summarize(self.stats_dir, self.replicas, {r: len(f) for r, f in self.faults.items()}, wall_s)
-        summary.update(completed_step=status.completed_step, events=self._events,
+        summary.update(completed_step=status.completed_step, last_checkpoint=status.last_checkpoint,
+                       events=self._events,
                        duplicate_data=status.duplicate_data.model_dump() if status.duplicate_data else None)
         if self.end_on:
             summary["end_on"] = self._end.summary()
@@ -271,17 +291,18 @@ class TinyGPT:
         return model, torch.optim.AdamW(model.parameters(), lr=self.lr)
 
     def steps(self, num_steps: int) -> Body:
-        """A body that trains to `num_steps` as the example does, and returns the last loss."""
+        """A body that trains to `num_steps` as the example does; it returns the checkpoint
+        step the trainer restored (None: none) and its last loss."""
         tg, data = _example(), _data()
 
-        def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> float | None:
+        def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> dict:
             loss = None
             for step in trainer.steps(num_steps):
                 x, y = tg.batch(data, step, replica, 0, 1, self.batch_size, self.context)
                 loss = model(x, y)
                 loss.backward()
                 trainer.finish_step(loss)
-            return None if loss is None else loss.item()
+            return {"restored_step": trainer.restored_step, "loss": None if loss is None else loss.item()}
 
         return body
 

@@ -348,6 +348,8 @@ class FaultTolerant(LoopAids):
             if self.ctx.is_leader:  # it talks for the replica
                 report_close_failure(self.client, self.identity, self.step, self.num_steps)
         self._commit.close(completed, failed)  # the final checkpoint, before leaving: reported as this replica
+        if completed:  # the leader leaves once every rank's part is written: a left replica's writes are fenced
+            self.ctx.all_ok(True)
         if self._link is not None:
             if completed and self._exchange.last_round < 0:  # e.g. restored at the target: no round answered it yet
                 self._link.take_one_round(self.step, self._commit.last.commit_quorum_id)

@@ -42,8 +42,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--log-dir", type=Path, required=True)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--step-seconds", type=float, default=0.0,
-                   help="sleep this long in every step (so that a killed replica restarts while the others train)")
     p.add_argument("--sample-seconds", type=float, default=0.0, help="sleep this long per sample of the batch")
     p.add_argument("--inf-at", default=None, help="REPLICA:STEP whose loss overflows")
     args = p.parse_args()
@@ -65,7 +63,6 @@ def main() -> None:
             before = model.weight.detach().clone()
             time.sleep(args.sample_seconds * len(index))
             scaler.scale(loss).backward()
-            time.sleep(args.step_seconds)
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
             scaler.step(optimizer)

@@ -1,16 +1,14 @@
 """A small training loop for tests of a job's life cycle (not of what it learns).
 
-    transom run --replicas 2 -- python small_job.py --steps 40 [--end-at 10] [--child-pid-dir D]
+    transom run --replicas 2 -- python small_job.py --steps 40 [--child-pid-dir D]
 
-`--end-at N`: every replica commits step N in the same round and then ends the job on
-purpose with `trainer.close(end_job=True)`, the documented way to stop early (with
-`--with-form`, the loop runs in `with ft.FaultTolerant(...) as trainer:` and just breaks). `--child-pid-dir
-D`: each worker starts a long-running child process of its own (as a DataLoader worker or a
-helper tool would) and writes its own and the child's pid under D, so a test can check that
-nothing outlives a stop. `--setsid-child-dir D`: the same, but the child leaves the worker's
+`--child-pid-dir D`: each worker starts a long-running child process of its own (as a
+DataLoader worker or a helper tool would) and writes its own and the child's pid under D,
+so a test can check that nothing outlives a stop. `--setsid-child-dir D`: the same, but the child leaves the worker's
 process group (it calls `os.setsid()`, as a daemon does) and carries D in its command line.
 `--second-backward-at N`: at step N, a second backward pass without `trainer.no_sync()`, a
-bug of the script (UsageError) that ends the job at once.
+bug of the script (UsageError) that ends the job at once. (How a script ends a job, early or
+in the `with` form: test_completion.py, with replicas as threads.)
 """
 
 from __future__ import annotations
@@ -30,12 +28,9 @@ from transom import ft
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--end-at", type=int, default=None)
     p.add_argument("--child-pid-dir", type=Path, default=None)
     p.add_argument("--setsid-child-dir", type=Path, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
-    p.add_argument("--with-form", action="store_true", help="use `with FaultTolerant(...)` instead of close()")
-    p.add_argument("--raise-at", type=int, default=None, help="(with --with-form) raise after committing this step")
     p.add_argument("--second-backward-at", type=int, default=None, help="a second backward pass at this step")
     args = p.parse_args()
     ctx = ft.init()
@@ -49,17 +44,6 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx)
-    if args.with_form:
-        with trainer:
-            for step in trainer.steps(args.steps):
-                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))
-                model(x).pow(2).mean().backward()
-                trainer.finish_step()
-                if trainer.step == args.end_at:
-                    break  # leaving the block normally ends the job here
-                if trainer.step == args.raise_at:
-                    raise RuntimeError(f"a bug at step {trainer.step}")  # leaving by an exception is a failure
-        return
     try:
         for step in trainer.steps(args.steps):
             x = torch.randn(8, 4, generator=torch.Generator().manual_seed(31 * step + trainer.replica_id))
@@ -68,9 +52,6 @@ def main() -> None:
                 model(x).pow(2).mean().backward()  # without trainer.no_sync(): UsageError
             time.sleep(args.step_seconds)
             trainer.finish_step()
-            if trainer.step == args.end_at:
-                trainer.close(end_job=True)  # e.g. the validation loss is good enough
-                break
     finally:
         trainer.close()
 
