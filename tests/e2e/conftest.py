@@ -1,9 +1,12 @@
 """Fixtures for e2e tests: a real control plane on loopback (hack/testenv).
 
 One control plane serves the whole session: a running one (`hack/testenv.sh up`) is
-reused and left running; otherwise the session starts one and stops it at the end. A
-session holds the environment's lock throughout, so a second session on the machine waits
-for the first instead of stopping its processes. A tool
+reused and left running; otherwise the session starts one and stops it at the end, with
+real nodes (kubelet + containerd) only when the session runs a test marked `real_nodes`
+(`make test-real`): `make test`'s e2e tests need only kwok's nodes, and real nodes would
+take CPU from the tests beside them. A session holds the environment's lock throughout,
+so a second session on the machine waits for the first instead of stopping its
+processes. A tool
 that was never built fails the tests with the command that builds it: CI must not pass by
 skipping them.
 """
@@ -27,28 +30,33 @@ from testenv import build, cluster, hostguard  # noqa: E402
 from testenv.tools import KubeTools, Tool, kube_tools  # noqa: E402
 
 # The session's test environment: kwok nodes for the operator's tests at scale, and three real
-# nodes (kubelet + containerd) for the tests that run containers (test_real_nodes.py).
+# nodes (kubelet + containerd) for the tests that run containers (marked real_nodes).
 KWOK_NODES = 4
 REAL_NODES = 3
 # Another session on this machine (a second `make test`) holds the environment: wait this long.
 SESSION_LOCK_TIMEOUT_S = 45 * 60
 
 
-def _up_once_more_if_it_fails() -> cluster.Env:
+def _up_once_more_if_it_fails(real_nodes: int) -> cluster.Env:
     """`up`, and one more try after a failure that is not a missing tool: on a loaded 2-core
     machine a component has been seen to miss a 90 s start deadline once in many runs. The
     first failure's logs (error.txt and every component's log) stay where the warning says."""
     try:
-        return cluster.up(KWOK_NODES, REAL_NODES)
+        return cluster.up(KWOK_NODES, real_nodes)
     except build.MissingTool:
         raise
     except RuntimeError as e:
         warnings.warn(f"the test environment failed to start; trying once more: {e}", stacklevel=1)
-        return cluster.up(KWOK_NODES, REAL_NODES)
+        return cluster.up(KWOK_NODES, real_nodes)
+
+
+def real_nodes_needed(items: list[pytest.Item]) -> int:
+    """REAL_NODES if one of the session's tests runs containers (marked real_nodes), else 0."""
+    return REAL_NODES if any(item.get_closest_marker("real_nodes") for item in items) else 0
 
 
 @pytest.fixture(scope="session")
-def control_plane() -> Iterator[cluster.Env]:
+def control_plane(request) -> Iterator[cluster.Env]:
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(cluster.session_lock(SESSION_LOCK_TIMEOUT_S))
@@ -58,15 +66,15 @@ def control_plane() -> Iterator[cluster.Env]:
         if env is not None:
             yield env  # started by `hack/testenv.sh up`: leave it running
             return
-        yield from _own_control_plane()
+        yield from _own_control_plane(real_nodes_needed(request.session.items))
 
 
-def _own_control_plane() -> Iterator[cluster.Env]:
+def _own_control_plane(real_nodes: int) -> Iterator[cluster.Env]:
     """Start the session's control plane, stop it at the end, and check that the host is
     as it was."""
     host_before = hostguard.snapshot()
     try:
-        env = _up_once_more_if_it_fails()
+        env = _up_once_more_if_it_fails(real_nodes)
     except build.MissingTool as e:
         missing: str | None = str(e)  # failed outside the handler: one message, no chained traceback
     else:

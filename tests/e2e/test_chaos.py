@@ -20,7 +20,7 @@ import pytest
 from chaos.scenarios import run_named
 from chaos.world import World
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.real_nodes, pytest.mark.timeout(1500)]
 
 CI_SUBSET = ["node_loss", "partition", "drain", "bad_node"]
 EXPECTED_REASON = {"node_loss": "NodeNotReady", "partition": "NodeNotReady", "drain": "PodEvicted",

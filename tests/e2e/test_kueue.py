@@ -23,7 +23,7 @@ from transom import contract
 from transom_operator import reasons
 from transom_operator.reconcile import admission
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.real_nodes, pytest.mark.timeout(900)]
 FLAVOR_LABELS = {"transom.io/testenv-node": "real"}  # the flavor's nodes: the real ones
 # One job is 3 pods x (250m CPU, 1Gi): the queue holds one job, not two.
 QUOTA = {"cpu": "1", "memory": "4Gi", "ephemeral-storage": "10Gi"}

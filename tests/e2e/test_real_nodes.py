@@ -22,7 +22,7 @@ from kube_helpers import wait_for
 from transom.checkpoint import layout
 from transom_operator import dashboard, reasons
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.real_nodes, pytest.mark.timeout(900)]
 
 
 def _transom_processes() -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 
 from launching import kill_all, start_launcher
 from transom import contract
+from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.membership import Settings
 from transom.coordinator.thread import CoordinatorThread
 from transom.launch.supervisor import free_port
@@ -28,7 +29,7 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
     settings = Settings(job="restart", num_replicas=2, min_replicas=1)
     coordinator = CoordinatorThread(settings, token, port=port)
     coordinator.start()
-    launchers = [start_launcher(coordinator.url, token, 2, tmp_path, 80, **{contract.ENV_REPLICA_ID: str(r)})
+    launchers = [start_launcher(coordinator.url, token, 2, tmp_path, 500, **{contract.ENV_REPLICA_ID: str(r)})
                  for r in range(2)]
     try:
         m = coordinator.server.membership
@@ -37,6 +38,11 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
         time.sleep(1.5)  # the replicas are now retrying against a closed port
         coordinator = CoordinatorThread(settings, token, port=port)
         coordinator.start()
+        # The event: the new coordinator's first round gathered both replicas. A few steps on, the job ends.
+        m = coordinator.server.membership
+        wait_until(lambda: coordinator.call(lambda: m.current is not None and len(m.current.members) == 2), 90,
+                   "the new coordinator's first round of both replicas")
+        end = CoordinatorClient(coordinator.url, token).finish(coordinator.call(lambda: m.step_limit) + 3)
         outputs = [p.communicate(timeout=150)[0] for p in launchers]
         assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     finally:
@@ -45,5 +51,5 @@ def test_replicas_survive_a_coordinator_restart(tmp_path):
     # Each replica ran as one incarnation (nothing restarted) and they ended identical.
     assert sorted(f.name for f in tmp_path.glob("steps-*.jsonl")) == ["steps-r0-g0-a0.jsonl", "steps-r1-g0-a0.jsonl"]
     finals = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("final-*.json"))]
-    assert [f["step"] for f in finals] == [80, 80]
+    assert [f["step"] for f in finals] == [end, end]
     assert finals[0]["digest"] == finals[1]["digest"]

@@ -166,15 +166,16 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ddp_switches_inside_a_replica_of_two_processes_train_alike(transom_run):
-    """Real DDP inside each replica (two processes): DDP's require_backward_grad_sync and its
-    model.no_sync() accumulate exactly as trainer.no_sync() does, on every replica alike."""
+    """Real DDP inside a replica (two processes): DDP's require_backward_grad_sync and its
+    model.no_sync() accumulate exactly as trainer.no_sync() does. (One replica: that replicas
+    of DDP processes end alike is test_fault_tolerance's and test_docs_diff's.)"""
     digests = {}
     for switch in ("ddp-attribute", "ddp-no-sync", "trainer-no-sync"):
-        result = transom_run(["--replicas", "2", "--nproc-per-replica", "2"], ["--switch", switch],
+        result = transom_run(["--replicas", "1", "--nproc-per-replica", "2"], ["--switch", switch],
                              script=SCRIPTS / "ddp_accumulate.py", timeout_s=120)
         assert result.returncode == 0, result.output[-3000:]
-        assert result.summary["replicas_bit_identical"] is True
         _, finals = summary.load(result.stats_dir)
         digests[switch] = {(f["rank"], f["digest"]) for f in finals}
     assert digests["ddp-attribute"] == digests["ddp-no-sync"] == digests["trainer-no-sync"]
-    assert len(digests["ddp-attribute"]) == 2  # one per rank, the same on both replicas
+    ranks = digests["ddp-attribute"]
+    assert len(ranks) == 2 and len({d for _, d in ranks}) == 1  # a digest per rank, the ranks agree (DDP)

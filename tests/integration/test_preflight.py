@@ -27,10 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def test_a_replica_whose_compute_check_fails_never_joins_and_the_job_trains_on(transom_run):
     checks = {"checks": ["compute", "memory", "link", "node"]}
-    result = transom_run(["--replicas", "3", "--preflight", json.dumps(checks),
-                          "--inject", "corrupt:replica=1,step=0,phase=preflight"], ["--steps", "40"])
-    result.assert_finished_together(3)
-    assert result.summary["completed_step"] == 40
+    result = transom_run(["--replicas", "2", "--preflight", json.dumps(checks),
+                          "--inject", "corrupt:replica=1,step=0,phase=preflight"], ["--steps", "20"])
+    result.assert_finished_together(2)
+    assert result.summary["completed_step"] == 20
     assert "replica 1 launcher exited with 6 (PreflightFailed: compute: max relative error" in result.output, \
         result.output[-3000:]
     assert "starting generation 1" in result.output

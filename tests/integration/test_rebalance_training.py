@@ -26,6 +26,7 @@ from launching import kill_all, start_launcher  # noqa: E402
 from test_dataloader import JOB, _committed  # noqa: E402
 from test_fault_tolerance import CAP  # noqa: E402
 from transom import contract  # noqa: E402
+from transom.coordinator.client import CoordinatorClient  # noqa: E402
 from transom.coordinator.membership import Settings  # noqa: E402
 from transom.coordinator.thread import CoordinatorThread  # noqa: E402
 from transom.detect.step_rows import DetectionSettings  # noqa: E402
@@ -116,13 +117,13 @@ def _assert_exact(logs: Path, steps: int) -> list[tuple[int, int]]:
 def test_a_coordinator_restart_keeps_the_shares_and_the_update_exact(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    steps = 100
+    cap = 500  # steps: the job ends a few steps after the new coordinator took over
     detection = json.dumps({"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 140, "slowAction": "Rebalance"})
     port, token = free_port(), "rebalance-restart"
     settings = Settings(job="rebalance-restart", num_replicas=REPLICAS, min_replicas=1)
     coordinator = CoordinatorThread(settings, token, port=port, detection=DetectionSettings.from_spec(detection))
     coordinator.start()
-    launchers = [start_launcher(coordinator.url, token, REPLICAS, tmp_path, steps, script=JOB,
+    launchers = [start_launcher(coordinator.url, token, REPLICAS, tmp_path, cap, script=JOB,
                                 args=("--log-dir", str(logs), "--workers", "0", "--sample-seconds", "0.02"),
                                 **{contract.ENV_REPLICA_ID: str(r), contract.ENV_DETECTION: detection,
                                    contract.ENV_FAULT: "slow:step=15,factor=2" if r == 1 else "",
@@ -137,6 +138,10 @@ def test_a_coordinator_restart_keeps_the_shares_and_the_update_exact(tmp_path):
         time.sleep(1.5)  # the replicas retry against a closed port, with a batch drawn by the shares
         coordinator = CoordinatorThread(settings, token, port=port, detection=DetectionSettings.from_spec(detection))
         coordinator.start()
+        m = coordinator.server.membership
+        wait_until(lambda: coordinator.call(lambda: m.current is not None and len(m.current.members) == REPLICAS), 90,
+                   "the new coordinator's first round of both replicas")
+        steps = CoordinatorClient(coordinator.url, token).finish(restarted_at + 8)
         outputs = [p.communicate(timeout=150)[0] for p in launchers]
         assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-2000:] for o in outputs)
         events = coordinator.call(lambda: [f"{e.kind}: {e.message}" for e in coordinator.server.membership.events])

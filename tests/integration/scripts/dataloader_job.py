@@ -6,8 +6,8 @@ too, so its skip path runs), logging which samples each committed step trained o
         [--inf-at REPLICA:STEP] [--sample-seconds S]
 
 Every rank appends one JSON line per step to D/<replica>-<rank>-<pid>.jsonl:
-{"replica", "rank", "step", "committed", "updated", "scale", "indices", "params"} (the
-parameters after the step), and at the end
+{"replica", "rank", "step", "committed", "updated", "scale", "indices", "params"} ("updated":
+the optimizer stepped; "params": the parameters after the step), and at the end
 D/final-<replica>-<rank>.json with the model's parameters; the test checks them.
 `--inf-at` makes that replica's loss infinite at that step (an AMP overflow);
 `--sample-seconds` makes a step's compute proportional to its batch (a sleep per sample).
@@ -54,13 +54,16 @@ def main() -> None:
     model = torch.nn.Linear(8, 1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     log = open(args.log_dir / f"{ctx.replica_id}-{ctx.rank}-{os.getpid()}.jsonl", "a")
-    with ft.FaultTolerant(model, torch.optim.SGD(model.parameters(), lr=0.05), ctx, scaler=scaler) as trainer:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    stepped: list[bool] = []  # the update was applied: the optimizer stepped (not only "the weights moved")
+    sgd.register_step_post_hook(lambda *_: stepped.append(True))
+    with ft.FaultTolerant(model, sgd, ctx, scaler=scaler) as trainer:
         optimizer = trainer.optimizer
         for step, (index, x, y) in trainer.batches(loader, args.steps):
             loss = torch.nn.functional.mse_loss(model(x), y)
             if inf_at == (ctx.replica_id, step):
                 loss = loss * float("inf")
-            before = model.weight.detach().clone()
+            stepped.clear()
             time.sleep(args.sample_seconds * len(index))
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
@@ -70,7 +73,7 @@ def main() -> None:
             optimizer.zero_grad()
             committed = trainer.last_batch_trained  # this replica's batch went into a committed step
             log.write(json.dumps({"replica": ctx.replica_id, "rank": ctx.rank, "step": step, "committed": committed,
-                                  "updated": not torch.equal(before, model.weight), "scale": scaler.get_scale(),
+                                  "updated": bool(stepped), "scale": scaler.get_scale(),
                                   "indices": index.tolist(),
                                   "params": model.weight.detach().flatten().tolist() + model.bias.detach().tolist()})
                       + "\n")
