@@ -90,7 +90,9 @@ def test_dataloader_loop_goes_on_from_a_checkpoint_where_it_left_off(transom_run
     first = transom_run(common, ["--steps", "30", "--log-dir", str(logs), "--workers", "2", "--inf-at", "1:20"],
                         script=JOB)
     assert first.returncode == 0 and first.summary["completed_step"] == 30, first.output[-4000:]
-    second = transom_run([*common, "--inject", "kill:replica=1,step=40", "--end-on", "caught_up:1"],
+    # The kill lands between two checkpoints: one whose writer dies is not committed, and its
+    # committer waits out CHECKPOINT_COMMIT_TIMEOUT_S for the lost part before the next one.
+    second = transom_run([*common, "--inject", "kill:replica=1,step=45", "--end-on", "caught_up:1"],
                          ["--steps", CAP, "--log-dir", str(logs), "--workers", "2"], script=JOB)
     second.assert_finished_together(REPLICAS)
     assert second.summary["replica_restarts"] >= 1

@@ -7,7 +7,14 @@ import pytest
 from membership_world import qreq
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
-from transom.coordinator.models import CollectiveCounts, Identity, RegisterRequest, SignalBatch, SignalRow
+from transom.coordinator.models import (
+    CollectiveCounts,
+    Identity,
+    LeaveRequest,
+    RegisterRequest,
+    SignalBatch,
+    SignalRow,
+)
 from transom.detect.step_rows import DetectionSettings, post_interval
 from transom.errors import Evicted
 from transom_operator import api
@@ -61,6 +68,23 @@ def test_a_replica_speaks_only_for_itself_and_only_while_live():
     assert [v["replica"] for v in d.status_verdicts()] == [0]
     with pytest.raises(Evicted):  # the failed incarnation's later rows are refused
         d.observe(batch, now=2.0)
+
+
+def test_the_last_rows_of_a_replica_that_left_still_count_and_a_failed_ones_do_not():
+    # A launcher posts its workers' last rows after they left the job (it reads them after
+    # the workers exit): judged. Those of an incarnation declared failed are refused.
+    m, d = world(DetectionSettings(), replicas=2)
+    for r in (0, 1):
+        m.leave(LeaveRequest(identity=Identity(replica_id=r, generation=0, attempt=0), step=100), 1.0)
+    same = [SignalRow(step=0, rank=0, step_seconds=0.5, input_digest=12345)]
+    for r in (0, 1):
+        d.observe(SignalBatch(identity=Identity(replica_id=r, generation=0, attempt=0), rows=same), now=2.0)
+    finding = d.duplicate_data()
+    assert finding is not None and finding.replicas == [0, 1] and finding.step == 0
+    m2, d2 = world(DetectionSettings(), replicas=2)
+    m2.fail(m2.replicas[1], 1.0, "reported", "reported")
+    with pytest.raises(Evicted):
+        d2.observe(SignalBatch(identity=Identity(replica_id=1, generation=0, attempt=0), rows=same), now=2.0)
 
 
 def test_disabled_detection_judges_nothing():

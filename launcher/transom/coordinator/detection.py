@@ -136,9 +136,10 @@ class Detection:
         self.rows_refused = 0  # rows of steps or ranks their replica cannot have (claims.py)
 
     def observe(self, batch: SignalBatch, now: float) -> list[Verdict]:
-        """Take a launcher's batch (Evicted/NotRegistered for a dead or unknown incarnation)."""
+        """Take a launcher's batch (Evicted/NotRegistered for a failed, superseded or unknown
+        incarnation; one that left on its own still reports its last steps)."""
         replica = batch.identity.replica_id
-        rep = self.membership.replicas.live(batch.identity)
+        rep = self.membership.replicas.reporting(batch.identity)
         self._posters[(replica, batch.node_rank)] = now
         if not self.settings.enabled:
             return []

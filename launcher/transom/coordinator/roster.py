@@ -47,6 +47,15 @@ class Roster(Mapping[int, Replica]):
     def live(self, identity: Identity) -> Replica:
         """The record of a live incarnation, or Evicted/NotRegistered (the caller is told which,
         so that a superseded or failed incarnation stops rather than retries)."""
+        return self._newest(identity, (IncarnationState.HEALTHY,))
+
+    def reporting(self, identity: Identity) -> Replica:
+        """The record of an incarnation whose word about its past steps still counts: a live
+        one, or one that left on its own (its launcher posts its last rows after its workers
+        left the job). A failed or superseded one's is refused as `live` refuses it."""
+        return self._newest(identity, (IncarnationState.HEALTHY, IncarnationState.LEFT))
+
+    def _newest(self, identity: Identity, states: tuple[IncarnationState, ...]) -> Replica:
         rep = self._by_id.get(identity.replica_id)
         if rep is None:
             raise NotRegistered(f"replica {identity.replica_id} is not registered")
@@ -54,7 +63,7 @@ class Roster(Mapping[int, Replica]):
             raise Evicted(
                 f"replica {identity.replica_id} incarnation {identity.key()} is superseded by {rep.identity.key()}"
             )
-        if rep.state != IncarnationState.HEALTHY:
+        if rep.state not in states:
             raise Evicted(f"replica {identity.replica_id} was declared {rep.state}: {rep.last_failure or 'left'}")
         return rep
 
