@@ -1,14 +1,17 @@
 # Transom developer entry points. Everything a fresh machine needs is installed from here.
 #
-#   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, checkpoints
+#   make demo      a local fault-tolerant run: 3 replicas, one SIGKILLed at step 20, ended 10 steps
+#                  after it caught up from a peer; checkpoints
 #   make e2e-demo  the same on Kubernetes with real pods: two real nodes (kubelet + containerd),
 #                  helm install, examples/trainingjob-cpu.yaml, a worker killed, a pod deleted
 #   make chaos     the same job through every fault a cluster throws (node loss, partition, drain,
 #                  coordinator and operator loss, S3 outage, OOM, image pull, containerd restart) on
 #                  three real nodes: a table and one JSON line (CHAOS_SCENARIOS=a,b for some)
 #   make lint      ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over the code
-#   make test      lint, then unit, integration and e2e tests (installs and builds the test control
-#                  plane first), then `make test-compat`
+#   make test      lint, then unit and fuzz, integration and e2e tests on kwok's nodes (installs and
+#                  builds the test control plane first), then `make test-compat`: <= 15 min on 2 cores
+#   make test-real the tests that need real nodes (kubelet + containerd): the chaos CI subset, a job
+#                  on real pods with Prometheus, Kueue. CI (.ci/run) runs `make test` and this
 #   make test-compat  the smoke subset (-m compat) on the oldest supported torch and Python 3.12
 #   make wheelhouse   the small dependencies as wheels for the GPU machine (no registry there)
 #   make test-gpu  on a machine with a CUDA GPU and its own torch: the CUDA tests and benchmarks
@@ -38,7 +41,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install lint testenv demo e2e-demo chaos test test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-real test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate clean-venv bench-deps
 
 # setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
 # --quiet keeps it) on every editable install of a project whose packages are in two roots.
@@ -74,9 +77,10 @@ DEMO_CHECKPOINTS ?= /tmp/transom-demo-checkpoints
 demo: install
 	rm -rf $(DEMO_CHECKPOINTS) demo-logs
 	$(VENV)/bin/transom run --replicas 3 --nproc-per-replica 1 \
-		--inject kill:replica=1,step=20 --summary-json demo.summary.json --log-dir demo-logs \
+		--inject kill:replica=1,step=20 --end-on caught_up:1 --end-margin 10 \
+		--summary-json demo.summary.json --log-dir demo-logs \
 		--checkpoint-uri $(DEMO_CHECKPOINTS) --checkpoint-interval 25 \
-		-- $(PY) examples/train_tiny_gpt.py --steps 60
+		-- $(PY) examples/train_tiny_gpt.py --steps 400
 
 # Leaves the test environment running (`kubectl get tj -A`, then `hack/testenv.sh down`).
 e2e-demo: install testenv
@@ -86,9 +90,19 @@ CHAOS_SCENARIOS ?=
 chaos: install testenv
 	$(PY) hack/chaos $(if $(CHAOS_SCENARIOS),--scenarios $(CHAOS_SCENARIOS))
 
+# Side by side on the machine's cores (pytest-xdist): the unit and fuzz tests; then the integration
+# tests beside the e2e tests that need only kwok's nodes, which mostly wait for the API server and
+# the operator while the integration tests want the CPU. The e2e tests share one control plane,
+# so they run on one worker (tests/e2e/conftest.py groups them); docs/testenv.md has the figures.
+TEST_WORKERS ?= 2
 test: lint testenv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit tests/fuzz $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not real_nodes" tests/integration tests/e2e $(PYTEST_ARGS)
 	$(MAKE) test-compat
+
+# The tests that need the test environment's real nodes (a control plane with three of them).
+test-real: install testenv
+	$(PY) -m pytest -m real_nodes tests/e2e $(PYTEST_ARGS)
 
 $(COMPAT_VENV)/.deps-installed: pyproject.toml
 	@test -n "$(COMPAT_PYTHON)" || { echo "make test-compat needs Python 3.12: pyenv install 3.12 (or apt-get install python3.12 where Debian has it), or set COMPAT_PYTHON=/path/to/python3.12" >&2; exit 1; }
@@ -168,7 +182,7 @@ test-integration: install
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 test-e2e: install testenv
-	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not real_nodes" tests/e2e $(PYTEST_ARGS)
 
 # Optional: what only benchmarks compare against (not needed by the product or the tests).
 # torchft-nightly is the same `torchft` package: into a directory of its own, which its

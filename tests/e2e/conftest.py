@@ -50,6 +50,15 @@ def _up_once_more_if_it_fails(real_nodes: int) -> cluster.Env:
         return cluster.up(KWOK_NODES, real_nodes)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`), every e2e test runs on one worker: they share the
+    session's control plane, and a second worker would wait for its lock."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("control-plane"))
+
+
 def real_nodes_needed(items: list[pytest.Item]) -> int:
     """REAL_NODES if one of the session's tests runs containers (marked real_nodes), else 0."""
     return REAL_NODES if any(item.get_closest_marker("real_nodes") for item in items) else 0

@@ -109,9 +109,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_dataloader.p
 def test_the_dataloader_example_survives_a_sigkill(transom_run):
     """examples/train_dataloader.py (sampler, worker processes, AdamW with a cosine schedule
     as extra state, clipping on the averaged gradients) through a real SIGKILL."""
-    result = transom_run(["--replicas", "2", "--inject", "kill:replica=1,step=30", "--end-on", "caught_up:1"],
+    result = transom_run(["--replicas", "3", "--inject", "kill:replica=1,step=30", "--end-on", "caught_up:1"],
                          ["--steps", "3000", "--workers", "2"], script=EXAMPLE)
-    result.assert_finished_together(2)
+    result.assert_finished_together(3)
     s = result.summary
     assert s["replica_restarts"] >= 1
     first = [r["loss"] for r in result.records(0) if r["committed"]][:10]

@@ -128,7 +128,8 @@ def test_buckets_leave_during_backward_and_the_result_is_the_exact_average():
         in_flight: list[int] = []
         # A gradient hook runs when the first layer's gradient is computed, before it is
         # accumulated (and so before the trainer's own hook sees it).
-        first.register_hook(lambda _: in_flight.append(len(trainer._opened.ftar._pending) if trainer._opened else -1))
+        exchange = trainer._exchange
+        first.register_hook(lambda _: in_flight.append(len(exchange.opened.ftar._pending) if exchange.opened else -1))
         averaged = []
         optimizer = trainer.optimizer
         for step in trainer.steps(3):

@@ -43,7 +43,6 @@ from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, JobStatus
 from transom.coordinator.thread import CoordinatorThread
 from transom.detect.step_rows import DetectionSettings
-from transom.errors import JobCompleted
 from transom.ft import FaultTolerant, FTConfig
 from transom.ft.replica import ReplicaContext
 from transom.launch.end_on import Awaited, EndOn
@@ -188,13 +187,7 @@ class ThreadedJob:
         status = client.status(timeout_s=5)
         fresh = self._feed.new(status.events)
         self._events += [f"{e.kind}: {e.message}" for e in fresh]
-        self._end.observe(fresh)
-        end = self._end.due(status.max_step)
-        if end is not None:
-            try:
-                self._end.asked(client.finish(end, timeout_s=5))
-            except JobCompleted:
-                self._end.asked(None)
+        self._end.watch(fresh, status.max_step, client.finish)
 
     def run(self) -> RunResult:
         settings = Settings(job="threaded", num_replicas=self.replicas, min_replicas=self.min_replicas or 1)

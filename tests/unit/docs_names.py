@@ -332,8 +332,9 @@ def metrics() -> frozenset[str]:
 
 @functools.cache
 def routes() -> frozenset[tuple[str, str]]:
-    """The coordinator's HTTP routes: ("POST", "/v1/quorum"), ("GET", "/v1/replicas/{id}")."""
-    text = "".join((ROOT / "launcher/transom/coordinator" / name).read_text() for name in ("server.py", "lookups.py"))
+    """The coordinator's HTTP routes: ("POST", "/v1/quorum"), ("GET", "/v1/replicas/{id}"), as
+    its modules add them (server.py, lookups.py, owner.py)."""
+    text = "".join(path.read_text() for path in sorted((ROOT / "launcher/transom/coordinator").glob("*.py")))
     return frozenset((m.upper(), path) for m, path in re.findall(r"\badd_(get|post|put)\(\s*\"([^\"]+)\"", text))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from membership_world import ident, make, next_round, qreq, register, round_all, started
+from transom.coordinator import job_end
 from transom.coordinator.models import CheckpointReport, HeartbeatRequest, LeaveRequest
 from transom.errors import Evicted, JobCompleted
 
@@ -57,7 +58,7 @@ def test_a_reason_is_not_a_completion():
 def test_the_owner_ends_the_job_at_a_step_and_the_round_that_reaches_it_says_so():
     m, d0 = started(2)
     assert not d0.ends_job
-    assert m.finish(2, 1.0) == 2
+    assert job_end.finish(m, 2, 1.0) == 2
     assert m.events[-1].kind == "finishing" and "step 2" in m.events[-1].message
     d1 = round_all(m, [qreq(rid, 1, d0.quorum_id, d0.round) for rid in range(2)], 2.0)
     assert d1.max_step == 1 and not d1.ends_job
@@ -67,7 +68,7 @@ def test_the_owner_ends_the_job_at_a_step_and_the_round_that_reaches_it_says_so(
     m.leave(LeaveRequest(identity=ident(0), step=2, completed=True), 4.0)
     assert m.completed_step == 2
     with pytest.raises(JobCompleted):
-        m.finish(5, 5.0)
+        job_end.finish(m, 5, 5.0)
 
 
 def test_a_job_past_the_step_asked_for_ends_at_the_earliest_step_it_still_can():
@@ -75,7 +76,7 @@ def test_a_job_past_the_step_asked_for_ends_at_the_earliest_step_it_still_can():
     # before the one at step 2 can end the job.
     m, d0 = started(2)
     d1 = round_all(m, [qreq(rid, 1, d0.quorum_id, d0.round) for rid in range(2)], 1.0)
-    assert m.finish(0, 2.0) == 2 == d1.max_step + 1
+    assert job_end.finish(m, 0, 2.0) == 2 == d1.max_step + 1
     d2 = round_all(m, [qreq(rid, 2, d1.quorum_id, d1.round) for rid in range(2)], 3.0)
     assert d2.ends_job
 

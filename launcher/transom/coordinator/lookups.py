@@ -1,7 +1,8 @@
 """The coordinator's read-mostly routes: what a replica looks up rather than reports — the
 state of an incarnation (a long-poll), node 0's rendezvous address, a starting replica's
-progress, a fingerprint, the job's status and metrics. The calls that change the membership
-are server.py's; these only read it (and the rendezvous table they keep)."""
+progress, a fingerprint — and the probes and metrics. The calls that change the membership
+are server.py's, the job owner's (its status, its end) owner.py's; these only read it (and
+the rendezvous table they keep)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ class Lookups:
         r.add_get("/v1/rendezvous/{id}", self._get_rendezvous)
         r.add_get("/v1/progress", self._progress)
         r.add_get("/v1/fingerprints/{step}/{rank}", self._fingerprint)
-        r.add_get("/v1/status", self._status)
         r.add_get("/metrics", self._metrics)
         r.add_get("/healthz", self._healthz)
         r.add_get("/readyz", self._readyz)
@@ -110,13 +110,6 @@ class Lookups:
         if not (0 <= step <= MAX_STEP and 0 <= rank < MAX_RANK):
             raise BadRequest("step or rank out of range")
         return http.ok(self.server.detection.fingerprint(step, rank))
-
-    async def _status(self, request: web.Request) -> web.Response:
-        http.principal(request).require_admin("GET /v1/status")
-        s = self.server
-        async with s.lock:
-            status = s.membership.status(s.clock())
-            return http.ok(status.model_copy(update={"duplicate_data": s.detection.duplicate_data()}))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         async with self.server.lock:

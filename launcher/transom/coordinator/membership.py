@@ -91,9 +91,7 @@ class Membership:
     # Set when the first replica leaves with `completed`: the job's last step. A replica
     # still asking for a quorum after that cannot be helped (its peers are gone).
     completed_step: int | None = None
-    # Where the job's owner asked it to end (POST /v1/finish): the round that reaches this
-    # step tells its members so, and they complete the job there.
-    end_step: int | None = None
+    end_step: int | None = None  # where its owner asked the job to end (job_end.py): the round there says so
     events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
     # Monotonic counters exported as metrics.
     failures_total: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -113,8 +111,7 @@ class Membership:
 
     # --- helpers -----------------------------------------------------------------------
     def event(self, now: float, kind: str, message: str, replica: int | None = None) -> None:
-        """Record what happened, about `replica` if about one (GET /v1/status shows the newest;
-        metrics count them)."""
+        """Record what happened (about `replica`, if one): GET /v1/status shows the newest."""
         self.events.append(Event(time=now, kind=kind, message=message, replica=replica))
         self.events_total += 1
 
@@ -213,7 +210,8 @@ class Membership:
             return True  # the state's only holders stepped aside: without them the step is lost
         if not missing:
             return False
-        why = rounds.overdue(self.settings, self.open, self.current, ready, self.failed_grace_s(ready, missing), now)
+        grace = rounds.failed_grace_s(self.settings, self.current, self.replicas, self.round_seconds, ready, missing)
+        why = rounds.overdue(self.settings, self.open, self.current, ready, grace, now)
         if why is None:
             return True
         # A member left behind is hung (its heartbeat thread may still run): declare it
@@ -235,11 +233,6 @@ class Membership:
             self.fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
                        f"replica holding the state did (at step {newest}); it catches up again", FailureKind.DIVERGED)
         return {rid: r for rid, r in ready.items() if rid not in ahead}
-
-    def failed_grace_s(self, ready: dict[int, QuorumRequest], missing: list[int]) -> float:
-        """How long a round with a failed step waits for the absent `missing` members (rounds.py)."""
-        assert self.current is not None
-        return rounds.failed_grace_s(self.settings, self.current, self.replicas, self.round_seconds, ready, missing)
 
     def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
         p = rounds.plan(ready)
@@ -267,16 +260,6 @@ class Membership:
         )
         self._record(decision, now)
         return decision
-
-    def finish(self, step: int, now: float) -> int:
-        """The job's owner ends the job at `step`, or at the earliest step it still can: the
-        members of the current round may be committing `step_limit` already, so a round at
-        that step is the first that can end it. Returns the step the job will end at."""
-        if self.completed_step is not None:
-            raise JobCompleted(f"the job completed at step {self.completed_step}")
-        self.end_step = max(step, self.step_limit)
-        self.event(now, EventKind.FINISHING, f"the job ends at step {self.end_step}, as its owner asked")
-        return self.end_step
 
     def _new_quorum(self, p: rounds.RoundPlan, now: float) -> tuple[int, str, str]:
         """A fresh quorum id, and the store its groups are built on: a member's holding the

@@ -1,6 +1,7 @@
 """The coordinator's HTTP API (aiohttp): the calls that change the membership, and the server's
-life (its tick, start, stop). The read-mostly routes are lookups.py's, the door (who may call)
-access.py's, parsing and error answers http.py's, the metrics metrics.py's.
+life (its tick, start, stop). The read-mostly routes are lookups.py's, the job owner's (its
+status, its end) owner.py's, the door (who may call) access.py's, parsing and error answers
+http.py's, the metrics metrics.py's.
 
 All decisions are made by `Membership` (pure logic); this module turns HTTP requests into
 calls on it under one asyncio lock and wakes long-polling quorum requests when a round is
@@ -67,8 +68,6 @@ from transom.coordinator.models import (
     FailureReport,
     FenceAnswer,
     FenceRequest,
-    FinishAnswer,
-    FinishRequest,
     HeartbeatRequest,
     LeaveRequest,
     QuorumRequest,
@@ -77,6 +76,7 @@ from transom.coordinator.models import (
     SignalBatch,
 )
 from transom.coordinator.oom_kills import OomKills
+from transom.coordinator.owner import OwnerRoutes
 from transom.defaults import COORDINATOR_TICK_S, QUORUM_WAKE_S
 from transom.detect.step_rows import DetectionSettings
 from transom.errors import EVICTED_STATES, Evicted, JobCompleted
@@ -115,6 +115,7 @@ class CoordinatorServer:
         self._changed = asyncio.Condition(self.lock)
         self._events_seen = 0
         self.lookups = Lookups(self)
+        self.owner = OwnerRoutes(self)
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer
@@ -136,8 +137,8 @@ class CoordinatorServer:
         r.add_post("/v1/checkpoint", self._checkpoint)
         r.add_post("/v1/fence", self._fence)
         r.add_post("/v1/signals", self._signals)
-        r.add_post("/v1/finish", self._finish)
         self.lookups.add_routes(r)
+        self.owner.add_routes(r)
         return app
 
     # --- handlers ----------------------------------------------------------------------------
@@ -191,15 +192,6 @@ class CoordinatorServer:
             self.membership.try_decide(self.clock())  # a round that waited only for it goes on now
             self._changed.notify_all()
         return http.ok()
-
-    async def _finish(self, request: web.Request) -> web.Response:
-        """The job's owner ends the job at a step: the round that reaches it tells its members."""
-        http.principal(request).require_admin("POST /v1/finish")
-        req = await http.parse(request, FinishRequest)
-        async with self.lock:
-            step = self.membership.finish(req.step, self.clock())
-        log.info("the job ends at step %d, as its owner asked", step)
-        return http.ok(FinishAnswer(step=step))
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
         req = await http.parse(request, CheckpointReport)

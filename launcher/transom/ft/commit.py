@@ -174,7 +174,8 @@ class Commit:
 
     def close(self, completed: bool, failed: bool) -> None:
         """The replica leaves: a completion records the final state's digest and saves the
-        final checkpoint; a failure saves nothing, nor waits for a checkpoint in flight."""
+        final checkpoint, every rank's part of it written before this returns; a failure
+        saves nothing, nor waits for a checkpoint in flight."""
         if completed and self.recovery.active:
             log.warning("replica %d ends the job before it caught up: its state is not the job's", self.ctx.replica_id)
         elif completed:
@@ -185,4 +186,6 @@ class Commit:
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
             # An evicted replica waits until the fence refuses it.
             self.checkpoints.close(self.step if completed else None, self.writers, wait=not failed)
+        if completed:  # the leader leaves once every rank's part is written: a left replica's writes are fenced
+            self.ctx.all_ok(True)
         self._step_guard.remove()

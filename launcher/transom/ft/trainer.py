@@ -241,9 +241,8 @@ class FaultTolerant(LoopAids):
 
     @property
     def job_ended(self) -> bool:
-        """The job ended before this replica's target: it completed without this replica, or
-        its owner ended it at the step this replica holds (POST /v1/finish; this replica
-        then completes it, with the final checkpoint, as if that were the target)."""
+        """The job ended before the target: without this replica, or by its owner at this
+        replica's step (POST /v1/finish: completed here, as at the target)."""
         return self.completed_elsewhere or self._exchange.ended_by_owner
 
     def begin_step(self) -> None:
@@ -306,20 +305,14 @@ class FaultTolerant(LoopAids):
         finally:
             self._in_step = False
 
-    @property
-    def _opened(self) -> QuorumOutcome | None:
-        """This step's exchange, once its quorum is in."""
-        return self._exchange.opened
-
     # --- the end --------------------------------------------------------------------------------
     def __enter__(self) -> FaultTolerant:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """`with ft.FaultTolerant(...) as trainer:` closes on the way out: a normal exit ends
-        the job where it is (completed: the loop ran to its target, or the script left it
-        on purpose, e.g. early stopping); an exception is this replica's failure, reported
-        at once, and the exception goes on."""
+        the job where it is (its target, or left on purpose: early stopping); an exception is
+        this replica's failure, reported at once, and the exception goes on."""
         self.close(end_job=exc_type is None)
 
     def close(self, end_job: bool = False) -> None:
@@ -327,11 +320,11 @@ class FaultTolerant(LoopAids):
         also when it ends with an exception (`try: ... finally: trainer.close()`).
 
         Closing completes the job once this replica has committed the `num_steps` that
-        `steps()` was given, or with `end_job=True`: the script ends the job at the current
-        step on purpose (early stopping), and every replica still training stops at its next
-        step; or once the job's owner ended the job at this replica's step (`job_ended`).
-        Closing before that (an exception, a `break`) is a failure: the coordinator drops
-        this replica from the next quorum at once, and its launcher restarts it.
+        `steps()` was given, or the job's owner ended it here (`job_ended`), or with
+        `end_job=True`: the script ends the job at the current step on purpose (early
+        stopping), and every replica still training stops at its next step. Closing before
+        that (an exception, a `break`) is a failure: the coordinator drops this replica from
+        the next quorum at once, and its launcher restarts it.
         """
         if self._closed:
             return
@@ -348,8 +341,6 @@ class FaultTolerant(LoopAids):
             if self.ctx.is_leader:  # it talks for the replica
                 report_close_failure(self.client, self.identity, self.step, self.num_steps)
         self._commit.close(completed, failed)  # the final checkpoint, before leaving: reported as this replica
-        if completed:  # the leader leaves once every rank's part is written: a left replica's writes are fenced
-            self.ctx.all_ok(True)
         if self._link is not None:
             if completed and self._exchange.last_round < 0:  # e.g. restored at the target: no round answered it yet
                 self._link.take_one_round(self.step, self._commit.last.commit_quorum_id)

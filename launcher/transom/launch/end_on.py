@@ -10,14 +10,17 @@ given has happened it asks the coordinator to end the job `--end-margin` steps l
 script's own step count stays the cap; a run that reached it first says so in its summary
 (`end_on.met` false), naming the events it still waited for.
 
-Pure: `EndOn` is fed the events the runner read and says when to finish and at which step.
+`EndOn` holds no I/O of its own: it is fed the events the runner read, and handed the call
+that ends the job (the coordinator client's `finish`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transom.coordinator.models import Event
+from transom.errors import JobCompleted
 from transom.words import EventKind
 
 MAX_MARGIN = 10_000  # steps after the events; more is a step count, which --steps already is
@@ -75,6 +78,22 @@ class EndOn:
     def asked(self, end_step: int | None) -> None:
         """The job was asked to end: it ends at `end_step` (None: it had completed already)."""
         self._asked, self.end_step = True, end_step
+
+    def watch(self, events: list[Event], step: int, finish: Callable[[int], int]) -> bool:
+        """Take the new `events` of a job at `step`; once the awaited ones happened, end the job
+        a margin later through `finish(step) -> the step it will end at`. True when it asked."""
+        self.observe(events)
+        end = self.due(step)
+        if end is None:
+            return False
+        try:
+            self.asked(finish(end))
+        except JobCompleted:  # it reached its step count first
+            self.asked(None)
+        return True
+
+    def news(self) -> str:
+        return f"{', '.join(map(str, self.awaited))} happened: the job ends at step {self.end_step}"
 
     def summary(self) -> dict:
         """The summary's `end_on`: what was awaited, what happened, the step it ended at."""

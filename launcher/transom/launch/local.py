@@ -56,7 +56,6 @@ from transom.coordinator.models import JobStatus
 from transom.coordinator.thread import CoordinatorThread
 from transom.defaults import heartbeat_interval_s
 from transom.detect.step_rows import DetectionSettings
-from transom.errors import JobCompleted
 from transom.launch import processes
 from transom.launch.config import LaunchConfig, RunConfig, default_of
 from transom.launch.display import Display, closing_table
@@ -166,21 +165,9 @@ class LocalRun:
             self._events.append(f"{ev.kind}: {ev.message}")
         restarts = sum(1 for e in self._events if e.startswith("failed:"))
         self.display.progress(progress(status, restarts), (tuple(status.members), status.quorum_id, status.paused))
-        self.end_on.observe(fresh)
-        self._end_if_due(status.max_step)
-
-    def _end_if_due(self, step: int) -> None:
-        """--end-on: once its events happened, the job ends a margin of steps later."""
-        end = self.end_on.due(step)
-        if end is None:
-            return
         assert self.client is not None
-        try:
-            self.end_on.asked(self.client.finish(end, timeout_s=STATUS_TIMEOUT_S))
-        except JobCompleted:  # it reached its step count first
-            self.end_on.asked(None)
-            return
-        self.say(f"{', '.join(map(str, self.end_on.awaited))} happened: the job ends at step {self.end_on.end_step}")
+        if self.end_on.watch(fresh, status.max_step, self.client.finish) and self.end_on.end_step is not None:
+            self.say(self.end_on.news())
 
     def _outcome(self) -> tuple[int | None, int | None, dict | None]:
         """(the step at which a replica completed the job, the newest committed checkpoint, the
