@@ -51,6 +51,7 @@ def bad_node(world: World, steps: int) -> Verdict:
             verdict.notes.append(f"replica 0 trains on {where}")
             if where == node:
                 verdict.problems.append(f"replica 0 runs on the excluded node {node}")
+            job.end_after()
             final = job.finish()
             job.judge(verdict, final, {REASON})
     finally:

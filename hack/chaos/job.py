@@ -8,7 +8,8 @@ second what an admin could see: the TrainingJob's status, and the coordinator's 
 through the API server's service proxy. `judge` then decides, from what was seen and from
 storage, the same five things for every scenario:
 
-- it Succeeded at its target step;
+- it Succeeded at its target step: a few steps after the scenario saw the job recover
+  (`end_after`, as `transom run --end-on` does), the manifest's step count only a cap;
 - no committed step was lost: the committed step in status never went back, and every
   committed checkpoint in S3 verifies against its manifest (sizes, CRC-32, its step);
 - the replicas ended bit-identical: every final worker printed the same parameter digest
@@ -32,10 +33,17 @@ import yaml
 
 from chaos.world import World
 from e2e_demo import BUCKET, EXAMPLE, use_test_image
+from transom_operator.naming import COORDINATOR_PORT
 from testenv import addons
 
 DIGEST = re.compile(r"replica (\d+) rank (\d+): final step (\d+) parameters ([0-9a-f]+)")
 SAMPLE_EVERY_S = 1.0
+END_MARGIN = 10  # steps the job trains after the scenario saw it recover
+# What an administrator with the job's token may do, run in the coordinator's own container:
+# end the job at a step (POST /v1/finish), printing the step it will end at.
+FINISH = ("import os, sys\nfrom transom.coordinator.client import CoordinatorClient\n"
+          "print(CoordinatorClient('http://127.0.0.1:' + sys.argv[1], os.environ['TRANSOM_COORDINATOR_TOKEN'])"
+          ".finish(int(sys.argv[2])))")
 REFUSALS = ("transom_coordinator_fenced_requests_total", "transom_coordinator_unauthenticated_requests_total")
 CHECKPOINT_INTERVAL = 20
 
@@ -147,6 +155,7 @@ class ChaosJob:
         self.fault_at: float | None = None
         self.restart_window: tuple[int, int] | None = None  # samples of a whole-job restart (suspend, resume)
         self.started_at = 0.0
+        self.target = steps  # the step it must end at: `steps`, until `end_after` ends it sooner
 
     # --- running ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -212,6 +221,18 @@ class ChaosJob:
             return None
         return self.world.wait(f"{self.ns}: every replica contributing again", back, timeout_s)
 
+    def end_after(self, margin: int = END_MARGIN) -> int:
+        """End the job `margin` steps after the step it committed last (the coordinator may
+        make it later, never sooner): the scenario saw what it is about. Returns the end step."""
+        pod = self.world.coordinator_pod(self.ns, self.name)
+        if pod is None:
+            raise RuntimeError(f"{self.ns}: no running coordinator to end the job")
+        step = (self.watch.now().step or 0) + margin
+        out = self.world.kubectl("exec", "-n", self.ns, pod.metadata.name, "--", "python3", "-c", FINISH,
+                                 str(COORDINATOR_PORT), str(step), timeout_s=60)
+        self.target = int(out.stdout.strip().splitlines()[-1])
+        return self.target
+
     def finish(self, timeout_s: float = 600) -> dict:
         def done():
             s = self.status()
@@ -225,15 +246,15 @@ class ChaosJob:
     def judge(self, verdict: Verdict, final: dict, expect_reasons: set[str]) -> Verdict:
         training = final.get("training") or {}
         end = training.get("completedStep") or training.get("step")
-        if final.get("state") != "Succeeded" or end != self.steps:
-            verdict.problems.append(f"ended {final.get('state')} at step {end}, not Succeeded at {self.steps}")
+        if final.get("state") != "Succeeded" or end != self.target:
+            verdict.problems.append(f"ended {final.get('state')} at step {end}, not Succeeded at {self.target}")
         verdict.steps_lost = self.steps_lost()
         if verdict.steps_lost:
             verdict.problems.append(f"the committed step went back by {verdict.steps_lost}: {self.step_trace()}")
         verdict.problems += self.checkpoint_problems(final)
         digests = self.final_digests()
         verdict.bit_identical = len(digests) >= 2 and len(set(digests.values())) == 1 and \
-            all(step == self.steps for step, _ in digests.values())
+            all(step == self.target for step, _ in digests.values())
         if not verdict.bit_identical:
             verdict.problems.append(f"final digests differ or are missing: {digests}")
         verdict.notes.append(f"{len(digests)} final digests")

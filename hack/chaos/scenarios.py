@@ -38,6 +38,7 @@ def run(world: World, name: str, act: Callable[[ChaosJob, Verdict], set[str]], s
         with tended(job, verdict):
             job.start()
             expect = act(job, verdict)
+            job.end_after()
             final = job.finish()
             job.judge(verdict, final, expect)
     finally:
