@@ -12,6 +12,8 @@ the processes': that job's replicas are threads of this process (threaded_job.py
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from threaded_job import TinyGPT
@@ -45,6 +47,10 @@ def test_sigkill_during_allreduce_survivors_go_on_and_replica_rejoins(transom_ru
     # The killed replica came back and caught up from a peer instead of starting over.
     assert result.incarnations(1) == 2
     assert any(r["recovering"] and r["committed"] for r in result.records(1))
+    # Ended by its owner, every replica holds the end step as trained: the example prints its digest.
+    printed = re.findall(r"replica (\d) rank 0: final step (\d+) parameters ([0-9a-f]+)", result.output)
+    assert sorted(r for r, _, _ in printed) == ["0", "1", "2"], result.output[-3000:]
+    assert {(int(step), digest) for _, step, digest in printed} == {(result.end_step(), result.digests()[(0, 0)])}
 
 
 def test_sigstop_survivors_continue_after_collective_timeout(transom_run):

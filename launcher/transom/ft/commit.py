@@ -82,11 +82,13 @@ class Commit:
             raise TooManyFailedSteps(f"{self.failed_in_a_row} failed steps in a row, last: {outcome.ftar.error}")
         return verdict.committed
 
-    def not_committed(self) -> None:
-        """The job ended before this step could count (completed elsewhere, or ended by its
-        owner at the step before it): nothing of it was committed or trained on."""
+    def not_committed(self, ended_by_owner: bool) -> None:
+        """The job ended before this step could count: nothing of it was committed or trained
+        on. Ended by its owner, the job ends at the step before, which this replica holds as it
+        counted (its batch trained or not); completed elsewhere, this replica may hold less."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_step_committed = self.last_batch_trained = False
+        if not ended_by_owner:
+            self.last_step_committed = self.last_batch_trained = False
 
     def _vote(self, outcome: QuorumOutcome, loss: Any) -> StepVote:
         skip, loss_value, norm = False, None, None

@@ -299,7 +299,7 @@ class FaultTolerant(LoopAids):
         try:
             outcome = self._exchange_now()
             if outcome is None:  # the job ended (without us, or here): nothing to commit
-                self._commit.not_committed()
+                self._commit.not_committed(self._exchange.ended_by_owner)
                 return False
             return self._commit.finish(outcome, self._loss, before_optimizer, update)
         finally:
