@@ -44,7 +44,7 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
-    p.add_argument("--steps", type=int, default=STEPS, help="the job's target step")
+    p.add_argument("--steps", type=int, default=STEPS, help="the job's step cap (each scenario ends it sooner)")
     args = p.parse_args()
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in ORDER]

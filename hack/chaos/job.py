@@ -33,8 +33,8 @@ import yaml
 
 from chaos.world import World
 from e2e_demo import BUCKET, EXAMPLE, use_test_image
-from transom_operator.naming import COORDINATOR_PORT
 from testenv import addons
+from transom_operator.naming import COORDINATOR_PORT
 
 DIGEST = re.compile(r"replica (\d+) rank (\d+): final step (\d+) parameters ([0-9a-f]+)")
 SAMPLE_EVERY_S = 1.0

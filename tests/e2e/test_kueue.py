@@ -140,7 +140,9 @@ def test_kueue_admits_whole_jobs_within_quota_and_a_replacement_keeps_the_admiss
                   "the second job still queued while the first recovers")
 
         wait_for(lambda: c.status("first").get("state") == "Succeeded", 420, "the first job Succeeded")
-        assert _wl_condition(c.workload("first"), "Finished")["status"] == "True"
+        # Kueue marks the Workload Finished on its own reconcile, after the job's status says so.
+        wait_for(lambda: _wl_condition(c.workload("first"), "Finished").get("status") == "True", 60,
+                 "the first job's Workload Finished")
         wait_for(lambda: c.status("second").get("state") == "Succeeded", 420, "the second job admitted and Succeeded")
         assert {reasons.EVENT_JOB_QUEUED, reasons.EVENT_JOB_ADMITTED} <= set(c.events("second"))
     finally:
