@@ -83,6 +83,12 @@ def _wl_condition(wl: dict, type_: str) -> dict:
     return next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
+def _wait_workload_finished(c: Cluster, job: str) -> None:
+    """Kueue marks the Workload Finished on its own reconcile, after the job's status says so."""
+    wait_for(lambda: _wl_condition(c.workload(job), "Finished").get("status") == "True", 60,
+             f"{job}'s Workload Finished")
+
+
 def _replace_a_replica(c: Cluster, job: str) -> None:
     """Delete replica 1's pod once the job trains; wait until its replacement runs."""
     wait_for(lambda: ((c.status(job).get("training") or {}).get("step") or 0) >= 10, 240, f"{job} at step 10")
@@ -140,9 +146,7 @@ def test_kueue_admits_whole_jobs_within_quota_and_a_replacement_keeps_the_admiss
                   "the second job still queued while the first recovers")
 
         wait_for(lambda: c.status("first").get("state") == "Succeeded", 420, "the first job Succeeded")
-        # Kueue marks the Workload Finished on its own reconcile, after the job's status says so.
-        wait_for(lambda: _wl_condition(c.workload("first"), "Finished").get("status") == "True", 60,
-                 "the first job's Workload Finished")
+        _wait_workload_finished(c, "first")
         wait_for(lambda: c.status("second").get("state") == "Succeeded", 420, "the second job admitted and Succeeded")
         assert {reasons.EVENT_JOB_QUEUED, reasons.EVENT_JOB_ADMITTED} <= set(c.events("second"))
     finally:
