@@ -147,9 +147,9 @@ def main() -> None:
                 print(f"replica {trainer.replica_id}: step {trainer.step} loss {loss.item():.4f}", flush=True)
     finally:
         trainer.close()  # completes the job after the last step; before it, reports a failure
-    if ctx.rank == 0 and trainer.last_batch_trained and loss is not None:
+    if ctx.rank == 0 and trainer.final_batch_trained and loss is not None:
         print(f"replica {trainer.replica_id}: {trainer.step} steps, last loss {loss.item():.4f}", flush=True)
-    if trainer.last_batch_trained:  # every rank: replicas that end bit-identical print one digest per rank
+    if trainer.final_batch_trained:  # every rank: replicas that end bit-identical print one digest per rank
         print(f"replica {trainer.replica_id} rank {ctx.rank}: final step {trainer.step} parameters "
               f"{ft.state_digest(model)}", flush=True)
 

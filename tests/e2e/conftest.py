@@ -50,13 +50,22 @@ def _up_once_more_if_it_fails(real_nodes: int) -> cluster.Env:
         return cluster.up(KWOK_NODES, real_nodes)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`), every e2e test runs on one worker: they share the
-    session's control plane, and a second worker would wait for its lock."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in item.path.parents:
-            item.add_marker(pytest.mark.xdist_group("control-plane"))
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under pytest-xdist's `--dist loadgroup` (`make test`), the e2e tests are one group that
+    one worker runs, first and in order: they share the session's control plane, and a second
+    worker would wait for its lock. (pytest 9.2 no longer lets xdist_group marks rename the
+    tests, so the group is made here, from the path.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    here = Path(__file__).parent.relative_to(config.rootpath).as_posix() + "/"
+
+    class ControlPlaneGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "control-plane" if nodeid.startswith(here) else nodeid
+
+    return ControlPlaneGroup(config, log)
 
 
 def real_nodes_needed(items: list[pytest.Item]) -> int:

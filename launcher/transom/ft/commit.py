@@ -55,6 +55,7 @@ class Commit:
         self.writers: Writers | None = None  # of a checkpoint of the last committed step
         self.last_step_committed = False
         self.last_batch_trained = False
+        self.ended_trained = False  # the job's owner ended it after a step this replica's batch went into
         self._stepping = False
         self._step_guard = optimizer.register_step_pre_hook(self._refuse_direct_step)
 
@@ -83,12 +84,12 @@ class Commit:
         return verdict.committed
 
     def not_committed(self, ended_by_owner: bool) -> None:
-        """The job ended before this step could count: nothing of it was committed or trained
-        on. Ended by its owner, the job ends at the step before, which this replica holds as it
-        counted (its batch trained or not); completed elsewhere, this replica may hold less."""
+        """The job ended before this step could count (completed elsewhere, or ended by its
+        owner at the step before it): nothing of it was committed or trained on. Ended by its
+        owner, the job's last step is the one before, which this replica trained or not."""
         self.optimizer.zero_grad(set_to_none=True)
-        if not ended_by_owner:
-            self.last_step_committed = self.last_batch_trained = False
+        self.ended_trained = ended_by_owner and self.last_batch_trained
+        self.last_step_committed = self.last_batch_trained = False
 
     def _vote(self, outcome: QuorumOutcome, loss: Any) -> StepVote:
         skip, loss_value, norm = False, None, None

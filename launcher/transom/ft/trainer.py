@@ -235,6 +235,12 @@ class FaultTolerant(LoopAids):
         return self._commit.last_batch_trained
 
     @property
+    def final_batch_trained(self) -> bool:
+        """Once the job ended here (at the target, or where its owner ended it): this replica's
+        batch went into the job's last step, so it holds the job's final weights."""
+        return self._commit.last_batch_trained or self._commit.ended_trained
+
+    @property
     def completed_elsewhere(self) -> bool:
         """The job finished without this replica."""
         return self._exchange.completed_elsewhere
