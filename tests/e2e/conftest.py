@@ -57,7 +57,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     tests, so the group is made here, from the path.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]  # ships no types
 
     here = Path(__file__).parent.relative_to(config.rootpath).as_posix() + "/"
 
