@@ -52,8 +52,8 @@ def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
 class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
     _aside, _no_sync, _link, _guard, _clock, _loss, _shared, _inputs, _exchange (asked),
-    _commit (writers), last_step_committed, last_batch_trained, num_steps, state,
-    job_ended; and calls its begin_step()."""
+    _commit (writers, what the last step did), num_steps, state, job_ended; and calls its
+    begin_step()."""
 
     ctx: Any
     model: torch.nn.Module
@@ -68,16 +68,29 @@ class LoopAids:
     if TYPE_CHECKING:  # FaultTolerant's properties and methods (no runtime definitions here)
         @property
         def job_ended(self) -> bool: ...
-        @property
-        def last_step_committed(self) -> bool: ...
-        @property
-        def last_batch_trained(self) -> bool: ...
         def begin_step(self) -> None: ...
 
     @property
     def step(self) -> int:
         """Committed optimizer steps: FaultTolerant's (its commit stage owns the count)."""
         raise NotImplementedError
+
+    @property
+    def last_step_committed(self) -> bool:
+        """The last step was committed: the optimizer stepped (or the scaler skipped it on every
+        replica) and `step` advanced; an LR scheduler steps after such a step."""
+        return self._commit.last_step_committed
+
+    @property
+    def last_batch_trained(self) -> bool:
+        """This replica's batch went into the last committed step (not while it recovered)."""
+        return self._commit.last_batch_trained
+
+    @property
+    def final_batch_trained(self) -> bool:
+        """Once the job ended here (at the target, or where its owner ended it): this replica's
+        batch went into the job's last step, so it holds the job's final weights."""
+        return self._commit.last_batch_trained or self._commit.ended_trained
 
     # --- the loop ------------------------------------------------------------------------------
     def steps(self, num_steps: int) -> Iterator[int]:

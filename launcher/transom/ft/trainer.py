@@ -224,23 +224,6 @@ class FaultTolerant(LoopAids):
         return self._commit.step
 
     @property
-    def last_step_committed(self) -> bool:
-        """The last step was committed: the optimizer stepped (or the scaler skipped it on every
-        replica) and `step` advanced; an LR scheduler steps after such a step."""
-        return self._commit.last_step_committed
-
-    @property
-    def last_batch_trained(self) -> bool:
-        """This replica's batch went into the last committed step (not while it recovered)."""
-        return self._commit.last_batch_trained
-
-    @property
-    def final_batch_trained(self) -> bool:
-        """Once the job ended here (at the target, or where its owner ended it): this replica's
-        batch went into the job's last step, so it holds the job's final weights."""
-        return self._commit.last_batch_trained or self._commit.ended_trained
-
-    @property
     def completed_elsewhere(self) -> bool:
         """The job finished without this replica."""
         return self._exchange.completed_elsewhere
