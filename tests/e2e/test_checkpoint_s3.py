@@ -77,10 +77,11 @@ def test_s3_outage_during_persist_training_goes_on_and_the_checkpoint_lands_afte
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])  # ~100 MB of weights
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     uri = f"s3://{bucket}/jobs/outage"
+    waits: list[float] = []
     engine = CheckpointEngine(CheckpointConfig(uri=uri, keep=3, retry_first_s=0.2, retry_max_s=1.0))
 
     def train_step() -> None:
-        engine.wait_snapshot()  # as FaultTolerant does before every optimizer step
+        waits.append(engine.wait_snapshot())  # as FaultTolerant does before every optimizer step
         opt.step()
         model(torch.randn(4, 1024)).sum().backward()
 
@@ -94,15 +95,14 @@ def test_s3_outage_during_persist_training_goes_on_and_the_checkpoint_lands_afte
     cluster.stop_s3()
     try:
         assert not engine.wait_persisted(0), "step 20 finished persisting before the server went away"
-        # Training goes on: due checkpoints are skipped, no step waits for the storage.
-        slowest = 0.0
+        # Training goes on, due checkpoints skipped: 20 steps end while step 20 persists against
+        # the stopped server (a step waiting for the storage could not), none near a timeout.
         for step in range(21, 41):
-            t0 = time.monotonic()
             train_step()
             if step % 5 == 0:
                 assert not engine.save(step, {"model": model.state_dict()})
-            slowest = max(slowest, time.monotonic() - t0)
-        assert slowest < 1.0, f"a training step waited {slowest:.2f}s for the storage"
+        assert not engine.wait_persisted(0), "step 20 persisted while the server was stopped"
+        assert max(waits[-20:]) < engine.config.snapshot_timeout_s / 10, f"a step waited {max(waits):.1f}s"
         assert engine.skipped == 4 and engine.committed_step == 10
         # What the replica's heartbeats would say (status.training.checkpointTrouble).
         deadline = time.monotonic() + 30
