@@ -106,6 +106,7 @@ class ThreadedJob:
         self._end = EndOn([Awaited.parse(a) for a in self.end_on], self.end_margin)
         self._feed = EventFeed()
         self._events: list[str] = []
+        self._stores: list[object] = []  # the replicas' stores, released after their threads (_attempt)
 
     # --- one attempt of one replica ----------------------------------------------------------
     def _context(self, rep: _Replica, url: str) -> ReplicaContext:
@@ -125,6 +126,10 @@ class ThreadedJob:
         try:
             rep.result = self.body(rep.rid, trainer, model)
         finally:
+            # torch 2.6 has aborted the process (1 run in about 6) when one replica's thread
+            # destroyed its store's libuv server while another thread of the process was closing:
+            # a process holds one replica in production; here the stores go once every thread ended.
+            self._stores.append(trainer._store)
             trainer.close()  # a body that raised: the replica's failure, reported (the example's `finally:`)
         rep.finished = True
 
@@ -212,6 +217,7 @@ class ThreadedJob:
                 self._stop()
             finally:
                 coordinator.stop()
+                self._stores.clear()
         return self._result(status, output.text(), time.monotonic() - t0)
 
     def _result(self, status: JobStatus, output: str, wall_s: float) -> RunResult:
