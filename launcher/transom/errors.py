@@ -132,6 +132,14 @@ class UsageError(ScriptError, RuntimeError):
     says which call was expected."""
 
 
+class Diverged(ScriptError, ValueError):
+    """Replicas that must hold the same parameters and optimizer state do not, and no strict
+    majority says which of them is right (two replicas, or an even split). Nothing assembled
+    from them is trustworthy: no checkpoint of them is committed, and the job stops with
+    this message (a state that is not registered with Transom, such as an LR scheduler left
+    out of `extra_state`, or a non-deterministic update, are the usual causes)."""
+
+
 class TooManyFailedSteps(TransomError, RuntimeError):
     """`FTConfig.max_failed_steps` steps in a row were not committed."""
 

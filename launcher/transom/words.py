@@ -94,5 +94,6 @@ class EventKind(StrEnum):
     VERDICT = "verdict"  # a detector's verdict
     REBALANCE = "rebalance"  # the batch shares changed
     DUPLICATE_DATA = "duplicate_data"  # replicas trained on identical inputs
+    DIVERGED = "diverged"  # replicas hold different states and no majority says which is right: the job stops
     SHARED = "shared"  # a replica's shared script values were dropped
     REFUSED = "refused"  # a call of an incarnation that is no longer current was refused

@@ -111,6 +111,28 @@ def test_two_replicas_each_write_a_part_and_one_commits(tmp_path):
     assert_same(state, load_latest(str(tmp_path)).state)
 
 
+def test_writers_whose_states_differ_never_commit_one_checkpoint(tmp_path):
+    # Two replicas write the parts of step 10, each with the fingerprint of the state it
+    # holds: equal, the step commits; different (diverged replicas), no manifest is written
+    # and the committer says why.
+    _, _, state = make_state()
+    for step, digests in ((10, (7, 7)), (20, (7, 8))):
+        engines = [CheckpointEngine(CheckpointConfig(uri=str(tmp_path))) for _ in range(2)]
+        for k, e in enumerate(engines):
+            assert e.save(step, state, layout.Slot(writer=k, writers=2), attempt=f"round-{step}",
+                          digest=torch.tensor(digests[k]))
+        for e in engines:
+            assert e.wait_persisted(60)
+        committer = engines[0]
+        for e in engines:
+            e.close()
+        committed = (tmp_path / layout.step_dir(step) / layout.MANIFEST).exists()
+        assert committed == (digests[0] == digests[1])
+    assert "checkpoint of step 20 not committed: the replicas that wrote shard 0 hold different parameters" in \
+        str(committer.trouble)
+    assert load_latest(str(tmp_path)).step == 10
+
+
 def test_a_missing_part_never_commits_and_a_due_checkpoint_is_skipped_meanwhile(tmp_path):
     _, _, state = make_state()
     engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), commit_timeout_s=1.5))

@@ -75,6 +75,26 @@ def test_a_stopped_job_resumes_bit_identical(threaded_job, tmp_path):
     assert second.digests() == reference.digests(), "the resumed run must end where the uninterrupted one did"
 
 
+def test_a_resume_from_an_interval_checkpoint_is_bit_identical_under_a_schedule(threaded_job, tmp_path):
+    # The documented loop steps its scheduler after optimizer.step(): a checkpoint of step N
+    # must hold the schedule at position N (the state step N+1 starts from), or every step
+    # of a resumed run trains at the previous step's learning rate.
+    gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
+    reference = threaded_job(1, gpt.steps(30), gpt.build, extra=gpt.schedule)
+    ok(reference)
+    # The only replica fails at step 25, without a final checkpoint; its restart resumes
+    # from the newest interval checkpoint.
+    resumed = threaded_job(1, gpt.steps(30), gpt.build, extra=gpt.schedule, faults={0: ["raise:step=25"]},
+                           checkpoint=CheckpointConfig(str(ckpt), interval_steps=10, keep=5))
+    ok(resumed)
+    restored = resumed.results[0]["restored_step"]
+    assert restored in (10, 20), resumed.output[-3000:]
+    for step in committed(ckpt):
+        schedule = load_step(Storage(str(ckpt)), step)["extra"]
+        assert schedule["last_epoch"] == step, f"checkpoint {step} holds the schedule at {schedule['last_epoch']}"
+    assert resumed.digests() == reference.digests(), "the resumed run must end where the uninterrupted one did"
+
+
 def test_a_checkpoint_restores_into_more_replicas_and_a_failed_one_catches_up(threaded_job, tmp_path):
     gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
     ok(threaded_job(2, gpt.steps(10), gpt.build, checkpoint=CheckpointConfig(str(ckpt))))

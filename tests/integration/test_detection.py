@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ import torch
 
 from test_fault_tolerance import CAP
 from threaded_job import TinyGPT
+from transom.checkpoint import layout
+from transom.checkpoint.engine import CheckpointConfig
 from transom.ft import FaultTolerant
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -111,6 +114,56 @@ def test_a_flipped_bit_is_caught_at_the_next_fingerprint_and_the_replica_replace
     found = verdicts(result)
     assert len(found) == 1 and "replica 0: SilentDataCorruption from step 19" in found[0], found
     assert result.incarnations(0) == 2
+
+
+def unregistered_schedule(gpt: TinyGPT, num_steps: int):
+    """The build and body of the tiny GPT's loop with an LR schedule that the script steps but
+    never gave to Transom (an easy mistake): a restarted replica takes its peer's weights and
+    optimizer state, and starts its schedule over."""
+    optimizers: dict[int, torch.optim.Optimizer] = {}
+
+    def build(replica: int):
+        model, optimizer = gpt.build(replica)
+        optimizers[replica] = optimizer
+        return model, optimizer
+
+    def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> None:
+        schedule = TinyGPT.schedule(optimizers[replica])  # not extra_state: not replica state
+        for step in trainer.steps(num_steps):
+            x, y = tg_batch(gpt, step, replica)
+            model(x, y).backward()
+            if trainer.finish_step():
+                schedule.step()
+
+    return build, body
+
+
+def tg_batch(gpt: TinyGPT, step: int, replica: int):
+    from threaded_job import _data, _example
+
+    return _example().batch(_data(), step, replica, 0, 1, gpt.batch_size, gpt.context)
+
+
+def test_replicas_that_diverge_without_a_majority_stop_the_job_and_are_never_checkpointed_together(
+        threaded_job, tmp_path):
+    gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
+    build, body = unregistered_schedule(gpt, 500)
+    result = threaded_job(2, body, build, detection={"fingerprintInterval": 5}, faults={1: ["raise:step=6"]},
+                          checkpoint=CheckpointConfig(str(ckpt), interval_steps=5, keep=100), timeout_s=120)
+    assert result.returncode != 0
+    stopped = [e for e in result.summary["events"] if e.startswith("diverged:")]
+    assert len(stopped) == 1 and "replicas 0, 1 hold different parameters or optimizer state" in stopped[0], \
+        result.summary["events"]
+    at = int(re.search(r"at step (\d+)", stopped[0]).group(1))
+    assert at < 500
+    # Both replicas stopped with the reason (a ScriptError: no restart), none completed.
+    assert "replica 0: Diverged: replica 0 stops at step" in result.output
+    assert "replica 1: Diverged: replica 1 stops at step" in result.output
+    assert result.summary.get("completed_step") is None
+    # No checkpoint holds a state of theirs once they disagreed.
+    done = [step for p in ckpt.iterdir() if (p / layout.MANIFEST).exists()
+            and (step := layout.parse_step_dir(p.name)) is not None]
+    assert all(step < at for step in done), (done, at)
 
 
 def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_else(transom_run, tmp_path):

@@ -9,7 +9,7 @@ posted by the launcher's own `SignalForwarder`, and faults through the step hook
 replica's own TRANSOM_FAULT: the k-th fault for its k-th attempt, as `transom run --inject`
 gives them). Standing in for the launcher: a replica whose body raises (a `raise` fault,
 an eviction after a verdict) is restarted in place as its next attempt, a fresh model and
-trainer on a new thread. No process starts, and so no `import torch` (2 s a process on the
+trainer on a new thread, unless it raised a ScriptError (which every attempt would repeat). No process starts, and so no `import torch` (2 s a process on the
 2-core development machine) and no interpreter teardown.
 
 What processes are for stays with `transom run` (conftest.py `transom_run`): SIGKILL and
@@ -43,6 +43,7 @@ from transom.coordinator.membership import Settings
 from transom.coordinator.models import Identity, JobStatus
 from transom.coordinator.thread import CoordinatorThread
 from transom.detect.step_rows import DetectionSettings
+from transom.errors import ScriptError
 from transom.ft import FaultTolerant, FTConfig
 from transom.ft.replica import ReplicaContext
 from transom.launch.end_on import Awaited, EndOn
@@ -79,7 +80,8 @@ class _Replica:
 @dataclass
 class ThreadedJob:
     """`replicas` threads running `body(replica, trainer, model)` on what `build(replica)`
-    made, with a trainer of `config`, `checkpoint` and `trainer_kwargs` (per replica: a list);
+    made, with a trainer of `config`, `checkpoint` and `trainer_kwargs` (per replica: a list),
+    and `extra(optimizer)` as its extra_state (an LR scheduler of that replica's optimizer);
     `faults[replica]` are its TRANSOM_FAULT list; `attempts` per replica before the job fails."""
 
     stats_dir: Path
@@ -92,6 +94,7 @@ class ThreadedJob:
     checkpoint: CheckpointConfig | None = None
     config: FTConfig = field(default_factory=lambda: FTConfig(collective_timeout_s=10, quorum_timeout_s=30))
     trainer_kwargs: dict = field(default_factory=dict)
+    extra: Callable[[torch.optim.Optimizer], Any] | None = None
     attempts: int = 4
     end_on: list[str] = field(default_factory=list)
     end_margin: int = 3
@@ -121,6 +124,8 @@ class ThreadedJob:
         with self._build_lock:
             model, optimizer = self.build(rep.rid)
         kwargs = {k: v[rep.rid] if isinstance(v, list) else v for k, v in self.trainer_kwargs.items()}
+        if self.extra is not None:
+            kwargs["extra_state"] = self.extra(optimizer)
         trainer = rep.trainer = FaultTolerant(model, optimizer, ctx, checkpoint=self.checkpoint, config=self.config,
                                               **kwargs)
         try:
@@ -168,6 +173,9 @@ class ThreadedJob:
                 continue
             self._end_attempt(rep)
             if rep.finished or rep.gave_up:
+                continue
+            if rep.errors and isinstance(rep.errors[-1], ScriptError):
+                rep.gave_up = True  # as its launcher: every retry would fail alike
                 continue
             if rep.attempt + 1 >= self.attempts:
                 rep.gave_up = True  # the others go on without it, as far as they can
@@ -291,7 +299,9 @@ class TinyGPT:
 
     def steps(self, num_steps: int) -> Body:
         """A body that trains to `num_steps` as the example does; it returns the checkpoint
-        step the trainer restored (None: none) and its last loss."""
+        step the trainer restored (None: none) and its last loss. With a scheduler as the
+        trainer's extra_state (`schedule`), it steps it after every committed step, as the
+        documented loop does."""
         tg, data = _example(), _data()
 
         def body(replica: int, trainer: FaultTolerant, model: torch.nn.Module) -> dict:
@@ -301,9 +311,17 @@ class TinyGPT:
                 loss = model(x, y)
                 loss.backward()
                 trainer.finish_step(loss)
+                if trainer.last_step_committed and trainer.extra_state is not None:
+                    trainer.extra_state.step()
             return {"restored_step": trainer.restored_step, "loss": None if loss is None else loss.item()}
 
         return body
+
+    @staticmethod
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """A learning rate that changes at every step (warmup, then decay), so that a schedule
+        one step off changes the weights."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 8) * 0.97 ** s)
 
 
 _CORPUS: dict[str, Any] = {}

@@ -167,6 +167,20 @@ def test_fingerprints_without_a_majority_blame_nobody():
     assert minority({0: 5, 1: 5}) == ([], False)
 
 
+def test_two_replicas_that_disagree_are_found_diverged_once_and_blamed_for_nothing():
+    d = Detectors(DetectionSettings())
+    rows = [Signal(step=49, replica=r, rank=0, step_seconds=0.1, fingerprint=5 + r) for r in range(2)]
+    assert d.observe_all(rows) == []  # no verdict: nobody can be told to be wrong
+    found = d.take_diverged()
+    assert found == ("replicas 0, 1 hold different parameters or optimizer state at step 49 (rank 0) and no "
+                     "majority says which is right")
+    assert d.take_diverged() is None and d.diverged_at == 49
+    # Agreeing replicas are not diverged.
+    agreeing = Detectors(DetectionSettings())
+    agreeing.observe_all([Signal(step=49, replica=r, rank=0, step_seconds=0.1, fingerprint=5) for r in range(2)])
+    assert agreeing.take_diverged() is None
+
+
 def test_a_rank_that_stops_reporting_holds_judgement_back_only_so_long():
     d = Detectors(DetectionSettings(), lag_steps=5)
     d.observe(Signal(step=0, replica=0, rank=0, step_seconds=1.0))

@@ -60,7 +60,7 @@ from transom.checkpoint.persist import commit, mark_skipped, write_part
 from transom.checkpoint.restore import committed_steps
 from transom.checkpoint.snapshot import Snapshot
 from transom.checkpoint.storage import Storage, retry
-from transom.errors import Fenced, UsageError
+from transom.errors import Diverged, Fenced, UsageError
 
 log = logging.getLogger("transom.checkpoint")
 T = TypeVar("T")
@@ -116,6 +116,7 @@ class _Job:
     slot: layout.Slot
     entries: list[layout.Entry]  # of this process's part
     skeleton: Any  # the shard's skeleton if this is its first writer, else None
+    digest: torch.Tensor | None = None  # the state's fingerprint (0-dim, maybe on the device)
 
 
 class CheckpointEngine:
@@ -155,8 +156,11 @@ class CheckpointEngine:
         return self.config.interval_steps > 0 and step > 0 and step % self.config.interval_steps == 0
 
     # --- the training loop's side -----------------------------------------------------------
-    def save(self, step: int, state: Any, slot: layout.Slot = layout.Slot(), attempt: str | None = None) -> bool:
+    def save(self, step: int, state: Any, slot: layout.Slot = layout.Slot(), attempt: str | None = None,
+             digest: torch.Tensor | None = None) -> bool:
         """Snapshot `state` as checkpoint `step`; this process writes the part `slot` names.
+        `digest`: the fingerprint of the state's parameters and optimizer state, which every
+        writer of the same shard must have alike (read in the background, after the snapshot).
 
         `attempt`: the id every writer of this checkpoint shares (a fresh one by default,
         which only works for a single writer). Returns False (and writes nothing) if the
@@ -185,7 +189,7 @@ class CheckpointEngine:
         entries = [layout.Entry(key=k, dtype=blob.dtype_name(t.dtype), shape=list(t.shape), nbytes=sizes[k], crc32=0,
                                 part=slot.part, shard=slot.shard) for k, t in mine.items()]
         with self._cond:
-            self._job = _Job(step, attempt, slot, entries, skeleton if slot.writer == 0 else None)
+            self._job = _Job(step, attempt, slot, entries, skeleton if slot.writer == 0 else None, digest)
             self._cond.notify_all()
         self.last_stall_s = time.monotonic() - t0
         return True
@@ -237,6 +241,10 @@ class CheckpointEngine:
             except Fenced as e:  # replaced meanwhile: nothing more of this checkpoint may reach storage
                 self.fenced += 1
                 log.error("%s", e)
+            except Diverged as e:  # the writers' states differ: no checkpoint is assembled from them
+                self.failed += 1
+                self._trouble = str(e)[:300]  # the heartbeats carry it to status (checkpointTrouble)
+                log.error("%s", e)
             except Exception as e:  # closing mid-retry, or a bug: never into the training loop
                 self.failed += 1
                 log.error("checkpoint of step %d not written: %s: %s", job.step, type(e).__name__, e)
@@ -253,12 +261,13 @@ class CheckpointEngine:
 
     def _persist(self, job: _Job) -> None:
         buffers = self._snapshot.wait(self.config.snapshot_timeout_s)
+        digest = int(job.digest.item()) if job.digest is not None else None
         if self.before_persist is not None:
             self.before_persist(job.step)
         t0 = time.monotonic()
         self._retrying(f"writing part {job.slot.part} of step {job.step}",
                        lambda: write_part(self.storage, job.step, job.attempt, job.slot.part, buffers, job.entries,
-                                          job.skeleton))
+                                          job.skeleton, digest))
         if job.slot.part != 0:
             return
         wait_s = max(self.config.commit_timeout_s, 3 * (time.monotonic() - t0))

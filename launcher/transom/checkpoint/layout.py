@@ -182,6 +182,9 @@ class PartRecord(_Record):
     entries: list[Entry]
     files: dict[str, FileInfo]
     structure: Any = None  # the shard's skeleton, from the shard's first writer only
+    # The fingerprint of the writer's parameters and optimizer state (ft/guard.py): every
+    # writer of a shard holds the same copy, so the committer refuses parts that disagree.
+    state_digest: int | None = Field(None, ge=-(2**63), lt=2**63)
 
 
 class Manifest(_Record):

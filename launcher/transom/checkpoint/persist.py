@@ -29,6 +29,7 @@ import torch
 
 from transom.checkpoint import blob, dcp_index, layout
 from transom.checkpoint.storage import Storage
+from transom.errors import Diverged
 
 BLOB_ALIGN = 64
 
@@ -51,10 +52,12 @@ class _Tally:
 
 
 def write_part(storage: Storage, step: int, attempt: str, part: int, tensors: Mapping[str, torch.Tensor],
-               entries: list[layout.Entry], structure: object | None) -> list[layout.Entry]:
+               entries: list[layout.Entry], structure: object | None,
+               state_digest: int | None = None) -> list[layout.Entry]:
     """Write `tensors` as part `part` of `attempt` at `step`, then its done file: the part's
-    entries with their checksums and offsets, and `structure` (the shard's skeleton, from the
-    shard's first writer). Returns the entries as recorded."""
+    entries with their checksums and offsets, `structure` (the shard's skeleton, from the
+    shard's first writer) and `state_digest` (the fingerprint of the state the writer
+    holds). Returns the entries as recorded."""
     step_name, rel = layout.step_dir(step), layout.data_path(attempt, part)
     done: list[layout.Entry] = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="transom-crc") as pool:
@@ -72,7 +75,7 @@ def write_part(storage: Storage, step: int, attempt: str, part: int, tensors: Ma
                 done.append(e.model_copy(update={"file": rel, "offset": offset, "length": out.size - offset}))
         done = [e.model_copy(update={"crc32": crcs[e.key].result()}) for e in done]
     record = layout.PartRecord(attempt=attempt, entries=done, files={rel: layout.FileInfo(size=out.size,
-                               crc32=out.crc32)}, structure=structure)
+                               crc32=out.crc32)}, structure=structure, state_digest=state_digest)
     storage.write_atomic(record.model_dump_json().encode(), step_name, layout.attempt_dir(attempt),
                          layout.part_dir(part), layout.PART_DONE)
     return done
@@ -84,11 +87,20 @@ def mark_skipped(storage: Storage, step: int, attempt: str, part: int) -> None:
                          layout.PART_SKIPPED)
 
 
+def _same_state(step: int, digests: Mapping[int, Mapping[int, int]]) -> None:
+    """Diverged unless every writer of each shard reported the same state digest."""
+    for shard, by_part in sorted(digests.items()):
+        if len(set(by_part.values())) > 1:
+            raise Diverged(f"checkpoint of step {step} not committed: the replicas that wrote shard {shard} hold "
+                           f"different parameters or optimizer state (state digests by part: {dict(by_part)})")
+
+
 def commit(storage: Storage, step: int, attempt: str, slot: layout.Slot, wait_s: float,
            stopped: Callable[[], bool], poll_s: float = 0.2) -> bool:
     """Merge the parts of `attempt` and write the manifest; False if some part did not finish
     in wait_s or its writer skipped this checkpoint. ValueError if a part's record is not
-    one a writer of this attempt could have written."""
+    one a writer of this attempt could have written; Diverged if the writers of one shard
+    held different states (the manifest is not written: no checkpoint mixes them)."""
     step_name, attempt_name = layout.step_dir(step), layout.attempt_dir(attempt)
     deadline = time.monotonic() + wait_s
     for k in range(slot.num_parts):
@@ -101,6 +113,7 @@ def commit(storage: Storage, step: int, attempt: str, slot: layout.Slot, wait_s:
     entries: list[layout.Entry] = []
     files: dict[str, layout.FileInfo] = {}
     structures: list = [None] * slot.shards
+    digests: dict[int, dict[int, int]] = {}  # shard -> part -> its writer's state digest
     for k in range(slot.num_parts):
         text = storage.read_text(step_name, attempt_name, layout.part_dir(k), layout.PART_DONE,
                                  limit=layout.MAX_MANIFEST_BYTES)
@@ -111,6 +124,9 @@ def commit(storage: Storage, step: int, attempt: str, slot: layout.Slot, wait_s:
         files.update(record.files)
         if record.structure is not None:
             structures[k // slot.writers] = record.structure
+        if record.state_digest is not None:
+            digests.setdefault(k // slot.writers, {})[k] = record.state_digest
+    _same_state(step, digests)
     if any(s is None for s in structures):
         raise ValueError(f"step {step}: a shard's structure is missing from its first part")
     index = dcp_index.build(entries)

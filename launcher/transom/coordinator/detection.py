@@ -172,6 +172,7 @@ class Detection:
                 if rep.state == IncarnationState.HEALTHY and rep.identity.replica_id != replica:
                     self.detectors.expect(rep.identity.replica_id, 0, first)
         verdicts = [self._act(v, now) for v in self.detectors.observe_all(signals)]
+        self._stop_if_diverged(now)
         hung = [s.step for s in signals if s.step_seconds >= self.settings.hang_timeout_s]
         if batch.stacks and hung:
             # The watchdog's post is its incarnation's last: its other ranks will not report the
@@ -184,6 +185,15 @@ class Detection:
         for recovered in self.detectors.take_recovered():
             self._restore(recovered, now, "at normal speed again")
         return verdicts
+
+    def _stop_if_diverged(self, now: float) -> None:
+        """Replicas that disagree with no majority: no replica can be trusted over another, so
+        the job stops (every quorum answer says why from now on) instead of training on."""
+        why = self.detectors.take_diverged()
+        m = self.membership
+        if why is not None and m.diverged is None:
+            m.diverged = why
+            m.event(now, EventKind.DIVERGED, f"the job stops: {why}")
 
     def step_aside(self, replica: int, step: int) -> None:
         """The replica trains no step from `step` until it is back (trainer.aside()): the

@@ -92,6 +92,7 @@ class Membership:
     # still asking for a quorum after that cannot be helped (its peers are gone).
     completed_step: int | None = None
     end_step: int | None = None  # where its owner asked the job to end (job_end.py): the round there says so
+    diverged: str | None = None  # replicas disagree without a majority: every answer stops its member
     events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
     # Monotonic counters exported as metrics.
     failures_total: collections.Counter[str] = field(default_factory=collections.Counter)

@@ -272,6 +272,9 @@ class QuorumResponse(_Msg):
     ends_job: bool = Field(
         default=False, description="the job ends at `max_step` (its owner asked: POST /v1/finish): the members "
                                    "train no further step and complete the job where they are")
+    diverged: str | None = Field(
+        default=None, description="the replicas' states differ and no majority says which is right: every member "
+                                  "stops (raises Diverged) instead of training on")
 
     _shared_size = field_validator("shared")(_bounded_shared)
 
@@ -354,6 +357,8 @@ class JobStatus(_Msg):
     last_checkpoint: int | None = None
     goodput: float | None = None
     duplicate_data: DuplicateDataFinding | None = None
+    diverged: str | None = Field(None, description="why the job stopped: replicas whose states differ with no "
+                                                   "majority (every member raised Diverged)")
     replicas: list[ReplicaStatus]
     events: list[Event]
 

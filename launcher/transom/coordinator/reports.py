@@ -47,6 +47,7 @@ def response(m: Membership, decision: Decision, replica_id: int) -> QuorumRespon
         shares_from=decision.shares_from,
         shared=decision.shared,
         ends_job=decision.ends_job,
+        diverged=m.diverged,
     )
 
 
@@ -111,6 +112,7 @@ def status(m: Membership, now: float) -> JobStatus:
         healthy_replicas=m.replicas.healthy_count(),
         paused=m.paused,
         completed_step=m.completed_step,
+        diverged=m.diverged,
         last_checkpoint=m.last_checkpoint[0] if m.last_checkpoint else None,
         goodput=m.goodput.value(now),
         replicas=[

@@ -10,9 +10,11 @@ judges the step as a whole:
 - nan: a replica whose own loss or gradients were not finite, `bad_steps` times within
   `loss_window` steps; not when every replica's were (then it is the data or the model);
 - loss_spike: the same for spikes against the replica's own history (loss.py);
-- sdc: a replica whose parameter fingerprint differs from the majority's (sdc.py), at once;
-  the majority's value of each (step, rank) stays on record for a while (`fingerprint`):
-  a replica catching up checks the snapshot it was sent against it;
+- sdc: a replica whose fingerprint (parameters and optimizer state) differs from the
+  majority's (sdc.py), at once; the majority's value of each (step, rank) stays on record
+  for a while (`fingerprint`): a replica catching up checks the snapshot it was sent
+  against it. Replicas that disagree with no strict majority (two replicas) are no verdict
+  against anyone: `take_diverged` says so once, and the coordinator stops the job;
 - slow: fail-slow (slow.py).
 
 A verdict names the replica (and the rank, where one rank is to blame), the kind, the first
@@ -94,6 +96,8 @@ class Detectors:
         self._losses: dict[int, LossHistory] = {}
         self._bad: dict[tuple[int, str], collections.deque[int]] = {}
         self._reported: set[tuple[int, str]] = set()
+        self._diverged: str | None = None  # the first disagreement without a majority, until taken
+        self.diverged_at: int | None = None  # its step, once found (it is never forgotten)
         self._prints: collections.OrderedDict[tuple[int, int], Fingerprint] = collections.OrderedDict()
 
     # --- input --------------------------------------------------------------------------------
@@ -246,7 +250,11 @@ class Detectors:
                 by_rank.setdefault(sig.rank, {})[sig.replica] = sig.fingerprint
         out = []
         for rank, prints in sorted(by_rank.items()):
-            culprits, _ = minority(prints)
+            culprits, disagree = minority(prints)
+            if disagree and not culprits and self.diverged_at is None:
+                self.diverged_at = step
+                self._diverged = (f"replicas {', '.join(map(str, sorted(prints)))} hold different parameters or "
+                                  f"optimizer state at step {step} (rank {rank}) and no majority says which is right")
             majority = {v for r, v in prints.items() if r not in culprits}
             self._prints[(step, rank)] = Fingerprint(len(prints), majority.pop() if len(majority) == 1 else None)
             while len(self._prints) > MAX_FINGERPRINTS:
@@ -255,6 +263,11 @@ class Detectors:
                             f"its parameters (rank {rank}) differ from the other replicas' at step {step}")
                     for r in culprits]
         return out
+
+    def take_diverged(self) -> str | None:
+        """The replicas' disagreement without a culprit, once (None: none, or taken)."""
+        found, self._diverged = self._diverged, None
+        return found
 
     def _once(self, found: list[Verdict]) -> list[Verdict]:
         out = []

@@ -8,7 +8,9 @@ extra state, RNG), the same dict a peer serves a recovering replica.
 Who writes: replica k of a quorum of R takes part of every checkpoint (layout.Slot): with
 FSDP2 (DTensor state) rank r of each replica writes a share of shard r; otherwise every
 rank of every replica writes a share of the one shard. The replica at quorum rank 0's
-rank 0 commits and reports the step to the coordinator. The writers of a checkpoint are
+rank 0 commits and reports the step to the coordinator, once every part's writer reported the
+same fingerprint of its parameters and optimizer state as the other writers of its shard:
+replicas that diverged are never assembled into one checkpoint (checkpoint/persist.py). The writers of a checkpoint are
 the members of the quorum round that committed its step, and that round names their
 attempt (`Writers`), so parts of another round or another run are never mixed in.
 
@@ -37,6 +39,7 @@ from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
 from transom.checkpoint.storage import retry
 from transom.errors import MustRestart
+from transom.ft.guard import fingerprint, state_tensors
 from transom.ft.replica import ReplicaContext
 from transom.ft.state import ReplicaState
 
@@ -73,7 +76,9 @@ class Checkpoints:
         """Start checkpoint `step` (returns at once; False if skipped because one is persisting)."""
         slot = layout.Slot.of(writers.replica_rank, writers.num_members, self.ctx.rank, self.ctx.world_size,
                               self.sharded)
-        started = self.engine.save(step, self.replica_state.capture(step), slot, writers.attempt)
+        state = self.replica_state
+        digest = fingerprint(state_tensors(state.model.parameters(), state.optimizer))
+        started = self.engine.save(step, state.capture(step), slot, writers.attempt, digest)
         if started:  # a skipped step may still be saved by close()
             self.last_saved = step
         return started

@@ -5,9 +5,10 @@ counts only if every rank's gradients arrived (and, with anomaly detection, the 
 may judge it bad on every replica: it counts without an update, ft/guard.py). A counted
 step steps the optimizer with its learning rate scaled for the replicas missing from the
 quorum (or records the update, while the replica catches up: ft/recovery.py), advances
-`step`, and starts the checkpoint that is due, written by the members that hold the
-state. A failed step is discarded and runs again under the next quorum;
-`max_failed_steps` failures in a row raise.
+`step`, and marks the checkpoint that is due, written by the members that hold the state;
+it starts when the next step begins (`save_if_due`), once the script's end of the step
+(its LR scheduler) has run, or at close for the last step. A failed step is discarded and
+runs again under the next quorum; `max_failed_steps` failures in a row raise.
 
 The commit owns the committed step count and is the only caller of the wrapped
 optimizer's own `step()`: a direct call by the script is refused, since it would fork
@@ -53,6 +54,7 @@ class Commit:
         self.last = StepRecord()  # what the next quorum request reports
         self.failed_in_a_row = 0
         self.writers: Writers | None = None  # of a checkpoint of the last committed step
+        self.save_due: int | None = None  # a committed step whose checkpoint starts with the next step
         self.last_step_committed = False
         self.last_batch_trained = False
         self.ended_trained = False  # the job's owner ended it after a step this replica's batch went into
@@ -141,14 +143,24 @@ class Commit:
         self.writers = Writers(holders.index(self.ctx.replica_id), len(holders),
                                f"{q.store_prefix}/round{q.round}") if mine else None
         if self.writers is not None and self.checkpoints is not None and self.checkpoints.due(self.step):
+            self.save_due = self.step  # taken when the next step begins (save_if_due)
+
+    def save_if_due(self) -> None:
+        """Start the checkpoint due at the last committed step. Called when the next step
+        begins, not at the commit: the script's own end of a step (its `scheduler.step()`
+        after `optimizer.step()`) has run by then, so the checkpoint holds the state the next
+        step starts from and a resumed run goes on exactly where this one was."""
+        if self.save_due is not None and self.save_due == self.step and self.writers is not None \
+                and self.checkpoints is not None:
             self.checkpoints.save(self.step, self.writers)
+        self.save_due = None
 
     def _signal(self, step: int, verdict: StepVote, recovering: bool, serving: bool) -> None:
         """This rank's row for the detectors: a committed step's busy time, workload, loss, norm,
         and every `fingerprint_interval` steps its parameters' fingerprint (ft/guard.py)."""
         if self.guard is not None:
             self.guard.committed(step, self.clock.busy(), verdict.loss, verdict.norm, recovering, serving,
-                                 verdict.skip, self.model if not self.recovery.active else None,
+                                 verdict.skip, None if self.recovery.active else (self.model, self.optimizer),
                                  self.shares.batch_share(), snapshot=self.recovery.snapshot_taken_at(step + 1),
                                  input_digest=self.inputs.value(step))
 
@@ -186,6 +198,8 @@ class Commit:
         self.stats.close()
         if self.guard is not None:
             self.guard.close()
+        if completed:  # a due checkpoint of the last step (a failure's state is not saved)
+            self.save_if_due()
         if self.checkpoints is not None:  # before leaving: the commit is reported as this replica
             # An evicted replica waits until the fence refuses it.
             self.checkpoints.close(self.step if completed else None, self.writers, wait=not failed)

@@ -24,7 +24,7 @@ import torch
 
 from transom.collective_counts import COUNTER
 from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
-from transom.errors import NoQuorum
+from transom.errors import Diverged, NoQuorum
 from transom.ft.config import FTConfig
 from transom.ft.coordinator_link import CoordinatorLink, hand_outcome, read_outcome
 from transom.ft.fencing import IncarnationFence
@@ -152,6 +152,8 @@ class Exchange:
         self._future = None
         answer = read_outcome(payload)
         if isinstance(answer, QuorumResponse):
+            if answer.diverged:  # every member stops: no replica's state can be trusted over another's
+                raise Diverged(f"replica {self.ctx.replica_id} stops at step {self._step}: {answer.diverged}")
             return answer
         if answer.kind == "evicted":  # refused: this incarnation's update is discarded, on every rank
             self.evicted = answer.message

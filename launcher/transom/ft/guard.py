@@ -21,8 +21,8 @@ Per step, each rank:
   (A rank's very first loss, reported after backward in a step that is not its first, is
   judged for its row but cannot stop the update alone; a first loss is never a spike: the
   history is empty);
-- every `fingerprint_interval` committed steps, fingerprints its parameters after the update:
-  the sum of their raw bits as 64-bit integers, on the device. Integer addition does not
+- every `fingerprint_interval` committed steps, fingerprints its parameters and optimizer
+  state after the update: the sum of their raw bits as 64-bit integers, on the device. Integer addition does not
   depend on the order, and any flipped bit changes the sum;
 - appends a row to `signals-r<replica>-g<generation>-a<attempt>-k<rank>.csv` in the
   launcher's TRANSOM_SIGNALS_DIR (the trace format, detect/step_rows.py): its busy time (the
@@ -48,6 +48,7 @@ import math
 import mmap
 import os
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
@@ -75,6 +76,15 @@ def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
         bits = flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64)
         total = bits if total is None else total.to(bits.device) + bits
     return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+def state_tensors(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What replicas must hold bit for bit alike: the parameters and every tensor of the
+    optimizer's state (its moments, its step counts). A fingerprint sums them in any order."""
+    out = list(params)
+    for per_param in optimizer.state.values():
+        out += [v for v in per_param.values() if torch.is_tensor(v)]
+    return out
 
 
 class Guard:
@@ -203,17 +213,17 @@ class Guard:
 
     # --- after the step ------------------------------------------------------------------------
     def committed(self, step: int, busy_s: float, loss: float | None, norm: float | None, recovering: bool,
-                  serving: bool, skipped: bool, model: torch.nn.Module | None, batch_share: float | None,
-                  snapshot: bool = False, input_digest: int | None = None) -> None:
+                  serving: bool, skipped: bool, held: tuple[torch.nn.Module, torch.optim.Optimizer] | None,
+                  batch_share: float | None, snapshot: bool = False, input_digest: int | None = None) -> None:
         """This rank's row of a committed step: its busy time, workload, loss, norm, its input's
         digest if it took one, and every `fingerprint_interval` steps, or when a snapshot of the
-        state is taken for a joiner (`snapshot`), the fingerprint of `model`'s parameters (None:
-        it still catches up, its parameters are not the job's)."""
+        state is taken for a joiner (`snapshot`), the fingerprint of the state `held` (model and
+        optimizer; None: it still catches up, its state is not the job's)."""
         if not skipped:
             self.learn(loss)
         print_ = None
-        if model is not None and (self.fingerprint_due(step) or snapshot):
-            print_ = int(fingerprint(list(model.parameters())).item())
+        if held is not None and (self.fingerprint_due(step) or snapshot):
+            print_ = int(fingerprint(state_tensors(held[0].parameters(), held[1])).item())
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.
         self.record(step, busy_s, None if recovering else loss, norm, print_, recovering or serving, batch_share,

@@ -1,12 +1,12 @@
 """A joiner checks the snapshot it was sent against what the other replicas said of theirs.
 
-A source replica fingerprints its parameters in the step it takes a snapshot (ft/guard.py:
-the sum of their raw bits), and its launcher posts that row to the coordinator like any
+A source replica fingerprints its parameters and optimizer state in the step it takes a
+snapshot (ft/guard.py: the sum of their raw bits), and its launcher posts that row to the coordinator like any
 other; the detectors keep, per (step, rank), the value a strict majority of two or more
 replicas reported (detect/detectors.py, `GET /v1/fingerprints/{step}/{rank}`). Replicas are
 bit-identical, so an honest snapshot of step N has exactly that fingerprint. Before a joiner
 replays a single update on the shadow it built from a snapshot, it fingerprints the
-shadow's parameters and asks:
+shadow's parameters and optimizer state and asks:
 
 - `agreed`: the snapshot is used only if the fingerprints are equal. A source that served
   zeros, or anything else than the state it and the others committed, is dropped
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from transom.coordinator.client import CoordinatorClient
 from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S
-from transom.ft.guard import fingerprint
+from transom.ft.guard import fingerprint, state_tensors
 
 if TYPE_CHECKING:
     from transom.ft.catchup import Shadow
@@ -50,7 +50,7 @@ class SnapshotCheck:
     def __call__(self, manifest: SnapshotManifest, shadow: Shadow) -> bool:
         if not self.enabled:
             return True  # detection off: no replica fingerprints anything
-        mine = int(fingerprint(shadow.model_params).item())
+        mine = int(fingerprint(state_tensors(shadow.model_params, shadow.optimizer)).item())
         deadline = time.monotonic() + self.wait_s
         while True:
             try:

@@ -43,9 +43,11 @@ failures in a row raise. Both ends share `_finish`.
 The replica's state (ft/state.py: model, optimizer, GradScaler, sampler, extra state, RNG)
 is one dict for peer recovery and checkpoints. With a checkpoint URI
 (TRANSOM_CHECKPOINT_URI, or `checkpoint=CheckpointConfig(...)`), the trainer restores the
-newest checkpoint when it starts, snapshots the state after every `interval_steps`-th
-committed step (the host copy overlaps the next forward/backward and is awaited before the
-next optimizer step), and saves the final step in `close()` (ft/checkpointing.py).
+newest checkpoint when it starts, snapshots the state of every `interval_steps`-th
+committed step when the next step begins, after the script's own end of the step (its
+`scheduler.step()`), so a checkpoint of step N holds what step N+1 starts from (the host
+copy overlaps the next forward/backward and is awaited before the next optimizer step), and
+saves the final step in `close()` (ft/checkpointing.py).
 
 An incarnation the coordinator no longer counts (superseded, declared failed) commits no
 step, writes no checkpoint object and serves no state (ft/fencing.py).
@@ -235,6 +237,7 @@ class FaultTolerant(LoopAids):
         return self.completed_elsewhere or self._exchange.ended_by_owner
 
     def begin_step(self) -> None:
+        self._commit.save_if_due()  # the last step's checkpoint, now that the script's end of it ran
         self._exchange.begin(self.step, self._commit.last, self._recovery.need_from)
         self._in_step = True
         self._loss = None
