@@ -160,10 +160,12 @@ def test_replicas_that_diverge_without_a_majority_stop_the_job_and_are_never_che
     assert "replica 0: Diverged: replica 0 stops at step" in result.output
     assert "replica 1: Diverged: replica 1 stops at step" in result.output
     assert result.summary.get("completed_step") is None
-    # No checkpoint holds a state of theirs once they disagreed.
-    done = [step for p in ckpt.iterdir() if (p / layout.MANIFEST).exists()
-            and (step := layout.parse_step_dir(p.name)) is not None]
-    assert all(step < at for step in done), (done, at)
+    # No checkpoint is assembled from both once they disagreed (one written by replica 0
+    # alone, while replica 1 still caught up, holds replica 0's state only).
+    both = sorted(step for p in ckpt.iterdir() if (p / layout.MANIFEST).exists()
+                  and (step := layout.parse_step_dir(p.name)) is not None
+                  and layout.Manifest.from_json((p / layout.MANIFEST).read_text()).num_parts == 2)
+    assert all(step < at for step in both), (both, at)
 
 
 def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_else(transom_run, tmp_path):

@@ -9,6 +9,7 @@ one writer; a start step from the script's own checkpoint; script values as repl
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -179,3 +180,21 @@ def test_ddp_switches_inside_a_replica_of_two_processes_train_alike(transom_run)
     assert digests["ddp-attribute"] == digests["ddp-no-sync"] == digests["trainer-no-sync"]
     ranks = digests["ddp-attribute"]
     assert len(ranks) == 2 and len({d for _, d in ranks}) == 1  # a digest per rank, the ranks agree (DDP)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_under_fsdp2_the_gradients_after_backward_are_the_replicas_average(transom_run, accumulate):
+    """FSDP2 inside each replica of two processes: what the script clips after `backward()`
+    is already the cross-replica average (every replica's shard of each rank alike after
+    clipping), also with micro batches accumulated in `trainer.no_sync()`."""
+    result = transom_run(["--replicas", "2", "--nproc-per-replica", "2"], ["--accumulate", str(accumulate)],
+                         script=SCRIPTS / "fsdp_grads.py", timeout_s=150)
+    assert result.returncode == 0, result.output[-3000:]
+    seen: dict[tuple[int, int], set[str]] = {}
+    for replica, rank, step, digest in re.findall(r"grads replica (\d) rank (\d) step (\d+): (\w+)", result.output):
+        seen.setdefault((int(rank), int(step)), set()).add(f"{replica}:{digest}")
+    assert sorted(seen) == [(rank, step) for rank in range(2) for step in range(3)], result.output[-3000:]
+    for (rank, step), digests in seen.items():
+        assert len({d.split(":")[1] for d in digests}) == 1 and len(digests) == 2, (rank, step, digests)

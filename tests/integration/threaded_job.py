@@ -9,8 +9,9 @@ posted by the launcher's own `SignalForwarder`, and faults through the step hook
 replica's own TRANSOM_FAULT: the k-th fault for its k-th attempt, as `transom run --inject`
 gives them). Standing in for the launcher: a replica whose body raises (a `raise` fault,
 an eviction after a verdict) is restarted in place as its next attempt, a fresh model and
-trainer on a new thread, unless it raised a ScriptError (which every attempt would repeat). No process starts, and so no `import torch` (2 s a process on the
-2-core development machine) and no interpreter teardown.
+trainer on a new thread, unless it raised a ScriptError (which every attempt would
+repeat). No process starts, and so no `import torch` (2 s a process on the 2-core
+development machine) and no interpreter teardown.
 
 What processes are for stays with `transom run` (conftest.py `transom_run`): SIGKILL and
 SIGSTOP, OOM kills, orphans, partitions, pod termination, a coordinator restart, spares,

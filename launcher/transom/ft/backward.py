@@ -20,7 +20,13 @@ exchange waits for the end of the pass).
 
 Parameters that autograd never sees directly (FSDP2's sharded DTensor parameters, whose
 gradients FSDP assigns after its reduce-scatter) get no hook; for such a model `covered`
-is False and the trainer exchanges in `optimizer.step()` instead.
+is False, and the pass is seen instead through a hook on the gradient of the model's
+output, the first gradient of the pass. FSDP2 queues its own end-of-backward callback
+(`_root_post_backward_final_callback`, which waits for the reduce-scatters and sets the
+sharded gradients) from its hook on that same output; firing from our second queueing
+runs after it, so under FSDP2 too the exchange is done when `backward()` returns and
+clipping after it sees the replicas' average. Its gradients are exchanged whole at the
+end (no bucket starts early: FSDP2 sets them all at once).
 """
 
 from __future__ import annotations
@@ -35,6 +41,19 @@ def _is_plain_leaf(p: torch.Tensor) -> bool:
     return p.requires_grad and type(p.data) is torch.Tensor  # not a DTensor or another subclass
 
 
+def _first_grad_tensor(output: object) -> torch.Tensor | None:
+    """The first tensor that requires grad in a model's output (a tensor, or a tuple, list or
+    dict of outputs, nested)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
 class GradientsReady:
     def __init__(self, model: torch.nn.Module, on_ready: Callable[[], None], active: Callable[[], bool]):
         """`on_ready()` runs at the end of each backward pass through `model` while `active()`."""
@@ -42,6 +61,8 @@ class GradientsReady:
         params = [p for p in model.parameters() if p.requires_grad]
         self.covered = bool(params) and all(_is_plain_leaf(p) for p in params)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params] if self.covered else []
+        if params and not self.covered:  # sharded parameters: watch the output's gradient instead
+            self._handles.append(model.register_forward_hook(self._watch_output))
         self._queued = False
         self._buckets: Sequence[Sequence[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
@@ -67,6 +88,17 @@ class GradientsReady:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def _watch_output(self, _module, _args, output) -> None:
+        """A forward pass that backward will go through: hook the first output tensor's gradient."""
+        if not torch.is_grad_enabled():
+            return
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            tensor.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        self._hook(grad)  # the pass started: queue the end-of-pass callback (no buckets here)
 
     def _hook(self, param: torch.Tensor) -> None:
         if not self._active():

@@ -49,6 +49,21 @@ def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: torch.nn.Module):
+    """FSDP2's switch for accumulation (no reduce-scatter until the last micro batch), where
+    the model has it; nothing otherwise."""
+    switch = getattr(model, "set_requires_gradient_sync", None)
+    if switch is None:
+        yield
+        return
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
+
+
 class LoopAids:
     """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
     _aside, _no_sync, _link, _guard, _clock, _loss, _shared, _inputs, _exchange (asked),
@@ -160,10 +175,11 @@ class LoopAids:
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation: backward passes inside accumulate locally, without the
-        cross-replica exchange (and without DDP's, if the model is a DDP module); the step's
-        last backward pass, outside, exchanges the sum. DDP's own switches (`model.no_sync()`,
+        cross-replica exchange (and without DDP's, if the model is a DDP module, or FSDP2's
+        reduce-scatter, if it is an FSDP2 module); the step's last backward pass, outside,
+        exchanges the sum. DDP's own switches (`model.no_sync()`,
         `model.require_backward_grad_sync = False`) do the same."""
-        inner = self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
+        inner = self.model.no_sync() if hasattr(self.model, "no_sync") else _fsdp2_no_sync(self.model)
         self._no_sync = True
         try:
             with inner:
