@@ -198,3 +198,16 @@ def test_under_fsdp2_the_gradients_after_backward_are_the_replicas_average(trans
     assert sorted(seen) == [(rank, step) for rank in range(2) for step in range(3)], result.output[-3000:]
     for (rank, step), digests in seen.items():
         assert len({d.split(":")[1] for d in digests}) == 1 and len(digests) == 2, (rank, step, digests)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_evaluation_aside_under_fsdp2_costs_one_catch_up_and_no_retries(transom_run):
+    """Replica 0 evaluates in `trainer.aside()` and comes back behind: it catches up from
+    replica 1 while FSDP2's root keeps its parameters unsharded between a forward and a
+    backward pass. The catch-up names the sharded parameters the optimizer holds (taken on the
+    training thread), so it needs no retry, and the replicas end bit-identical."""
+    result = transom_run(["--replicas", "2", "--nproc-per-replica", "2", "--end-on", "caught_up:0"],
+                         ["--steps", "400", "--aside-at", "3"], script=SCRIPTS / "fsdp_grads.py", timeout_s=200)
+    result.assert_finished_together(2)
+    assert "trying again" not in result.output, result.output[-3000:]

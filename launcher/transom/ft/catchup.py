@@ -108,14 +108,26 @@ def record_of(step: int, optimizer: torch.optim.Optimizer, update: bool) -> Reco
     return Record(step, grads, hyper, update)
 
 
+def parameters_of(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """The model's parameters by name and its buffers' names, for a Shadow. Call it on the
+    training thread between passes, where FSDP2's registered parameters are the sharded
+    ones the optimizer steps."""
+    return list(model.named_parameters()), [name for name, _ in model.named_buffers()]
+
+
 class Shadow:
     """Parameters and an optimizer of the same class built from a snapshot, to replay records on."""
 
-    def __init__(self, state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, state: dict[str, Any], named: list[tuple[str, torch.Tensor]], buffer_names: list[str],
+                 optimizer: torch.optim.Optimizer):
+        """`named`: the model's parameters by name and `buffer_names`, as the training thread
+        saw them between steps (`parameters_of`): read here, on the joiner's thread, the
+        model's registered parameters may be FSDP2's unsharded ones of a pass in flight,
+        which the optimizer does not hold."""
         sd = state["model"]
         self.step: int = state["step"]
         by_id = {}
-        for name, p in model.named_parameters():
+        for name, p in named:
             if name not in sd:
                 raise IncompatibleState(f"the snapshot has no parameter {name}")
             t = sd[name]
@@ -124,7 +136,7 @@ class Shadow:
                                         f"{p.dtype}{list(p.shape)}")
             by_id[id(p)] = t.detach().requires_grad_(p.requires_grad)
         self.model_params = list(by_id.values())  # what a source's fingerprint sums (ft/snapshot_check.py)
-        self.buffers = {name: sd[name] for name, _ in model.named_buffers() if name in sd}
+        self.buffers = {name: sd[name] for name in buffer_names if name in sd}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
         self.params = [p for g in groups for p in g["params"]]
@@ -182,6 +194,7 @@ class Joiner:
         another snapshot is sought. An exception from it is a failed attempt (the snapshot
         is fetched again); it is bounded by `timeout_s` like the rest."""
         self.model, self.optimizer, self.token, self.device = model, optimizer, token, device
+        self._named, self._buffer_names = parameters_of(model)  # here, on the training thread
         self.gate, self.verify = gate, verify
         self.rebuild, self.timeout_s, self.max_record_bytes = rebuild, timeout_s, max_record_bytes
         self.need_from = need_from  # the snapshot must be of this step or later
@@ -308,7 +321,7 @@ class Joiner:
         except WireError as e:
             self.sources.refuse(manifest, chosen.serving, f"its snapshot of step {manifest.step}: {e}")
             raise
-        shadow = Shadow(state, self.model, self.optimizer)
+        shadow = Shadow(state, self._named, self._buffer_names, self.optimizer)
         if self.verify is not None and not self.verify(manifest, shadow):
             why = f"the snapshot of step {manifest.step} failed the verification"
             self.sources.refuse(manifest, chosen.serving, why)
