@@ -226,6 +226,14 @@ class TrainingProgress(StatusModel):
         ),
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
+    diverged: str | None = Field(
+        None, max_length=1024,
+        description=(
+            "Set when replicas that must hold the same parameters and optimizer state do not, and no "
+            "majority says which is right: the coordinator stopped the job (its replicas raise Diverged) "
+            "and no checkpoint was assembled from them. The Diverged condition says so too."
+        ),
+    )
     duplicate_data: DuplicateData | None = Field(
         None,
         description=(

@@ -54,6 +54,8 @@ class ConditionReason(StrEnum):
     INVALID_SPEC = "InvalidSpec"  # the operator cannot use the spec (also the Event): it acts on nothing
     SLOW_REPLICA_REBALANCED = "SlowReplicaRebalanced"  # spec.detection.slowAction Rebalance in force
     NOMINAL_SHARES = "NominalShares"
+    REPLICAS_DIVERGED = "ReplicasDiverged"  # status.training.diverged: the coordinator stopped the job
+    REPLICAS_AGREE = "ReplicasAgree"
     # A container exited 4 (EXIT_SCRIPT_ERROR): the script raised a ScriptError, which every
     # incarnation would raise again. It ends the job (the Failed condition's reason), and is
     # never a replacement: not a FailureReason.
@@ -117,6 +119,8 @@ QUEUED = ConditionReason.QUEUED
 INVALID_SPEC = ConditionReason.INVALID_SPEC
 SLOW_REPLICA_REBALANCED = ConditionReason.SLOW_REPLICA_REBALANCED
 NOMINAL_SHARES = ConditionReason.NOMINAL_SHARES
+REPLICAS_DIVERGED = ConditionReason.REPLICAS_DIVERGED
+REPLICAS_AGREE = ConditionReason.REPLICAS_AGREE
 
 # --- Events ---------------------------------------------------------------------------
 EVENT_REPLICA_FAILED = EventReason.REPLICA_FAILED

@@ -168,6 +168,19 @@ def test_replicas_that_diverge_without_a_majority_stop_the_job_and_are_never_che
     assert all(step < at for step in both), (both, at)
 
 
+def test_replicas_that_differ_at_the_last_step_fail_the_job_though_it_completed(threaded_job, tmp_path):
+    # A bit of replica 1's weights flips after step 25 of 30; no fingerprint is due before the
+    # end (interval 1000), but the job's last step is always compared: the job completed, and
+    # failed, and its final checkpoint is not assembled from the two.
+    gpt, ckpt = TinyGPT(), tmp_path / "ckpt"
+    result = threaded_job(2, gpt.steps(30), gpt.build, detection={"fingerprintInterval": 1000},
+                          faults={1: ["bitflip:step=25"]}, checkpoint=CheckpointConfig(str(ckpt), interval_steps=1000))
+    assert result.summary["completed_step"] == 30 and result.returncode != 0
+    assert "replicas 0, 1 hold different parameters or optimizer state at step 29" in str(result.summary["diverged"])
+    assert not (ckpt / layout.step_dir(30) / layout.MANIFEST).exists()
+    assert "checkpoint of step 30 not committed: the replicas that wrote shard 0 hold different" in result.output
+
+
 def test_a_replica_that_lies_about_itself_condemns_no_one_and_speaks_for_no_one_else(transom_run, tmp_path):
     """Issue 28, findings 1 and 3 in a real run: replica 2's script says every one of its steps
     took 10 us (before, with three replicas, that made the other two "2x slow, blame Node"

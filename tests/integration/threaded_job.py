@@ -233,11 +233,13 @@ class ThreadedJob:
         summary = summarize(self.stats_dir, self.replicas, {r: len(f) for r, f in self.faults.items()}, wall_s)
         summary.update(completed_step=status.completed_step, last_checkpoint=status.last_checkpoint,
                        events=self._events,
-                       duplicate_data=status.duplicate_data.model_dump() if status.duplicate_data else None)
+                       duplicate_data=status.duplicate_data.model_dump() if status.duplicate_data else None,
+                       diverged=status.diverged)
         if self.end_on:
             summary["end_on"] = self._end.summary()
         errors = [f"replica {r.rid}: {type(e).__name__}: {e}" for r in self._replicas.values() for e in r.errors]
-        ok = all(r.finished for r in self._replicas.values()) and status.completed_step is not None
+        ok = all(r.finished for r in self._replicas.values()) and status.completed_step is not None \
+            and status.diverged is None  # as `transom run`: a job that ended diverged failed
         return RunResult(0 if ok else 1, summary, output + "".join(f"\n{line}" for line in errors), self.stats_dir,
                          results={r: rep.result for r, rep in self._replicas.items()})
 

@@ -421,6 +421,17 @@ def test_backoff_seconds(n, expected):
     assert failures.backoff_seconds(n, backoff=10, max_backoff=60) == expected
 
 
+def test_replicas_the_coordinator_found_diverged_are_a_condition():
+    w = World(make_job()).running()
+    c = cond(w.step().status, "Diverged")
+    assert (c.status, c.reason) == ("False", "ReplicasAgree")
+    said = "replicas 0, 1 hold different parameters or optimizer state at step 44 (rank 0) and no majority says " \
+           "which is right"
+    w.coordinator(step=50, diverged=said)
+    c = cond(w.step().status, "Diverged")
+    assert (c.status, c.reason, c.message) == ("True", "ReplicasDiverged", said)
+
+
 def test_rebalanced_shares_are_a_condition_and_an_event_when_they_change():
     w = World(make_job()).running()
     assert cond(w.step().status, "Rebalanced").status == "False"

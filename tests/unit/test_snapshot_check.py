@@ -19,7 +19,9 @@ from transom.ft.snapshot_check import SnapshotCheck
 from transom.ft.transfer import SnapshotManifest
 
 PARAMS = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
-MINE = int(fingerprint(PARAMS).item())
+OPTIMIZER = torch.optim.Adam([torch.nn.Parameter(p.clone()) for p in PARAMS])  # its state: moments and steps
+OPTIMIZER.state[OPTIMIZER.param_groups[0]["params"][0]] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}
+MINE = int(fingerprint([*PARAMS, torch.tensor(3.0), torch.ones(2, 3)]).item())  # parameters and optimizer state
 
 
 class Records:
@@ -36,7 +38,8 @@ class Records:
 
 def check(client, **kw) -> bool:
     return SnapshotCheck(client, rank=1, wait_s=kw.pop("wait_s", 2.0), **kw)(
-        cast(SnapshotManifest, SimpleNamespace(step=40)), cast(Shadow, SimpleNamespace(model_params=PARAMS)))
+        cast(SnapshotManifest, SimpleNamespace(step=40)),
+        cast(Shadow, SimpleNamespace(model_params=PARAMS, optimizer=OPTIMIZER)))
 
 
 @pytest.mark.parametrize("record, used", [

@@ -64,6 +64,8 @@ def training(m: Membership, now: float) -> dict:
         out["lastCheckpoint"] = step
         out["lastCheckpointTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
     out["checkpointTrouble"] = checkpoint_trouble(m)  # None: a merge patch's null removes what was shown
+    if m.diverged is not None:
+        out["diverged"] = m.diverged
     goodput = m.goodput.value(now)
     if goodput is not None:
         out["goodput"] = as_decimal(goodput)

@@ -55,6 +55,7 @@ class Commit:
         self.failed_in_a_row = 0
         self.writers: Writers | None = None  # of a checkpoint of the last committed step
         self.save_due: int | None = None  # a committed step whose checkpoint starts with the next step
+        self.target: int | None = None  # the job's last step (steps()): always fingerprinted
         self.last_step_committed = False
         self.last_batch_trained = False
         self.ended_trained = False  # the job's owner ended it after a step this replica's batch went into
@@ -161,7 +162,8 @@ class Commit:
         if self.guard is not None:
             self.guard.committed(step, self.clock.busy(), verdict.loss, verdict.norm, recovering, serving,
                                  verdict.skip, None if self.recovery.active else (self.model, self.optimizer),
-                                 self.shares.batch_share(), snapshot=self.recovery.snapshot_taken_at(step + 1),
+                                 self.shares.batch_share(),
+                                 snapshot=self.recovery.snapshot_taken_at(step + 1) or step + 1 == self.target,
                                  input_digest=self.inputs.value(step))
 
     def _record(self, outcome: QuorumOutcome, loss: Any, committed: bool) -> None:

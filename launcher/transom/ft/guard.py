@@ -217,8 +217,9 @@ class Guard:
                   batch_share: float | None, snapshot: bool = False, input_digest: int | None = None) -> None:
         """This rank's row of a committed step: its busy time, workload, loss, norm, its input's
         digest if it took one, and every `fingerprint_interval` steps, or when a snapshot of the
-        state is taken for a joiner (`snapshot`), the fingerprint of the state `held` (model and
-        optimizer; None: it still catches up, its state is not the job's)."""
+        state is taken for a joiner or the step is the job's last (`snapshot`), the fingerprint
+        of the state `held` (model and optimizer; None: it still catches up, its state is not
+        the job's)."""
         if not skipped:
             self.learn(loss)
         print_ = None

@@ -115,7 +115,7 @@ class LoopAids:
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
             raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
-        self.num_steps = num_steps
+        self.num_steps = self._commit.target = num_steps  # the last step's state is always compared
         while self.step < num_steps and not self.job_ended:
             self.begin_step()
             yield self.step

@@ -109,6 +109,7 @@ class LocalRun:
         self.display = Display(quiet=config.quiet)
         self.script_error: str | None = None  # why a launcher exited EXIT_SCRIPT_ERROR
         self.oom_killed: str | None = None  # why a launcher exited EXIT_OOM_KILLED
+        self.diverged: str | None = None  # the coordinator found the replicas' states different, no majority
 
     def say(self, text: str) -> None:
         self.display.say(text)
@@ -177,6 +178,7 @@ class LocalRun:
         except Exception:  # the coordinator is gone: the summary says "unknown"
             return None, None, None
         duplicate = status.duplicate_data
+        self.diverged = status.diverged
         return status.completed_step, status.last_checkpoint, duplicate.model_dump() if duplicate else None
 
     # --- main ----------------------------------------------------------------------------------
@@ -287,8 +289,12 @@ class LocalRun:
         if exit_code == 0 and completed_step is None:
             self.say("every launcher exited 0, but no replica completed the job")
             exit_code = 1
+        if self.diverged is not None:  # also found after the last step: the job's weights are not one state
+            self.say(f"the replicas diverged: {self.diverged}")
+            exit_code = exit_code or contract.EXIT_SCRIPT_ERROR
         outcome = {"exit_code": exit_code, "completed_step": completed_step, "last_checkpoint": last_checkpoint,
-                   "script_error": self.script_error, "oom_killed": self.oom_killed, "duplicate_data": duplicate_data}
+                   "script_error": self.script_error, "oom_killed": self.oom_killed, "duplicate_data": duplicate_data,
+                   "diverged": self.diverged}
         if self.config.end_on:
             outcome["end_on"] = self.end_on.summary()
         self._conclude(outcome)

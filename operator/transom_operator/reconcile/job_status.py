@@ -1,4 +1,4 @@
-"""The job-level part of a TrainingJob's status: its state, its six conditions and the
+"""The job-level part of a TrainingJob's status: its state, its conditions and the
 Events of a state transition, from the replicas' states that `replicas.plan` worked out
 (and, for Rebalanced, from the batch shares the coordinator wrote in status.training).
 
@@ -113,6 +113,15 @@ def rebalanced(shares: list[int] | None, prev: Mapping[str, api.Condition], gene
     old = prev.get("Rebalanced")
     changed = old.message != message if old is not None else on
     return cond, (reasons.NORMAL, reasons.EVENT_REBALANCED, message) if changed else None
+
+
+def diverged(message: str | None, prev: Mapping[str, api.Condition], generation: int | None,
+             now: datetime) -> api.Condition:
+    """The Diverged condition: the coordinator found the replicas' states different with no
+    majority (status.training.diverged) and stopped the job; it stays once set."""
+    on = bool(message)
+    return _condition("Diverged", on, reasons.REPLICAS_DIVERGED if on else reasons.REPLICAS_AGREE,
+                      message or "no replicas were found to differ", prev, generation, now)
 
 
 def admitted(admitted_now: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
