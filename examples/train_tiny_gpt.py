@@ -10,14 +10,18 @@ replica reads its own shard of every step's batch (chosen by replica id and step
 repeated step sees the same data); with `--inner ddp` the replica's processes split that
 shard further and average inside the replica with DDP (or shard the model with FSDP2,
 and Transom averages each shard index across replicas), while Transom averages across
-replicas and survives a replica's death. With a checkpoint URI, the run checkpoints every
-`--checkpoint-interval` steps and at the end, and a new run resumes from the newest
-checkpoint.
+replicas and survives a replica's death. The loop is the usual one: AdamW, a learning rate
+that warms up and then decays (a `LambdaLR`, stepped after committed steps, and replica
+state: `extra_state`), and the gradients' norm clipped right after `backward()`, where they
+are already the replicas' average (also under FSDP2). With a checkpoint URI, the run
+checkpoints every `--checkpoint-interval` steps and at the end, and a new run resumes from
+the newest checkpoint, bit for bit where the old one was.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 
 import torch
@@ -100,6 +104,14 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def lr_factor(step: int, steps: int, warmup: int = 10) -> float:
+    """A linear warmup over `warmup` steps, then a cosine decay to a tenth at `steps`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
 def build_model(args: argparse.Namespace, ctx: ft.ReplicaContext, vocab: int, device: torch.device) -> nn.Module:
     """The same weights on every replica, wrapped for the data parallelism inside a replica."""
     torch.manual_seed(0)  # every replica starts from the same weights
@@ -128,9 +140,12 @@ def main() -> None:
     device = ctx.device if args.device == "ctx" else torch.device("cpu")
     model = build_model(args, ctx, len(chars), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.steps))
     # None without a checkpoint URI in the environment: then nothing is checkpointed.
     checkpoint = ft.CheckpointConfig.from_environ(interval_steps=args.checkpoint_interval)
-    trainer = ft.FaultTolerant(model, optimizer, ctx, checkpoint=checkpoint)
+    # The schedule's position is replica state: a restarted replica and a resumed job go on
+    # with it, not from its start.
+    trainer = ft.FaultTolerant(model, optimizer, ctx, checkpoint=checkpoint, extra_state=scheduler)
     if trainer.restored_step is not None and ctx.rank == 0:
         print(f"replica {trainer.replica_id}: resumed from the checkpoint of step {trainer.restored_step}", flush=True)
 
@@ -139,8 +154,10 @@ def main() -> None:
         for step in trainer.steps(args.steps):
             x, y = batch(data, step, trainer.replica_id, ctx.rank, ctx.world_size, args.batch_size, args.context)
             loss = model(x.to(device), y.to(device))
-            loss.backward()
-            trainer.finish_step(loss)
+            loss.backward()  # the gradients come back averaged across replicas
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            if trainer.finish_step(loss):
+                scheduler.step()  # the schedule follows committed steps only
             # Only committed steps this replica trained on the job's weights: no failed attempt
             # that runs again, no stale loss of a replica catching up.
             if ctx.rank == 0 and args.log_every and trainer.log_due(args.log_every):

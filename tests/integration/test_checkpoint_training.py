@@ -15,6 +15,7 @@ threads of this process (threaded_job.py).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -118,24 +119,36 @@ def test_a_checkpoint_restores_into_more_replicas_and_a_failed_one_catches_up(th
     assert committed(ckpt)[-1] == end and manifest(ckpt, end).num_parts == 3
 
 
-def test_fsdp2_sharded_state_resumes_bit_identical(transom_run, tmp_path):
-    ckpt = tmp_path / "ckpt"
+def test_fsdp2_example_killed_or_stopped_resumes_bit_identical(transom_run, tmp_path):
+    # The example's loop: FSDP2 inside each replica, AdamW, a warmup-cosine schedule as
+    # extra_state, clipping right after backward().
+    ckpt, crashed = tmp_path / "ckpt", tmp_path / "crashed"
     run = ["--replicas", "2", "--nproc-per-replica", "2"]
-    script = ["--inner", "fsdp", *SMALL]
-    # The uninterrupted job, checkpointed at step 5 on its way to 8 ...
-    whole = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "8", "--checkpoint-interval", "5", *script])
+    script = ["--steps", "12", "--checkpoint-interval", "4", "--inner", "fsdp", *SMALL]
+    # The uninterrupted job, checkpointed at steps 4 and 8 on its way to 12 ...
+    whole = transom_run([*run, "--checkpoint-uri", str(ckpt)], script)
     ok(whole)
-    assert committed(ckpt) == [5, 8]
-    m = manifest(ckpt, 5)
+    assert committed(ckpt)[-2:] == [8, 12]
+    m = manifest(ckpt, 8)
     assert (m.num_shards, m.num_parts) == (2, 4)  # a shard per rank, each split between 2 replicas
     assert {e.key.split("/")[0] for e in m.entries} == {"shard-0", "shard-1"}
     assert any("__meta__" in json.dumps(s) for s in m.structures)  # DTensor placements recorded
-    # ... and the job as if it had stopped after that checkpoint, started again.
-    shutil.rmtree(ckpt / layout.step_dir(8))
-    second = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "8", *script])
+    # ... the job as if it had stopped after step 8, started again ...
+    shutil.rmtree(ckpt / layout.step_dir(12))
+    second = transom_run([*run, "--checkpoint-uri", str(ckpt)], script)
     ok(second)
-    assert "resumed from the checkpoint of step 5" in second.output
+    assert second.output.count("resumed from the checkpoint of step 8") == 2  # rank 0 of each replica
     assert second.digests() == whole.digests()
+    # ... and the job whose replicas are both SIGKILLed at step 11 (rank 1 of each: each
+    # replica restarts whole) restores its newest checkpoint (4, or 8 if it was committed in
+    # time) and ends where the uninterrupted one did. minReplicas 2: the replica back first
+    # waits for the other (alone, it would train on at its own learning rate).
+    kills = ["--inject", "kill:replica=0,step=11,rank=1", "--inject", "kill:replica=1,step=11,rank=1"]
+    killed = transom_run([*run, "--min-replicas", "2", *kills, "--checkpoint-uri", str(crashed)], script)
+    ok(killed)
+    assert killed.incarnations(0) >= 2 and killed.incarnations(1) >= 2
+    assert len(re.findall(r"resumed from the checkpoint of step (4|8)", killed.output)) == 2, killed.output[-3000:]
+    assert killed.digests() == whole.digests()
     # A replica of another shape is refused with a message that says why.
     with pytest.raises(IncompatibleCheckpoint, match="sharded over 2 ranks per replica and this replica has 1"):
         load_step(Storage(str(ckpt)), 8, num_shards=1)
