@@ -79,7 +79,7 @@ def batches(trainer, stream: Stream, num_steps: int) -> Iterator[tuple[int, Any]
             if current is not None and step != current + 1:
                 log.warning("replica %s: trainer.batches() jumped from step %d to step %d (the replica caught up "
                             "with its peers): a plain iterable cannot be positioned at a step, so it goes on with its "
-                            "batch %d", trainer.replica_id, current, step, stream.taken)
+                            "next batch", trainer.replica_id, current, step)
             elif current is None and step > 0:
                 log.info("replica %s starts at step %d with the iterable's first batch (a plain iterable cannot be "
                          "positioned at a step)", trainer.replica_id, step)
