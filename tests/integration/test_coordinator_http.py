@@ -534,6 +534,22 @@ def test_signal_posts_are_answered_with_the_pace_to_keep(coord):
     assert r.status_code == 200 and r.json() == {"verdicts": 0, "next_post_s": 1.0, "duplicate_data": None}
 
 
+def test_the_last_rows_of_an_incarnation_that_reported_its_own_failure_are_refused_without_an_event(coord):
+    # Its launcher posts the attempt's last rows after its worker reported the failure: counted,
+    # refused, and not an event that repeats the failure as the run's last line.
+    c = client(coord)
+    for r in (0, 1):
+        c.register(reg_req(r))
+    c.report_failure(FailureReport(identity=ident(1), reason="uncaught RuntimeError in rank 0: a bug"))
+    with pytest.raises(Evicted):
+        c.report_signals(SignalBatch(identity=ident(1), rows=[SignalRow(step=0, rank=0, step_seconds=0.5)]))
+    with pytest.raises(Evicted):
+        c.heartbeat(HeartbeatRequest(identity=ident(1), step=0))
+    assert coord.call(lambda: dict(coord.server.refusals.counts)) == {"/v1/signals": 1, "/v1/heartbeat": 1}
+    events = [(e.kind, e.message) for e in c.status().events]
+    assert [k for k, _ in events].count("failed") == 1 and "refused" not in [k for k, _ in events], events
+
+
 def test_identical_input_digests_are_told_to_every_poster_and_in_the_status_and_restart_no_one(coord):
     c = client(coord)
     for r in (0, 1):

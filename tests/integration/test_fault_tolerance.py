@@ -98,6 +98,12 @@ def test_two_process_replica_killed_is_restarted_whole(transom_run, inner):
     assert result.incarnations(0) == 2 and result.incarnations(1) == 1
     assert commit_gap(result.records(1)) <= 2.0
     assert any(r["recovering"] and r["committed"] for r in result.records(0))
+    # The run names the SIGKILL, not rank 0's collective error that echoed it ("Connection
+    # closed by peer", which came first), nor repeats the failure as a refusal.
+    events = result.summary["events"]
+    assert [e for e in events if e.startswith("failed: replica 0")] == \
+        ["failed: replica 0: worker local rank 1 killed by SIGKILL"], events
+    assert not [e for e in events if "by peer" in e or e.startswith("refused")], events
 
 
 def samples_seen(records: list[dict]) -> list[int]:

@@ -9,9 +9,11 @@ import pytest
 from transom.checkpoint import layout
 from transom.coordinator import fencing as refusals
 from transom.coordinator.models import ErrorBody, Identity, IncarnationAnswer
+from transom.coordinator.records import Replica
 from transom.errors import Evicted, Fenced, TransomError
 from transom.ft.fencing import fenced_line, suspect, verdict
 from transom.inject import Fault
+from transom.words import FailureKind, IncarnationState
 
 OLD = Identity(replica_id=1, generation=0, attempt=0)
 NEW = Identity(replica_id=1, generation=1, attempt=0)
@@ -87,6 +89,21 @@ def test_the_refusal_event_says_who_was_refused_where_and_why():
     failed = IncarnationAnswer(replica_id=1, state="failed", reason="no heartbeat for 3.2s")
     assert refusals.refusal_message(OLD, "/v1/heartbeat", failed, OLD) == \
         "refused replica 1 generation 0 attempt 0 on /v1/heartbeat: declared failed: no heartbeat for 3.2s"
+
+
+def test_a_refusal_is_told_unless_the_incarnation_reported_its_own_failure():
+    def record(identity: Identity, state: str, kind: FailureKind | None) -> Replica:
+        return Replica(identity=identity, store_addr="", state_endpoints=[], state=IncarnationState(state),
+                       failure_kind=kind)
+
+    # Its worker or launcher said it failed: its launcher's last signal rows are no zombie's.
+    assert refusals.told(OLD, record(OLD, "failed", FailureKind.REPORTED)) is False
+    # Declared failed without its word (it may not know), or replaced: a zombie if it acts.
+    for kind in (FailureKind.HEARTBEAT, FailureKind.HUNG, FailureKind.DETECTED, FailureKind.DIVERGED):
+        assert refusals.told(OLD, record(OLD, "failed", kind)) is True
+    assert refusals.told(OLD, record(NEW, "healthy", None)) is True
+    assert refusals.told(OLD, record(NEW, "failed", FailureKind.REPORTED)) is True  # the newer one reported
+    assert refusals.told(OLD, None) is True
 
 
 def test_an_eviction_carries_the_state_the_coordinator_said_and_a_fenced_effect_is_an_eviction():

@@ -112,11 +112,6 @@ def test_batches_repeats_a_retried_step_and_repositions_after_a_jump(workers):
         assert batch == stream[4 * step:4 * step + 4], step  # whatever happened before it
 
 
-def test_batches_refuses_a_loader_without_a_replica_sampler():
-    with pytest.raises(TypeError, match="ReplicaSampler"):
-        next(batches(Trainer(["ok"]), DataLoader(list(range(8)), batch_size=2), 1))
-
-
 def _ranks(replicas=3, world=2, size=48, seed=4):
     return [ReplicaSampler(range(size), Ctx(r, replicas, k, world), seed=seed)
             for r in range(replicas) for k in range(world)]

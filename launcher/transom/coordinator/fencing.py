@@ -13,6 +13,12 @@ The server counts every refusal per endpoint (`transom_coordinator_fenced_reques
 incarnation and endpoint, e.g. "refused replica 1 generation 0 attempt 0 on /v1/quorum:
 superseded by generation 1 attempt 0", so that a test or a chaos scenario can show that a
 zombie tried and was refused. Pure: no I/O, no clock.
+
+An incarnation declared failed on its own side's word (its worker or its launcher reported
+the failure) is no zombie: it knows it is out, and what it still sends (its launcher's last
+signal rows, posted after its workers ended; a heartbeat in flight as the trainer closes)
+is the end of its life. Such refusals are counted, not told (`told`): an event there only
+repeated the failure, whose own event already said why, often as the run's last line.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import collections
 from dataclasses import dataclass, field
 
 from transom.coordinator.models import Identity, IncarnationAnswer
-from transom.words import IncarnationState
+from transom.coordinator.records import Replica
+from transom.words import FailureKind, IncarnationState
 
 # The endpoints that refuse an incarnation that is no longer current: the metric shows each
 # of them from the start (0 until something is refused), so a scrape before and after a
@@ -42,6 +49,14 @@ def refusal_message(identity: Identity, endpoint: str, known: IncarnationAnswer,
     else:
         why = f"declared {known.state}" + (f": {known.reason}" if known.reason else "")
     return f"refused {who} on {endpoint}{doing}: {why}"
+
+
+def told(identity: Identity, record: Replica | None) -> bool:
+    """Whether refusing `identity` is worth an event; `record`: its replica's current one.
+    Not for an incarnation that reported its own failure: it knows, and is no zombie."""
+    if record is None or record.identity.key() != identity.key():
+        return True  # superseded (or unknown): a zombie, if it acts
+    return not (record.state == IncarnationState.FAILED and record.failure_kind == FailureKind.REPORTED)
 
 
 @dataclass

@@ -121,6 +121,7 @@ class Membership:
         rep.state = IncarnationState.FAILED
         rep.failures += 1
         rep.last_failure = reason
+        rep.failure_kind = FailureKind(kind)
         self.failures_total[kind] += 1
         self.open.drop(rep.identity.replica_id)
         self.event(now, EventKind.FAILED, f"replica {rep.identity.replica_id}: {reason}", rep.identity.replica_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transom.coordinator.models import Identity
-from transom.words import IncarnationState
+from transom.words import FailureKind, IncarnationState
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Replica:
     last_loss: float | None = None
     failures: int = 0  # over all incarnations of this replica id
     last_failure: str | None = None
+    failure_kind: FailureKind | None = None  # why this incarnation was declared failed, once it was
     aside: bool = False  # stepped out of the rounds between two steps (trainer.aside()); its next request ends it
     checkpoint_trouble: str | None = None  # its heartbeat's word: its checkpoint writer fails and retries
 

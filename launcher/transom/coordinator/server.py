@@ -56,7 +56,7 @@ from aiohttp import web
 from transom.coordinator import http
 from transom.coordinator.access import Access
 from transom.coordinator.detection import Detection, SignalGate
-from transom.coordinator.fencing import Refusals, refusal_message
+from transom.coordinator.fencing import Refusals, refusal_message, told
 from transom.coordinator.http import MAX_BODY_BYTES, SUBJECT
 from transom.coordinator.identity import ReplicaKeys
 from transom.coordinator.kube_status import StatusWriter
@@ -220,8 +220,8 @@ class CoordinatorServer:
         known = self.membership.replica_state(identity)
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else request.path
-        if self.refusals.record(endpoint, identity):
-            current = self.membership.replicas.get(identity.replica_id)
+        current = self.membership.replicas.get(identity.replica_id)
+        if self.refusals.record(endpoint, identity) and told(identity, current):
             message = refusal_message(identity, endpoint, known, current.identity if current else None, what)
             # No await since the lookup above: no other handler ran in between.
             self.membership.event(self.clock(), EventKind.REFUSED, message, identity.replica_id)

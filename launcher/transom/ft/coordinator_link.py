@@ -41,6 +41,7 @@ from transom.coordinator.models import (
     QuorumResponse,
     RegisterRequest,
 )
+from transom.ft import peer_loss
 from transom.ft.config import FTConfig
 from transom.ft.fencing import IncarnationFence
 from transom.ft.replica import ReplicaContext
@@ -237,12 +238,19 @@ def report_close_failure(client: CoordinatorClient, identity: Identity, step: in
     """close() before the target: log it and report this replica failed (the leader talks for it)."""
     reason = close_failure_reason(step, num_steps)
     log.error("replica %d %s", identity.replica_id, reason)
-    report_failure(client, identity, reason, timeout_s=2.0)
+    report_failure(client, identity, reason, timeout_s=2.0, exc=sys.exc_info()[1])
 
 
-def report_failure(client: CoordinatorClient, identity: Identity, reason: str, timeout_s: float) -> None:
-    """Tell the coordinator this replica failed (any rank may); never raises: the launcher
-    reports the exit too."""
+def report_failure(client: CoordinatorClient, identity: Identity, reason: str, timeout_s: float,
+                   exc: BaseException | None = None) -> None:
+    """Tell the coordinator this replica failed (any rank may), by `exc` if given; never
+    raises: the launcher reports the exit too. If `exc` only echoes a peer process's death,
+    the report waits and says so (ft/peer_loss.py): the launcher reports the death first."""
+    reason, wait_s = peer_loss.echo_report(reason, exc)
+    if wait_s > 0:
+        log.warning("replica %d: a peer process of the replica went away; reporting in %.1fs unless its launcher "
+                    "reports first", identity.replica_id, wait_s)
+        time.sleep(wait_s)
     try:
         client.report_failure(FailureReport(identity=identity, reason=reason[:1000]), timeout_s=timeout_s)
     except Exception as e:

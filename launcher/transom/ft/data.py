@@ -1,5 +1,6 @@
 """Data for an ordinary `DataLoader` loop: each replica's and each rank's own part of every
-global batch, positioned by the committed step.
+global batch, positioned by the committed step. (`trainer.batches()` also takes any other
+iterable of batches, which cannot be positioned: ft/iterable.py.)
 
 `ReplicaSampler` is a `torch.utils.data.Sampler` in the manner of `DistributedSampler`: an
 epoch is a permutation of the dataset fixed by `seed` and the epoch number, and the
@@ -36,7 +37,10 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
+
+from transom.errors import UsageError
+from transom.ft import iterable
 
 
 class ReplicaSampler(Sampler[int]):
@@ -45,8 +49,8 @@ class ReplicaSampler(Sampler[int]):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.ranks = ctx.num_replicas * ctx.world_size
         self._ctx = ctx  # a hot spare learns its replica id later: the rank is read when used
-        if self.size < self.ranks:
-            raise ValueError(f"a dataset of {self.size} samples cannot feed {self.ranks} ranks")
+        if self.size < self.ranks:  # a UsageError: every incarnation would fail here again
+            raise UsageError(f"ft.ReplicaSampler: a dataset of {self.size} samples cannot feed {self.ranks} ranks")
         # Every rank the same count, as DistributedSampler: drop the tail, or wrap around.
         self.per_rank = self.size // self.ranks if drop_last else math.ceil(self.size / self.ranks)
         self.epoch = 0
@@ -128,20 +132,42 @@ class ReplicaSampler(Sampler[int]):
         self.epoch, self.offset, self.limit = int(state["epoch"]), int(state["offset"]), int(state["limit"])
 
 
-def batches(trainer, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
-    """`(step, batch)` until `num_steps` steps are committed (FaultTolerant.batches).
+def batches(trainer, data, num_steps: int) -> Iterator[tuple[int, Any]]:
+    """`(step, batch)` until `num_steps` steps are committed (FaultTolerant.batches). `data`
+    is a DataLoader over a ReplicaSampler (positioned by the step, below), or any other
+    iterable of batches (ft/iterable.py). What it cannot use is refused here, at the call:
+    a UsageError, which ends the job instead of failing every retry the same way."""
+    sampler = _replica_sampler(data)
+    if sampler is None:
+        return iterable.batches(trainer, iterable.Stream(data), num_steps)
+    if data.batch_size is None or data.sampler is not sampler:
+        raise UsageError("trainer.batches(): a DataLoader over an ft.ReplicaSampler needs batch_size= "
+                         "(not batch_sampler=): the sampler is positioned in whole batches")
+    try:
+        sampler.steps_per_epoch(data.batch_size)
+    except ValueError as e:
+        raise UsageError(f"trainer.batches(): {e}") from None
+    return _sampled(trainer, data, sampler, num_steps)
 
-    A new step takes the loader's next batch; a retried step (not committed) gets the same
+
+def _replica_sampler(data: Any) -> ReplicaSampler | None:
+    """The ReplicaSampler a DataLoader draws from, as its sampler or inside its batch_sampler."""
+    if not isinstance(data, DataLoader):
+        return None
+    for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
+        if isinstance(sampler, ReplicaSampler):
+            return sampler
+    return None
+
+
+def _sampled(trainer, loader, sampler: ReplicaSampler, num_steps: int) -> Iterator[tuple[int, Any]]:
+    """A new step takes the loader's next batch; a retried step (not committed) gets the same
     batch again; a step the replica jumped to (recovered from a peer, restored from a
     checkpoint) repositions the sampler at that step first. At the end of an epoch the
     loader starts the next one.
     """
-    sampler = loader.sampler if isinstance(loader.sampler, ReplicaSampler) else None
-    if sampler is None:
-        raise TypeError("trainer.batches needs a DataLoader whose sampler is an ft.ReplicaSampler")
-    if loader.batch_size is None:
-        raise TypeError("trainer.batches needs a DataLoader with a batch_size")
     nominal = loader.batch_size  # with batch_size= (not batch_sampler=), the loader's own BatchSampler
+    assert nominal is not None
     trainer.shares.follow(nominal)
     it, expected, current, batch = None, None, None, None
     for step in trainer.steps(num_steps):

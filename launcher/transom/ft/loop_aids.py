@@ -114,7 +114,7 @@ class LoopAids:
         `num_steps` is the job's target: `close()` completes the job only once it is reached.
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
+            raise UsageError(f"num_steps must be a non-negative integer, got {num_steps!r}")
         self.num_steps = self._commit.target = num_steps  # the last step's state is always compared
         while self.step < num_steps and not self.job_ended:
             self.begin_step()
@@ -124,12 +124,14 @@ class LoopAids:
                                  "(or trainer.finish_step()), once")
 
     def batches(self, loader, num_steps: int) -> Iterator[tuple[int, Any]]:
-        """`(step, batch)` from a DataLoader over an `ft.ReplicaSampler` until `num_steps` steps
-        are committed; a retried step sees the same batch again (ft/data.py). The loader's
-        sampler becomes part of the replica state."""
+        """`(step, batch)` until `num_steps` steps are committed; a retried step sees the same
+        batch again. From a DataLoader over an `ft.ReplicaSampler`, positioned by the step
+        (ft/data.py; the sampler becomes part of the replica state), or from any other
+        iterable in its own order (ft/iterable.py). Anything else raises UsageError here."""
+        batches = data.batches(self, loader, num_steps)  # refuses what it cannot use before anything changes
         if self.state.sampler is None and isinstance(getattr(loader, "sampler", None), data.ReplicaSampler):
             self.state.sampler = loader.sampler
-        return data.batches(self, loader, num_steps)
+        return batches
 
     # --- data ---------------------------------------------------------------------------------
     @property

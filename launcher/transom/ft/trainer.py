@@ -372,6 +372,6 @@ class _ReportUncaught:
             t._groups.drop()
             if not t._exchange.evicted and not t._closed:
                 reason = f"uncaught {exc_type.__name__} in rank {t.ctx.rank}: {exc}"
-                report_failure(t.client, t.identity, reason, timeout_s=1.0)
+                report_failure(t.client, t.identity, reason, timeout_s=1.0, exc=exc)  # a peer's echo waits
         finally:
             self.previous(exc_type, exc, tb)

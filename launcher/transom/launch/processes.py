@@ -214,6 +214,16 @@ def stop_launchers(launchers: list[subprocess.Popen], say: Callable[[str], None]
         say("processes the replicas started survive SIGKILL")
 
 
+def to_blame(codes: list[int | None]) -> int | None:
+    """The worker (local rank) whose exit a failed attempt is reported by, from the workers'
+    exit codes (None: running): one killed by a signal before one that exited non-zero, whose
+    error is often its collective's echo of that death; else the lowest rank; None if none failed."""
+    failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+    signalled = [rank for rank in failed if (codes[rank] or 0) < 0]
+    chosen = signalled or failed
+    return chosen[0] if chosen else None
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:

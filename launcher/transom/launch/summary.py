@@ -10,6 +10,13 @@ discarded one), not counting its first step (start-up); the figure is the larges
 those replicas. `final_loss` is the mean training loss of the last 10 committed steps,
 averaged over replicas. A figure that is not finite (the loss of a run that diverged) is
 written null: NaN and Infinity are not JSON (`finite_json`).
+
+`steps_committed` is the newest step any replica committed, from the step records (not from
+the final digests, which a run stopped before the end has none of). `replicas_bit_identical`
+says only what was compared: the replicas that finished holding the job's state
+(`replicas_compared`); a replica left out (`replicas_not_compared`: one still catching up
+when the job ended, one that failed or was stopped) is named with why, and with fewer than
+two compared the figure is null, not false.
 """
 
 from __future__ import annotations
@@ -75,11 +82,63 @@ def stall_seconds(records: list[dict]) -> float:
     return sum(max(0.0, s - base) for s in disrupted)
 
 
+def committed_steps(by_replica: dict[int, list[Incarnation]], finals: list[dict]) -> int:
+    """The job's committed steps: the newest step any replica committed (a committed record's
+    `step` is the count after it) or finished at; 0 if none. Read from the step records, so
+    a run stopped before the end (SIGTERM, a timeout) still says how far it got."""
+    steps = [int(r["step"]) for incs in by_replica.values() for inc in incs for r in inc.records
+             if r.get("committed") and isinstance(r.get("step"), int)]
+    steps += [int(f["step"]) for f in finals]
+    return max(steps, default=0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Whether the replicas that held the job's state at the end ended bit-identical.
+
+    A replica is compared if it finished the job holding its state (it wrote its final
+    digests: ft/commit.py writes none for one still catching up, nor for one that failed or
+    was stopped). `identical`: True if the compared replicas ended at one step with the same
+    parameter bytes, rank by rank; False if they did not; None if fewer than two were
+    compared, so nothing was (`not_compared` says why of each replica left out)."""
+
+    identical: bool | None
+    compared: list[int]
+    not_compared: list[dict]  # {"replica": id, "why": one line}
+
+
+def compare_replicas(by_replica: dict[int, list[Incarnation]], finals: list[dict], num_replicas: int) -> Comparison:
+    finished = sorted({int(f["replica"]) for f in finals})
+    not_compared = [{"replica": r, "why": why_not_finished(by_replica.get(r, []))}
+                    for r in range(num_replicas) if r not in finished]
+    if len(finished) < 2:
+        return Comparison(None, finished, not_compared)
+    digests_by_rank: dict[int, set[str]] = {}
+    for f in finals:
+        digests_by_rank.setdefault(f["rank"], set()).add(f["digest"])
+    same = len({f["step"] for f in finals}) == 1 and all(len(d) == 1 for d in digests_by_rank.values())
+    return Comparison(same, finished, not_compared)
+
+
+def why_not_finished(incarnations: list[Incarnation]) -> str:
+    """Why a replica wrote no final digests, from its step records, in one line."""
+    if not incarnations:
+        return "it never started"
+    last = incarnations[-1].records
+    if not last:
+        again = "its restarted incarnation" if len(incarnations) > 1 else "it"
+        return f"{again} had trained no step when the run ended"
+    if last[-1].get("recovering"):
+        return "it was still catching up from its peers when the run ended: its weights were not yet the job's"
+    return f"it had not finished the job when the run ended (its last step record: step {last[-1].get('step')})"
+
+
 def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, int], wall_seconds: float) -> dict:
     """The summary dict; faults_per_replica counts the faults injected into each replica.
 
-    `replicas_bit_identical` is true only if every replica finished, at the same step, with
-    the same parameter bytes (rank by rank).
+    `replicas_bit_identical` compares the replicas that finished holding the job's state
+    (`Comparison`): null, never false, where fewer than two did, so that a replica still
+    catching up, or a run stopped before the end, is not taken for replicas that differ.
     """
     by_replica, finals = load(directory)
     restarts = sum(len(incs) - 1 for incs in by_replica.values())
@@ -93,23 +152,18 @@ def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, 
         if losses:  # the last few steps, so one batch's noise does not decide
             tail = losses[-FINAL_LOSS_STEPS:]
             final_losses.append(sum(tail) / len(tail))
-    steps = {f["step"] for f in finals}
-    digests_by_rank: dict[int, set[str]] = {}
-    for f in finals:
-        digests_by_rank.setdefault(f["rank"], set()).add(f["digest"])
-    finished = {f["replica"] for f in finals}
-    identical = (
-        len(finished) == num_replicas and len(steps) == 1 and all(len(d) == 1 for d in digests_by_rank.values())
-    )
+    comparison = compare_replicas(by_replica, finals, num_replicas)
     return {
-        "steps_committed": min(steps) if steps else 0,
+        "steps_committed": committed_steps(by_replica, finals),
         "replica_restarts": restarts,
         "failures_injected": fired,
         "healthy_stall_seconds": round(stall, 3),
-        "replicas_bit_identical": identical,
+        "replicas_bit_identical": comparison.identical,
+        "replicas_compared": comparison.compared,
+        "replicas_not_compared": comparison.not_compared,
         "final_loss": round(sum(final_losses) / len(final_losses), 6) if final_losses else None,
         "wall_seconds": round(wall_seconds, 3),
-        "replicas_finished": len(finished),
+        "replicas_finished": len(comparison.compared),
     }
 
 

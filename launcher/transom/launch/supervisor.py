@@ -71,7 +71,7 @@ from transom.coordinator.client import CoordinatorClient, credential
 from transom.coordinator.models import FailureReport, Identity
 from transom.launch import oom, preflight, processes, rendezvous, spare
 from transom.launch.config import LaunchConfig
-from transom.launch.processes import describe_exit
+from transom.launch.processes import describe_exit, to_blame
 from transom.launch.rendezvous import free_port  # noqa: F401  (where tests and benchmarks take it from)
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
@@ -231,17 +231,19 @@ class Launcher:
 
     def _workers_ended(self, attempt: int) -> tuple[Outcome, str] | None:
         codes = self.group.codes()
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                failure = self.group.script_failure(attempt)
-                if failure is not None:  # reported as what it is, not as a crash
-                    reason = failure.describe(self.who)
-                    self._report(attempt, reason, code if code >= 0 else None)
-                    return Outcome.SCRIPT_ERROR, reason
-                global_rank = self.env.node_rank * self.config.nproc_per_node + rank
-                reason = self._oom.report(global_rank, code) or f"worker local rank {rank} {describe_exit(code)}"
+        rank = to_blame(codes)  # a worker killed by a signal, before another's echo of it
+        if rank is not None:
+            code = codes[rank]
+            assert code is not None
+            failure = self.group.script_failure(attempt)
+            if failure is not None:  # reported as what it is, not as a crash
+                reason = failure.describe(self.who)
                 self._report(attempt, reason, code if code >= 0 else None)
-                return Outcome.FAILED, reason
+                return Outcome.SCRIPT_ERROR, reason
+            global_rank = self.env.node_rank * self.config.nproc_per_node + rank
+            reason = self._oom.report(global_rank, code) or f"worker local rank {rank} {describe_exit(code)}"
+            self._report(attempt, reason, code if code >= 0 else None)
+            return Outcome.FAILED, reason
         if all(c == 0 for c in codes):
             if self.env.is_spare:
                 return Outcome.FAILED, "the workers of a spare exited before it was promoted"
