@@ -38,7 +38,7 @@ log = logging.getLogger("transom.ft")
 # Rows reach the coordinator within a launcher's post interval (at most 30 s) and are judged
 # once every replica's are in: the record of a step is there within two intervals.
 WAIT_S = 2 * MAX_FORWARD_INTERVAL_S + 5.0
-POLL_S = 0.5
+POLL_S = 0.1  # the record comes as soon as the rows of recovery steps do (launch/signal_forwarder.py)
 
 
 class SnapshotCheck:

@@ -52,6 +52,7 @@ log = logging.getLogger("transom.launch")
 MAX_BUFFERED_ROWS = 20_000
 MAX_BATCH_ROWS = 4096
 LATER_S = 0.5  # after a 429, the last flush of an attempt tries again this much later
+RECOVERY_POST_S = 0.1  # rows of steps with recovery work: posted this often at most, whatever the pace
 LAST_FLUSH_PATIENCE_S = 3.0
 STACKS_WAIT_S = 3.0
 MAX_STACKS_CHARS = 16_000
@@ -99,6 +100,7 @@ class SignalForwarder:
         self._workers = {k: _Worker(k) for k in ranks}
         self._buffer: list[SignalRow] = []
         self._next_post = 0.0
+        self._next_urgent = 0.0  # rows of recovery steps go at most this often (_recovery_waits)
         self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
         self._next_skipped_warning = 0.0
@@ -111,12 +113,22 @@ class SignalForwarder:
     def poll(self, now: float) -> Hang | None:
         for w in self._workers.values():
             self._read(w, now)
-        if now >= self._next_post:
+        if now >= self._next_post or self._recovery_waits(now):
             self._read_counts()
             if self._buffer or self._changed_counts():
                 self.flush()  # its answer may set the pace
                 self._next_post = now + self.interval_s
         return self._hung(now) if self.settings.enabled else None
+
+    def _recovery_waits(self, now: float) -> bool:
+        """A row of a step with recovery work (a source's snapshot fingerprint, a joiner's
+        step) goes without waiting for the pace: a joiner checks its snapshot against the
+        record those rows make, and trains without contributing until it can. At most one
+        such post per RECOVERY_POST_S."""
+        if now < self._next_urgent or not any(r.recovery for r in self._buffer):
+            return False
+        self._next_urgent = now + RECOVERY_POST_S
+        return True
 
     def _read(self, w: _Worker, now: float) -> None:
         path = self.dir / f"signals-{self._name(w.rank)}.csv"
