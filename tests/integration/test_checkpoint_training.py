@@ -120,7 +120,7 @@ def test_a_checkpoint_restores_into_more_replicas_and_a_failed_one_catches_up(th
 
 def test_fsdp2_sharded_state_resumes_bit_identical(transom_run, tmp_path):
     ckpt = tmp_path / "ckpt"
-    run = ["--replicas", "2", "--nproc-per-replica", "2"]
+    run = ["--replicas", "2", "--nproc-per-replica", "2", "--job-name", "fsdp"]  # the second run continues it
     script = ["--inner", "fsdp", *SMALL]
     # The uninterrupted job, checkpointed at step 5 on its way to 8 ...
     whole = transom_run([*run, "--checkpoint-uri", str(ckpt)], ["--steps", "8", "--checkpoint-interval", "5", *script])
