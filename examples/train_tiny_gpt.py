@@ -11,8 +11,9 @@ repeated step sees the same data); with `--inner ddp` the replica's processes sp
 shard further and average inside the replica with DDP (or shard the model with FSDP2,
 and Transom averages each shard index across replicas), while Transom averages across
 replicas and survives a replica's death. With a checkpoint URI, the run checkpoints every
-`--checkpoint-interval` steps and at the end, and a new run resumes from the newest
-checkpoint.
+`--checkpoint-interval` steps and at the end, and a new run of the same job resumes from the
+newest checkpoint: `transom run --job-name NAME` with the name the first run printed (or was
+given), since a checkpoint location belongs to one job (docs/checkpoint.md).
 """
 
 from __future__ import annotations
