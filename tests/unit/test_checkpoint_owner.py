@@ -183,14 +183,16 @@ def test_of_jobs_starting_at_once_exactly_one_takes_the_location(tmp_path):
 
 
 class _Unconditional:
-    """An object store that does not take `If-None-Match` (s3fs: ENOSYS for a 501)."""
+    """An object store whose conditional PUT fails with `error`: a server that does not take
+    `If-None-Match` (s3fs: ENOSYS for a 501), an fsspec without mode="create"."""
 
-    def __init__(self, fs):
-        self.fs, self.puts = fs, []
+    def __init__(self, fs, error: Exception):
+        self.fs, self.error = fs, error
+        self.puts: list[str] = []
 
     def pipe_file(self, path, data, mode="overwrite"):
         if mode == "create":
-            raise OSError(errno.ENOSYS, "NotImplemented")
+            raise self.error
         self.puts.append(path)
         self.fs.pipe_file(path, data)
 
@@ -198,9 +200,10 @@ class _Unconditional:
         return getattr(self.fs, name)
 
 
-def test_a_store_without_conditional_writes_looks_first_then_writes(tmp_path):
+@pytest.mark.parametrize("error", [OSError(errno.ENOSYS, "NotImplemented"), TypeError("unexpected keyword 'mode'")])
+def test_a_store_without_conditional_writes_looks_first_then_writes(tmp_path, error):
     store = Storage(f"memory://{tmp_path.name}")
-    store.fs = _Unconditional(store.fs)
+    store.fs = _Unconditional(store.fs, error)
     assert claim(store, DEMO, never) is True and claim(store, DEMO, never) is False
     with pytest.raises(CheckpointLocationTaken):
         claim(store, DEMO_AGAIN, never)

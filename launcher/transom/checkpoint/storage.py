@@ -359,17 +359,20 @@ def _create_local(target: str, data: bytes) -> bool:
 
 
 def _create_remote(fs, target: str, data: bytes) -> bool:
-    """Storage.create on an object store: a conditional PUT, or a look and a plain PUT."""
+    """Storage.create on an object store: a conditional PUT, or a look and a plain PUT.
+
+    Any failure of the conditional PUT but "it exists" falls back: a server that does not
+    take the condition (s3fs: ENOSYS for a 501, EINVAL for an unknown header), an s3fs or
+    fsspec too old for mode="create" (TypeError, or botocore's ParamValidationError), or
+    a passing error, after which the look finds our own file if the PUT did land, and the
+    plain PUT fails again (for the caller's retry) if storage is away."""
     try:
         fs.pipe_file(target, data, mode="create")
         return True
     except FileExistsError:
         return False
-    except OSError as e:
-        # s3fs maps 501 NotImplemented to ENOSYS, an unknown header to EINVAL
-        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-            raise
-        log.warning("the store of %s does not take conditional writes (%s); writing it after a look", target, e)
+    except Exception as e:  # noqa: BLE001 - every other failure: the look and plain PUT below
+        log.warning("a conditional write of %s failed (%s: %s); writing it after a look", target, type(e).__name__, e)
     fs.invalidate_cache(target)
     if fs.exists(target):
         return False
