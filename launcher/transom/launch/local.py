@@ -272,11 +272,8 @@ class LocalRun:
         processes.adopt_orphans()  # so that stop_launchers finds what a killed launcher left
         self.pods.coordinator_url = self.coordinator.start()
         self.client = CoordinatorClient(self.coordinator.url, self.token, timeout_s=STATUS_TIMEOUT_S)
-        name, uri = self.config.job_name, self.config.checkpoint_uri
-        self.say(f"job {name}" + (f", checkpoints in {uri} (a later `transom run --job-name {name}` continues it)"
-                                  if uri else ""))
         self.say(
-            f"coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
+            f"{_job_line(self.config)}; coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
             f"{self.config.nproc_per_replica} processes; injecting {sum(map(len, self.faults.values()))} fault(s)"
         )
         # SIGTERM or Ctrl-C stops the run like an error would: every launcher is stopped (they
@@ -329,6 +326,14 @@ class LocalRun:
         self.say("summary " + finite_json({k: v for k, v in summary.items() if k not in ("events", "logs")}))
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(finite_json(summary, indent=2) + "\n")
+
+
+def _job_line(config: RunConfig) -> str:
+    """The run's job, as the user continues it later: "job local-3f2a9c1e, checkpoints in /ckpt
+    (a later `transom run --job-name local-3f2a9c1e` continues it)"."""
+    name, uri = config.job_name, config.checkpoint_uri
+    return f"job {name}" + (f", checkpoints in {uri} (a later `transom run --job-name {name}` continues it)"
+                            if uri else "")
 
 
 def _log_to_file(path: Path) -> logging.Handler:
