@@ -71,7 +71,8 @@ lint: install
 testenv: install
 	hack/testenv.sh build
 
-# The demo checkpoints every 25 steps into a fresh directory (a second run would resume).
+# The demo checkpoints every 25 steps into a fresh directory (emptied first: a location belongs
+# to one job, and a later run resumes from it only with that job's --job-name, docs/checkpoint.md).
 DEMO_CHECKPOINTS ?= /tmp/transom-demo-checkpoints
 
 demo: install

@@ -14,8 +14,10 @@ replicas and survives a replica's death. The loop is the usual one: AdamW, a lea
 that warms up and then decays (a `LambdaLR`, stepped after committed steps, and replica
 state: `extra_state`), and the gradients' norm clipped right after `backward()`, where they
 are already the replicas' average (also under FSDP2). With a checkpoint URI, the run
-checkpoints every `--checkpoint-interval` steps and at the end, and a new run resumes from
-the newest checkpoint, bit for bit where the old one was.
+checkpoints every `--checkpoint-interval` steps and at the end, and a new run of the same
+job resumes from the newest checkpoint, bit for bit where the old one was: `transom run
+--job-name NAME` with the name the first run printed (or was given), since a checkpoint
+location belongs to one job (docs/checkpoint.md).
 """
 
 from __future__ import annotations

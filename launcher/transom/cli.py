@@ -165,6 +165,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             if args.checkpoint_uri and "://" not in args.checkpoint_uri
             else (args.checkpoint_uri or ""),
             checkpoint_interval=args.checkpoint_interval,
+            job_name=args.job_name or "",
             checkpoint_keep=args.checkpoint_keep,
             backend=args.backend,
             log_dir=args.log_dir,
@@ -209,6 +210,10 @@ def _run_arguments(r: argparse.ArgumentParser) -> None:
                                      "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
     r.add_argument("--checkpoint-uri",
                    help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
+    r.add_argument("--job-name", metavar="NAME",
+                   help="the job this run is: a checkpoint location belongs to one job, and a run of another name "
+                        "is refused there; the same name continues the job (default: a fresh local-<hex> per run, "
+                        "which the run prints)")
     r.add_argument("--checkpoint-interval", type=between(0, MAX_STEPS),
                    help="committed steps between checkpoints (the script may override)")
     r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")

@@ -12,7 +12,10 @@ import os
 from dataclasses import dataclass, replace
 
 # --- pod environment (set by the operator, or by `transom run` locally) -------------
-ENV_JOB = "TRANSOM_JOB"
+ENV_JOB = "TRANSOM_JOB"  # the job's name (Kubernetes: the TrainingJob's metadata.name)
+# The job's uid (Kubernetes: the TrainingJob's metadata.uid; `transom run`: job_identity.LOCAL_UID).
+# With the name, the identity a checkpoint location records as its owner (job_identity.py).
+ENV_JOB_UID = "TRANSOM_JOB_UID"
 ENV_NAMESPACE = "TRANSOM_NAMESPACE"
 ENV_REPLICA_ID = "TRANSOM_REPLICA_ID"
 ENV_NUM_REPLICAS = "TRANSOM_NUM_REPLICAS"
@@ -197,6 +200,7 @@ class ReplicaEnv:
     peer_token: str = ""  # the state servers' token (the job's token where unset)
     fault: str = ""  # TRANSOM_FAULT: the faults tests and demos inject into this replica (transom/inject.py)
     node_name: str = ""  # TRANSOM_NODE_NAME: the node the pod runs on (a fault may name it)
+    job_uid: str = ""  # TRANSOM_JOB_UID: with `job`, the job's identity (job_identity.py); "" where unset
 
     @property
     def is_spare(self) -> bool:
@@ -244,6 +248,7 @@ class ReplicaEnv:
             peer_token=env.get(ENV_PEER_TOKEN, "") or env.get(ENV_COORDINATOR_TOKEN, ""),
             fault=env.get(ENV_FAULT, ""),
             node_name=env.get(ENV_NODE_NAME, ""),
+            job_uid=env.get(ENV_JOB_UID, ""),
         )
 
 

@@ -14,12 +14,14 @@ family, so `except transom.errors.TransomError` catches them all and nothing els
     ├── MustRestart               this replica cannot go on where it is; its launcher restarts it
     ├── ScriptError               the script is wrong: every retry fails the same way, so the job ends
     │   ├── UsageError            the API used out of order (a bug in the calling script)
-    │   └── IncompatibleCheckpoint  (also a CheckpointError, below)
+    │   ├── IncompatibleCheckpoint  (also a CheckpointError, below)
+    │   └── CheckpointLocationTaken (also a CheckpointError, below)
     ├── BackendError              a collective backend that cannot work where the tensors are
     ├── CheckpointError
     │   ├── NoCheckpoint          no committed checkpoint to restore
     │   ├── CorruptCheckpoint     a checkpoint whose bytes do not match its manifest
     │   ├── IncompatibleCheckpoint  a sound checkpoint that does not fit this job
+    │   ├── CheckpointLocationTaken the checkpoint location belongs to another job
     │   └── StorageStalled        storage stopped answering a restore's reads
     ├── IncompatibleState         a replica state (a peer's, a checkpoint's) that the live objects do not take
     └── InvalidBytes              bytes from a peer or from storage that are not what they claim
@@ -165,6 +167,14 @@ class IncompatibleCheckpoint(CheckpointError, ScriptError, ValueError):
     """A sound checkpoint that does not fit this job (e.g. sharded for another number of ranks).
     A ScriptError: every incarnation of every replica restores the same newest checkpoint
     and fails the same way, until the job's processes per replica or its URI change."""
+
+
+class CheckpointLocationTaken(CheckpointError, ScriptError):
+    """The checkpoint location belongs to another job (its job record names another name or
+    uid), or holds a job record that is not one (checkpoint/owner.py). Raised when the job
+    starts, before it restores or writes anything. A ScriptError: every replica of this job
+    would be refused the same way, until the job's checkpoint URI changes or the location's
+    job record is deleted; the message names both jobs, the location and what to do."""
 
 
 class StorageStalled(CheckpointError, TimeoutError):

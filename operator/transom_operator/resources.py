@@ -130,6 +130,9 @@ def worker_env(job: api.TrainingJob, replica: int, node_rank: int, generation: i
     spec = job.spec
     plain = {
         contract.ENV_JOB: job_name(job),
+        # With the name, the job's identity, which its checkpoint location records
+        # (job_identity.py): a job created again under the same name is another job.
+        contract.ENV_JOB_UID: job.metadata.get("uid") or "",
         contract.ENV_NAMESPACE: job_namespace(job),
         contract.ENV_REPLICA_ID: str(replica),
         contract.ENV_NUM_REPLICAS: str(spec.replicas),

@@ -123,7 +123,7 @@ def test_fsdp2_example_killed_or_stopped_resumes_bit_identical(transom_run, tmp_
     # The example's loop: FSDP2 inside each replica, AdamW, a warmup-cosine schedule as
     # extra_state, clipping right after backward().
     ckpt, crashed = tmp_path / "ckpt", tmp_path / "crashed"
-    run = ["--replicas", "2", "--nproc-per-replica", "2"]
+    run = ["--replicas", "2", "--nproc-per-replica", "2", "--job-name", "fsdp"]  # the second run continues it
     script = ["--steps", "12", "--checkpoint-interval", "4", "--inner", "fsdp", *SMALL]
     # The uninterrupted job, checkpointed at steps 4 and 8 on its way to 12 ...
     whole = transom_run([*run, "--checkpoint-uri", str(ckpt)], script)

@@ -86,7 +86,8 @@ def test_dataloader_loop_goes_on_from_a_checkpoint_where_it_left_off(transom_run
     runs together train no sample twice; a SIGKILL in the second run too."""
     logs, uri = tmp_path / "logs", tmp_path / "checkpoints"
     logs.mkdir()
-    common = ["--replicas", str(REPLICAS), "--checkpoint-uri", str(uri), "--checkpoint-interval", "10"]
+    common = ["--replicas", str(REPLICAS), "--checkpoint-uri", str(uri), "--checkpoint-interval", "10",
+              "--job-name", "loader"]  # the second run continues the first's job
     first = transom_run(common, ["--steps", "30", "--log-dir", str(logs), "--workers", "2", "--inf-at", "1:20"],
                         script=JOB)
     assert first.returncode == 0 and first.summary["completed_step"] == 30, first.output[-4000:]

@@ -10,8 +10,10 @@ replica's own TRANSOM_FAULT: the k-th fault for its k-th attempt, as `transom ru
 gives them). Standing in for the launcher: a replica whose body raises (a `raise` fault,
 an eviction after a verdict) is restarted in place as its next attempt, a fresh model and
 trainer on a new thread, unless it raised a ScriptError (which every attempt would
-repeat). No process starts, and so no `import torch` (2 s a process on the 2-core
-development machine) and no interpreter teardown.
+repeat). With `job`, the replicas' environment carries that job identity (the operator's
+TRANSOM_JOB and TRANSOM_JOB_UID), which a checkpoint location records; without it, none
+(nothing is claimed). No process starts, and so no `import torch` (2 s a process on the
+2-core development machine) and no interpreter teardown.
 
 What processes are for stays with `transom run` (conftest.py `transom_run`): SIGKILL and
 SIGSTOP, OOM kills, orphans, partitions, pod termination, a coordinator restart, spares,
@@ -47,6 +49,7 @@ from transom.detect.step_rows import DetectionSettings
 from transom.errors import ScriptError
 from transom.ft import FaultTolerant, FTConfig
 from transom.ft.replica import ReplicaContext
+from transom.job_identity import JobIdentity
 from transom.launch.end_on import Awaited, EndOn
 from transom.launch.job_view import EventFeed
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
@@ -100,6 +103,7 @@ class ThreadedJob:
     end_on: list[str] = field(default_factory=list)
     end_margin: int = 3
     timeout_s: float = 90
+    job: JobIdentity | None = None  # the job identity in the replicas' environment
 
     def __post_init__(self) -> None:
         self.signals_dir = self.stats_dir / "signals"
@@ -117,7 +121,8 @@ class ThreadedJob:
         env = contract.ReplicaEnv.from_environ({
             contract.ENV_COORDINATOR_URL: url, contract.ENV_COORDINATOR_TOKEN: TOKEN,
             contract.ENV_REPLICA_ID: str(rep.rid), contract.ENV_NUM_REPLICAS: str(self.replicas),
-            contract.ENV_ATTEMPT: str(rep.attempt), contract.ENV_FAULT: ";".join(rep.faults)})
+            contract.ENV_ATTEMPT: str(rep.attempt), contract.ENV_FAULT: ";".join(rep.faults),
+            **({contract.ENV_JOB: self.job.name, contract.ENV_JOB_UID: self.job.uid} if self.job else {})})
         return ReplicaContext(env=env, rank=0, local_rank=0, world_size=1, backend="gloo", device=torch.device("cpu"),
                               ctrl_group=None)
 

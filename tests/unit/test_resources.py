@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from transom import contract
+from transom.job_identity import JobIdentity
 from transom_operator import api, naming, resources
 
 
@@ -66,7 +67,7 @@ def test_worker_pod_environment():
     plain = {k: v["value"] for k, v in env.items() if "value" in v}
     assert plain == {
         "FOO": "1",
-        contract.ENV_JOB: "demo", contract.ENV_NAMESPACE: "ml",
+        contract.ENV_JOB: "demo", contract.ENV_JOB_UID: "uid-1", contract.ENV_NAMESPACE: "ml",
         contract.ENV_REPLICA_ID: "2",  # the operator's value wins over the template's
         contract.ENV_NUM_REPLICAS: "3", contract.ENV_REPLICA_GENERATION: "3",
         contract.ENV_NODE_RANK: "1", contract.ENV_NNODES: "2", contract.ENV_NPROC_PER_NODE: "8",
@@ -98,6 +99,8 @@ def test_worker_pod_environment_is_what_the_launcher_reads():
     got = contract.ReplicaEnv.from_environ(environ)
     assert (got.replica_id, got.num_replicas, got.generation, got.node_rank, got.nnodes, got.nproc_per_node) == (
         2, 3, 3, 1, 2, 8)
+    # The job's identity, which its checkpoint location records: the TrainingJob's name and uid.
+    assert JobIdentity.of(got) == JobIdentity("demo", "uid-1")
 
 
 def test_worker_pod_does_not_touch_the_job():

@@ -1,7 +1,9 @@
 """Where a checkpoint's files go, what its manifest says, and which checkpoints to keep.
 
-Pure (no torch, no I/O), so the rules are table-tested alone. One checkpoint of step N:
+Pure (no torch, no I/O), so the rules are table-tested alone. The location holds the job
+it belongs to and the checkpoints; one checkpoint of step N:
 
+    <uri>/job.json                          the job that owns the location (owner.py), written once
     <uri>/step-<N, 12 digits>/
         attempt-<a>/part-<k>/__0_0.distcp   part k's tensors (DCP's file format)
         attempt-<a>/part-<k>/checksums.json its entries, offsets and CRC-32s, written last by its writer
@@ -39,6 +41,7 @@ from transom.checkpoint import structure
 from transom.checkpoint.tensor_entry import MAX_INT, TensorEntry
 
 MANIFEST = "manifest.json"
+JOB_RECORD = "job.json"  # at the root of the location: its owner (owner.py)
 PART_DONE = "checksums.json"
 PART_SKIPPED = "skipped"
 DATA_FILE = "__0_0.distcp"  # DCP's name for a single writer's data file

@@ -7,7 +7,9 @@ which the operator passes in from `checkpoint.credentialsSecret`.
 
 A small file that marks completion (a part's checksums, the manifest) must never be seen
 half written: on a local file system it is written to a temporary name, fsynced and
-renamed; an S3 PUT is atomic by itself.
+renamed; an S3 PUT is atomic by itself. `create` writes one only where there is none yet
+(the location's job record, owner.py): a hard link on a local file system, a conditional
+PUT on S3.
 
 Every write and delete first asks `guard` (the path under the root, and whether it deletes),
 which raises to keep it from happening: a training replica's checkpoint engine asks the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import io
 import logging
 import mmap
@@ -264,6 +267,19 @@ class Storage:
         else:
             self.fs.pipe_file(target, data)
 
+    def create(self, data: bytes, *parts: str) -> bool:
+        """Write a small file only where there is none yet: True if this call wrote it, False
+        if a file was there already (whoever wrote it). Never seen half written.
+
+        Local: written to a temporary name, fsynced, and hard-linked to its name, which fails
+        if the name exists (one atomic step); a file system without hard links gets an
+        exclusive create instead. Object store: a PUT with `If-None-Match: *` (s3fs's
+        mode="create"); a server that does not take the condition gets a plain PUT after a
+        look that there is no file yet, so two writers within that moment may both write,
+        the later one winning: the caller reads the file back (owner.py)."""
+        target = self._guarded(parts)
+        return _create_local(target, data) if self.local else _create_remote(self.fs, target, data)
+
     def list_dirs(self) -> list[str]:
         """Names directly under the root (no error when the root does not exist yet)."""
         self.fs.invalidate_cache()
@@ -305,6 +321,63 @@ def _buffer(size: int) -> numpy.ndarray:
     if size == 0:
         return numpy.empty(0, dtype=numpy.uint8)
     return numpy.frombuffer(mmap.mmap(-1, size), dtype=numpy.uint8)
+
+
+def _create_local(target: str, data: bytes) -> bool:
+    """Storage.create on a local file system: the whole file under a temporary name, then
+    linked to `target` unless that exists (False)."""
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{target}.tmp-{os.getpid()}-{random.randrange(1 << 30)}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    except OSError as e:  # no hard links (some FUSE mounts): an exclusive create, written at once
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        os.unlink(tmp)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def _create_remote(fs, target: str, data: bytes) -> bool:
+    """Storage.create on an object store: a conditional PUT, or a look and a plain PUT.
+
+    Any failure of the conditional PUT but "it exists" falls back: a server that does not
+    take the condition (s3fs: ENOSYS for a 501, EINVAL for an unknown header), an s3fs or
+    fsspec too old for mode="create" (TypeError, or botocore's ParamValidationError), or
+    a passing error, after which the look finds our own file if the PUT did land, and the
+    plain PUT fails again (for the caller's retry) if storage is away."""
+    try:
+        fs.pipe_file(target, data, mode="create")
+        return True
+    except FileExistsError:
+        return False
+    except Exception as e:  # noqa: BLE001 - every other failure: the look and plain PUT below
+        log.warning("a conditional write of %s failed (%s: %s); writing it after a look", target, type(e).__name__, e)
+    fs.invalidate_cache(target)
+    if fs.exists(target):
+        return False
+    fs.pipe_file(target, data)
+    return True
 
 
 def _open_regular(path: str) -> io.BufferedReader:

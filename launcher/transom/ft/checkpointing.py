@@ -18,6 +18,11 @@ Fencing: with the replica's fence (ft/fencing.py), every object the engine write
 deletes is confirmed with the coordinator first, so an incarnation that was replaced writes
 nothing more; a restore only reads and asks nothing.
 
+One job per location: before anything is restored or written, the replica's leader makes
+sure the location belongs to this job (checkpoint/owner.py: its job record names this job's
+name and uid, or none did and now this job's does). Where it belongs to another job, every
+rank raises CheckpointLocationTaken, which ends the job (a ScriptError).
+
 Restore, at start: every rank of a replica tries the same committed steps, newest first,
 and they agree (a vote on the replica's control group) on the newest one every rank could
 verify. A replica that joins peers already past the newest checkpoint (a replacement while
@@ -34,14 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transom.checkpoint import layout, sharding
+from transom.checkpoint import layout, owner, sharding
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, committed_steps, load_newest
-from transom.checkpoint.storage import retry
-from transom.errors import MustRestart
+from transom.checkpoint.storage import Storage, retry
+from transom.errors import CheckpointLocationTaken, MustRestart
 from transom.ft.guard import fingerprint, state_tensors
 from transom.ft.replica import ReplicaContext
 from transom.ft.state import ReplicaState
+from transom.job_identity import JobIdentity
 
 log = logging.getLogger("transom.ft")
 
@@ -89,6 +95,7 @@ class Checkpoints:
 
     def restore(self, coordinator: Callable[[], tuple[int | None, int | None]] | None = None) -> int | None:
         """Load the newest checkpoint every rank of this replica can verify; its step, or None.
+        CheckpointLocationTaken, before anything is read, where the location is another job's.
 
         `coordinator` (the leader's): the newest step a live peer holds and the newest
         checkpoint the coordinator recorded committed, each None if unknown.
@@ -96,15 +103,19 @@ class Checkpoints:
         storage = self.engine.storage
         plan = None
         if self.ctx.is_leader:
-            steps = self._list_committed()
+            refused = self._claim_location()
+            steps = self._list_committed() if refused is None else []
             ahead, recorded = coordinator() if coordinator is not None and steps else (None, None)
             if recorded is not None and recorded not in steps and (not steps or recorded > steps[0]):
                 log.error("checkpoint step %d was committed (the coordinator recorded it) but %s has no manifest "
                           "for it: it is lost", recorded, storage.url(layout.step_dir(recorded)))
             # Strictly ahead: peers that restored the same step (a whole job starting again) do
             # not count, since recovering costs the first step this replica's gradients.
-            plan = (steps, ahead is not None and ahead > steps[0])
-        steps, peer_is_ahead = self.ctx.from_leader(plan)
+            plan = (refused, steps, ahead is not None and ahead > steps[0])
+        refused, steps, peer_is_ahead = self.ctx.from_leader(plan)
+        if refused is not None:  # every rank raises it: the job ends (a ScriptError), nothing is read or written
+            self.engine.close(0.0)
+            raise CheckpointLocationTaken(refused)
         if peer_is_ahead:
             self.skipped_restore_of = steps[0]
             log.warning("replica %d rank %d: a live peer is past step %d; recovering from it instead of "
@@ -139,6 +150,23 @@ class Checkpoints:
         if isinstance(state, dict) and "step" not in state:  # saved by the engine directly
             state = {**state, "step": 0}
         self.replica_state.apply(state)
+
+    def _claim_location(self) -> str | None:
+        """Why this job may not use the checkpoint location (another job's, owner.py), or None
+        once the location is recorded as this job's. A process without a job identity (run by
+        hand, a test's replicas) claims nothing. Storage that is away is waited for, as for the
+        listing. The record is not fenced: it is written before this incarnation registers,
+        only where none is, and every incarnation of the job would write the same identity."""
+        mine = JobIdentity.of(self.ctx.env)
+        if mine is None:
+            return None
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        try:
+            owner.claim(Storage(self.config.uri, **self.config.storage_options), mine,
+                        stopped=lambda: time.monotonic() > deadline)
+        except CheckpointLocationTaken as e:
+            return str(e)
+        return None
 
     def _list_committed(self) -> list[int]:
         """Committed steps, newest first. Storage that is away is waited for (restore_timeout_s):

@@ -23,6 +23,7 @@ from transom import contract, defaults
 from transom.defaults import LOCAL
 from transom.detect.step_rows import DetectionSettings
 from transom.inject import Fault
+from transom.job_identity import JobIdentity
 from transom.launch import gpus
 from transom.launch.end_on import MAX_MARGIN, Awaited
 from transom.launch.preflight import PreflightSpec
@@ -97,6 +98,9 @@ class RunConfig:
     timeout_s: float = defaults.RUN_TIMEOUT_S
     quiet: bool = False
     checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
+    # --job-name: the job this run is (job_identity.py), recorded in the checkpoint location;
+    # the same name continues the same job. "" here: a fresh name for this run, in __post_init__.
+    job_name: str = ""
     checkpoint_interval: int | None = None
     checkpoint_keep: int | None = None
     backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
@@ -128,6 +132,7 @@ class RunConfig:
             raise ValueError("--checkpoint-interval must not be negative")
         if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
             raise ValueError("--checkpoint-keep must be at least 1")
+        self.job_name = JobIdentity.for_local_run(self.job_name or None).name  # ValueError for a bad one
         if self.backend not in contract.BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
         DetectionSettings.from_spec(self.detection)  # ValueError now, not in every process later

@@ -9,6 +9,10 @@ with a table per replica and a summary. With `--log-dir` the launchers' and work
 output (library logs, backend banners, tracebacks) goes to one file per replica there,
 and the coordinator's log to `coordinator.log`, so the terminal shows only the progress.
 
+The run is one job, named by `--job-name` or else a fresh `local-<8 hex>` (job_identity.py),
+which it prints first and puts in its summary: its checkpoint location records that name, and
+a later run continues the job, and resumes from the location, only under the same name.
+
 Faults are injected with `--inject ACTION:replica=I,step=S[,rank=R][,phase=P]`
 (see transom.inject); the k-th fault aimed at a replica fires in its k-th incarnation.
 
@@ -83,7 +87,7 @@ class LocalRun:
         else:
             self.stats_dir = Path(tempfile.mkdtemp(prefix="transom-run-"))
         settings = Settings(
-            job="local",
+            job=config.job_name,
             num_replicas=config.replicas,
             min_replicas=config.min_replicas,
             heartbeat_interval_s=heartbeat_interval_s(config.heartbeat_timeout_s),
@@ -269,7 +273,7 @@ class LocalRun:
         self.pods.coordinator_url = self.coordinator.start()
         self.client = CoordinatorClient(self.coordinator.url, self.token, timeout_s=STATUS_TIMEOUT_S)
         self.say(
-            f"coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
+            f"{_job_line(self.config)}; coordinator at {self.coordinator.url}; {self.config.replicas} replicas x "
             f"{self.config.nproc_per_replica} processes; injecting {sum(map(len, self.faults.values()))} fault(s)"
         )
         # SIGTERM or Ctrl-C stops the run like an error would: every launcher is stopped (they
@@ -292,9 +296,9 @@ class LocalRun:
         if self.diverged is not None:  # also found after the last step: the job's weights are not one state
             self.say(f"the replicas diverged: {self.diverged}")
             exit_code = exit_code or contract.EXIT_SCRIPT_ERROR
-        outcome = {"exit_code": exit_code, "completed_step": completed_step, "last_checkpoint": last_checkpoint,
-                   "script_error": self.script_error, "oom_killed": self.oom_killed, "duplicate_data": duplicate_data,
-                   "diverged": self.diverged}
+        outcome = {"job": self.config.job_name, "exit_code": exit_code, "completed_step": completed_step,
+                   "last_checkpoint": last_checkpoint, "script_error": self.script_error,
+                   "oom_killed": self.oom_killed, "duplicate_data": duplicate_data, "diverged": self.diverged}
         if self.config.end_on:
             outcome["end_on"] = self.end_on.summary()
         self._conclude(outcome)
@@ -322,6 +326,14 @@ class LocalRun:
         self.say("summary " + finite_json({k: v for k, v in summary.items() if k not in ("events", "logs")}))
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(finite_json(summary, indent=2) + "\n")
+
+
+def _job_line(config: RunConfig) -> str:
+    """The run's job, as the user continues it later: "job local-3f2a9c1e, checkpoints in /ckpt
+    (a later `transom run --job-name local-3f2a9c1e` continues it)"."""
+    name, uri = config.job_name, config.checkpoint_uri
+    return f"job {name}" + (f", checkpoints in {uri} (a later `transom run --job-name {name}` continues it)"
+                            if uri else "")
 
 
 def _log_to_file(path: Path) -> logging.Handler:

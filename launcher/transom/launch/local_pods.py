@@ -1,7 +1,8 @@
 """The pods of `transom run`: each replica's and spare's `transom launch`, started as the
 kubelet would start its pod.
 
-A launcher gets what its pod would hold: the job's environment (contract.ENV_*), a replica
+A launcher gets what its pod would hold: the job's environment (contract.ENV_*, with the
+run's job name and job_identity.LOCAL_UID as the job's identity), a replica
 key of its own in a file (a pod's projected ServiceAccount token; coordinator/identity.py),
 a termination log (the container's termination message), and for a spare a downward-API
 labels file that names its replica once it is promoted (launch/spare.py). With a log
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from transom import contract, script_errors
 from transom.coordinator.identity import ReplicaKeys
+from transom.job_identity import LOCAL_UID
 from transom.launch.config import RunConfig
 
 
@@ -36,7 +38,7 @@ class LocalPods:
         self.coordinator_url = ""  # set once the coordinator listens
         # Each launcher gets a key that speaks for its own replica only; the job's token stays
         # in the runner. The keys live in a directory of their own.
-        self.keys = ReplicaKeys("local")
+        self.keys = ReplicaKeys(config.job_name)
         self.peer_token = secrets.token_urlsafe(24)
         self.identity_dir = Path(tempfile.mkdtemp(prefix="transom-identity-"))
         self.logs: dict[int, str] = {}  # replica -> its log file
@@ -63,7 +65,7 @@ class LocalPods:
         """A spare's launcher, waiting for the labels file that names its replica; its podinfo dir."""
         podinfo = self.stats_dir / "podinfo" / f"spare-{spare_id}-g{generation}"
         podinfo.mkdir(parents=True)
-        write_labels(podinfo, {contract.LABEL_JOB: "local", contract.LABEL_SPARE: str(spare_id)})
+        write_labels(podinfo, {contract.LABEL_JOB: self.config.job_name, contract.LABEL_SPARE: str(spare_id)})
         env = self._pod_env(self.config.replicas + spare_id)
         env[contract.ENV_SPARE_ID] = str(spare_id)
         env[contract.ENV_PODINFO_DIR] = str(podinfo)
@@ -75,7 +77,7 @@ class LocalPods:
         """Make the spare named `spare` (spare-K-gN) act as (`replica`, `generation`), as the
         operator's relabel does: its key first, then the labels that make it act as the replica."""
         self.write_key(self.identity_dir / spare, replica, generation)
-        write_labels(podinfo, {contract.LABEL_JOB: "local", contract.LABEL_REPLICA: str(replica),
+        write_labels(podinfo, {contract.LABEL_JOB: self.config.job_name, contract.LABEL_REPLICA: str(replica),
                                contract.LABEL_GENERATION: str(generation)})
         if self.log_dir is not None:
             self.logs[replica] = str(self.log_dir / f"{spare}.log")
@@ -122,7 +124,9 @@ class LocalPods:
         env = dict(os.environ)
         env.update(
             {
-                contract.ENV_JOB: "local",
+                # One job for every replica, spare and generation of this run (job_identity.py).
+                contract.ENV_JOB: config.job_name,
+                contract.ENV_JOB_UID: LOCAL_UID,
                 contract.ENV_NAMESPACE: "local",
                 contract.ENV_NUM_REPLICAS: str(config.replicas),
                 contract.ENV_NODE_RANK: "0",
