@@ -188,8 +188,9 @@ def joiner_pieces(data: bytearray, manifest: transfer.SnapshotManifest,
     for _ in range(repeats):  # the shadow's build is repeated; the last one is replayed on
         j_model, j_opt = make_replica(seed=1)
         train_step(j_model, j_opt, 0)  # the joiner's own optimizer has state, as after its restart
-        shadow, cpu, wall = measure(lambda m, o: catchup.Shadow(transfer.assemble(manifest, data), m, o),
-                                    j_model, j_opt)
+        shadow, cpu, wall = measure(
+            lambda m, o: catchup.Shadow(transfer.assemble(manifest, data), *catchup.parameters_of(m), o),
+            j_model, j_opt)
         runs["shadow"].append((cpu, wall))
     assert shadow is not None
     for k in range(repeats):
