@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE
+from launching import EXAMPLE
 from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
