@@ -76,7 +76,7 @@ def record_escaping(exc: BaseException | None = None) -> None:
         return
     rank = os.environ.get("RANK", "")
     try:
-        record(Path(path), ScriptFailure(type(exc).__name__, str(exc), int(rank) if rank.isdigit() else None))
+        record(Path(path), ScriptFailure(type(exc).__name__, str(exc), int(rank) if rank.isascii() and rank.isdigit() else None))
     except OSError:  # the exit code and the traceback still tell; the job is restarted as for a crash
         pass
 
