@@ -89,7 +89,7 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
     from transom.launch.supervisor import Launcher
 
     owner = os.environ.get(contract.ENV_OWNER_PID)
-    if owner and owner.isdigit() and not processes.follow_parent(int(owner)):
+    if owner and owner.isascii() and owner.isdigit() and not processes.follow_parent(int(owner)):
         print("transom launch: the `transom run` that started it is gone", file=sys.stderr)
         return 128 + signal.SIGTERM
 

@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from transom import worker_files
+
 SLOTS = ("group_id", "ftar_entered", "ftar_completed", "group_entered", "group_completed")
 _FORMAT = "<" + "q" * len(SLOTS)
 SIZE = struct.calcsize(_FORMAT)
@@ -103,12 +105,10 @@ def _counts(values: list[int] | tuple[int, ...]) -> Counts:
 
 
 def read(path: Path) -> Counts | None:
-    """A worker's counts from its file; None if it has none (yet)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if len(data) < SIZE:
+    """A worker's counts from its file; None if it has none (yet), or it is no regular file
+    (the launcher never waits on a worker's file: worker_files.py)."""
+    data = worker_files.read(path, SIZE)
+    if data is None or len(data) < SIZE:
         return None
     return _counts(struct.unpack(_FORMAT, data[:SIZE]))
 

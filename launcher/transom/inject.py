@@ -66,6 +66,13 @@ PHASES = ("allreduce", "forward", "catchup", "serve", "checkpoint", "preflight")
 PREFLIGHT = "preflight"  # the phase of the pre-flight checks: `corrupt`'s only one
 # A Kubernetes node name (a DNS subdomain): anything else could never match spec.nodeName.
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _natural(text: str) -> bool:
+    """A non-negative integer in ASCII digits (str.isdigit() alone also takes '²', which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 FIELDS = {"step", "rank", "phase", "count", "factor", "replica", "mb", "node"}
 # Where the step hooks (ft/hooks.py) offer each of the detection faults: they need what the step holds there.
 FIXED_PHASE = {"hang": "allreduce", "slow": "end", "nan": "gradients", "bitflip": "update"}
@@ -100,7 +107,7 @@ class Fault:
         unknown = set(fields) - FIELDS
         if unknown:
             raise ValueError(f"unknown fault fields {sorted(unknown)}")
-        if "step" not in fields or not fields["step"].isdigit():
+        if "step" not in fields or not _natural(fields["step"]):
             raise ValueError("fault needs step=<non-negative integer>")
         phase = _phase_of(action, fields.get("phase"))
         if "node" in fields and not _NODE_NAME.match(fields["node"]):
@@ -111,7 +118,7 @@ class Fault:
         if count < 1 or not 1.0 < factor < 100.0:
             raise ValueError("count must be at least 1 and factor between 1 and 100")
         for key in ("replica", "mb"):
-            if key in fields and not fields[key].isdigit():
+            if key in fields and not _natural(fields[key]):
                 raise ValueError(f"{key} must be a non-negative integer, got {fields[key]!r}")
         if "mb" in fields and (action != "oom" or int(fields["mb"]) < 1):
             raise ValueError("mb is for oom only, and at least 1")
@@ -213,7 +220,7 @@ def parse_targeted(text: str) -> tuple[int, str]:
     for part in filter(None, rest.split(",")):
         key, _, value = part.partition("=")
         if key.strip() == "replica":
-            if not value.strip().isdigit():
+            if not _natural(value.strip()):
                 raise ValueError(f"replica must be a non-negative integer, got {value!r}")
             replica = int(value)
         else:
@@ -246,6 +253,6 @@ def preflight_faults(environ: Mapping[str, str] | None = None) -> tuple[Fault, .
     this node (TRANSOM_NODE_NAME). ValueError for a list that does not parse."""
     environ = environ if environ is not None else os.environ
     replica_text = environ.get(contract.ENV_REPLICA_ID, "")
-    replica = int(replica_text) if replica_text.isdigit() else None
+    replica = int(replica_text) if _natural(replica_text) else None
     return tuple(f for f in parse_list(environ.get(contract.ENV_FAULT, ""))
                  if f.phase == PREFLIGHT and f.applies_here(environ, replica))

@@ -30,10 +30,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from transom import contract
+from transom import contract, worker_files
 from transom.errors import ScriptError
 
 MAX_MESSAGE_CHARS = 2000  # a termination message is cut at 4096 bytes by the kubelet
+MAX_RECORD_BYTES = 8 * MAX_MESSAGE_CHARS  # what `record` writes, whose JSON escapes a character in at most 6
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def record_escaping(exc: BaseException | None = None) -> None:
     if not path or not isinstance(exc, ScriptError):
         return
     rank = os.environ.get("RANK", "")
+    number = int(rank) if rank.isascii() and rank.isdigit() else None
     try:
-        record(Path(path), ScriptFailure(type(exc).__name__, str(exc), int(rank) if rank.isdigit() else None))
+        record(Path(path), ScriptFailure(type(exc).__name__, str(exc), number))
     except OSError:  # the exit code and the traceback still tell; the job is restarted as for a crash
         pass
 
@@ -92,8 +94,11 @@ def record(path: Path, failure: ScriptFailure) -> None:
 def read(path: Path) -> ScriptFailure | None:
     """The failure at `path`; None if there is none (or it does not parse: then the worker's
     exit is an ordinary crash, restarted like one)."""
+    data = worker_files.read(path, MAX_RECORD_BYTES)  # the worker's to replace with anything
+    if data is None:
+        return None
     try:
-        raw = json.loads(path.read_text()[:4 * MAX_MESSAGE_CHARS])
+        raw = json.loads(data)
         rank = raw.get("rank")
         return ScriptFailure(str(raw["kind"])[:100], str(raw["message"])[:MAX_MESSAGE_CHARS],
                              rank if isinstance(rank, int) else None)
@@ -115,8 +120,6 @@ def write_termination_log(message: str, environ: dict[str, str] | None = None) -
 
 def read_termination_log(path: Path) -> str | None:
     """What a launcher wrote with `write_termination_log`; None if nothing."""
-    try:
-        text = path.read_text()[:MAX_MESSAGE_CHARS].strip()
-    except OSError:
-        return None
+    data = worker_files.read(path, 4 * MAX_MESSAGE_CHARS)  # its workers could put a FIFO there
+    text = data.decode(errors="replace")[:MAX_MESSAGE_CHARS].strip() if data is not None else ""
     return text or None

@@ -204,9 +204,10 @@ class TrainingProgress(StatusModel):
         None, max_length=2048,
         description=(
             "Set while replicas' checkpoint writers fail and retry (the storage unreachable, a bucket "
-            "refused): what each says it fails at, as \"replica 0: writing part 0 of step 40: "
-            "ClientConnectorError\". Training goes on meanwhile and lastCheckpoint ages; removed once "
-            "their writes go through again."
+            "refused): what each says it fails at, its words quoted after its id and entries separated "
+            "by '; ', as 'replica 0: \"writing part 0 of step 40: ClientConnectorError\"' (a replica's "
+            "words hold no double quote and no ';': they cannot read as another replica's). Training "
+            "goes on meanwhile and lastCheckpoint ages; removed once their writes go through again."
         ),
     )
     goodput: str | None = Field(

@@ -47,7 +47,7 @@ DEPARTED_S = 180.0
 def _rv(obj: dict) -> int:
     """The resourceVersion as an integer (opaque by contract, an etcd revision in practice)."""
     raw = (obj.get("metadata") or {}).get("resourceVersion") or "0"
-    return int(raw) if raw.isdigit() else 0
+    return int(raw) if raw.isascii() and raw.isdigit() else 0
 
 
 def _name(obj: dict) -> str:

@@ -37,7 +37,7 @@ def _json(resp) -> Any:
 
 def _list_rv(resp: dict) -> int:
     raw = (resp.get("metadata") or {}).get("resourceVersion") or "0"
-    return int(raw) if raw.isdigit() else 0
+    return int(raw) if raw.isascii() and raw.isdigit() else 0
 
 
 # Where the API server serves each kind the operator writes. It writes a fixed set of kinds,

@@ -171,3 +171,14 @@ def test_a_flood_of_signal_posts_does_not_starve_heartbeats(coord, keys):
     assert states == {0: "healthy", 1: "healthy", 2: "healthy"}, (states, answers)
     assert answers.get(429, 0) > answers.get(200, 0), answers  # most of the flood waits outside
     assert max(latencies) < 1.0 and statistics.median(latencies) < 0.2, (max(latencies), answers)
+
+
+def test_a_key_with_a_non_ascii_digit_is_a_401_counted_as_unauthenticated(coord, keys):
+    # A superscript two: str.isdigit() took it, int() did not (a 400 that named int()).
+    forged = keys.mint(0, 0).replace(".0.0.0.", ".\u00b2.0.0.", 1)
+    body = HeartbeatRequest(identity=ident(0), step=0).model_dump_json().encode()
+    r = requests.post(coord.url + "/v1/heartbeat", data=body,
+                      headers={"Authorization": f"Bearer {forged}".encode()}, timeout=TIMEOUT)
+    assert r.status_code == 401, r.text
+    text = requests.get(coord.url + "/metrics", timeout=TIMEOUT).text
+    assert 'transom_coordinator_unauthenticated_requests_total{endpoint="/v1/heartbeat"} 1.0' in text

@@ -5,6 +5,8 @@ status once the writes go through again (a merge patch's null)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -28,7 +30,7 @@ def test_trouble_is_shown_per_replica_and_removed_when_it_is_over():
     beat(m, 2, 1.0, FAILING)
     beat(m, 0, 1.1, "committing step 40: TimeoutError")
     assert m.training(1.2)["checkpointTrouble"] == (
-        "replica 0: committing step 40: TimeoutError; replica 2: " + FAILING)
+        'replica 0: "committing step 40: TimeoutError"; replica 2: "' + FAILING + '"')
     assert [r.checkpoint_trouble for r in m.status(1.2).replicas] == [
         "committing step 40: TimeoutError", None, FAILING]
     beat(m, 2, 2.0, "writing part 0 of step 40: ConnectionResetError")  # a new failure: no new event
@@ -70,3 +72,27 @@ def test_the_link_turns_any_words_into_a_heartbeat_the_coordinator_takes():
         HeartbeatRequest(identity=ident(0), step=0, checkpoint_trouble=_printable(said))
     assert _printable(None) is None and _printable("") is None
     assert _printable("committing step 3: OSError") == "committing step 3: OSError"
+
+
+def entries(shown: str) -> list[int]:
+    """The replicas status.training.checkpointTrouble has an entry for, as a reader splits it."""
+    return [int(rid) for rid in re.findall(r"(?:^|; )replica (\d+): ", shown)]
+
+
+@pytest.mark.parametrize("forged", [
+    "OK; replica 0: PermissionError: [Errno 13] Permission denied",
+    'OK"; replica 0: "PermissionError',
+    "OK\"; replica 0: \"PermissionError\\",
+    "replica 0: PermissionError",
+])
+def test_a_replicas_words_never_read_as_another_replicas(forged):
+    # Replica 1's checkpoint engine says whatever its script makes it say: status must show
+    # it as replica 1's words, and nothing in it as an entry of replica 0, who is fine.
+    m, _ = started(2)
+    beat(m, 1, 1.0, forged)
+    shown = m.training(1.1)["checkpointTrouble"]
+    assert entries(shown) == [1], shown
+    assert shown.startswith('replica 1: "') and shown.endswith('"') and shown.count('"') == 2, shown
+    assert "; " not in shown, shown  # the separator of entries: only between two replicas'
+    event = next(e for e in m.events if e.kind == "checkpoint_trouble")
+    assert event.message.count('"') == 2 and "; " not in event.message, event.message

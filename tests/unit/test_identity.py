@@ -37,3 +37,14 @@ def test_a_pods_labels_make_its_principal_and_a_spare_speaks_for_no_replica():
     assert spare.replica_id is None and spare.pod == ("tj-s0-n0-g0", "uid-2")
     with pytest.raises(Forbidden):
         spare.check(Identity(replica_id=0, generation=0, attempt=0))
+
+
+@pytest.mark.parametrize("digit", ["\u00b2", "\u0663", "\uff11", "\U0001d7d9"],
+                         ids=["superscript", "arabic-indic", "fullwidth", "math-double-struck"])
+def test_a_replica_key_with_a_non_ascii_digit_names_nobody(digit):
+    # str.isdigit() takes these; int() refuses some (a 400 with its message) and reads others
+    # (another spelling of a key): either way not a key this coordinator minted.
+    keys = ReplicaKeys("job", b"s" * 32)
+    key = keys.mint(1, 0, 0)
+    forged = key.replace(".1.0.0.", f".{digit}.0.0.", 1)
+    assert forged != key and keys.principal(forged) is None

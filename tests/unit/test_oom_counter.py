@@ -139,3 +139,11 @@ def test_the_coordinator_counts_each_reported_oom_kill_once_for_status():
         {"replica": 1, "generation": 1, "count": 2, "time": "2025-01-01T00:00:09Z",
          "message": "worker rank 0 was OOMKilled (memory limit 3Gi)"},
     ]
+
+
+def test_non_ascii_digits_are_no_number_in_a_cgroup_file_or_a_fault_spec():
+    # str.isdigit() takes a superscript two; int() does not: these said ValueError, not "none".
+    assert oom.parse_limit("\u00b2\n") is None
+    assert oom.parse_oom_kills("oom_kill \u00b2\n") is None
+    with pytest.raises(ValueError, match="non-negative integer"):
+        inject.Fault.parse("kill:step=\u00b2")

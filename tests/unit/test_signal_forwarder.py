@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
+import threading
 from pathlib import Path
+
+import pytest
 
 from transom.collective_counts import CollectiveCounter
 from transom.coordinator.models import DuplicateDataFinding, Identity, SignalAnswer
@@ -161,3 +165,45 @@ def test_collective_counts_go_with_the_posts_when_they_changed_and_all_with_a_ha
     last = client.batches[-1]
     assert last.stacks and [c.ftar_completed for c in last.collectives] == [1]  # sent again, with the stacks
     counter.detach()
+
+
+def returns_within(seconds: float, call, unblock: list[Path]):
+    """`call()`'s value if it returns within `seconds`; else the FIFOs in `unblock` are opened
+    for writing (which lets a reader stuck in open() go on, so no thread is left behind) and
+    the test fails."""
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for fifo in unblock:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(5)
+        pytest.fail(f"blocked for more than {seconds}s on a worker's file")
+    return done[0]
+
+
+@pytest.mark.parametrize("name", [FILE, "collectives-r1-g2-a0-k0", "waiting-r1-g2-a0-k0", "stacks-r1-g2-a0-k0.txt"])
+def test_a_fifo_in_place_of_a_workers_file_never_blocks_the_launcher(tmp_path, caplog, name):
+    """A worker that replaced a file with a FIFO froze the supervisor's only loop thread in
+    open(): a crash after that was never restarted (issue 43, item 2)."""
+    client = FakeClient()
+    fw = SignalForwarder(tmp_path, ME, 0, [0], client, DetectionSettings(hang_timeout_s=10))
+    if name != FILE:
+        write(tmp_path / FILE, rows(0, header=True))
+    if name != "stacks-r1-g2-a0-k0.txt":
+        (tmp_path / "stacks-r1-g2-a0-k0.txt").write_text("Thread 1 (most recent call first):\n")
+    os.mkfifo(tmp_path / name)
+    fifos = [tmp_path / name]
+    with caplog.at_level("WARNING", logger="transom.launch"):
+        for t in (100.0, 101.5, 103.0):
+            returns_within(5.0, lambda t=t: fw.poll(t), fifos)
+        hang = returns_within(5.0, lambda: fw.poll(120.0), fifos)
+        if hang is not None:
+            stacks = returns_within(10.0, lambda: fw.report_hang(hang, []), fifos)
+            assert "--- rank 0 ---" in stacks
+    refused = [r.getMessage() for r in caplog.records if "a FIFO" in r.getMessage()]
+    assert len(refused) == 1, refused  # once, not once a poll

@@ -96,7 +96,9 @@ class ReplicaKeys:
         if len(parts) != 6 or ".".join(parts[:2]) != KEY_PREFIX:
             return None
         fields, mac = parts[2:5], parts[5]
-        if not all(f.isdigit() and len(f) <= 10 for f in fields):
+        # ASCII digits only: str.isdigit() also takes '²' (which int() refuses: a 400, not a 401)
+        # and '１' (which int() reads: another spelling of a minted key).
+        if not all(f.isascii() and f.isdigit() and len(f) <= 10 for f in fields):
             return None
         replica_id, generation, node_rank = (int(f) for f in fields)
         if not hmac.compare_digest(mac.encode(), self._mac(replica_id, generation, node_rank).encode()):

@@ -20,6 +20,7 @@ from transom.coordinator.models import (
     RegisterResponse,
 )
 from transom.coordinator.records import Replica
+from transom.coordinator.reports import quoted
 from transom.errors import Evicted
 from transom.words import EventKind, FailureKind, IncarnationState
 
@@ -82,8 +83,8 @@ def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, n
     and when it ends (not for each new failure in between: a retry every few seconds)."""
     rid = rep.identity.replica_id
     if trouble is not None and rep.checkpoint_trouble is None:
-        m.event(now, EventKind.CHECKPOINT_TROUBLE, f"replica {rid} cannot write its checkpoint: {trouble} (retrying)",
-                rid)
+        m.event(now, EventKind.CHECKPOINT_TROUBLE,
+                f"replica {rid} cannot write its checkpoint: {quoted(trouble)} (retrying)", rid)
     elif trouble is None and rep.checkpoint_trouble is not None:
         m.event(now, EventKind.CHECKPOINT_TROUBLE_OVER, f"replica {rid} writes its checkpoint again", rid)
     rep.checkpoint_trouble = trouble

@@ -63,7 +63,7 @@ class _Connection:
                 return None
             raise ConnectionResetError("the coordinator closed the connection before it answered")
         parts = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (parts[1].isascii() and parts[1].isdigit()):
             raise ConnectionError(f"not an HTTP/1.1 status line: {line[:100]!r}")
         status, reason = int(parts[1]), parts[2] if len(parts) > 2 else ""
         headers = self._headers()

@@ -82,11 +82,24 @@ def in_checkpoint_trouble(m: Membership) -> list[Replica]:
             if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None]
 
 
+def quoted(words: str) -> str:
+    """A replica's own words, in double quotes, as they are shown beside its id.
+
+    The words are the replica's script's to choose (its heartbeat's `checkpoint_trouble`):
+    replica 1 saying `OK; replica 0: PermissionError` must not read as an entry of replica 0.
+    Inside the quotes there is no double quote (made `'`), so the words cannot close them;
+    no `;` (made `,`), the separator between replicas' entries; and nothing unprintable.
+    Replacing rather than escaping keeps the length: the CRD bounds what status shows."""
+    kept = "".join("'" if c == '"' else "," if c == ";" else c if " " <= c <= "~" else "?" for c in words)
+    return f'"{kept}"'
+
+
 def checkpoint_trouble(m: Membership) -> str | None:
     """status.training.checkpointTrouble: what the healthy replicas say their checkpoint
-    writers fail at, each in its own words ("replica 0: writing part 0 of step 40:
-    ConnectError"), the first TROUBLE_SHOWN of them; None when none does."""
-    said = [f"replica {r.identity.replica_id}: {r.checkpoint_trouble}" for r in in_checkpoint_trouble(m)]
+    writers fail at, each in its own words, `quoted` ('replica 0: "writing part 0 of step 40:
+    ConnectError"'), the first TROUBLE_SHOWN of them, separated by "; "; None when none does."""
+    said = [f"replica {r.identity.replica_id}: {quoted(r.checkpoint_trouble)}"
+            for r in in_checkpoint_trouble(m) if r.checkpoint_trouble is not None]
     if len(said) > TROUBLE_SHOWN:
         said = [*said[:TROUBLE_SHOWN], f"and {len(said) - TROUBLE_SHOWN} more replicas"]
     return "; ".join(said) or None

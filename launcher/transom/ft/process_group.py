@@ -32,7 +32,7 @@ log = logging.getLogger("transom.ft")
 
 def split_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):
         raise ValueError(f"store address must be host:port, got {addr!r}")
     return host.strip("[]"), int(port)
 

@@ -77,7 +77,7 @@ def parse_oom_kills(text: str) -> int | None:
     """N of the `oom_kill N` line of memory.oom_control (v1) or memory.events (v2)."""
     for line in text.splitlines():
         key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
+        if key == "oom_kill" and value.strip().isascii() and value.strip().isdigit():
             return int(value)
     return None
 
@@ -85,7 +85,7 @@ def parse_oom_kills(text: str) -> int | None:
 def parse_limit(text: str) -> int | None:
     """Bytes of memory.limit_in_bytes (v1) or memory.max (v2); None for "max", no limit or garbage."""
     value = text.strip()
-    if not value.isdigit() or int(value) >= UNLIMITED:
+    if not (value.isascii() and value.isdigit()) or int(value) >= UNLIMITED:
         return None
     return int(value)
 

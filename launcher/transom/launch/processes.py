@@ -88,7 +88,7 @@ def _stat(pid: int) -> tuple[int, int, str, str] | None:
 
 def _processes() -> dict[int, tuple[int, int, str, str]]:
     """`_stat` of every process (Linux)."""
-    found = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
+    found = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isascii() and name.isdigit()}
     return {pid: info for pid, info in found.items() if info is not None}
 
 

@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transom import collective_counts
+from transom import collective_counts, worker_files
 from transom.coordinator.client import CoordinatorClient
 from transom.coordinator.models import CollectiveCounts, Identity, SignalBatch, SignalRow
 from transom.detect.step_rows import (
@@ -56,7 +57,7 @@ RECOVERY_POST_S = 0.1  # rows of steps with recovery work: posted this often at 
 LAST_FLUSH_PATIENCE_S = 3.0
 STACKS_WAIT_S = 3.0
 MAX_STACKS_CHARS = 16_000
-MAX_READ_BYTES = 1 << 20  # of one worker's file per poll
+MAX_READ_BYTES = 1 << 20  # of one worker's file per poll (and of its stacks)
 SKIPPED_WARNING_INTERVAL_S = 60.0  # a script that writes garbage every step gets a line a minute, not one a step
 COLUMNS = (*TRACE_COLUMNS, *OPTIONAL_COLUMNS)
 
@@ -131,14 +132,12 @@ class SignalForwarder:
         return True
 
     def _read(self, w: _Worker, now: float) -> None:
-        path = self.dir / f"signals-{self._name(w.rank)}.csv"
-        try:
-            with open(path, "rb") as f:  # bytes: the script may have written anything
-                f.seek(w.offset)
-                chunk = f.read(MAX_READ_BYTES)
-                w.offset = f.tell()
-        except OSError:
-            return  # not started yet
+        # Bytes: the script may have written anything; and never a plain open(): the path may
+        # be a FIFO, whose open() would stop this loop (worker_files.py).
+        chunk = worker_files.read(self.dir / f"signals-{self._name(w.rank)}.csv", MAX_READ_BYTES, w.offset)
+        if chunk is None:
+            return  # not started yet, or no regular file
+        w.offset += len(chunk)
         for parsed in w.parser.feed(chunk):
             try:
                 row = _row(parsed)
@@ -180,10 +179,7 @@ class SignalForwarder:
             self._next_skipped_warning = now + SKIPPED_WARNING_INTERVAL_S
 
     def _waiting(self, rank: int) -> bool:
-        try:
-            return (self.dir / f"waiting-{self._name(rank)}").read_bytes()[:1] == b"1"
-        except OSError:
-            return False
+        return worker_files.read(self.dir / f"waiting-{self._name(rank)}", 1) == b"1"
 
     def _hung(self, now: float) -> Hang | None:
         for w in self._workers.values():
@@ -257,13 +253,12 @@ class SignalForwarder:
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        st = path.lstat()  # lstat: never waits, whatever the path is
     except OSError:
         return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 1  # not a file: nothing to wait for
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError as e:
-        return f"(no stacks: {e})"
+    data = worker_files.read(path, MAX_READ_BYTES)
+    return "(no stacks: no regular file)" if data is None else data.decode(errors="replace")

@@ -18,6 +18,7 @@ strconv.Quote does (the kubelet's format).
 from __future__ import annotations
 
 import ast
+import errno
 import logging
 import os
 import time
@@ -25,9 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from transom import contract
+from transom import contract, worker_files
 
 log = logging.getLogger("transom.launch")
+MAX_LABELS_BYTES = 1 << 20  # of the podinfo labels file (a pod's labels: far less)
 POLL_S = 0.05  # a read of a small local file: polling it costs nothing worth saving
 
 
@@ -71,8 +73,15 @@ def podinfo_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def read_assignment(directory: Path) -> Assignment | None:
-    """The identity `directory/labels` names now; None while a spare (or unreadable)."""
-    return assignment(parse_labels((directory / "labels").read_text()))
+    """The identity `directory/labels` names now; None while a spare (or unreadable).
+    OSError: no regular file there (not mounted yet). Read through worker_files.py: under
+    `transom run` the directory is in the stats directory, which the workers can write, and
+    the launcher's loop must not wait on a FIFO there; the kubelet's file is a symbolic link."""
+    path = directory / "labels"
+    data = worker_files.read(path, MAX_LABELS_BYTES, follow_symlinks=True)
+    if data is None:
+        raise FileNotFoundError(errno.ENOENT, "no regular file", str(path))
+    return assignment(parse_labels(data.decode(errors="replace")))
 
 
 def poll_assignment(directory: Path) -> Assignment | None:

@@ -28,10 +28,14 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
-from transom.detect.step_rows import read_trace, write_trace
+from transom import worker_files
+from transom.detect.step_rows import Signal, TraceParser, write_trace
 
 FINAL_LOSS_STEPS = 10
+MAX_STATS_BYTES = 64 << 20  # of one worker's step records or signal rows (some 200,000 steps); more is cut
+MAX_FINAL_BYTES = 1 << 16  # of one final digest file
 _STEPS = re.compile(r"steps-r(\d+)-g(\d+)-a(\d+)\.jsonl$")
 _FINAL = re.compile(r"final-r(\d+)-k(\d+)\.json$")
 
@@ -45,27 +49,53 @@ class Incarnation:
 
 
 def load(directory: Path) -> tuple[dict[int, list[Incarnation]], list[dict]]:
+    """The step records and final digests in `directory`. The workers' scripts write there:
+    a path that is no regular file is skipped (worker_files.py), so is a line or a file
+    that is not a record."""
     by_replica: dict[int, list[Incarnation]] = {}
     finals: list[dict] = []
     for path in sorted(directory.iterdir()):
         if m := _STEPS.match(path.name):
+            if (data := worker_files.read(path, MAX_STATS_BYTES)) is None:
+                continue
             replica, generation, attempt = (int(g) for g in m.groups())
             inc = Incarnation(replica, generation, attempt)
-            for line in path.read_text().splitlines():
-                try:
-                    inc.records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by SIGKILL
+            inc.records = [r for r in map(_parsed, data.splitlines()) if _is_record(r)]
             by_replica.setdefault(inc.replica, []).append(inc)
         elif _FINAL.match(path.name):
-            finals.append(json.loads(path.read_text()))
+            final = _parsed(worker_files.read(path, MAX_FINAL_BYTES) or b"")
+            if _is_final(final):
+                finals.append(final)
     for incs in by_replica.values():
         incs.sort(key=lambda i: (i.generation, i.attempt))
     return by_replica, finals
 
 
+def _parsed(line: bytes) -> object:
+    try:
+        return json.loads(line)
+    except ValueError:  # a line cut short by SIGKILL, bytes that are not UTF-8
+        return None
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_record(r: object) -> TypeGuard[dict]:
+    """A step record is an object; the figures below check the fields they read (a worker's
+    script can write any JSON there)."""
+    return isinstance(r, dict)
+
+
+def _is_final(f: object) -> TypeGuard[dict]:
+    return (isinstance(f, dict) and all(isinstance(f.get(k), int) for k in ("replica", "rank", "step"))
+            and isinstance(f.get("digest"), str))
+
+
 def stall_seconds(records: list[dict]) -> float:
     """Excess time of disrupted steps over the median undisrupted step, first step excluded."""
+    records = [r for r in records if _number(r.get("seconds"))]  # ft/stats.py's always have it
     normal: list[float] = []
     disrupted: list[float] = []
     previous_failed = False
@@ -148,7 +178,7 @@ def summarize(directory: Path, num_replicas: int, faults_per_replica: dict[int, 
     stall = max((stall_seconds(inc.records) for inc in healthy), default=0.0)
     final_losses = []
     for incs in by_replica.values():
-        losses = [r["loss"] for inc in incs for r in inc.records if r.get("committed") and r.get("loss") is not None]
+        losses = [r["loss"] for inc in incs for r in inc.records if r.get("committed") and _number(r.get("loss"))]
         if losses:  # the last few steps, so one batch's noise does not decide
             tail = losses[-FINAL_LOSS_STEPS:]
             final_losses.append(sum(tail) / len(tail))
@@ -211,13 +241,17 @@ def replica_rows(directory: Path, num_replicas: int, logs: dict[int, str] | None
 
 def merge_trace(directory: Path, out: Path) -> int:
     """Every worker's signal rows (all incarnations) as one CSV trace in step order."""
-    rows = []
+    rows: list[Signal] = []
     for path in sorted(directory.glob("signals-*.csv")):
+        data = worker_files.read(path, MAX_STATS_BYTES)  # never open() a worker's file: a FIFO blocks
+        if data is None:
+            continue
+        parser = TraceParser()
         try:
-            for row in read_trace(path):
-                rows.append(row)
+            rows.extend(parser.feed(data))
+            rows.extend(parser.end())
         except ValueError as e:  # a worker killed mid-row: keep what it wrote before
-            logging.getLogger("transom.launch").info("trace: %s", e)
+            logging.getLogger("transom.launch").info("trace: %s: %s", path, e)
     rows.sort(key=lambda r: (r.step, r.replica, r.rank))
     with open(out, "w", newline="") as f:
         write_trace(rows, f)
