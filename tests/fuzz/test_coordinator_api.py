@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import JSON
-from transom.coordinator.claims import SIGNAL_STEP_WINDOW, step_limit
+from transom.coordinator.claims import SIGNAL_STEP_WINDOW, believed_step, step_limit
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import (
@@ -174,3 +174,45 @@ def test_no_signal_post_moves_the_detectors_past_what_its_replica_can_have(held,
         newest = max(step_limit(m, r)[0] for r in range(3)) + SIGNAL_STEP_WINDOW
         assert d.detectors._newest <= newest and d.detectors._judged <= newest
         assert all(rank <= replica for replica, rank in d.detectors._ranks_seen)
+
+
+HONEST_MAX = 40  # replicas 1 and 2 hold at most this many steps; replica 0 claims anything
+EARLY = st.one_of(
+    st.tuples(st.just("register"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
+    st.tuples(st.just("signal"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
+    st.tuples(st.just("quorum"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
+)
+
+
+def _early_call(m: Membership, d: Detection, kind: str, rid: int, gen: int, step: int, now: float) -> None:
+    if rid and kind != "signal":  # the honest replicas claim what they hold
+        step %= HONEST_MAX + 1
+    who = ident(rid, gen)
+    if kind == "register":
+        m.register(RegisterRequest(identity=who, store_addr="h:1", state_endpoints=["x"], step=step), now)
+    elif kind == "quorum":
+        m.request_quorum(QuorumRequest(identity=who, step=step, commit_quorum_id=-1, last_round=-1), now)
+    else:
+        rows = [SignalRow(step=s, rank=0, step_seconds=0.5, fingerprint=rid) for s in (step, step % 64)]
+        d.observe(SignalBatch(identity=who, rows=rows), now)
+
+
+@given(calls=st.lists(EARLY, max_size=40))
+def test_claims_before_the_first_round_move_the_detectors_only_as_far_as_decided_rounds(calls):
+    """Registrations, quorum requests and rows with huge steps before and around a fresh
+    coordinator's first round: the detectors' newest and judged steps stay within what the
+    honest majority registered with or a decided round allowed (one registration at 2^62 - 1
+    and a row at 2^62 once blinded them for the whole job)."""
+    m = Membership(Settings(job="fuzz", num_replicas=3, heartbeat_timeout_s=3600.0, startup_wait_s=5.0))
+    d = Detection(DetectionSettings(action="Report"), m)
+    now = 0.0
+    for kind, rid, gen, step in calls:
+        now += 0.5
+        try:
+            _early_call(m, d, kind, rid, gen, step, now)
+        except (Evicted, NotRegistered, JobCompleted, ValueError):
+            pass  # the protocol's own refusals
+        believed = believed_step(m)
+        limit = max(HONEST_MAX, m.step_limit) + SIGNAL_STEP_WINDOW
+        assert believed is None or believed <= max(HONEST_MAX, m.step_limit)
+        assert d.detectors._newest <= limit and d.detectors._judged <= limit, (d.detectors._newest, m.step_limit)

@@ -26,6 +26,7 @@ from transom.coordinator.membership import Settings
 from transom.coordinator.models import (
     CheckpointReport,
     FailureReport,
+    FingerprintRecord,
     HeartbeatRequest,
     Identity,
     QuorumRequest,
@@ -36,6 +37,7 @@ from transom.coordinator.models import (
     SignalRow,
 )
 from transom.coordinator.thread import CoordinatorThread
+from transom.detect.step_rows import DetectionSettings
 
 TOKEN = "test-token-3f9a"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -566,3 +568,33 @@ def test_identical_input_digests_are_told_to_every_poster_and_in_the_status_and_
     training = coord.call(coord.server.training)
     assert training["duplicateData"] == {"step": 0, "replicas": [0, 1], "message": found.message}
     assert "verdicts" not in training
+
+
+def test_a_claim_believed_before_the_first_round_does_not_blind_detection(start_coordinator):
+    # Replica 0 registers at step 2^62 - 1 before a fresh coordinator's first round, posts one
+    # row at 2^62, then trains from step 0 with the others. That row once made every real step
+    # judged on the first poster's rows alone (the others' "late"): an SDC in replica 1 gave
+    # no verdict, its record read `single`, and a bad batch on every replica blamed replica 0.
+    ct = CoordinatorThread(Settings(job="http-test", num_replicas=3, heartbeat_timeout_s=30.0), TOKEN,
+                           detection=DetectionSettings(action="Report"))
+    ct.start()
+    try:
+        c = client(ct)
+        c.register(reg_req(0, step=2**62 - 1))
+        for r in (1, 2):
+            c.register(reg_req(r))
+        c.report_signals(SignalBatch(identity=ident(0), rows=[SignalRow(step=2**62, rank=0, step_seconds=0.5)]))
+        for step in range(13):
+            quorum_together(ct, [q_req(r, step=step, commit=0 if step else -1, last_round=step - 1)
+                                 for r in range(3)])
+        for r in range(3):  # replica 0's rows first, as in the report
+            c.report_signals(SignalBatch(identity=ident(r), rows=[
+                SignalRow(step=step, rank=0, step_seconds=0.5, loss=1.0,
+                          finite=step not in (5, 6, 7),  # a bad batch, non-finite on every replica
+                          fingerprint=(7 + (r == 1)) if step == 12 else None)  # replica 1's bit flip
+                for step in range(13)]))
+        verdicts = [e.message for e in c.status().events if e.kind == "verdict"]
+        assert len(verdicts) == 1 and verdicts[0].startswith("replica 1: SilentDataCorruption"), verdicts
+        assert c.fingerprint(13, 0) == FingerprintRecord(state="agreed", value=7)
+    finally:
+        ct.stop()

@@ -24,6 +24,7 @@ from transom.checkpoint import blob, structure
 from transom.ft import sources as sources_module
 from transom.ft import transfer
 from transom.ft.catchup import Joiner, Shadow, record_of
+from transom.ft.sources import SnapshotUse
 from transom.ft.state_server import StateServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -254,10 +255,10 @@ def test_a_snapshot_the_verification_refuses_is_not_used_and_its_source_is_dropp
     committed = {5: fingerprint(list(peer.parameters()))}
     verified: list[tuple[int, bool]] = []
 
-    def verify(manifest: transfer.SnapshotManifest, shadow: Shadow) -> bool:
+    def verify(manifest: transfer.SnapshotManifest, shadow: Shadow, serving: int, others: int) -> SnapshotUse:
         ok = committed.get(manifest.step) == fingerprint(shadow.params)
         verified.append((manifest.step, ok))
-        return ok
+        return SnapshotUse.USE if ok else SnapshotUse.REFUSE
 
     liar, source = servers(2)
     liar.publish_snapshot(snapshot(5, peer, peer_opt, torch.zeros_like))
@@ -286,7 +287,7 @@ def test_a_snapshot_that_fails_the_verification_is_never_replayed_on(servers):
     source.publish_snapshot(snapshot(5, peer, peer_opt))
     model, opt = model_and_optimizer(0, steps=0)
     joiner = Joiner(model, opt, "tok", torch.device("cpu"), None, need_from=5, sources=[source.url],
-                    timeout_s=2.0, max_record_bytes=1 << 30, verify=lambda m, s: False)
+                    timeout_s=2.0, max_record_bytes=1 << 30, verify=lambda m, s, serving, others: SnapshotUse.REFUSE)
     try:
         record(joiner, model, opt, 5)
         deadline = time.monotonic() + 15

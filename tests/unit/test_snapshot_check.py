@@ -3,6 +3,7 @@ and the detectors' record it reads (detect/detectors.py, coordinator/detection.p
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import cast
 
@@ -16,6 +17,7 @@ from transom.detect.step_rows import DetectionSettings
 from transom.ft.catchup import Shadow
 from transom.ft.guard import fingerprint
 from transom.ft.snapshot_check import SnapshotCheck
+from transom.ft.sources import SnapshotUse
 from transom.ft.transfer import SnapshotManifest
 
 PARAMS = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(4)]
@@ -36,18 +38,21 @@ class Records:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
-def check(client, **kw) -> bool:
+def check(client, serving: int = 1, others: int = 0, **kw) -> SnapshotUse:
     return SnapshotCheck(client, rank=1, wait_s=kw.pop("wait_s", 2.0), **kw)(
         cast(SnapshotManifest, SimpleNamespace(step=40)),
-        cast(Shadow, SimpleNamespace(model_params=PARAMS, optimizer=OPTIMIZER)))
+        cast(Shadow, SimpleNamespace(model_params=PARAMS, optimizer=OPTIMIZER)), serving, others)
+
+
+USE, REFUSE, ELSEWHERE = SnapshotUse.USE, SnapshotUse.REFUSE, SnapshotUse.ELSEWHERE
 
 
 @pytest.mark.parametrize("record, used", [
-    (FingerprintRecord(state="agreed", value=MINE), True),
-    (FingerprintRecord(state="agreed", value=MINE + 1), False),  # zeros, or another lineage: refused
-    (FingerprintRecord(state="disputed"), False),
-    (FingerprintRecord(state="single", value=MINE), True),
-    (FingerprintRecord(state="single", value=MINE - 1), False),  # not even what its one source said
+    (FingerprintRecord(state="agreed", value=MINE), USE),
+    (FingerprintRecord(state="agreed", value=MINE + 1), REFUSE),  # zeros, or another lineage: refused
+    (FingerprintRecord(state="disputed"), REFUSE),
+    (FingerprintRecord(state="single", value=MINE), USE),  # its one source, and no other left
+    (FingerprintRecord(state="single", value=MINE - 1), REFUSE),  # not even what its one source said
 ])
 def test_a_snapshot_is_used_only_if_it_is_what_the_replicas_committed(record, used):
     client = Records(FingerprintRecord(state="unknown"), record)
@@ -55,10 +60,25 @@ def test_a_snapshot_is_used_only_if_it_is_what_the_replicas_committed(record, us
     assert client.asked[0] == (40, 1)  # the state after 40 committed steps, this rank's shard
 
 
-def test_nothing_on_record_in_time_is_used_unchecked_and_detection_off_asks_nothing():
-    assert check(Records(FingerprintRecord(state="unknown")), wait_s=0.6) is True
+@pytest.mark.parametrize("record", [FingerprintRecord(state="single", value=MINE), FingerprintRecord(state="unknown")])
+def test_a_snapshot_only_its_source_vouches_for_is_set_aside_while_another_source_is_left(record):
+    # A lone fingerprint (maybe the source's own row) or none within the wait confirms nothing:
+    # the joiner tries another source before it takes one replica's word.
+    assert check(Records(record), others=1, wait_s=0.3) is ELSEWHERE
+    assert check(Records(record), serving=2, others=1, wait_s=0.3) is USE  # two sources serve it byte for byte
+    assert check(Records(record), wait_s=0.3) is USE  # no other source: its word, and the log says so
+
+
+def test_an_unconfirmed_snapshot_is_never_used_silently(caplog):
+    caplog.set_level(logging.WARNING, logger="transom.ft")
+    assert check(Records(FingerprintRecord(state="unknown")), wait_s=0.3) is USE
     client = Records(FingerprintRecord(state="agreed", value=MINE + 1))
-    assert check(client, enabled=False) is True and client.asked == []
+    assert check(client, enabled=False) is USE and client.asked == []  # detection off: nothing to ask
+    assert check(client, enabled=False, others=1) is ELSEWHERE
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "no fingerprint on record within 0s" in said[0], said
+    assert "anomaly detection is off" in said[1] and "no other source is left" in said[1], said
+    assert "set aside" in said[2], said
 
 
 def test_the_coordinator_keeps_the_majority_fingerprint_of_each_step_and_rank():

@@ -16,10 +16,15 @@ the job's step, complete the job, or move the detectors' judged-up-to mark past 
 step. Completing the job needs an answered round as well: a replica that no round answered
 has trained nothing under this coordinator.
 
-What stays trusted is the step a replica registers with before this coordinator decided
-any round (a new job, or one whose coordinator restarted): there is nothing to compare it
-with, and an honest replica that alone kept its state through a coordinator restart looks
-the same as one that lies (docs/architecture.md, "Known limits").
+What stays trusted for membership is the step a replica registers with before this
+coordinator decided any round (a new job, or one whose coordinator restarted): an honest
+replica that alone kept its state through a coordinator restart looks the same as one that
+lies (docs/architecture.md, "Known limits"). The detectors do not take that word, though:
+their state lasts the whole job, so a row is taken only up to the step the job's evidence
+supports (`believed_step`): one past the newest step a decided round allowed, or, before
+the first round, the step a strict majority of the replicas registered with at least. A
+lone replica registered at 2^62 - 1 before the first round could otherwise post a row at
+2^62 and have every real step judged on one launcher's rows (the others' "late").
 
 Pure functions over `Membership`'s records, called under the server's lock.
 """
@@ -72,7 +77,22 @@ def check_completion(m: Membership, replica_id: int, step: int) -> None:
                          "(a replica commits steps only in rounds)")
 
 
+def believed_step(m: Membership) -> int | None:
+    """The most committed steps the job's evidence supports: one past the newest step of any
+    decided round; before the first round, the step that a strict majority of the job's
+    replicas registered with at least (None while fewer than that registered). One
+    replica's registration alone moves it only in a job of one replica."""
+    if m.current is not None:
+        return m.step_limit
+    majority = m.settings.num_replicas // 2 + 1
+    registered = sorted((rep.registered_step for rep in m.replicas.values()), reverse=True)
+    return registered[majority - 1] if len(registered) >= majority else None
+
+
 def signal_step_ok(m: Membership, replica_id: int, step: int) -> bool:
-    """A signal row of `step` describes a step replica `replica_id` could have trained."""
+    """A signal row of `step` describes a step replica `replica_id` could have trained, and
+    one the job's evidence says some replica could have (`believed_step`)."""
     bound = step_limit(m, replica_id)
-    return bound is None or step <= bound[0] + SIGNAL_STEP_WINDOW
+    believed = believed_step(m)
+    return (bound is None or step <= bound[0] + SIGNAL_STEP_WINDOW) and believed is not None \
+        and step <= believed + SIGNAL_STEP_WINDOW

@@ -48,7 +48,7 @@ from transom.checkpoint.snapshot import Snapshot
 from transom.errors import IncompatibleState, WireError
 from transom.ft import transfer
 from transom.ft.expected import ExpectedState
-from transom.ft.sources import Sources
+from transom.ft.sources import Choice, SnapshotUse, Sources
 from transom.ft.state_server import StateServer
 
 log = logging.getLogger("transom.ft")
@@ -185,14 +185,17 @@ class Joiner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, token: str,
                  device: torch.device, rebuild: Callable | None, need_from: int, sources: list[str],
                  timeout_s: float, max_record_bytes: int, gate: transfer.LinkGate | None = None,
-                 verify: Callable[[transfer.SnapshotManifest, Shadow], bool] | None = None):
+                 verify: Callable[[transfer.SnapshotManifest, Shadow, int, int], SnapshotUse] | None = None):
         """Make it on the training thread, in the round whose small state it took: `need_from`
         is that state's step, committed by the sources. `gate`: the trainer's; the transfer
-        uses the link only while the exchange does not. `verify(manifest, shadow)`: called
-        on this thread once a snapshot's shadow is built, before anything is replayed on it;
-        False means it is not to be trusted: the sources that served it are dropped and
-        another snapshot is sought. An exception from it is a failed attempt (the snapshot
-        is fetched again); it is bounded by `timeout_s` like the rest."""
+        uses the link only while the exchange does not. `verify(manifest, shadow, serving,
+        others)`: called on this thread once a snapshot's shadow is built, before anything is
+        replayed on it, with how many sources serve it and how many others are left; REFUSE
+        means it is not to be trusted (the sources that served it are dropped, it is never
+        taken again), ELSEWHERE that it is unconfirmed while another source is left (its
+        sources are dropped); either way another snapshot is sought. An exception from it is
+        a failed attempt (the snapshot is fetched again); it is bounded by `timeout_s` like
+        the rest."""
         self.model, self.optimizer, self.token, self.device = model, optimizer, token, device
         self._named, self._buffer_names = parameters_of(model)  # here, on the training thread
         self.gate, self.verify = gate, verify
@@ -322,12 +325,25 @@ class Joiner:
             self.sources.refuse(manifest, chosen.serving, f"its snapshot of step {manifest.step}: {e}")
             raise
         shadow = Shadow(state, self._named, self._buffer_names, self.optimizer)
-        if self.verify is not None and not self.verify(manifest, shadow):
+        self._verify(chosen, shadow)
+        log.info("catch-up: shadow of step %d built in %.2fs", manifest.step, time.monotonic() - t1)
+        return shadow
+
+    def _verify(self, chosen: Choice, shadow: Shadow) -> None:
+        """WireError unless `verify` lets the shadow built from `chosen` be used."""
+        if self.verify is None:
+            return
+        manifest = chosen.manifest
+        others = [ep for ep in self._sources() if ep not in self.sources.dropped and ep not in chosen.serving]
+        use = self.verify(manifest, shadow, len(chosen.serving), len(others))
+        if use is SnapshotUse.REFUSE:
             why = f"the snapshot of step {manifest.step} failed the verification"
             self.sources.refuse(manifest, chosen.serving, why)
             raise WireError(why)
-        log.info("catch-up: shadow of step %d built in %.2fs", manifest.step, time.monotonic() - t1)
-        return shadow
+        if use is SnapshotUse.ELSEWHERE:
+            why = f"nobody but its source confirms its snapshot of step {manifest.step}; another source is tried"
+            self.sources.drop(chosen.serving, why)
+            raise WireError(why)
 
     def _replay(self, shadow: Shadow, generation: int) -> None:
         """Apply the records from the shadow's step on, as they come, until taken or reset."""

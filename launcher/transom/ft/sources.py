@@ -43,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from transom.errors import WireError
 from transom.ft import transfer
@@ -56,6 +57,14 @@ log = logging.getLogger("transom.ft")
 UNDECIDED_WAIT_S = 2.0
 POLL_S = 0.05
 ASK_TIMEOUT_S = 10.0  # one source's answer to GET /snapshot
+
+
+class SnapshotUse(StrEnum):
+    """What a joiner's verification of a snapshot it built says (`Joiner.verify`)."""
+
+    USE = "use"
+    REFUSE = "refuse"  # not the state the replicas committed: never taken again, its sources dropped
+    ELSEWHERE = "elsewhere"  # unconfirmed while another source is left: its sources dropped, it not condemned
 
 
 @dataclass
