@@ -266,9 +266,15 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
                        f"({job.since_fault():.0f} s); last checkpoint {job.watch.now().last_checkpoint}")
     finally:
         cluster.start_s3()
+    back = job.watch.now().step or 0
     job.world.wait("a checkpoint committed after the outage",
                    lambda: (job.watch.now().last_checkpoint or 0) > (before.step or 0), 180)
     v.recover_s = job.since_fault()
+    after = job.watch.now()
+    # What the newest complete checkpoint lags once S3 is back: within one interval of its
+    # return, the checkpoint in flight (or the next due one) lands.
+    v.notes.append(f"S3 back at step {back}; checkpoint {after.last_checkpoint} committed by step {after.step} "
+                   f"({(after.step or 0) - back} steps after S3's return; interval {CHECKPOINT_INTERVAL})")
     job.world.wait("status.training.checkpointTrouble removed", lambda: not checkpoint_trouble(job), 120)
     # A whole-job restart restores the newest complete checkpoint.
     return whole_job_restart(job, v)

@@ -54,6 +54,8 @@ class ConditionReason(StrEnum):
     INVALID_SPEC = "InvalidSpec"  # the operator cannot use the spec (also the Event): it acts on nothing
     SLOW_REPLICA_REBALANCED = "SlowReplicaRebalanced"  # spec.detection.slowAction Rebalance in force
     NOMINAL_SHARES = "NominalShares"
+    STORAGE_FAILING = "StorageFailing"  # status.training.checkpointTrouble: writers retry
+    CHECKPOINTS_OK = "CheckpointsOK"
     REPLICAS_DIVERGED = "ReplicasDiverged"  # status.training.diverged: the coordinator stopped the job
     REPLICAS_AGREE = "ReplicasAgree"
     # A container exited 4 (EXIT_SCRIPT_ERROR): the script raised a ScriptError, which every
@@ -77,6 +79,8 @@ class EventReason(StrEnum):
     JOB_QUEUED = "JobQueued"  # waiting for Kueue (again, after an eviction)
     JOB_ADMITTED = "JobAdmitted"  # Kueue admitted the job: its pods are created
     REBALANCED = "Rebalanced"  # the batch shares changed (status.training.batchSharePercent)
+    CHECKPOINT_TROUBLE = "CheckpointTrouble"  # replicas' checkpoint writers began to fail (checkpointTrouble)
+    CHECKPOINTS_WRITTEN = "CheckpointsWritten"  # ... and write again
 
 
 class EventType(StrEnum):
@@ -119,6 +123,8 @@ QUEUED = ConditionReason.QUEUED
 INVALID_SPEC = ConditionReason.INVALID_SPEC
 SLOW_REPLICA_REBALANCED = ConditionReason.SLOW_REPLICA_REBALANCED
 NOMINAL_SHARES = ConditionReason.NOMINAL_SHARES
+STORAGE_FAILING = ConditionReason.STORAGE_FAILING
+CHECKPOINTS_OK = ConditionReason.CHECKPOINTS_OK
 REPLICAS_DIVERGED = ConditionReason.REPLICAS_DIVERGED
 REPLICAS_AGREE = ConditionReason.REPLICAS_AGREE
 
@@ -135,6 +141,8 @@ EVENT_JOB_SUSPENDED = EventReason.JOB_SUSPENDED
 EVENT_JOB_QUEUED = EventReason.JOB_QUEUED
 EVENT_JOB_ADMITTED = EventReason.JOB_ADMITTED
 EVENT_REBALANCED = EventReason.REBALANCED
+EVENT_CHECKPOINT_TROUBLE = EventReason.CHECKPOINT_TROUBLE
+EVENT_CHECKPOINTS_WRITTEN = EventReason.CHECKPOINTS_WRITTEN
 
 NORMAL = EventType.NORMAL
 WARNING = EventType.WARNING

@@ -432,6 +432,22 @@ def test_replicas_the_coordinator_found_diverged_are_a_condition():
     assert (c.status, c.reason, c.message) == ("True", "ReplicasDiverged", said)
 
 
+def test_checkpoint_trouble_is_a_condition_and_an_event_when_it_starts_and_ends():
+    w = World(make_job()).running()
+    assert cond(w.step().status, "CheckpointTrouble").status == "False"
+    said = "replica 0: rank 1: writing part 1 of step 40: ClientConnectorError"
+    w.coordinator(step=40, checkpointTrouble=said)
+    p = w.step()
+    c = cond(p.status, "CheckpointTrouble")
+    assert (c.status, c.reason, c.message) == ("True", "StorageFailing", said)
+    assert [(e[0], e[1]) for e in p.events] == [("Warning", "CheckpointTrouble")] and said in p.events[0][2]
+    assert w.step().events == []  # still failing: no new Event
+    w.coordinator(step=45)  # written again: status.training without it
+    p = w.step()
+    assert cond(p.status, "CheckpointTrouble").reason == "CheckpointsOK"
+    assert [(e[0], e[1]) for e in p.events] == [("Normal", "CheckpointsWritten")]
+
+
 def test_rebalanced_shares_are_a_condition_and_an_event_when_they_change():
     w = World(make_job()).running()
     assert cond(w.step().status, "Rebalanced").status == "False"

@@ -144,6 +144,13 @@ class CheckpointEngine:
         self.last_stall_s = 0.0
         self.last_persist_s = 0.0
         self._trouble: str | None = None
+        self.on_trouble: Callable[[str | None], None] | None = None  # told when `trouble` changes (its thread)
+
+    def _say(self, trouble: str | None) -> None:
+        changed = trouble != self._trouble
+        self._trouble = trouble
+        if changed and self.on_trouble is not None:
+            self.on_trouble(trouble)
 
     @property
     def trouble(self) -> str | None:
@@ -243,7 +250,7 @@ class CheckpointEngine:
                 log.error("%s", e)
             except Diverged as e:  # the writers' states differ: no checkpoint is assembled from them
                 self.failed += 1
-                self._trouble = str(e)[:300]  # the heartbeats carry it to status (checkpointTrouble)
+                self._say(str(e)[:300])  # the heartbeats carry it to status (checkpointTrouble)
                 log.error("%s", e)
             except Exception as e:  # closing mid-retry, or a bug: never into the training loop
                 self.failed += 1
@@ -290,11 +297,11 @@ class CheckpointEngine:
         """`fn` retried with this engine's backoff (storage.retry); while a retry waits,
         `trouble` says what failed, and once `fn` went through it is None again."""
         def failed(said: str) -> None:
-            self._trouble = said
+            self._say(said)
 
         result = retry(what, fn, stopped=self._stopped, first_s=self.config.retry_first_s,
                        max_s=self.config.retry_max_s, on_failure=failed)
-        self._trouble = None
+        self._say(None)
         return result
 
     def _prune(self) -> None:

@@ -3,7 +3,11 @@
 `file://` (or a plain path) serves NFS and PVC mounts, `s3://` goes through s3fs; anything
 else fsspec knows works too. S3 settings come from the usual AWS variables
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for S3-compatible servers),
-which the operator passes in from `checkpoint.credentialsSecret`.
+which the operator passes in from `checkpoint.credentialsSecret`. Transom's own retry
+(`retry`: backoff, the engine's `trouble` said at the first failure) is the only retry
+policy: the S3 client makes one attempt per request, with a short connect timeout
+(`s3_options`), so an outage is seen at its first failed write, not after the client's own
+retries and backoffs (botocore's and s3fs's took 8 s for a 1 KB put to a stopped server).
 
 A small file that marks completion (a part's checksums, the manifest) must never be seen
 half written: on a local file system it is written to a temporary name, fsynced and
@@ -62,7 +66,21 @@ READ_STALL_S = 300.0
 # buffer into its place (larger pieces make aiohttp join its chunks into a new bytes first:
 # one more copy).
 RECV_BYTES = 256 << 10
-READ_ATTEMPTS = 3  # tries of one S3 range before the read fails (s3fs retries each request too)
+READ_ATTEMPTS = 3  # tries of one S3 range before the read fails (the S3 client tries each request once)
+S3_CONNECT_TIMEOUT_S = 3.0  # a server that does not accept the connection is named as away after this
+# Waiting for a response (a PUT's answer comes after its body): a stalled server, not a slow
+# upload, runs into it.
+S3_READ_TIMEOUT_S = 30.0
+
+
+def s3_options(storage_options: dict) -> dict:
+    """`storage_options` for an s3:// URI with one attempt per request and a short connect
+    timeout, unless the caller set them (`config_kwargs`' retries and timeouts)."""
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+    config.setdefault("read_timeout", S3_READ_TIMEOUT_S)
+    return {**storage_options, "config_kwargs": config}
 
 
 class Storage:
@@ -70,7 +88,11 @@ class Storage:
         if not uri:
             raise ValueError("a checkpoint URI is required (TRANSOM_CHECKPOINT_URI, e.g. s3://bucket/job)")
         self.uri = uri.rstrip("/")
+        if self.uri.startswith(("s3://", "s3a://")):
+            storage_options = s3_options(storage_options)
         self.fs, self.root = fsspec.core.url_to_fs(self.uri, **storage_options)
+        if hasattr(self.fs, "retries"):  # s3fs retries a request itself (5 tries by default): one
+            self.fs.retries = 1
         self.local = isinstance(self.fs, LocalFileSystem)
         self.guard: Callable[[str, bool], None] | None = None
         """Called with (path under the root, deleting) before each write or delete; raises to stop it."""

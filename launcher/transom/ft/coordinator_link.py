@@ -192,7 +192,7 @@ def register(ctx: ReplicaContext, client: CoordinatorClient, identity: Identity,
              ) -> tuple[dist.TCPStore | None, CoordinatorLink | None]:
     """The leader's store and its link to the coordinator, registered at step `progress()`
     with every rank's state endpoint (None, None on the other ranks); its heartbeats say
-    `trouble()` (the leader's checkpoint writer: other ranks' parts are not reported)."""
+    `trouble()` (what the replica's checkpoint writers fail at: ft/trouble_board.py)."""
     if not ctx.is_leader:
         return None, None
     env = ctx.env

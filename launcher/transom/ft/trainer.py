@@ -95,6 +95,7 @@ from transom.ft.state import ReplicaState
 from transom.ft.stats import StatsWriter
 from transom.ft.step_clock import StepClock
 from transom.ft.step_values import QuorumOutcome
+from transom.ft.trouble_board import ReplicaTrouble
 
 log = logging.getLogger("transom.ft")
 
@@ -196,10 +197,11 @@ class FaultTolerant(LoopAids):
                               self.restored_step if self.restored_step is not None else start_step, self._recovery,
                               self.checkpoints, self._guard, self._clock, self.shares, self._inputs, self.stats,
                               self.hooks)
-        engine = self.checkpoints.engine if self.checkpoints is not None else None  # its heartbeats say its trouble
+        self._trouble = ReplicaTrouble(self.checkpoints.engine if self.checkpoints is not None else None)
         self._store, self._link = register(self.ctx, self.client, self.identity, self.config, self.fence,
                                            self.ctx.gather(self._recovery.server.url), lambda: self.step,
-                                           lambda: engine.trouble if engine is not None else None)
+                                           self._trouble)
+        self._trouble.connect(self.ctx, self._store)  # every rank's writer heard through the leader
         self._groups = QuorumGroups(backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
         self._exchange = Exchange(self.ctx, self.identity, self.config, model, self._groups, self._link, self.fence,
                                   self._recovery, self.shares, self._shared, self._guard, self._clock, self.hooks)
@@ -343,6 +345,7 @@ class FaultTolerant(LoopAids):
         self._forward_hook.remove()
         self._inputs.close()
         self._groups.drop()
+        self._trouble.board = None  # its connection to the leader's store, on the other ranks
         self._store = None
 
     def _report_checkpoint(self, step: int, uri: str) -> None:

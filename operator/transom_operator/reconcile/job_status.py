@@ -124,6 +124,23 @@ def diverged(message: str | None, prev: Mapping[str, api.Condition], generation:
                       message or "no replicas were found to differ", prev, generation, now)
 
 
+def checkpoint_trouble(trouble: str | None, prev: Mapping[str, api.Condition], generation: int | None,
+                       now: datetime) -> tuple[api.Condition, tuple[str, str, str] | None]:
+    """The CheckpointTrouble condition (True while status.training.checkpointTrouble says what
+    the replicas' checkpoint writers fail at) and the Event of its start or end, if any."""
+    on = bool(trouble)
+    message = trouble if on else "checkpoints are written"
+    cond = _condition("CheckpointTrouble", on, reasons.STORAGE_FAILING if on else reasons.CHECKPOINTS_OK,
+                      message or "", prev, generation, now)
+    old = prev.get("CheckpointTrouble")
+    was_on = old is not None and old.status == "True"
+    if on == was_on:
+        return cond, None
+    event = (reasons.WARNING, reasons.EVENT_CHECKPOINT_TROUBLE, f"checkpoints fail: {trouble}") if on else \
+        (reasons.NORMAL, reasons.EVENT_CHECKPOINTS_WRITTEN, "checkpoints are written again")
+    return cond, event
+
+
 def admitted(admitted_now: bool, reason: str, message: str, prev: Mapping[str, api.Condition],
              generation: int | None, now: datetime) -> tuple[api.Condition, tuple[str, str, str] | None]:
     """The Admitted condition of a job queued through Kueue (reconcile/admission.py), and the

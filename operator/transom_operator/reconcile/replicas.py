@@ -535,15 +535,17 @@ def _status(ps: _Pass, prev: api.TrainingJobStatus, replicas: list[_Replica], st
         ps.out.events.append(event)
     shares = prev.training.batch_share_percent if prev.training is not None else None
     rebalanced, shares_event = job_status.rebalanced(shares, prev_conditions, gen, ps.now)
-    if shares_event is not None:
-        ps.out.events.append(shares_event)
+    trouble, trouble_event = job_status.checkpoint_trouble(
+        prev.training.checkpoint_trouble if prev.training is not None else None, prev_conditions, gen, ps.now)
+    ps.out.events += [e for e in (shares_event, trouble_event) if e is not None]
     return api.TrainingJobStatus(
         observed_generation=gen,
         state=state,
         healthy=f"{healthy}/{spec.replicas}",
         conditions=[*job_status.conditions(state, view, failed_message, prev_conditions, gen, ps.now, failed_reason),
-                    rebalanced, job_status.diverged(prev.training.diverged if prev.training is not None else None,
-                                                    prev_conditions, gen, ps.now)],
+                    rebalanced, trouble,
+                    job_status.diverged(prev.training.diverged if prev.training is not None else None,
+                                        prev_conditions, gen, ps.now)],
         healthy_replicas=healthy,
         total_restarts=(prev.total_restarts or 0) + (0 if failed_now else ps.new_restarts),
         replicas=statuses,
