@@ -119,7 +119,7 @@ class CoordinatorServer:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer
-        self._status_due = asyncio.Event()  # write status.training now (the job completed)
+        self._status_due = asyncio.Event()  # write status.training now (the job completed, storage trouble)
         self._status_task: asyncio.Task | None = None
         self.port: int | None = None
 
@@ -154,7 +154,11 @@ class CoordinatorServer:
         req = await http.parse(request, HeartbeatRequest)
         await self.access.authorize(request, req.identity)
         async with self.lock:
+            rep = self.membership.replicas.get(req.identity.replica_id)
+            had_trouble = rep is not None and rep.checkpoint_trouble is not None
             self.membership.heartbeat(req, self.clock())
+        if had_trouble != (req.checkpoint_trouble is not None):  # storage trouble began or ended: say it now
+            self._status_due.set()
         return http.ok()
 
     async def _failure(self, request: web.Request) -> web.Response:
