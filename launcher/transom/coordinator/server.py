@@ -119,7 +119,8 @@ class CoordinatorServer:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer
-        self._status_due = asyncio.Event()  # write status.training now (the job completed, storage trouble)
+        # Write status.training now: the job completed, a checkpoint committed, storage trouble began or ended.
+        self._status_due = asyncio.Event()
         self._status_task: asyncio.Task | None = None
         self.port: int | None = None
 
@@ -202,6 +203,8 @@ class CoordinatorServer:
         await self.access.authorize(request, req.identity)
         async with self.lock:
             accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
+        if accepted:  # status.training.lastCheckpoint now: what a restore would start from
+            self._status_due.set()
         return http.ok({"accepted": accepted})
 
     async def _fence(self, request: web.Request) -> web.Response:
