@@ -70,24 +70,28 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
     )
 
 
-def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> None:
+def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> bool:
+    """Take a live incarnation's beat; True when its checkpoint trouble began or ended."""
     rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "heartbeat")
     rep.last_heartbeat = now
     rep.step = max(rep.step, req.step)
-    _note_checkpoint_trouble(m, rep, req.checkpoint_trouble, now)
+    return _note_checkpoint_trouble(m, rep, req.checkpoint_trouble, now)
 
 
-def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, now: float) -> None:
+def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, now: float) -> bool:
     """Keep what the replica says its checkpoint writer fails at; an event when that starts
-    and when it ends (not for each new failure in between: a retry every few seconds)."""
+    and when it ends (not for each new failure in between: a retry every few seconds).
+    True when it started or ended."""
     rid = rep.identity.replica_id
+    changed = (trouble is None) != (rep.checkpoint_trouble is None)
     if trouble is not None and rep.checkpoint_trouble is None:
         m.event(now, EventKind.CHECKPOINT_TROUBLE,
                 f"replica {rid} cannot write its checkpoint: {quoted(trouble)} (retrying)", rid)
     elif trouble is None and rep.checkpoint_trouble is not None:
         m.event(now, EventKind.CHECKPOINT_TROUBLE_OVER, f"replica {rid} writes its checkpoint again", rid)
     rep.checkpoint_trouble = trouble
+    return changed
 
 
 def step_aside(m: Membership, req: AsideRequest, now: float) -> None:

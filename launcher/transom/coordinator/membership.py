@@ -130,7 +130,7 @@ class Membership:
     def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
         return incarnations.register(self, req, now)
 
-    def heartbeat(self, req: HeartbeatRequest, now: float) -> None:
+    def heartbeat(self, req: HeartbeatRequest, now: float) -> bool:
         return incarnations.heartbeat(self, req, now)
 
     def step_aside(self, req: AsideRequest, now: float) -> None:

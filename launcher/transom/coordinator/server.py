@@ -101,8 +101,7 @@ class CoordinatorServer:
         replica_keys: ReplicaKeys | None = None,
         kube_identity: KubeIdentity | None = None,
     ):
-        """`token`: the job's (admin) token; `replica_keys` and `kube_identity`: how replicas
-        prove who they are (coordinator/identity.py, kube_identity.py)."""
+        """`token`: the job's (admin) token; `replica_keys`, `kube_identity`: how replicas prove who they are."""
         self.refusals = Refusals()  # 409s to incarnations that are no longer current (fencing.py)
         self.access = Access(token, self.refusals, replica_keys, kube_identity)
         self.settings = settings
@@ -119,8 +118,7 @@ class CoordinatorServer:
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer
-        # Write status.training now: the job completed, a checkpoint committed, storage trouble began or ended.
-        self._status_due = asyncio.Event()
+        self._status_due = asyncio.Event()  # write status.training now (a completion, a checkpoint, storage trouble)
         self._status_task: asyncio.Task | None = None
         self.port: int | None = None
 
@@ -155,11 +153,8 @@ class CoordinatorServer:
         req = await http.parse(request, HeartbeatRequest)
         await self.access.authorize(request, req.identity)
         async with self.lock:
-            rep = self.membership.replicas.get(req.identity.replica_id)
-            had_trouble = rep is not None and rep.checkpoint_trouble is not None
-            self.membership.heartbeat(req, self.clock())
-        if had_trouble != (req.checkpoint_trouble is not None):  # storage trouble began or ended: say it now
-            self._status_due.set()
+            if self.membership.heartbeat(req, self.clock()):  # storage trouble began or ended: say it now
+                self._status_due.set()
         return http.ok()
 
     async def _failure(self, request: web.Request) -> web.Response:
@@ -202,9 +197,8 @@ class CoordinatorServer:
         req = await http.parse(request, CheckpointReport)
         await self.access.authorize(request, req.identity)
         async with self.lock:
-            accepted = self.membership.record_checkpoint(req, time.time(), self.clock())
-        if accepted:  # status.training.lastCheckpoint now: what a restore would start from
-            self._status_due.set()
+            if accepted := self.membership.record_checkpoint(req, time.time(), self.clock()):
+                self._status_due.set()  # status.training.lastCheckpoint now: where a restore would start
         return http.ok({"accepted": accepted})
 
     async def _fence(self, request: web.Request) -> web.Response:
