@@ -26,6 +26,14 @@ def catching_up(records: list[dict]) -> list[dict]:
     return [r for r in records if r["committed"] and r["recovering"]]
 
 
+def condemned(output: str) -> list[str]:
+    """The sources a joiner dropped as wrong. A snapshot that only its own source could vouch
+    for is set aside while another source is left (snapshot_check.decide): that drop says
+    nothing against the source, and which step was lone depends on timing."""
+    return [line for line in output.splitlines()
+            if "catch-up: dropping source" in line and "nobody but its source confirms" not in line]
+
+
 def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(transom_run, monkeypatch):
     monkeypatch.setenv("TRANSOM_RECOVERY_BYTES_PER_S", SNAPSHOT_BYTES_PER_S)
     # Ten steps after the catch-up, all three training, are the reference below.
@@ -47,7 +55,7 @@ def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(
     assert "replica 1 caught up at step" in result.output  # the coordinator's event
     # Honest sources' manifests fit the joiner's fresh model and optimizer (its Adam state
     # made at the first step): none is dropped by the joiner's checks (ft/sources.py).
-    assert "catch-up: dropping source" not in result.output
+    assert not condemned(result.output)
 
 
 def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_run, monkeypatch):
@@ -61,7 +69,7 @@ def test_a_source_killed_mid_transfer_the_joiner_resumes_from_the_other(transom_
     assert result.summary["failures_injected"] == 2
     assert result.incarnations(0) == 2 and result.incarnations(2) == 2
     assert "dropped" in result.output  # the joiner lost a source mid-transfer and went on
-    assert "catch-up: dropping source" not in result.output  # a dead source is not a liar
+    assert not condemned(result.output)  # a dead source is not a liar
     for replica in (0, 2):
         assert catching_up(result.records(replica)), f"replica {replica} never caught up"
 
