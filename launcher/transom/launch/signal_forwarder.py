@@ -102,6 +102,7 @@ class SignalForwarder:
         self._buffer: list[SignalRow] = []
         self._next_post = 0.0
         self._next_urgent = 0.0  # rows of recovery steps go at most this often (_recovery_waits)
+        self._recovery_rows = False  # the buffer holds such a row (set as rows are read, not searched for)
         self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
         self._next_skipped_warning = 0.0
@@ -126,7 +127,7 @@ class SignalForwarder:
         step) goes without waiting for the pace: a joiner checks its snapshot against the
         record those rows make, and trains without contributing until it can. At most one
         such post per RECOVERY_POST_S."""
-        if now < self._next_urgent or not any(r.recovery for r in self._buffer):
+        if now < self._next_urgent or not self._recovery_rows:
             return False
         self._next_urgent = now + RECOVERY_POST_S
         return True
@@ -146,6 +147,7 @@ class SignalForwarder:
                 continue
             w.last_step, w.progress_at = row.step, now
             self._buffer.append(row)
+            self._recovery_rows = self._recovery_rows or row.recovery
         self._report_skipped(w, now)
         if len(self._buffer) > MAX_BUFFERED_ROWS:
             self._dropped += len(self._buffer) - MAX_BUFFERED_ROWS
@@ -212,6 +214,7 @@ class SignalForwarder:
                     log.warning("could not forward %d signal rows: %s", len(rows), e)
                     return
                 self._buffer.clear()  # this incarnation is over for the coordinator: nobody judges it
+                self._recovery_rows = False
                 for w in self._workers.values():
                     w.counts_sent = w.counts
                 return
@@ -219,6 +222,7 @@ class SignalForwarder:
                 log.warning("could not forward %d signal rows: %s", len(rows), e)
                 return
             del self._buffer[: len(rows)]
+            self._recovery_rows = self._recovery_rows and bool(self._buffer)
             stacks, counts = None, []
             for w in self._workers.values():
                 w.counts_sent = w.counts
