@@ -87,6 +87,13 @@ KUBE_REQUEST_TIMEOUT_S = 10.0  # every request of the coordinator to the API ser
 KUBE_REVIEW_TTL_S = 120.0  # a TokenReview's answer is kept this long, as the API server's own webhook cache
 KUBE_POD_TTL_S = 30.0  # a pod's labels are kept this long (kube_identity.py)
 KUBE_REFRESH_GAP_S = 1.0  # a pod is read again at most this often before a refusal
+# TokenReviews for bearer strings the coordinator does not know (coordinator/review_gate.py):
+# a token the API server refused is refused again without asking for KUBE_FAILED_REVIEW_TTL_S;
+# each caller (peer address) may send KUBE_REVIEW_BURST reviews at once, then KUBE_REVIEWS_PER_S
+# a second (an honest pod sends one per token the kubelet gives it, about one an hour).
+KUBE_FAILED_REVIEW_TTL_S = 10.0
+KUBE_REVIEW_BURST = 8
+KUBE_REVIEWS_PER_S = 0.5
 QUORUM_WAKE_S = 1.0  # a held quorum long-poll checks at least this often whether it was evicted
 # How often a launcher posts its pod's signal rows: once a second, or less often when many
 # post (detect/step_rows.py `post_interval`), never less often than MAX_FORWARD_INTERVAL_S.

@@ -40,7 +40,7 @@ class Access:
     async def middleware(self, request: web.Request, handler):
         """Every call under /v1/ names its caller (401 otherwise), left at http.PRINCIPAL."""
         if request.path.startswith("/v1/"):
-            principal = await self.identify(request.headers.get("Authorization", ""))
+            principal = await self.identify(request.headers.get("Authorization", ""), request.remote or "")
             if principal is None:
                 resource = request.match_info.route.resource
                 endpoint = resource.canonical if resource is not None else "other"
@@ -69,8 +69,10 @@ class Access:
                 raise
             check(fresh)
 
-    async def identify(self, header: str) -> Principal | None:
-        """The caller a bearer credential names, None if it names nobody."""
+    async def identify(self, header: str, peer: str = "") -> Principal | None:
+        """The caller a bearer credential names, None if it names nobody; TooManyRequests (429)
+        when `peer` (its address) has sent more unknown credentials than are checked for it
+        (coordinator/review_gate.py)."""
         scheme, _, presented = header.partition(" ")
         presented = presented.strip()
         if scheme.lower() != "bearer" or not presented or len(presented) > MAX_CREDENTIAL:
@@ -81,7 +83,7 @@ class Access:
         if self._replica_keys is not None and is_replica_key(presented):
             return self._replica_keys.principal(presented)
         if self._kube_identity is not None and presented.isascii():
-            return await self._kube_identity.principal(presented)
+            return await self._kube_identity.principal(presented, peer)
         return None
 
     async def close(self) -> None:

@@ -15,10 +15,12 @@ for another), then run through the detectors (transom/detect). A verdict:
   its next incarnation.
 
 Rows that carry an input digest are also compared across ranks and replicas
-(detect/duplicates.py): ranks that trained on identical inputs make the job's one
-`DuplicateData` finding, an event, status.training.duplicateData, and a line in every
-launcher's log (the answer to its posts carries it). It is a warning and acts on no replica:
-one that lies about its inputs can raise it, never restart or exclude anyone.
+(detect/duplicates.py): pairs of replicas that trained on identical inputs (or, a lesser
+kind that never hides those, ranks of one replica) make the job's `DuplicateData` finding:
+an event when the first of each kind is made, status.training.duplicateData, and a line in
+the coordinator's and every launcher's log whenever the replicas it names change (the answer
+to a launcher's posts carries it). It is a warning and acts on no replica: one that lies
+about its inputs can raise it, never restart or exclude anyone, nor hide another pair's.
 
 A hang verdict acts on the rank the hang waits for, where the ranks' collective counts
 (posted with the rows, `SignalBatch.collectives`) name one (detect/hangs.py): inside the
@@ -123,7 +125,7 @@ class Detection:
         self.membership = membership
         self.detectors = Detectors(settings)
         self.duplicates = DuplicateInputs()
-        self._duplicate_told = False  # the finding was taken (take_duplicate), to be logged once
+        self._duplicate_told: tuple[bool, tuple[int, ...]] | None = None  # what take_duplicate last gave
         self.verdicts_total: collections.Counter[str] = collections.Counter()
         self._incarnation: dict[int, tuple[int, int]] = {}  # replica -> (generation, attempt) last seen
         self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
@@ -212,15 +214,18 @@ class Detection:
                     self.membership.event(now, EventKind.DUPLICATE_DATA, finding.message)
 
     def duplicate_data(self) -> DuplicateDataFinding | None:
-        """The job's finding that ranks trained on identical inputs, if there is one."""
+        """The job's finding that ranks trained on identical inputs, if there is one: pairs of
+        replicas when there are any."""
         found = self.duplicates.finding
         return DuplicateDataFinding(**found.summary()) if found is not None else None
 
     def take_duplicate(self) -> DuplicateDataFinding | None:
-        """The finding the first time it is asked for after it was made (to be logged), else None."""
-        if self._duplicate_told or self.duplicates.finding is None:
+        """The finding when its kind or the replicas it names changed since it was last taken
+        (to be logged; not each step it grows by), else None."""
+        found = self.duplicates.finding
+        if found is None or self._duplicate_told == (found.across, found.replicas):
             return None
-        self._duplicate_told = True
+        self._duplicate_told = (found.across, found.replicas)
         return self.duplicate_data()
 
     def fingerprint(self, committed: int, rank: int) -> FingerprintRecord:

@@ -20,6 +20,11 @@ namespace (its Role). Answers are cached (`REVIEW_TTL_S` per token, `POD_TTL_S` 
 a pod is read again at once, at most once a second, when its caller claims an identity the
 cached labels do not give: a spare just promoted). An API server that does not answer is a
 503, which the replicas' clients retry.
+
+A review is sent only for a token it has not refused lately, within its caller's budget,
+and concurrent calls with one token share one review (review_gate.py): a flood of made-up
+bearer strings costs the API server a few reviews a second per address, and never takes the
+slots honest pods' reviews wait for. Tokens are never logged: only their SHA-256 is kept.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import aiohttp
 from transom import contract
 from transom.coordinator.identity import Principal
 from transom.coordinator.kube_api import REQUEST_TIMEOUT_S, KubeApi
+from transom.coordinator.review_gate import SUSPECT_SLOTS, ReviewGate
 from transom.defaults import KUBE_POD_TTL_S as POD_TTL_S
 from transom.defaults import KUBE_REFRESH_GAP_S as REFRESH_GAP_S
 from transom.defaults import KUBE_REVIEW_TTL_S as REVIEW_TTL_S
@@ -72,21 +78,46 @@ class KubeIdentity:
         self._pods: dict[str, _Pod] = {}  # uid -> what its labels said
         self._session: aiohttp.ClientSession | None = None
         # A bounded number of API reads at once: a job's pods registering together (thousands at
-        # its start) queue here rather than all at the API server.
+        # its start) queue here rather than all at the API server. Callers whose tokens were
+        # refused lately have slots of their own (review_gate.py).
         self._api_slots = asyncio.Semaphore(API_CONCURRENCY)
+        self._suspect_slots = asyncio.Semaphore(SUSPECT_SLOTS)
+        self.gate = ReviewGate()
+        self._pending: dict[str, asyncio.Future[_Review | None]] = {}  # token hash -> its review under way
+        self.reviews_sent = 0
 
-    async def principal(self, token: str) -> Principal | None:
-        """The pod `token` speaks for, None if it is no token of this job's worker pods."""
+    async def principal(self, token: str, caller: str = "") -> Principal | None:
+        """The pod `token` speaks for, None if it is no token of this job's worker pods;
+        TooManyRequests past `caller`'s (its peer address's) budget of reviews."""
         key = hashlib.sha256(token.encode()).hexdigest()
         now = self.clock()
         review = self._reviews.get(key)
         if review is None or now - review.at > REVIEW_TTL_S:
-            async with self._api_slots:
-                review = await self._review(token, now)
+            if self.gate.known_failed(key, now):
+                return None
+            pending = self._pending.get(key)
+            if pending is None:  # calls with one token at once share one review
+                self.gate.admit(caller, now)
+                pending = self._pending[key] = asyncio.ensure_future(self._reviewed(token, key, caller))
+                pending.add_done_callback(lambda _: self._pending.pop(key, None))
+            review = await asyncio.shield(pending)
             if review is None:
                 return None
-            self._remember(self._reviews, key, review)
         return await self._pod(review, refresh=False)
+
+    async def _reviewed(self, token: str, key: str, caller: str) -> _Review | None:
+        slots = self._suspect_slots if self.gate.suspect(caller, self.clock()) else self._api_slots
+        review, answered = None, False
+        try:
+            async with slots:
+                self.reviews_sent += 1
+                review = await self._review(token, self.clock())
+            answered = True
+        finally:  # an API server that did not answer refused nothing: the token is not remembered
+            self.gate.done(caller, key, refused=answered and review is None, now=self.clock())
+        if review is not None:
+            self._remember(self._reviews, key, review)
+        return review
 
     async def refresh(self, principal: Principal) -> Principal | None:
         """`principal` read again from its pod now (at most once a second per pod)."""
@@ -123,7 +154,9 @@ class KubeIdentity:
                 "spec": {"token": token, "audiences": [self.audience]}}
         status, answer = await self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", body)
         if status >= 300:
-            raise CoordinatorError(f"TokenReview answered {status}: {str(answer)[:200]}")
+            # The Status's message only: an answer may echo the request, and the token in it.
+            said = answer.get("message", "") if isinstance(answer, dict) else ""
+            raise CoordinatorError(f"TokenReview answered {status}: {str(said)[:200]}")
         st = answer.get("status") or {}
         user = st.get("user") or {}
         extra = user.get("extra") or {}

@@ -10,7 +10,7 @@ the detectors judge recent steps). The file is the worker's script's to write: a
 is no row (any bytes) is skipped, counted, and reported in a warning at most once a minute;
 the launcher goes on. Once the coordinator's answer carries the job's DuplicateData finding
 (replicas that trained on identical inputs, detect/duplicates.py), the launcher logs it,
-once.
+and again only when the replicas it names change.
 
 The hang watchdog: a worker that has reported a step, and then reports none for
 `hang_timeout_s` while not waiting for others (its quorum, the exchange, the votes: each wait
@@ -106,7 +106,7 @@ class SignalForwarder:
         self.interval_s = FORWARD_INTERVAL_S  # between posts; the coordinator's answers set it
         self._dropped = 0
         self._next_skipped_warning = 0.0
-        self._duplicate_logged = False
+        self._duplicate_logged: list[int] | None = None  # the replicas of the finding last logged
 
     def _name(self, rank: int) -> str:
         i = self.identity
@@ -227,9 +227,10 @@ class SignalForwarder:
             for w in self._workers.values():
                 w.counts_sent = w.counts
             self.interval_s = min(max(asked.next_post_s, FORWARD_INTERVAL_S), MAX_FORWARD_INTERVAL_S)
-            if asked.duplicate_data is not None and not self._duplicate_logged:
-                log.warning("duplicate data: %s", asked.duplicate_data.message)
-                self._duplicate_logged = True
+            found = asked.duplicate_data
+            if found is not None and found.replicas != self._duplicate_logged:
+                log.warning("duplicate data: %s", found.message)  # again when it names other replicas
+                self._duplicate_logged = found.replicas
 
     def report_hang(self, hang: Hang, workers: list[subprocess.Popen]) -> str:
         """Have every worker write its stacks, log and forward them; returns them."""
