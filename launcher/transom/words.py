@@ -35,6 +35,7 @@ class FailureKind(StrEnum):
     SUPERSEDED = "superseded"  # a newer incarnation registered
     DETECTED = "detected"  # a detector's verdict with the action Replace
     DIVERGED = "diverged"  # it committed a step nobody holding the state committed
+    UNSUPPORTED = "unsupported"  # before a first round, it claimed more steps than a majority holds
 
 
 class VerdictKind(StrEnum):

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import JSON
-from transom.coordinator.claims import SIGNAL_STEP_WINDOW, believed_step, step_limit
+from transom.coordinator.claims import FIRST_ROUND_STEP_WINDOW, SIGNAL_STEP_WINDOW, believed_step, step_limit
 from transom.coordinator.detection import Detection
 from transom.coordinator.membership import Membership, Settings
 from transom.coordinator.models import (
@@ -181,6 +181,8 @@ EARLY = st.one_of(
     st.tuples(st.just("register"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
     st.tuples(st.just("signal"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
     st.tuples(st.just("quorum"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
+    st.tuples(st.just("checkpoint"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 2**62)),
+    st.tuples(st.just("decide"), st.just(0), st.just(0), st.just(0)),
 )
 
 
@@ -192,6 +194,10 @@ def _early_call(m: Membership, d: Detection, kind: str, rid: int, gen: int, step
         m.register(RegisterRequest(identity=who, store_addr="h:1", state_endpoints=["x"], step=step), now)
     elif kind == "quorum":
         m.request_quorum(QuorumRequest(identity=who, step=step, commit_quorum_id=-1, last_round=-1), now)
+    elif kind == "checkpoint":
+        m.record_checkpoint(CheckpointReport(identity=who, step=step, uri="s3://b/x"), now, now)
+    elif kind == "decide":
+        m.try_decide(now + 10.0)  # past startup_wait: the round decides with whoever is ready
     else:
         rows = [SignalRow(step=s, rank=0, step_seconds=0.5, fingerprint=rid) for s in (step, step % 64)]
         d.observe(SignalBatch(identity=who, rows=rows), now)
@@ -202,10 +208,12 @@ def test_claims_before_the_first_round_move_the_detectors_only_as_far_as_decided
     """Registrations, quorum requests and rows with huge steps before and around a fresh
     coordinator's first round: the detectors' newest and judged steps stay within what the
     honest majority registered with or a decided round allowed (one registration at 2^62 - 1
-    and a row at 2^62 once blinded them for the whole job)."""
+    and a row at 2^62 once blinded them for the whole job). The job's first round takes a
+    huge step only from a replica that was alone (no other could contradict it), and
+    status's last checkpoint moves only as far as the detectors do."""
     m = Membership(Settings(job="fuzz", num_replicas=3, heartbeat_timeout_s=3600.0, startup_wait_s=5.0))
     d = Detection(DetectionSettings(action="Report"), m)
-    now = 0.0
+    now, first = 0.0, None
     for kind, rid, gen, step in calls:
         now += 0.5
         try:
@@ -216,3 +224,7 @@ def test_claims_before_the_first_round_move_the_detectors_only_as_far_as_decided
         limit = max(HONEST_MAX, m.step_limit) + SIGNAL_STEP_WINDOW
         assert believed is None or believed <= max(HONEST_MAX, m.step_limit)
         assert d.detectors._newest <= limit and d.detectors._judged <= limit, (d.detectors._newest, m.step_limit)
+        assert m.last_checkpoint is None or m.last_checkpoint[0] <= max(HONEST_MAX, m.step_limit)
+        first = first or m.current
+    if first is not None and first.max_step > HONEST_MAX + FIRST_ROUND_STEP_WINDOW:
+        assert first.member_ids() == [0], first  # replica 0's word, with nobody to contradict it

@@ -16,29 +16,39 @@ the job's step, complete the job, or move the detectors' judged-up-to mark past 
 step. Completing the job needs an answered round as well: a replica that no round answered
 has trained nothing under this coordinator.
 
-What stays trusted for membership is the step a replica registers with before this
-coordinator decided any round (a new job, or one whose coordinator restarted): an honest
-replica that alone kept its state through a coordinator restart looks the same as one that
-lies (docs/architecture.md, "Known limits"). The detectors do not take that word, though:
-their state lasts the whole job, so a row is taken only up to the step the job's evidence
-supports (`believed_step`): one past the newest step a decided round allowed, or, before
-the first round, the step a strict majority of the replicas registered with at least. A
-lone replica registered at 2^62 - 1 before the first round could otherwise post a row at
-2^62 and have every real step judged on one launcher's rows (the others' "late").
+Before this coordinator decided any round (a new job, or one whose coordinator restarted)
+no round bounds a registration, so no step is believed on one replica's word
+(`believed_step`): before the first round, the step that two replicas registered with at
+least (the second-highest registration; once there is a round, one past its newest
+step). An honest replica that alone kept its state through a coordinator restart looks
+the same as one that lies, so:
+
+- the first round fails a member holding state whose step is past that by more than
+  FIRST_ROUND_STEP_WINDOW (`unsupported`): it restarts from the checkpoint and rejoins,
+  instead of every other replica taking its word for the job's state (a lone registration
+  at 2^62 - 1 would otherwise become the source every other replica recovers from);
+- a checkpoint report past it is refused (status.training.lastCheckpoint stays put);
+- a signal row past it is dropped: the detectors' state lasts the whole job, and a row at
+  2^62 would have every real step judged on one launcher's rows (the others' "late").
 
 Pure functions over `Membership`'s records, called under the server's lock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Membership
+    from transom.coordinator.models import QuorumRequest
 
 # A signal row describes a step already committed; rows a little ahead of the bound are
 # tolerated only because a launcher's rows and its leader's quorum requests travel apart.
 SIGNAL_STEP_WINDOW = 1
+# Honest replicas registering with a restarted coordinator are at most a step apart: one may
+# have had the last round's answer and trained its step while the other's request was lost.
+FIRST_ROUND_STEP_WINDOW = 1
 
 
 def step_limit(m: Membership, replica_id: int) -> tuple[int, str] | None:
@@ -70,6 +80,28 @@ def check_registration(m: Membership, replica_id: int, step: int) -> None:
                          f"than {m.step_limit} committed steps (one past the newest step of any round)")
 
 
+def check_believed(m: Membership, replica_id: int, step: int, what: str) -> None:
+    """ValueError if `step` is past what the job's evidence supports (`believed_step`)."""
+    believed = believed_step(m)
+    if believed is None or step > believed:
+        support = "no other replica registered to support it" if believed is None else \
+            f"the job's evidence supports at most {believed} committed steps"
+        raise ValueError(f"{what} of replica {replica_id} claims step {step}, but {support}")
+
+
+def unsupported(m: Membership, ready: Mapping[int, QuorumRequest]) -> dict[int, str]:
+    """The members of a coordinator's first round that claim more than the others support, and
+    why: those holding state past `believed_step` by more than FIRST_ROUND_STEP_WINDOW. Empty
+    once a round was decided (rounds bound every claim from then on), and while only one
+    replica registered: nobody can contradict it."""
+    believed = believed_step(m)
+    if m.current is not None or believed is None:
+        return {}
+    return {rid: (f"registered at step {req.step}, but no other replica holds more than {believed} committed "
+                  "steps; it restarts from the checkpoint")
+            for rid, req in ready.items() if req.catching_up_from is None and req.step > believed + FIRST_ROUND_STEP_WINDOW}
+
+
 def check_completion(m: Membership, replica_id: int, step: int) -> None:
     """ValueError unless replica `replica_id` may say the job completed at `step`."""
     if replica_id not in m.answers:
@@ -79,14 +111,14 @@ def check_completion(m: Membership, replica_id: int, step: int) -> None:
 
 def believed_step(m: Membership) -> int | None:
     """The most committed steps the job's evidence supports: one past the newest step of any
-    decided round; before the first round, the step that a strict majority of the job's
-    replicas registered with at least (None while fewer than that registered). One
-    replica's registration alone moves it only in a job of one replica."""
+    decided round; before the first round, the step that two replicas registered with at
+    least (None while fewer registered). One replica's registration alone moves it only in
+    a job of one replica."""
     if m.current is not None:
         return m.step_limit
-    majority = m.settings.num_replicas // 2 + 1
+    witnesses = min(2, m.settings.num_replicas)
     registered = sorted((rep.registered_step for rep in m.replicas.values()), reverse=True)
-    return registered[majority - 1] if len(registered) >= majority else None
+    return registered[witnesses - 1] if len(registered) >= witnesses else None
 
 
 def signal_step_ok(m: Membership, replica_id: int, step: int) -> bool:

@@ -35,11 +35,11 @@ that all of them together post about `SIGNAL_POSTS_PER_S` times a second
 
 What a post may claim is bounded like progress (claims.py): a row's step at most one past
 what its replica can have committed and past what the job's evidence supports
-(`claims.believed_step`: the decided rounds, or before the first one what a majority of the
-replicas registered with), its rank below the replica's size (the ranks it registered);
+(`claims.believed_step`: the decided rounds, or before the first one what two replicas
+registered with), its rank below the replica's size (the ranks it registered);
 other rows are dropped and counted, so that one replica can neither move the detectors'
 judged-up-to mark past the real steps nor grow their per-rank state. Rows a launcher posts
-before a restarted coordinator's first round, of steps past that majority's, are lost. The
+before a restarted coordinator's first round, of steps past what two replicas hold, are lost. The
 detectors' statistics are made so that one replica's figures cannot condemn another
 (detect/slow.py, detect/sdc.py). `SignalGate` keeps detection from crowding out
 heartbeats and quorum requests on the server's one event loop.

@@ -157,6 +157,7 @@ def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, no
     """A replica committed the checkpoint of `req.step`; older reports are ignored."""
     m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "checkpoint report")
+    claims.check_believed(m, req.identity.replica_id, req.step, "checkpoint report")
     if m.last_checkpoint is not None and req.step <= m.last_checkpoint[0]:
         return False
     m.last_checkpoint = (req.step, wall_time)

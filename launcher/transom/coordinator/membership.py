@@ -192,6 +192,7 @@ class Membership:
         if self._waits(ready, now):
             return None
         ready = self._without_diverged(ready, now)
+        ready = self._without_unsupported(ready, now)
         if len(ready) < self.settings.min_replicas:
             if not self.paused:
                 self.paused = True
@@ -235,6 +236,14 @@ class Membership:
             self.fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
                        f"replica holding the state did (at step {newest}); it catches up again", FailureKind.DIVERGED)
         return {rid: r for rid, r in ready.items() if rid not in ahead}
+
+    def _without_unsupported(self, ready: dict[int, QuorumRequest], now: float) -> dict[int, QuorumRequest]:
+        """`ready` without the first round's members whose step nobody else supports
+        (claims.unsupported): declared failed, they restart from the checkpoint."""
+        refused = claims.unsupported(self, ready)
+        for rid, why in refused.items():
+            self.fail(self.replicas[rid], now, why, FailureKind.UNSUPPORTED)
+        return {rid: r for rid, r in ready.items() if rid not in refused}
 
     def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
         p = rounds.plan(ready)
