@@ -250,6 +250,15 @@ def checkpoint_trouble(job: ChaosJob) -> str | None:
     return (job.status().get("training") or {}).get("checkpointTrouble")
 
 
+def live_progress(job: ChaosJob) -> tuple[int, int]:
+    """(the job's committed step, its newest committed checkpoint's) as the coordinator's
+    metrics say them now: status.training's step is written every few seconds, so steps
+    counted from it would lag by that much."""
+    metrics = job.world.coordinator_metrics(job.ns, job.name) or {}
+    return (int(metrics.get("transom_coordinator_step", 0)),
+            int(metrics.get("transom_coordinator_last_checkpoint_step", -1)))
+
+
 def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(CHECKPOINT_INTERVAL + 5)
     # Stop S3 just after a checkpoint began (its persist runs behind the next steps).
@@ -266,15 +275,14 @@ def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
                        f"({job.since_fault():.0f} s); last checkpoint {job.watch.now().last_checkpoint}")
     finally:
         cluster.start_s3()
-    back = job.watch.now().step or 0
-    job.world.wait("a checkpoint committed after the outage",
-                   lambda: (job.watch.now().last_checkpoint or 0) > (before.step or 0), 180)
+    back = live_progress(job)[0]
+    committed = job.world.wait("a checkpoint committed after the outage",
+                               lambda: (p := live_progress(job))[1] > (before.step or 0) and p, 180, 0.2)
     v.recover_s = job.since_fault()
-    after = job.watch.now()
     # What the newest complete checkpoint lags once S3 is back: within one interval of its
     # return, the checkpoint in flight (or the next due one) lands.
-    v.notes.append(f"S3 back at step {back}; checkpoint {after.last_checkpoint} committed by step {after.step} "
-                   f"({(after.step or 0) - back} steps after S3's return; interval {CHECKPOINT_INTERVAL})")
+    v.notes.append(f"S3 back at step {back}; checkpoint {committed[1]} committed by step {committed[0]} "
+                   f"({committed[0] - back} steps after S3's return; interval {CHECKPOINT_INTERVAL})")
     job.world.wait("status.training.checkpointTrouble removed", lambda: not checkpoint_trouble(job), 120)
     # A whole-job restart restores the newest complete checkpoint.
     return whole_job_restart(job, v)

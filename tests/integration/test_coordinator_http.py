@@ -517,14 +517,14 @@ def test_checkpoint_reports_keep_the_newest_and_need_a_live_replica(coord):
     c = client(coord)
     c.register(reg_req(0, step=100))  # e.g. restored from a checkpoint of step 100
     assert c.report_checkpoint(CheckpointReport(identity=ident(0), step=100, uri="file:///ck/step-100"))
+    assert c.status().last_checkpoint is None  # held: no other replica supports step 100 yet
+    c.register(reg_req(1, step=100))
     assert not c.report_checkpoint(CheckpointReport(identity=ident(0), step=50, uri="file:///ck/step-50"))
     assert c.status().last_checkpoint == 100
-    r = post(coord, "/v1/checkpoint", {"identity": ident(1).model_dump(), "step": 200, "uri": "x"})
-    assert r.status_code == 404  # not registered
+    assert post(coord, "/v1/checkpoint", {"identity": ident(2).model_dump(), "step": 20, "uri": "x"}).status_code == 404
     r = post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": -1, "uri": "x"})
     assert r.status_code == 400 and "step" in r.json()["error"]
-    r = post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": 300, "uri": ""})
-    assert r.status_code == 400
+    assert post(coord, "/v1/checkpoint", {"identity": ident(0).model_dump(), "step": 300, "uri": ""}).status_code == 400
 
 
 def test_signal_posts_are_answered_with_the_pace_to_keep(coord):

@@ -21,7 +21,7 @@ import pytest
 from membership_world import heartbeat_all, ident, make, next_round, qreq, register, round_all, started
 from transom.coordinator import rounds
 from transom.coordinator.membership import Membership, Settings
-from transom.coordinator.models import CheckpointReport, FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
+from transom.coordinator.models import FailureReport, HeartbeatRequest, LeaveRequest, QuorumRequest
 from transom.errors import Evicted, NotRegistered
 
 
@@ -319,46 +319,6 @@ def test_a_joiner_that_committed_a_step_no_holder_did_restarts_alone():
     assert m.request_quorum(qreq(2, 0, att=1), 4.0) is None
     d = m.request_quorum(qreq(1, 2, d.quorum_id, d.round), 4.1)
     assert d is not None and d.recovering == (2,) and d.sources == (1,) and d.max_step == 2
-
-
-def test_a_lone_registration_past_the_others_is_failed_by_the_first_round_not_followed():
-    """Before a coordinator's first round nothing bounds a registration: replica 0 registered
-    at 2^62 - 1 was the first round's newest state, and the honest replicas at step 40 were told
-    to recover from it. Now the first round fails it (it restarts from the checkpoint)."""
-    m = make(3, heartbeat_timeout_s=1e6)
-    for rid, step in ((0, 2**62 - 1), (1, 40), (2, 40)):
-        register(m, rid, step=step)
-    m.request_quorum(qreq(0, 2**62 - 1), 1.0)
-    m.request_quorum(qreq(1, 40), 1.0)
-    d = m.request_quorum(qreq(2, 40), 1.0)
-    assert d is not None and d.member_ids() == [1, 2] and d.max_step == 40 and d.recovering == ()
-    assert m.replicas[0].state == "failed" and m.failures_total["unsupported"] == 1
-    assert "no other replica holds more than 40 committed steps" in m.replicas[0].last_failure
-
-
-def test_honest_replicas_a_step_apart_after_a_coordinator_restart_all_join_its_first_round():
-    # One had the old coordinator's last answer and trained its step; the other's was lost.
-    m = make(2, heartbeat_timeout_s=1e6)
-    register(m, 0, step=41)
-    register(m, 1, step=40)
-    m.request_quorum(qreq(0, 41), 1.0)
-    d = m.request_quorum(qreq(1, 40), 1.0)
-    assert d is not None and d.member_ids() == [0, 1] and d.max_step == 41 and d.recovering == (1,)
-    assert m.failures_total.get("unsupported", 0) == 0
-
-
-def test_a_checkpoint_report_past_what_a_majority_holds_is_refused_before_the_first_round():
-    m = make(3, heartbeat_timeout_s=1e6)
-    register(m, 0, step=2**62 - 1)
-    with pytest.raises(ValueError, match="no other replica registered to support it"):
-        m.record_checkpoint(CheckpointReport(identity=ident(0), step=2**62 - 1, uri="s3://b/x"), 1.0, 1.0)
-    register(m, 1, step=40)
-    register(m, 2, step=40)
-    with pytest.raises(ValueError, match="supports at most 40 committed steps"):
-        m.record_checkpoint(CheckpointReport(identity=ident(0), step=2**62 - 1, uri="s3://b/x"), 1.0, 1.0)
-    assert m.last_checkpoint is None
-    assert m.record_checkpoint(CheckpointReport(identity=ident(1), step=40, uri="s3://b/x"), 1.0, 1.0)
-    assert m.last_checkpoint is not None and m.last_checkpoint[0] == 40
 
 
 @pytest.mark.parametrize("age,expired", [(0.0, False), (2.9, False), (3.0, False), (3.01, True), (50.0, True)])

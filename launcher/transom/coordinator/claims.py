@@ -27,7 +27,8 @@ the same as one that lies, so:
   FIRST_ROUND_STEP_WINDOW (`unsupported`): it restarts from the checkpoint and rejoins,
   instead of every other replica taking its word for the job's state (a lone registration
   at 2^62 - 1 would otherwise become the source every other replica recovers from);
-- a checkpoint report past it is refused (status.training.lastCheckpoint stays put);
+- a checkpoint report past it is held, and counted (status.training.lastCheckpoint) only
+  once a second registration or a round supports it;
 - a signal row past it is dropped: the detectors' state lasts the whole job, and a row at
   2^62 would have every real step judged on one launcher's rows (the others' "late").
 
@@ -80,13 +81,10 @@ def check_registration(m: Membership, replica_id: int, step: int) -> None:
                          f"than {m.step_limit} committed steps (one past the newest step of any round)")
 
 
-def check_believed(m: Membership, replica_id: int, step: int, what: str) -> None:
-    """ValueError if `step` is past what the job's evidence supports (`believed_step`)."""
+def supported(m: Membership, step: int) -> bool:
+    """Whether the job's evidence supports `step` committed steps (`believed_step`)."""
     believed = believed_step(m)
-    if believed is None or step > believed:
-        support = "no other replica registered to support it" if believed is None else \
-            f"the job's evidence supports at most {believed} committed steps"
-        raise ValueError(f"{what} of replica {replica_id} claims step {step}, but {support}")
+    return believed is not None and step <= believed
 
 
 def unsupported(m: Membership, ready: Mapping[int, QuorumRequest]) -> dict[int, str]:
@@ -97,9 +95,10 @@ def unsupported(m: Membership, ready: Mapping[int, QuorumRequest]) -> dict[int, 
     believed = believed_step(m)
     if m.current is not None or believed is None:
         return {}
-    return {rid: (f"registered at step {req.step}, but no other replica holds more than {believed} committed "
-                  "steps; it restarts from the checkpoint")
-            for rid, req in ready.items() if req.catching_up_from is None and req.step > believed + FIRST_ROUND_STEP_WINDOW}
+    ahead = [rid for rid, req in ready.items()
+             if req.catching_up_from is None and req.step > believed + FIRST_ROUND_STEP_WINDOW]
+    return {rid: (f"registered at step {ready[rid].step}, but no other replica holds more than {believed} "
+                  "committed steps; it restarts from the checkpoint") for rid in ahead}
 
 
 def check_completion(m: Membership, replica_id: int, step: int) -> None:

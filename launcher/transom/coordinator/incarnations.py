@@ -61,6 +61,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
         m.answers.pop(rid, None)
         m.event(now, EventKind.REGISTERED,
                 f"replica {rid} generation {req.identity.generation} attempt {req.identity.attempt}", rid)
+    release_checkpoints(m, now)  # a second replica's registration may support one held
     s = m.settings
     return RegisterResponse(
         heartbeat_interval_s=s.heartbeat_interval_s,
@@ -154,10 +155,26 @@ def expire(m: Membership, now: float) -> bool:
 
 
 def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
-    """A replica committed the checkpoint of `req.step`; older reports are ignored."""
+    """A replica committed the checkpoint of `req.step`; older reports are ignored. One past
+    what the job's evidence supports (a replica alone before the first round) is held until
+    it is supported (`release_checkpoints`): one replica's word is not the job's checkpoint."""
     m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "checkpoint report")
-    claims.check_believed(m, req.identity.replica_id, req.step, "checkpoint report")
+    if not claims.supported(m, req.step):
+        m.held_checkpoints[req.identity.replica_id] = (req, wall_time)
+        return m.last_checkpoint is None or req.step > m.last_checkpoint[0]
+    return _newest_checkpoint(m, req, wall_time, now)
+
+
+def release_checkpoints(m: Membership, now: float) -> None:
+    """Count the held checkpoint reports the job's evidence now supports."""
+    for rid, (req, wall_time) in list(m.held_checkpoints.items()):
+        if claims.supported(m, req.step):
+            del m.held_checkpoints[rid]
+            _newest_checkpoint(m, req, wall_time, now)
+
+
+def _newest_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
     if m.last_checkpoint is not None and req.step <= m.last_checkpoint[0]:
         return False
     m.last_checkpoint = (req.step, wall_time)

@@ -102,6 +102,7 @@ class Membership:
     # the goodput clock, advanced by every decided round.
     last_checkpoint: tuple[int, float] | None = None
     last_checkpoint_stall_s: float | None = None  # the committing replica's snapshot stall
+    held_checkpoints: dict[int, tuple[CheckpointReport, float]] = field(default_factory=dict)  # claims.supported
     goodput: GoodputClock = field(default_factory=GoodputClock)
     # Rebalance (spec.detection.slowAction): the detectors set who is slow, a decision
     # publishes the shares (transom/detect/rebalance.py).
@@ -191,8 +192,8 @@ class Membership:
             return None
         if self._waits(ready, now):
             return None
-        ready = self._without_diverged(ready, now)
-        ready = self._without_unsupported(ready, now)
+        ready = self._without(ready, rounds.diverged(ready), FailureKind.DIVERGED, now)
+        ready = self._without(ready, claims.unsupported(self, ready), FailureKind.UNSUPPORTED, now)
         if len(ready) < self.settings.min_replicas:
             if not self.paused:
                 self.paused = True
@@ -227,22 +228,11 @@ class Membership:
             return True
         return False
 
-    def _without_diverged(self, ready: dict[int, QuorumRequest], now: float) -> dict[int, QuorumRequest]:
-        """`ready` without the members catching up that committed a step no member holding
-        the state committed (rounds.diverged). They are declared failed and restart as fresh
-        joiners; otherwise no member could be a source and every one would be told to restart."""
-        newest, ahead = rounds.diverged(ready)
-        for rid in ahead:
-            self.fail(self.replicas[rid], now, f"committed step {ready[rid].step} while catching up, and no "
-                       f"replica holding the state did (at step {newest}); it catches up again", FailureKind.DIVERGED)
-        return {rid: r for rid, r in ready.items() if rid not in ahead}
-
-    def _without_unsupported(self, ready: dict[int, QuorumRequest], now: float) -> dict[int, QuorumRequest]:
-        """`ready` without the first round's members whose step nobody else supports
-        (claims.unsupported): declared failed, they restart from the checkpoint."""
-        refused = claims.unsupported(self, ready)
+    def _without(self, ready: dict[int, QuorumRequest], refused: dict[int, str], kind: FailureKind,
+                 now: float) -> dict[int, QuorumRequest]:
+        """`ready` without the members in `refused`, each declared failed for its reason there."""
         for rid, why in refused.items():
-            self.fail(self.replicas[rid], now, why, FailureKind.UNSUPPORTED)
+            self.fail(self.replicas[rid], now, why, kind)
         return {rid: r for rid, r in ready.items() if rid not in refused}
 
     def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
@@ -309,6 +299,7 @@ class Membership:
         self.decided_at = now
         self.current = decision
         self.step_limit = max(self.step_limit, decision.max_step + 1)
+        incarnations.release_checkpoints(self, now)
         self.goodput.observe(now, decision.max_step)
         for i in decision.member_ids():
             self.answers[i] = decision

@@ -105,14 +105,17 @@ def holder_in(current: Decision, ready: Mapping[int, QuorumRequest]) -> bool:
                for m in current.members if m.replica_id not in current.recovering)
 
 
-def diverged(ready: Mapping[int, QuorumRequest]) -> tuple[int | None, list[int]]:
-    """The newest step a ready replica holding the state committed, and the ready replicas
-    catching up that committed a later one: their last exchange completed on them only (a
-    peer died in it), so the update they recorded belongs to a lineage nobody holds."""
+def diverged(ready: Mapping[int, QuorumRequest]) -> dict[int, str]:
+    """The ready replicas catching up that committed a step later than any ready replica
+    holding the state did, and why: their last exchange completed on them only (a peer died
+    in it), so the update they recorded belongs to a lineage nobody holds. They restart as
+    fresh joiners; otherwise no member could be a source and every one would be told to."""
     newest = max((r.step for r in ready.values() if r.catching_up_from is None), default=None)
     if newest is None:
-        return None, []
-    return newest, [rid for rid, r in ready.items() if r.catching_up_from is not None and r.step > newest]
+        return {}
+    return {rid: (f"committed step {r.step} while catching up, and no replica holding the state did (at step "
+                  f"{newest}); it catches up again")
+            for rid, r in ready.items() if r.catching_up_from is not None and r.step > newest}
 
 
 def absent(current: Decision, replicas: Mapping[int, Replica], ready: Mapping[int, QuorumRequest]) -> list[int]:
