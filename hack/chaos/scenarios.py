@@ -261,23 +261,24 @@ def live_progress(job: ChaosJob) -> tuple[int, int]:
 
 def storage_outage(job: ChaosJob, v: Verdict) -> set[str]:
     job.wait_training(CHECKPOINT_INTERVAL + 5)
-    # Stop S3 just after a checkpoint began (its persist runs behind the next steps).
-    job.world.wait("a checkpoint step", lambda: 1 <= (job.watch.now().step or 0) % CHECKPOINT_INTERVAL <= 8, 120, 0.2)
-    before = job.watch.now()
+    # Stop S3 just after a checkpoint began (its persist runs behind the next steps), so that
+    # a write fails at once: the live step, as status.training.step lags by seconds.
+    before = job.world.wait("a checkpoint step", lambda: (p := live_progress(job))[0] % CHECKPOINT_INTERVAL in
+                            range(1, 4) and p, 120, 0.1)[0]
     job.mark_fault()
     cluster.stop_s3()
     try:
         said = job.world.wait("status.training.checkpointTrouble", lambda: checkpoint_trouble(job), 120)
         v.detect_s = job.since_fault()
-        v.notes.append(f"status named the outage after {v.detect_s:.1f} s: {said}")
+        v.notes.append(f"status named the outage after {v.detect_s:.1f} s, at step {live_progress(job)[0]}: {said}")
         training_goes_on(job, 2 * CHECKPOINT_INTERVAL, 180)
-        v.notes.append(f"S3 down from step {before.step} to {job.watch.now().step} "
+        v.notes.append(f"S3 down from step {before} to {live_progress(job)[0]} "
                        f"({job.since_fault():.0f} s); last checkpoint {job.watch.now().last_checkpoint}")
     finally:
         cluster.start_s3()
     back = live_progress(job)[0]
     committed = job.world.wait("a checkpoint committed after the outage",
-                               lambda: (p := live_progress(job))[1] > (before.step or 0) and p, 180, 0.2)
+                               lambda: (p := live_progress(job))[1] > before and p, 180, 0.2)
     v.recover_s = job.since_fault()
     # What the newest complete checkpoint lags once S3 is back: within one interval of its
     # return, the checkpoint in flight (or the next due one) lands.

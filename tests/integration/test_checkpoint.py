@@ -334,6 +334,29 @@ def test_storage_errors_are_retried_until_they_pass(tmp_path, monkeypatch):
     assert trouble == [None, failing, failing] and engine.trouble is None
 
 
+def test_a_failed_prune_neither_holds_the_report_nor_the_next_checkpoint(tmp_path, monkeypatch):
+    # Pruning was retried until storage came back, after the commit and before its report:
+    # status kept the previous checkpoint, and checkpoints due meanwhile were skipped.
+    _, _, state = make_state()
+    reported: list[int] = []
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), keep=1, retry_first_s=0.05, retry_max_s=0.1),
+                              on_commit=lambda step, uri: reported.append(step))
+    real_remove = engine.storage.remove
+
+    def away(path):
+        raise ConnectionError("storage unreachable")
+
+    save(engine, 5, state)
+    monkeypatch.setattr(engine.storage, "remove", away)
+    save(engine, 10, state)
+    assert reported == [5, 10] and engine.trouble == "pruning old checkpoints: ConnectionError"
+    monkeypatch.setattr(engine.storage, "remove", real_remove)
+    save(engine, 15, state)
+    engine.close()
+    assert reported == [5, 10, 15] and engine.skipped == 0 and engine.trouble is None
+    assert sorted(d.name for d in tmp_path.iterdir() if d.name.startswith("step")) == [layout.step_dir(15)]
+
+
 WRITER = r'''
 import sys, torch
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine

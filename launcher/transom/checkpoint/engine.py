@@ -286,12 +286,12 @@ class CheckpointEngine:
                       job.step, wait_s)
             return
         self.committed_step = job.step
-        self._retrying("pruning old checkpoints", self._prune)
         if self.on_commit is not None:
             try:
                 self.on_commit(job.step, self.storage.url(layout.step_dir(job.step)))
             except Exception as e:
                 log.warning("could not report checkpoint of step %d: %s", job.step, e)
+        self._prune()
 
     def _retrying(self, what: str, fn: Callable[[], T]) -> T:
         """`fn` retried with this engine's backoff (storage.retry); while a retry waits,
@@ -305,6 +305,13 @@ class CheckpointEngine:
         return result
 
     def _prune(self) -> None:
-        done, incomplete = committed_steps(self.storage)
-        for step in layout.to_delete(done, incomplete, self.config.keep):
-            self.storage.remove(layout.step_dir(step))
+        """Delete the checkpoints past `keep`, tried once: the next commit prunes what this one
+        could not. Retried until it went through, it kept the engine busy after a commit
+        while storage was away, and checkpoints due meanwhile were skipped."""
+        try:
+            done, incomplete = committed_steps(self.storage)
+            for step in layout.to_delete(done, incomplete, self.config.keep):
+                self.storage.remove(layout.step_dir(step))
+        except Exception as e:
+            self._say(f"pruning old checkpoints: {type(e).__name__}")
+            log.warning("old checkpoints not pruned (the next commit tries again): %s: %s", type(e).__name__, e)
