@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,25 +57,31 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self._values = [-1, 0, 0, 0, 0]
         self._map: mmap.mmap | None = None
+        # A close between another thread's check and its store would fail that store (and
+        # with it a collective): replicas as threads of one process share this counter.
+        self._lock = threading.Lock()
 
     def attach(self, path: Path) -> None:
         """Mirror the counts into `path` from now on (created, SIZE bytes)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.pwrite(fd, struct.pack(_FORMAT, *self._values), 0)
-            self._map = mmap.mmap(fd, SIZE)
+            with self._lock:
+                self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
 
     def detach(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
 
     def _set(self, slot: int, value: int) -> None:
-        self._values[slot] = value
-        if self._map is not None:
-            struct.pack_into("<q", self._map, 8 * slot, value)
+        with self._lock:
+            self._values[slot] = value
+            if self._map is not None:
+                struct.pack_into("<q", self._map, 8 * slot, value)
 
     def new_group(self, group_id: int) -> None:
         """A new cross-replica group (a rebuilt quorum): its collectives are counted from 0."""

@@ -72,9 +72,11 @@ def test_sigstop_survivors_continue_after_collective_timeout(transom_run):
 
 
 def test_two_of_three_failed_with_min_replicas_two_pauses_then_resumes(threaded_job):
-    # Pausing below minReplicas and resuming is the coordinator's logic: replicas as threads.
+    # Pausing below minReplicas and resuming is the coordinator's logic: replicas as threads,
+    # restarted once the coordinator paused (a restart quicker than the survivor's next
+    # quorum request would leave nothing to pause for).
     gpt = TinyGPT()
-    result = threaded_job(3, gpt.steps(500), gpt.build, min_replicas=2,
+    result = threaded_job(3, gpt.steps(500), gpt.build, min_replicas=2, restart_after="paused",
                           faults={1: ["raise:step=10"], 2: ["raise:step=10"]}, end_on=["caught_up:1", "caught_up:2"])
     result.assert_finished_together(3)
     kinds = [e.split(":")[0] for e in result.summary["events"]]

@@ -86,7 +86,9 @@ class ThreadedJob:
     """`replicas` threads running `body(replica, trainer, model)` on what `build(replica)`
     made, with a trainer of `config`, `checkpoint` and `trainer_kwargs` (per replica: a list),
     and `extra(optimizer)` as its extra_state (an LR scheduler of that replica's optimizer);
-    `faults[replica]` are its TRANSOM_FAULT list; `attempts` per replica before the job fails."""
+    `faults[replica]` are its TRANSOM_FAULT list; `attempts` per replica before the job fails;
+    `restart_after`: a failed attempt is restarted only once the coordinator recorded an event
+    of this kind (e.g. "paused": the test sees the job below minReplicas, whatever the timing)."""
 
     stats_dir: Path
     replicas: int
@@ -102,6 +104,7 @@ class ThreadedJob:
     attempts: int = 4
     end_on: list[str] = field(default_factory=list)
     end_margin: int = 3
+    restart_after: str | None = None
     timeout_s: float = 90
     job: JobIdentity | None = None  # the job identity in the replicas' environment
 
@@ -185,6 +188,8 @@ class ThreadedJob:
                 continue
             if rep.attempt + 1 >= self.attempts:
                 rep.gave_up = True  # the others go on without it, as far as they can
+                continue
+            if self.restart_after is not None and not any(e.startswith(f"{self.restart_after}:") for e in self._events):
                 continue
             self._start(rep, url, client)
         return any(rep.running for rep in self._replicas.values())

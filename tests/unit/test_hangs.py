@@ -4,6 +4,7 @@ counter the workers keep them in (transom/collective_counts.py). Pure: no proces
 from __future__ import annotations
 
 import struct
+import threading
 
 from transom import collective_counts
 from transom.detect.hangs import CollectiveLedger, RankCounts, behind_across, laggard
@@ -153,3 +154,31 @@ def test_the_counter_mirrors_into_its_file_and_reads_back_consistent(tmp_path):
     assert collective_counts.read(path) == collective_counts.Counts(3, 1, 1, 0, 0)
     path.write_bytes(b"short")
     assert collective_counts.read(path) is None and collective_counts.read(tmp_path / "none") is None
+
+
+def test_a_counter_detached_by_one_thread_never_fails_anothers_count(tmp_path):
+    # Replicas as threads of one process share the counter: one replica's close used to
+    # unmap the file between another's check and its store, and that store raised
+    # "TypeError: argument must be read-write bytes-like object" inside its collective.
+    counter = collective_counts.CollectiveCounter()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def count() -> None:
+        try:
+            while not stop.is_set():
+                counter.ftar_entered()
+                counter.ftar_completed()
+        except BaseException as e:  # noqa: BLE001 - any failure is the finding
+            errors.append(e)
+
+    worker = threading.Thread(target=count)
+    worker.start()
+    try:
+        for i in range(300):
+            counter.attach(tmp_path / f"collectives-{i % 2}")
+            counter.detach()
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    assert errors == [] and not worker.is_alive()
