@@ -58,7 +58,8 @@ install: $(VENV)/.deps-installed
 	$(EDITABLE) . --no-deps --no-build-isolation
 	ln -sfn $(VENV) .venv
 
-# ruff, then mypy (configured in pyproject.toml; its cache in .cache/mypy). Each test directory
+# ruff, then mypy (configured in pyproject.toml; its cache in .cache/mypy), then the import
+# contracts (.importlinter: the layers, and what must import without torch). Each test directory
 # with a conftest.py of its own is a mypy run of its own: one run cannot hold two `conftest`s.
 LINT_PATHS := launcher operator tests benchmarks hack examples
 MYPY_OWN_RUNS := tests/integration tests/e2e tests/fuzz
@@ -66,6 +67,7 @@ lint: install
 	$(VENV)/bin/ruff check --quiet $(LINT_PATHS)
 	$(PY) -m mypy
 	@set -e; for d in $(MYPY_OWN_RUNS); do MYPYPATH=$$d $(PY) -m mypy $$d; done
+	$(VENV)/bin/lint-imports --no-cache
 
 # The local Kubernetes control plane's binaries (built from source once, then cached).
 testenv: install

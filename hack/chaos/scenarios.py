@@ -386,14 +386,3 @@ SCENARIOS: dict[str, Callable[[ChaosJob, Verdict], set[str]]] = {
     "operator_loss": operator_loss, "storage_outage": storage_outage, "image_pull": image_pull,
     "containerd_restart": containerd_restart,
 }
-
-
-def run_named(world: World, name: str, steps: int = STEPS) -> Verdict:
-    if name == "oom":
-        from chaos.oom import oom
-        return oom(world, steps)
-    if name == "bad_node":
-        from chaos.bad_node import bad_node
-        return bad_node(world, steps)
-    return run(world, name, SCENARIOS[name], steps)
-

@@ -9,64 +9,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 from typing import TYPE_CHECKING
 
 from transom import contract
+from transom.arguments import (
+    MAX_KEEP,
+    MAX_LAUNCH_RESTARTS,
+    MAX_STEPS,
+    between,
+    count,
+    non_negative,
+    seconds,
+    wait_seconds,
+)
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Settings
-
-
-MAX_SECONDS = 30 * 86400.0  # a month: a longer wait is a typo (and past ~1e10 s, waits overflow time_t)
-MAX_COUNT = 2**31 - 1  # any count; the settings that own a count bound it tighter (RunConfig, LaunchConfig)
-MAX_STEPS = contract.MAX_INTERVAL_STEPS
-MAX_KEEP = contract.MAX_KEEP
-MAX_LAUNCH_RESTARTS = contract.MAX_REPLICA_RESTARTS  # in-place restarts: as many as the CRD allows a replica
-MAX_WAIT_S = float(contract.MAX_WAIT_SECONDS)
-
-
-def _seconds(high: float, zero: bool = False):
-    """An argparse type: a finite number of seconds up to `high`, above 0 (or 0 too)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not (math.isfinite(value) and (value > 0 or zero and value == 0)):
-            raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds{' or 0' if zero else ''}, "
-                                             f"got {text!r}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high:,.0f} seconds, got {text!r}")
-        return value
-    return parse
-
-
-seconds = _seconds(MAX_SECONDS)  # argparse types: no nan, no inf, no 0, nothing past a month
-seconds_or_zero = _seconds(MAX_SECONDS, zero=True)
-wait_seconds = _seconds(MAX_WAIT_S)
-
-
-def between(low: int, high: int):
-    """An argparse type: an integer from `low` to `high`."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also past int()'s 4,300 digits
-            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
-        return value
-    return parse
-
-
-count = between(1, MAX_COUNT)  # argparse types: integers of at least 1, and of at least 0
-non_negative = between(0, MAX_COUNT)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:

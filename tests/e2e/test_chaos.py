@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from chaos.scenarios import run_named
+from chaos.catalog import run_named
 from chaos.world import World
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_nodes, pytest.mark.timeout(1500)]

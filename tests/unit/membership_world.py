@@ -56,10 +56,15 @@ def round_all(m: Membership, reqs: list[QuorumRequest], now: float) -> Decision:
 def started(num: int = 3, **kw) -> tuple[Membership, Decision]:
     """All replicas registered at t=0 and the first quorum formed at step 0."""
     m = make(num, **kw)
+    return m, begin(m)
+
+
+def begin(m: Membership) -> Decision:
+    """`m`'s replicas all registered at t=0 and its first quorum formed at step 0."""
+    num = m.settings.num_replicas
     for rid in range(num):
         register(m, rid)
-    d = round_all(m, [qreq(rid) for rid in range(num)], 0.0)
-    return m, d
+    return round_all(m, [qreq(rid) for rid in range(num)], 0.0)
 
 
 def next_round(m: Membership, prev: Decision, ids, now: float, step: int, failed=()) -> Decision:

@@ -4,20 +4,22 @@ the round, and who contributes gradients rather than catching up."""
 
 from __future__ import annotations
 
-import collections
-from types import SimpleNamespace
-from typing import Any
+import asyncio
 
 from membership_world import make, qreq, register, started
+from transom.coordinator.access import Access
+from transom.coordinator.detection import Detection, SignalGate
 from transom.coordinator.fencing import Refusals
 from transom.coordinator.metrics import MembershipCollector
+from transom.coordinator.shared import Shared
+from transom.detect.step_rows import DetectionSettings
 
 
 def _gauges(m) -> dict[str, float]:
-    server: Any = SimpleNamespace(  # the parts of a CoordinatorServer the collector reads
-        membership=m, clock=lambda: 2.0, signal_gate=SimpleNamespace(deferred=0), refusals=Refusals(),
-        detection=SimpleNamespace(verdicts_total=collections.Counter(), rows_refused=0))
-    return {s.name: s.value for family in MembershipCollector(server).collect() for s in family.samples
+    shared = Shared(membership=m, detection=Detection(DetectionSettings(), m), access=Access("t", Refusals()),
+                    refusals=Refusals(), signal_gate=SignalGate(), lock=asyncio.Lock(), clock=lambda: 2.0,
+                    ticking=lambda: True)
+    return {s.name: s.value for family in MembershipCollector(shared).collect() for s in family.samples
             if not s.labels}
 
 

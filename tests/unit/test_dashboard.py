@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from membership_world import ident, make, qreq, register, round_all, started
+from membership_world import begin, ident, qreq, register, round_all
 from transom.coordinator.membership import Settings
 from transom.coordinator.models import CheckpointReport
 from transom.coordinator.server import CoordinatorServer
@@ -112,10 +112,10 @@ def test_every_metric_a_panel_uses_is_exported():
 
 
 def test_coordinator_exports_goodput_and_checkpoint_once_known():
-    m, d = started(2)
     now = [0.5]
     server = CoordinatorServer(Settings(job="t", num_replicas=2), token="t", clock=lambda: now[0])
-    server.membership = m
+    m = server.membership
+    d = begin(m)
     # Known only after a step was committed and a checkpoint reported: no sample before.
     exposition = generate_latest(server.lookups.registry).decode()
     before = {f.name: f.samples for f in text_string_to_metric_families(exposition)}
@@ -135,9 +135,9 @@ def test_coordinator_exports_goodput_and_checkpoint_once_known():
 
 
 def test_batch_shares_are_exported_per_replica_while_rebalanced():
-    m, d = started(2)
     server = CoordinatorServer(Settings(job="t", num_replicas=2), token="t")
-    server.membership = m
+    m = server.membership
+    d = begin(m)
 
     def shares():
         text = generate_latest(server.lookups.registry).decode()
@@ -152,11 +152,11 @@ def test_batch_shares_are_exported_per_replica_while_rebalanced():
 
 
 def test_a_replica_outside_the_quorum_exports_no_batch_share():
-    m = make(3, min_replicas=2, startup_wait_s=0.0)  # replica 1 is not in: failed, or not started yet
+    # Replica 1 is not in: failed, or not started yet.
+    server = CoordinatorServer(Settings(job="t", num_replicas=3, min_replicas=2, startup_wait_s=0.0), token="t")
+    m = server.membership
     for r in (0, 2):
         register(m, r)
-    server = CoordinatorServer(Settings(job="t", num_replicas=3), token="t")
-    server.membership = m
     m.shares.slow(0, 2.0)
     round_all(m, [qreq(r).model_copy(update={"follows_shares": True}) for r in (0, 2)], 2.0)
     text = generate_latest(server.lookups.registry).decode()

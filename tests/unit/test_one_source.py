@@ -38,15 +38,15 @@ def test_the_finder_sees_a_literal_name(tmp_path: Path):
 
 
 def test_transom_run_refuses_what_the_crd_refuses():
-    from transom import cli, contract
+    from transom import arguments, contract
     from transom_operator.api import Checkpoint, FaultTolerance
 
     fields = FaultTolerance.model_fields
     for name in ("heartbeat_timeout_seconds", "collective_timeout_seconds"):
-        assert _le(fields[name]) == contract.MAX_WAIT_SECONDS == cli.MAX_WAIT_S
-    assert _le(fields["max_replica_restarts"]) == contract.MAX_REPLICA_RESTARTS == cli.MAX_LAUNCH_RESTARTS
-    assert _le(Checkpoint.model_fields["interval_steps"]) == contract.MAX_INTERVAL_STEPS == cli.MAX_STEPS
-    assert _le(Checkpoint.model_fields["keep"]) == contract.MAX_KEEP == cli.MAX_KEEP
+        assert _le(fields[name]) == contract.MAX_WAIT_SECONDS == arguments.MAX_WAIT_S
+    assert _le(fields["max_replica_restarts"]) == contract.MAX_REPLICA_RESTARTS == arguments.MAX_LAUNCH_RESTARTS
+    assert _le(Checkpoint.model_fields["interval_steps"]) == contract.MAX_INTERVAL_STEPS == arguments.MAX_STEPS
+    assert _le(Checkpoint.model_fields["keep"]) == contract.MAX_KEEP == arguments.MAX_KEEP
 
 
 def _le(field) -> int:  # noqa: ANN001 (a pydantic FieldInfo)

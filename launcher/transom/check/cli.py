@@ -38,7 +38,7 @@ def check_names(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from transom.cli import between, seconds
+    from transom.arguments import between, seconds
 
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--checks", type=check_names, default=contract.PREFLIGHT_CHECKS, metavar="NAME,...",

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transom.coordinator.membership import Membership
+    from transom.coordinator.job_state import JobState
     from transom.coordinator.models import QuorumRequest
 
 # A signal row describes a step already committed; rows a little ahead of the bound are
@@ -52,7 +52,7 @@ SIGNAL_STEP_WINDOW = 1
 FIRST_ROUND_STEP_WINDOW = 1
 
 
-def step_limit(m: Membership, replica_id: int) -> tuple[int, str] | None:
+def step_limit(m: JobState, replica_id: int) -> tuple[int, str] | None:
     """The most committed steps replica `replica_id`'s live incarnation can hold, and why;
     None when nothing bounds it (registered before this coordinator's first round)."""
     answered = m.answers.get(replica_id)
@@ -66,7 +66,7 @@ def step_limit(m: Membership, replica_id: int) -> tuple[int, str] | None:
     return None
 
 
-def check(m: Membership, replica_id: int, step: int, what: str) -> None:
+def check(m: JobState, replica_id: int, step: int, what: str) -> None:
     """ValueError if `step` is more than replica `replica_id` can have committed."""
     bound = step_limit(m, replica_id)
     if bound is not None and step > bound[0]:
@@ -74,20 +74,20 @@ def check(m: Membership, replica_id: int, step: int, what: str) -> None:
                          f"{bound[0]} committed steps ({bound[1]})")
 
 
-def check_registration(m: Membership, replica_id: int, step: int) -> None:
+def check_registration(m: JobState, replica_id: int, step: int) -> None:
     """ValueError if a new registration claims more than any round allowed."""
     if m.current is not None and step > m.step_limit:
         raise ValueError(f"registration of replica {replica_id} claims step {step}, but no replica can hold more "
                          f"than {m.step_limit} committed steps (one past the newest step of any round)")
 
 
-def supported(m: Membership, step: int) -> bool:
+def supported(m: JobState, step: int) -> bool:
     """Whether the job's evidence supports `step` committed steps (`believed_step`)."""
     believed = believed_step(m)
     return believed is not None and step <= believed
 
 
-def unsupported(m: Membership, ready: Mapping[int, QuorumRequest]) -> dict[int, str]:
+def unsupported(m: JobState, ready: Mapping[int, QuorumRequest]) -> dict[int, str]:
     """The members of a coordinator's first round that claim more than the others support, and
     why: those holding state past `believed_step` by more than FIRST_ROUND_STEP_WINDOW. Empty
     once a round was decided (rounds bound every claim from then on), and while only one
@@ -101,14 +101,14 @@ def unsupported(m: Membership, ready: Mapping[int, QuorumRequest]) -> dict[int, 
                   "committed steps; it restarts from the checkpoint") for rid in ahead}
 
 
-def check_completion(m: Membership, replica_id: int, step: int) -> None:
+def check_completion(m: JobState, replica_id: int, step: int) -> None:
     """ValueError unless replica `replica_id` may say the job completed at `step`."""
     if replica_id not in m.answers:
         raise ValueError(f"replica {replica_id} cannot complete the job at step {step}: no round has answered it "
                          "(a replica commits steps only in rounds)")
 
 
-def believed_step(m: Membership) -> int | None:
+def believed_step(m: JobState) -> int | None:
     """The most committed steps the job's evidence supports: one past the newest step of any
     decided round; before the first round, the step that two replicas registered with at
     least (None while fewer registered). One replica's registration alone moves it only in
@@ -120,7 +120,7 @@ def believed_step(m: Membership) -> int | None:
     return registered[witnesses - 1] if len(registered) >= witnesses else None
 
 
-def signal_step_ok(m: Membership, replica_id: int, step: int) -> bool:
+def signal_step_ok(m: JobState, replica_id: int, step: int) -> bool:
     """A signal row of `step` describes a step replica `replica_id` could have trained, and
     one the job's evidence says some replica could have (`believed_step`)."""
     bound = step_limit(m, replica_id)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from transom import contract
-from transom.cli import between, seconds, seconds_or_zero, wait_seconds
+from transom.arguments import between, seconds, seconds_or_zero, wait_seconds
 from transom.defaults import LOCAL
 
 

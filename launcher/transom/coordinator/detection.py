@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterator
 
 from transom.coordinator import claims
-from transom.coordinator.membership import Membership
+from transom.coordinator.job_state import JobState
 from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
 from transom.detect.detectors import Detectors, Verdict
 from transom.detect.duplicates import DuplicateInputs
@@ -120,7 +120,7 @@ class SignalGate:
 
 
 class Detection:
-    def __init__(self, settings: DetectionSettings, membership: Membership):
+    def __init__(self, settings: DetectionSettings, membership: JobState):
         self.settings = settings
         self.membership = membership
         self.detectors = Detectors(settings)
@@ -309,7 +309,7 @@ class Detection:
         current = self.membership.current
         members = current.member_ids() if current is not None else []
         culprit = self.collectives.blame(replica, hung[-1] if hung else None, members, now,
-                                         stall_s=self.settings.hang_timeout_s / 2, asked=self.membership.pending)
+                                         stall_s=self.settings.hang_timeout_s / 2, asked=self.membership.open.requests)
         rep = self.membership.replicas.get(culprit.replica) if culprit is not None else None
         if culprit is not None and rep is not None:
             self._culprits[replica] = (culprit, rep.identity.key())

@@ -25,10 +25,10 @@ from transom.errors import Evicted
 from transom.words import EventKind, FailureKind, IncarnationState
 
 if TYPE_CHECKING:
-    from transom.coordinator.membership import Membership
+    from transom.coordinator.job_state import JobState
 
 
-def register(m: Membership, req: RegisterRequest, now: float) -> RegisterResponse:
+def register(m: JobState, req: RegisterRequest, now: float) -> RegisterResponse:
     rid = req.identity.replica_id
     if rid >= m.settings.num_replicas:
         raise ValueError(f"replica_id must be below num_replicas ({m.settings.num_replicas})")
@@ -71,7 +71,7 @@ def register(m: Membership, req: RegisterRequest, now: float) -> RegisterRespons
     )
 
 
-def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> bool:
+def heartbeat(m: JobState, req: HeartbeatRequest, now: float) -> bool:
     """Take a live incarnation's beat; True when its checkpoint trouble began or ended."""
     rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "heartbeat")
@@ -80,7 +80,7 @@ def heartbeat(m: Membership, req: HeartbeatRequest, now: float) -> bool:
     return _note_checkpoint_trouble(m, rep, req.checkpoint_trouble, now)
 
 
-def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, now: float) -> bool:
+def _note_checkpoint_trouble(m: JobState, rep: Replica, trouble: str | None, now: float) -> bool:
     """Keep what the replica says its checkpoint writer fails at; an event when that starts
     and when it ends (not for each new failure in between: a retry every few seconds).
     True when it started or ended."""
@@ -95,7 +95,7 @@ def _note_checkpoint_trouble(m: Membership, rep: Replica, trouble: str | None, n
     return changed
 
 
-def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
+def step_aside(m: JobState, req: AsideRequest, now: float) -> None:
     """The replica works outside the steps for a while: rounds go on without it (not
     counted as hung) until it asks for a quorum again, behind the others."""
     rep = m.replicas.live(req.identity)
@@ -107,7 +107,7 @@ def step_aside(m: Membership, req: AsideRequest, now: float) -> None:
                 req.identity.replica_id)
 
 
-def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
+def report_failure(m: JobState, req: FailureReport, now: float) -> bool:
     """Mark an incarnation failed. Idempotent; reports about old incarnations are ignored."""
     rep = m.replicas.current(req.identity)
     if rep is None:
@@ -117,7 +117,7 @@ def report_failure(m: Membership, req: FailureReport, now: float) -> bool:
     return True
 
 
-def leave(m: Membership, req: LeaveRequest, now: float) -> None:
+def leave(m: JobState, req: LeaveRequest, now: float) -> None:
     rep = m.replicas.live(req.identity)
     claims.check(m, req.identity.replica_id, req.step, "leave")
     if req.completed:
@@ -135,7 +135,7 @@ def leave(m: Membership, req: LeaveRequest, now: float) -> None:
             rep.identity.replica_id)
 
 
-def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
+def replica_state(m: JobState, identity: Identity) -> IncarnationAnswer:
     rep = m.replicas.get(identity.replica_id)
     done = m.completed_step is not None
     if rep is None or rep.identity.key() < identity.key():
@@ -146,7 +146,7 @@ def replica_state(m: Membership, identity: Identity) -> IncarnationAnswer:
                         job_completed=done)
 
 
-def expire(m: Membership, now: float) -> bool:
+def expire(m: JobState, now: float) -> bool:
     """Declare replicas whose heartbeats stopped failed. Returns whether anything changed."""
     expired = m.replicas.expired(now, m.settings.heartbeat_timeout_s)
     for rep, age in expired:
@@ -154,7 +154,7 @@ def expire(m: Membership, now: float) -> bool:
     return bool(expired)
 
 
-def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
+def record_checkpoint(m: JobState, req: CheckpointReport, wall_time: float, now: float) -> bool:
     """A replica committed the checkpoint of `req.step`; older reports are ignored. One past
     what the job's evidence supports (a replica alone before the first round) is held until
     it is supported (`release_checkpoints`): one replica's word is not the job's checkpoint."""
@@ -166,7 +166,7 @@ def record_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, no
     return _newest_checkpoint(m, req, wall_time, now)
 
 
-def release_checkpoints(m: Membership, now: float) -> None:
+def release_checkpoints(m: JobState, now: float) -> None:
     """Count the held checkpoint reports the job's evidence now supports."""
     for rid, (req, wall_time) in list(m.held_checkpoints.items()):
         if claims.supported(m, req.step):
@@ -174,7 +174,7 @@ def release_checkpoints(m: Membership, now: float) -> None:
             _newest_checkpoint(m, req, wall_time, now)
 
 
-def _newest_checkpoint(m: Membership, req: CheckpointReport, wall_time: float, now: float) -> bool:
+def _newest_checkpoint(m: JobState, req: CheckpointReport, wall_time: float, now: float) -> bool:
     if m.last_checkpoint is not None and req.step <= m.last_checkpoint[0]:
         return False
     m.last_checkpoint = (req.step, wall_time)

@@ -16,10 +16,10 @@ from transom.errors import JobCompleted
 from transom.words import EventKind
 
 if TYPE_CHECKING:
-    from transom.coordinator.membership import Membership
+    from transom.coordinator.job_state import JobState
 
 
-def finish(m: Membership, step: int, now: float) -> int:
+def finish(m: JobState, step: int, now: float) -> int:
     """End the job at `step`, or at the earliest step a round can still end it; returns the
     step it will end at. JobCompleted once it has completed."""
     if m.completed_step is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -17,10 +16,8 @@ from transom.coordinator import http
 from transom.coordinator.http import BadRequest
 from transom.coordinator.metrics import MembershipCollector
 from transom.coordinator.models import MAX_STEP, RendezvousInfo
+from transom.coordinator.shared import Shared
 from transom.defaults import MAX_STATE_WAIT_S
-
-if TYPE_CHECKING:
-    from transom.coordinator.server import CoordinatorServer
 
 MAX_RANK = 1 << 20  # ranks a fingerprint may be asked for
 READY_LOCK_S = 1.0  # /readyz: longer than this waiting for the state, and the coordinator is not ready
@@ -29,8 +26,8 @@ READY_LOCK_S = 1.0  # /readyz: longer than this waiting for the state, and the c
 class Lookups:
     """The read-mostly routes of one `CoordinatorServer` (its membership, detection and lock)."""
 
-    def __init__(self, server: CoordinatorServer):
-        self.server = server
+    def __init__(self, shared: Shared):
+        self.shared = shared
         # Replica-state long-polls wait for this event, which `states_changed` sets (and
         # replaces) when membership recorded an event (a registration, failure, leave,
         # completion): not on every quorum round, and without the lock, which 10,000 held
@@ -38,7 +35,7 @@ class Lookups:
         self._states_changed = asyncio.Event()
         self._rendezvous: dict[tuple[int, int, int], RendezvousInfo] = {}
         self.registry = CollectorRegistry()
-        self.registry.register(MembershipCollector(server))
+        self.registry.register(MembershipCollector(shared))
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/v1/replicas/{id}", self._replica)
@@ -57,7 +54,7 @@ class Lookups:
 
     async def _replica(self, request: web.Request) -> web.Response:
         identity = http.query_identity(request, request.match_info["id"])
-        await self.server.access.authorize(request, identity, replica_only=True)
+        await self.shared.access.authorize(request, identity, replica_only=True)
         known = request.query.get("known")
         try:
             wait_s = float(request.query.get("wait_s", "0"))
@@ -67,7 +64,7 @@ class Lookups:
             raise BadRequest(f"wait_s must be between 0 and {MAX_STATE_WAIT_S:g}")
         deadline = time.monotonic() + wait_s
         # Reads of membership need no lock: they do not await, so no handler runs in between.
-        membership = self.server.membership
+        membership = self.shared.membership
         state = membership.replica_state(identity)
         while state.state == known and not state.job_completed and time.monotonic() < deadline:
             changed = self._states_changed
@@ -81,9 +78,9 @@ class Lookups:
 
     async def _put_rendezvous(self, request: web.Request) -> web.Response:
         info = await http.parse(request, RendezvousInfo)
-        await self.server.access.authorize(request, info.identity, node_rank=0)  # node 0 publishes the address
+        await self.shared.access.authorize(request, info.identity, node_rank=0)  # node 0 publishes the address
         i = info.identity
-        async with self.server.lock:
+        async with self.shared.lock:
             self._rendezvous[(i.replica_id, i.generation, i.attempt)] = info
             # Keep only the newest incarnation per replica: the table stays bounded.
             for key in [k for k in self._rendezvous if k[0] == i.replica_id and k[1:] < (i.generation, i.attempt)]:
@@ -92,7 +89,7 @@ class Lookups:
 
     async def _get_rendezvous(self, request: web.Request) -> web.Response:
         i = http.query_identity(request, request.match_info["id"])
-        await self.server.access.authorize(request, i)
+        await self.shared.access.authorize(request, i)
         info = self._rendezvous.get((i.replica_id, i.generation, i.attempt))
         if info is None:
             return http.error(404, "node 0 of this replica has not published its address yet", retry=True)
@@ -100,7 +97,7 @@ class Lookups:
 
     async def _progress(self, request: web.Request) -> web.Response:
         principal = http.principal(request)
-        return http.ok(self.server.membership.progress(None if principal.admin else principal.replica_id))
+        return http.ok(self.shared.membership.progress(None if principal.admin else principal.replica_id))
 
     async def _fingerprint(self, request: web.Request) -> web.Response:
         try:
@@ -109,10 +106,10 @@ class Lookups:
             raise BadRequest("step and rank must be integers") from None
         if not (0 <= step <= MAX_STEP and 0 <= rank < MAX_RANK):
             raise BadRequest("step or rank out of range")
-        return http.ok(self.server.detection.fingerprint(step, rank))
+        return http.ok(self.shared.detection.fingerprint(step, rank))
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        async with self.server.lock:
+        async with self.shared.lock:
             body = generate_latest(self.registry)
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
@@ -124,12 +121,12 @@ class Lookups:
         """Readiness: the coordinator can do its work now, its round ticker running and its
         state free within READY_LOCK_S; otherwise 503 with why (the Service stops sending
         it calls it would only queue, and `kubectl describe` says so)."""
-        if not self.server.ticking():
+        if not self.shared.ticking():
             return web.Response(status=503, text="the round ticker is not running")
         try:
             async with asyncio.timeout(READY_LOCK_S):
-                await self.server.lock.acquire()
+                await self.shared.lock.acquire()
         except TimeoutError:
             return web.Response(status=503, text=f"the coordinator's state stayed busy for {READY_LOCK_S:g} s")
-        self.server.lock.release()
+        self.shared.lock.release()
         return web.Response(text="ready")

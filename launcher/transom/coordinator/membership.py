@@ -33,22 +33,20 @@ Progress that cannot have happened is refused (ValueError, HTTP 400): the bounds
 claims.py's. The calls about one incarnation (register, heartbeat, leave...) are
 incarnations.py's, the pure parts of a round (the open round, its plan, who is overdue)
 rounds.py's, the replicas' records and the queries over them roster.py's, and what the
-membership tells others reports.py's; this class holds the state they share and decides.
+membership tells others reports.py's; the state they share is job_state.py's (those
+modules take it, never Membership), and this class decides.
 """
 
 from __future__ import annotations
 
-import collections
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transom.coordinator import claims, incarnations, reports, rounds
-from transom.coordinator.goodput import GoodputClock
+from transom.coordinator.job_state import JobState
 from transom.coordinator.models import (
     MAX_SHARED_BYTES,
     AsideRequest,
     CheckpointReport,
-    Event,
     FailureReport,
     HeartbeatRequest,
     Identity,
@@ -62,70 +60,17 @@ from transom.coordinator.models import (
     RegisterResponse,
 )
 from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exported: the records it keeps)
-from transom.coordinator.roster import Roster
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
-from transom.detect.rebalance import SharePolicy, describe, newest_held
+from transom.detect.rebalance import describe, newest_held
 from transom.errors import JobCompleted
-from transom.words import EventKind, FailureKind, IncarnationState
-
-ROUNDS_TIMED = 16  # the recent rounds whose median length is "a round"
+from transom.words import EventKind, FailureKind
 
 
 @dataclass
-class Membership:
-    settings: Settings
-    # Distinguishes this coordinator's life from a previous one: quorum ids restart at 0
-    # after a restart, and group prefixes must never repeat (a reused prefix hangs).
-    epoch: str = field(default_factory=lambda: secrets.token_hex(4))
-    replicas: Roster = field(default_factory=Roster)  # each replica id's newest incarnation (roster.py)
-    open: rounds.OpenRound = field(default_factory=rounds.OpenRound)  # the requests not yet answered
-    answers: dict[int, Decision] = field(default_factory=dict)
-    current: Decision | None = None
-    # One past the highest max_step of any decided round: no replica can hold more steps.
-    step_limit: int = 0
-    next_round: int = 0
-    last_quorum_id: int = -1
-    decided_at: float | None = None  # when the newest round was decided
-    round_seconds: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=ROUNDS_TIMED))
-    paused: bool = False
-    # Set when the first replica leaves with `completed`: the job's last step. A replica
-    # still asking for a quorum after that cannot be helped (its peers are gone).
-    completed_step: int | None = None
-    end_step: int | None = None  # where its owner asked the job to end (job_end.py): the round there says so
-    diverged: str | None = None  # replicas disagree without a majority: every answer stops its member
-    events: collections.deque[Event] = field(default_factory=lambda: collections.deque(maxlen=256))
-    # Monotonic counters exported as metrics.
-    failures_total: collections.Counter[str] = field(default_factory=collections.Counter)
-    quorum_changes_total: int = 0
-    events_total: int = 0
-    # For status.training: the newest committed checkpoint (step, wall-clock unix time) and
-    # the goodput clock, advanced by every decided round.
-    last_checkpoint: tuple[int, float] | None = None
-    last_checkpoint_stall_s: float | None = None  # the committing replica's snapshot stall
-    held_checkpoints: dict[int, tuple[CheckpointReport, float]] = field(default_factory=dict)  # claims.supported
-    goodput: GoodputClock = field(default_factory=GoodputClock)
-    # Rebalance (spec.detection.slowAction): the detectors set who is slow, a decision
-    # publishes the shares (transom/detect/rebalance.py).
-    shares: SharePolicy = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.shares = SharePolicy(self.settings.num_replicas)
-
-    # --- helpers -----------------------------------------------------------------------
-    def event(self, now: float, kind: str, message: str, replica: int | None = None) -> None:
-        """Record what happened (about `replica`, if one): GET /v1/status shows the newest."""
-        self.events.append(Event(time=now, kind=kind, message=message, replica=replica))
-        self.events_total += 1
-
-    def fail(self, rep: Replica, now: float, reason: str, kind: str) -> None:
-        """Declare incarnation `rep` failed (`kind`: why, as the failures metric counts it)."""
-        rep.state = IncarnationState.FAILED
-        rep.failures += 1
-        rep.last_failure = reason
-        rep.failure_kind = FailureKind(kind)
-        self.failures_total[kind] += 1
-        self.open.drop(rep.identity.replica_id)
-        self.event(now, EventKind.FAILED, f"replica {rep.identity.replica_id}: {reason}", rep.identity.replica_id)
+class Membership(JobState):
+    """Decides the rounds over the job's state (JobState, job_state.py), and is the one door
+    the server calls through: the calls about one incarnation are incarnations.py's, what
+    it tells others reports.py's."""
 
     # --- calls about one incarnation (incarnations.py) ----------------------------------------
     def register(self, req: RegisterRequest, now: float) -> RegisterResponse:
@@ -164,8 +109,8 @@ class Membership:
         rep.last_heartbeat = now  # asking proves liveness as well as a heartbeat does
         rep.step = req.step
         rep.aside = False
-        if req.last_loss is not None:
-            rep.last_loss = req.last_loss
+        if req.report is not None:
+            rep.last_report = req.report
         if answered is not None:
             return answered
         if not self.open.enter(req, now):

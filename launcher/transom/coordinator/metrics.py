@@ -5,27 +5,23 @@ endpoints that refuse a stale incarnation (fencing.py), and replica ids of the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from transom.coordinator.membership import Membership
 from transom.coordinator.reports import in_checkpoint_trouble
+from transom.coordinator.shared import Shared
 from transom.detect.detectors import KINDS
 from transom.words import FailureKind
-
-if TYPE_CHECKING:
-    from transom.coordinator.server import CoordinatorServer
 
 
 class MembershipCollector:
     """Reads the live membership at scrape time; labels are bounded (reason kinds only)."""
 
-    def __init__(self, server: CoordinatorServer):
-        self.server = server
+    def __init__(self, shared: Shared):
+        self.shared = shared
 
     def collect(self):
-        m = self.server.membership
+        m = self.shared.membership
         g = GaugeMetricFamily("transom_coordinator_healthy_replicas", "Replicas currently healthy")
         g.add_metric([], m.replicas.healthy_count())
         yield g
@@ -78,37 +74,37 @@ class MembershipCollector:
         c = CounterMetricFamily("transom_coordinator_fenced_requests",
                                 "Calls refused (409) because the calling incarnation was superseded, declared failed "
                                 "or left: what a zombie tried", labels=["endpoint"])
-        for endpoint in self.server.refusals.endpoints():
-            c.add_metric([endpoint], self.server.refusals.counts.get(endpoint, 0))
+        for endpoint in self.shared.refusals.endpoints():
+            c.add_metric([endpoint], self.shared.refusals.counts.get(endpoint, 0))
         yield c
         c = CounterMetricFamily("transom_coordinator_unauthenticated_requests",
                                 "Calls refused (401) for a missing or unknown credential, "
                                 "such as a deleted pod's token",
                                 labels=["endpoint"])
-        for endpoint in self.server.refusals.endpoints():
-            c.add_metric([endpoint], self.server.refusals.unauthenticated.get(endpoint, 0))
+        for endpoint in self.shared.refusals.endpoints():
+            c.add_metric([endpoint], self.shared.refusals.unauthenticated.get(endpoint, 0))
         yield c
 
     def _detection(self):
         """What the detectors found and what they turned away."""
         c = CounterMetricFamily("transom_coordinator_verdicts", "Anomalies found by the detectors", labels=["kind"])
         for kind in KINDS:
-            c.add_metric([kind], self.server.detection.verdicts_total.get(kind, 0))
+            c.add_metric([kind], self.shared.detection.verdicts_total.get(kind, 0))
         yield c
         c = CounterMetricFamily("transom_coordinator_signal_rows_refused",
                                 "Signal rows refused: a step or rank its replica cannot have")
-        c.add_metric([], self.server.detection.rows_refused)
+        c.add_metric([], self.shared.detection.rows_refused)
         yield c
         c = CounterMetricFamily("transom_coordinator_signal_posts_deferred",
                                 "Signal posts answered 429 (too soon, or the detectors' time budget spent)")
-        c.add_metric([], self.server.signal_gate.deferred)
+        c.add_metric([], self.shared.signal_gate.deferred)
         yield c
 
     def _progress(self, m: Membership):
         """Goodput and the newest checkpoint: families without a sample until they are known,
         so a dashboard shows "no data" rather than a made-up 0 (an age since 1970)."""
         g = GaugeMetricFamily("transom_coordinator_goodput", "Fraction of time spent on steps that were kept")
-        goodput = m.goodput.value(self.server.clock())
+        goodput = m.goodput.value(self.shared.clock())
         if goodput is not None:
             g.add_metric([], goodput)
         yield g

@@ -5,15 +5,12 @@ gets 403 here; the replicas' own routes are server.py's and lookups.py's."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from transom.coordinator import http, job_end
 from transom.coordinator.models import FinishAnswer, FinishRequest
-
-if TYPE_CHECKING:
-    from transom.coordinator.server import CoordinatorServer
+from transom.coordinator.shared import Shared
 
 log = logging.getLogger("transom.coordinator")
 
@@ -21,8 +18,8 @@ log = logging.getLogger("transom.coordinator")
 class OwnerRoutes:
     """The owner's routes of one `CoordinatorServer` (its membership, detection and lock)."""
 
-    def __init__(self, server: CoordinatorServer):
-        self.server = server
+    def __init__(self, shared: Shared):
+        self.shared = shared
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_get("/v1/status", self._status)
@@ -30,7 +27,7 @@ class OwnerRoutes:
 
     async def _status(self, request: web.Request) -> web.Response:
         http.principal(request).require_admin("GET /v1/status")
-        s = self.server
+        s = self.shared
         async with s.lock:
             status = s.membership.status(s.clock())
             return http.ok(status.model_copy(update={"duplicate_data": s.detection.duplicate_data()}))
@@ -39,7 +36,7 @@ class OwnerRoutes:
         """End the job at a step (job_end.py): the round that reaches it tells its members."""
         http.principal(request).require_admin("POST /v1/finish")
         req = await http.parse(request, FinishRequest)
-        s = self.server
+        s = self.shared
         async with s.lock:
             step = job_end.finish(s.membership, req.step, s.clock())
         log.info("the job ends at step %d, as its owner asked", step)

@@ -19,13 +19,13 @@ from transom.coordinator.records import Decision, Replica
 from transom.words import IncarnationState
 
 if TYPE_CHECKING:
-    from transom.coordinator.membership import Membership
+    from transom.coordinator.job_state import JobState
 
 STATUS_EVENTS = 50  # the newest events GET /v1/status shows (membership keeps more)
 TROUBLE_SHOWN = 4  # replicas checkpointTrouble quotes (each up to 300 characters; the CRD allows 2048)
 
 
-def response(m: Membership, decision: Decision, replica_id: int) -> QuorumResponse:
+def response(m: JobState, decision: Decision, replica_id: int) -> QuorumResponse:
     """Member `replica_id`'s answer to the quorum request `decision` decided."""
     ids = decision.member_ids()
     sources = [RecoverySource(replica_id=s, endpoints=list(m.replicas[s].state_endpoints))
@@ -51,7 +51,7 @@ def response(m: Membership, decision: Decision, replica_id: int) -> QuorumRespon
     )
 
 
-def training(m: Membership, now: float) -> dict:
+def training(m: JobState, now: float) -> dict:
     """status.training of the TrainingJob (camelCase, as the CRD has it), without updateTime.
     `step` only once this coordinator has decided a round: a restarted one knows no replica
     until they register again, and would write 0 over the job's committed step (a merge
@@ -76,7 +76,7 @@ def training(m: Membership, now: float) -> dict:
     return out
 
 
-def in_checkpoint_trouble(m: Membership) -> list[Replica]:
+def in_checkpoint_trouble(m: JobState) -> list[Replica]:
     """The healthy replicas whose heartbeats say their checkpoint writer fails, by id."""
     return [r for r in sorted(m.replicas.values(), key=lambda r: r.identity.replica_id)
             if r.state == IncarnationState.HEALTHY and r.checkpoint_trouble is not None]
@@ -94,7 +94,7 @@ def quoted(words: str) -> str:
     return f'"{kept}"'
 
 
-def checkpoint_trouble(m: Membership) -> str | None:
+def checkpoint_trouble(m: JobState) -> str | None:
     """status.training.checkpointTrouble: what the healthy replicas say their checkpoint
     writers fail at, each in its own words, `quoted` ('replica 0: "writing part 0 of step 40:
     ConnectError"'), the first TROUBLE_SHOWN of them, separated by "; "; None when none does."""
@@ -105,7 +105,7 @@ def checkpoint_trouble(m: Membership) -> str | None:
     return "; ".join(said) or None
 
 
-def progress(m: Membership, caller: int | None) -> JobProgress:
+def progress(m: JobState, caller: int | None) -> JobProgress:
     """What replica `caller` (None: the job's token holder) needs when it starts."""
     peers = [r for r in m.replicas.values() if r.state == IncarnationState.HEALTHY and r.identity.replica_id != caller]
     newest = max(peers, key=lambda r: (r.step, -r.identity.replica_id), default=None)
@@ -114,7 +114,7 @@ def progress(m: Membership, caller: int | None) -> JobProgress:
                        peer_endpoint=newest.state_endpoints[0] if newest and newest.state_endpoints else None)
 
 
-def status(m: Membership, now: float) -> JobStatus:
+def status(m: JobState, now: float) -> JobStatus:
     """GET /v1/status: the current round and every replica id's current incarnation."""
     cur = m.current
     return JobStatus(
@@ -137,7 +137,7 @@ def status(m: Membership, now: float) -> JobStatus:
                 attempt=r.identity.attempt,
                 state=r.state,
                 step=r.step,
-                last_loss=r.last_loss,
+                last_report=r.last_report,
                 heartbeat_age_s=round(now - r.last_heartbeat, 3) if r.state == IncarnationState.HEALTHY else None,
                 failures=r.failures,
                 last_failure=r.last_failure,

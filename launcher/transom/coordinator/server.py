@@ -77,6 +77,7 @@ from transom.coordinator.models import (
 )
 from transom.coordinator.oom_kills import OomKills
 from transom.coordinator.owner import OwnerRoutes
+from transom.coordinator.shared import Shared
 from transom.defaults import COORDINATOR_TICK_S, QUORUM_WAKE_S
 from transom.detect.step_rows import DetectionSettings
 from transom.errors import EVICTED_STATES, Evicted, JobCompleted
@@ -104,8 +105,7 @@ class CoordinatorServer:
         """`token`: the job's (admin) token; `replica_keys`, `kube_identity`: how replicas prove who they are."""
         self.refusals = Refusals()  # 409s to incarnations that are no longer current (fencing.py)
         self.access = Access(token, self.refusals, replica_keys, kube_identity)
-        self.settings = settings
-        self.membership = Membership(settings)
+        self.settings, self.membership = settings, Membership(settings)
         self.detection = Detection(detection or DetectionSettings(), self.membership)
         self.oom_kills = OomKills()  # the OOMKilled failure reports, for status.training
         self.clock = clock
@@ -113,8 +113,9 @@ class CoordinatorServer:
         self.lock = asyncio.Lock()
         self._changed = asyncio.Condition(self.lock)
         self._events_seen = 0
-        self.lookups = Lookups(self)
-        self.owner = OwnerRoutes(self)
+        shared = Shared(self.membership, self.detection, self.access, self.refusals, self.signal_gate, self.lock,
+                        clock, self.ticking)
+        self.lookups, self.owner = Lookups(shared), OwnerRoutes(shared)
         self._runner: web.AppRunner | None = None
         self._tick_task: asyncio.Task | None = None
         self._status_writer = status_writer

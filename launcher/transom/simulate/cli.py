@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from transom.cli import between
+from transom.arguments import between
 from transom.simulate.engine import simulate
 from transom.simulate.model import PRESETS, Scenario
 
