@@ -44,7 +44,8 @@ IDENTITY = st.fixed_dictionaries({"replica_id": st.integers(-2, 3) | JSON, "gene
                                   "attempt": st.integers(0, 3)})
 SHAPED = st.fixed_dictionaries({"identity": IDENTITY}, optional={
     "step": st.integers(-5, 2**64) | JSON, "commit_quorum_id": st.integers(-3, 10), "last_round": st.integers(-3, 10),
-    "failed": st.booleans(), "last_loss": st.floats(allow_nan=True), "timeout_s": st.floats(0.01, 0.2),
+    "failed": st.booleans(), "timeout_s": st.floats(0.01, 0.2),
+    "report": st.none() | st.fixed_dictionaries({"loss": st.floats(allow_nan=True), "seconds": st.floats()}) | JSON,
     "store_addr": st.text(max_size=300), "state_endpoints": st.lists(st.text(max_size=20), max_size=3),
     "reason": st.text(max_size=2000), "completed": st.booleans() | JSON, "uri": st.text(max_size=50),
     "master_addr": st.text(max_size=10), "master_port": st.integers(-1, 70000), "exit_code": st.integers(-300, 300),

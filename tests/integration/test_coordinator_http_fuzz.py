@@ -25,7 +25,7 @@ TEMPLATES = {
     "/v1/heartbeat": {"identity": {"replica_id": 0, "generation": 0, "attempt": 0}, "step": 1},
     "/v1/quorum": {
         "identity": {"replica_id": 0, "generation": 0, "attempt": 0},
-        "step": 0, "commit_quorum_id": -1, "last_round": -1, "failed": False, "last_loss": 1.5, "timeout_s": 0.2,
+        "step": 0, "commit_quorum_id": -1, "last_round": -1, "failed": False, "report": {"loss": 1.5}, "timeout_s": 0.2,
     },
     "/v1/failure": {"identity": {"replica_id": 0, "generation": 0, "attempt": 0}, "reason": "x", "exit_code": 1},
     "/v1/leave": {"identity": {"replica_id": 0, "generation": 0, "attempt": 0}, "step": 3, "reason": "stopped"},

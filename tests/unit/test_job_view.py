@@ -7,7 +7,7 @@ from transom.launch.job_view import EventFeed, caught_up, failed_incarnations
 
 
 def _replica(rid: int, state: str, step: int, generation: int = 0, failure: str | None = None) -> ReplicaStatus:
-    return ReplicaStatus(replica_id=rid, generation=generation, attempt=0, state=state, step=step, last_loss=None,
+    return ReplicaStatus(replica_id=rid, generation=generation, attempt=0, state=state, step=step, last_report=None,
                          heartbeat_age_s=None, failures=0, last_failure=failure)
 
 

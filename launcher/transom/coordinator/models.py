@@ -197,6 +197,19 @@ class LeaveRequest(_Msg):
     reason: str = Field(default="", max_length=256)
 
 
+class StepReport(_Msg):
+    """The figures a replica reports of its last step trained on its own batch and
+    committed: carried whole by its next quorum request, kept whole by the coordinator (the
+    newest per replica) and shown whole in GET /v1/status. A new per-step figure is a field
+    here and the value ft/commit.py (`Commit._record`) puts in it."""
+
+    loss: float | None = Field(default=None, allow_inf_nan=True)
+    seconds: float | None = Field(default=None, ge=0, le=1e7, description="the step's wall time")
+    grad_norm: float | None = Field(
+        default=None, ge=0, allow_inf_nan=True,
+        description="the norm of the leader rank's own gradients before the exchange (with detection on)")
+
+
 class QuorumRequest(_Msg):
     identity: Identity
     step: int = Step
@@ -205,8 +218,8 @@ class QuorumRequest(_Msg):
     )
     last_round: int = Field(ge=-1, le=MAX_STEP, description="the last round this incarnation received")
     failed: bool = Field(default=False, description="the last step failed (its update was discarded)")
-    last_loss: float | None = Field(default=None, allow_inf_nan=True)
-    last_step_seconds: float | None = Field(default=None, ge=0, le=1e7)
+    report: StepReport | None = Field(
+        default=None, description="the last step, if it was committed and trained on this replica's own batch")
     catching_up_from: int | None = Field(
         default=None, ge=0, le=MAX_STEP,
         description="the replica trains in step but still fetches its tensors from peers: it contributes zeros "
@@ -297,7 +310,7 @@ class ReplicaStatus(_Msg):
     attempt: int
     state: Literal["healthy", "failed", "left"]
     step: int
-    last_loss: float | None
+    last_report: StepReport | None  # of its newest committed step trained on its own batch
     heartbeat_age_s: float | None
     failures: int
     last_failure: str | None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transom.coordinator.models import Identity
+from transom.coordinator.models import Identity, StepReport
 from transom.words import FailureKind, IncarnationState
 
 
@@ -19,7 +19,7 @@ class Replica:
     last_heartbeat: float = 0.0
     step: int = 0
     registered_step: int = 0  # what it held when it registered: its bound until a round answers it
-    last_loss: float | None = None
+    last_report: StepReport | None = None  # of its newest committed step trained on its own batch
     failures: int = 0  # over all incarnations of this replica id
     last_failure: str | None = None
     failure_kind: FailureKind | None = None  # why this incarnation was declared failed, once it was

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from transom.coordinator.models import QuorumResponse
+from transom.coordinator.models import QuorumResponse, StepReport
 from transom.errors import TooManyFailedSteps, UsageError
 from transom.ft.checkpointing import Checkpoints, Writers
 from transom.ft.config import FTConfig, lr_factor, state_digest
@@ -81,7 +81,7 @@ class Commit:
         else:
             self.failed_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self._record(outcome, loss, verdict.committed)
+        self._record(outcome, loss, verdict)
         if self.failed_in_a_row >= self.config.max_failed_steps:
             raise TooManyFailedSteps(f"{self.failed_in_a_row} failed steps in a row, last: {outcome.ftar.error}")
         return verdict.committed
@@ -166,13 +166,14 @@ class Commit:
                                  snapshot=self.recovery.snapshot_taken_at(step + 1) or step + 1 == self.target,
                                  input_digest=self.inputs.value(step))
 
-    def _record(self, outcome: QuorumOutcome, loss: Any, committed: bool) -> None:
+    def _record(self, outcome: QuorumOutcome, loss: Any, verdict: StepVote) -> None:
         """What the next quorum request reports, and the step's statistics."""
-        q, recovering = outcome.quorum, outcome.recovering
+        q, recovering, committed = outcome.quorum, outcome.recovering, verdict.committed
         loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         seconds = self.clock.elapsed()
-        reported = loss_value if committed and not recovering else None
-        self.last = StepRecord(failed=not committed, loss=reported, seconds=seconds,
+        report = StepReport(loss=loss_value, seconds=seconds, grad_norm=verdict.norm) \
+            if committed and not recovering else None
+        self.last = StepRecord(failed=not committed, report=report,
                                commit_quorum_id=q.quorum_id if committed else self.last.commit_quorum_id)
         # Whether this replica's batch went into a committed step: not while it recovers
         # (it contributes zeros) nor when the step failed (the batch comes again).
@@ -181,7 +182,7 @@ class Commit:
         self.stats.step(
             step=self.step, committed=committed, seconds=round(seconds, 6), quorum_id=q.quorum_id,
             quorum_changed=outcome.changed, recovering=recovering, participants=q.participants, members=len(q.members),
-            loss=reported, error=outcome.ftar.error, t=time.time(),
+            loss=report.loss if report else None, error=outcome.ftar.error, t=time.time(),
         )
 
     def _refuse_direct_step(self, _optimizer, _args, _kwargs) -> None:

@@ -74,7 +74,7 @@ class Exchange:
         if self.link is not None:
             self._request = QuorumRequest(
                 identity=self.identity, step=step, commit_quorum_id=last.commit_quorum_id,
-                last_round=self.last_round, failed=last.failed, last_loss=last.loss, last_step_seconds=last.seconds,
+                last_round=self.last_round, failed=last.failed, report=last.report,
                 catching_up_from=catching_up_from, follows_shares=self.shares.following,
                 shares_held=self.shares.schedule.pending, shares_held_from=self.shares.schedule.pending_from,
                 shared=self.shared.take(),

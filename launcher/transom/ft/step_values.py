@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transom.coordinator.models import QuorumResponse
+from transom.coordinator.models import QuorumResponse, StepReport
 from transom.ft.ftar import StepAllReduce
 
 
@@ -41,6 +41,5 @@ class StepRecord:
     """A finished step as the next quorum request reports it."""
 
     failed: bool = False
-    loss: float | None = None  # of a committed step trained on this replica's own batch
-    seconds: float | None = None
+    report: StepReport | None = None  # a committed step trained on this replica's own batch
     commit_quorum_id: int = -1  # the quorum of the last committed step

@@ -30,7 +30,8 @@ def caught_up(status: JobStatus) -> set[int]:
 
 def progress(status: JobStatus, restarts: int) -> str:
     """The progress line: step, the mean loss of the healthy replicas, who is in the quorum."""
-    losses = [r.last_loss for r in status.replicas if r.last_loss is not None and r.state == IncarnationState.HEALTHY]
+    losses = [r.last_report.loss for r in status.replicas
+              if r.last_report is not None and r.last_report.loss is not None and r.state == IncarnationState.HEALTHY]
     return progress_line(status.max_step, sum(losses) / len(losses) if losses else None, status.healthy_replicas,
                          status.num_replicas, status.quorum_id, list(status.members), status.paused, restarts)
 
