@@ -1,10 +1,7 @@
-"""The argparse types of `transom`'s commands and the bounds they check: the main command
-and its subcommands' parsers (coordinator, check, simulate) take them from here, so that no
-subcommand imports the command that dispatches to it.
-
-The settings that own a value bound it tighter where they do (RunConfig, LaunchConfig, the
-coordinator's Settings); these reject what no setting could take (nan, inf, a month of
-seconds, a count past 2^31) with argparse's message before anything starts.
+"""The argparse types of the subcommands whose settings are not models yet (coordinator,
+check, simulate): they reject what no setting could take (nan, inf, a month of seconds)
+with argparse's message before anything starts. `transom run` and `transom launch` derive
+their flags from their settings models instead (flags.py, launch/config.py).
 """
 
 from __future__ import annotations
@@ -15,10 +12,6 @@ import math
 from transom import contract
 
 MAX_SECONDS = 30 * 86400.0  # a month: a longer wait is a typo (and past ~1e10 s, waits overflow time_t)
-MAX_COUNT = 2**31 - 1  # any count; the settings that own a count bound it tighter (RunConfig, LaunchConfig)
-MAX_STEPS = contract.MAX_INTERVAL_STEPS
-MAX_KEEP = contract.MAX_KEEP
-MAX_LAUNCH_RESTARTS = contract.MAX_REPLICA_RESTARTS  # in-place restarts: as many as the CRD allows a replica
 MAX_WAIT_S = float(contract.MAX_WAIT_SECONDS)
 
 
@@ -56,7 +49,3 @@ def between(low: int, high: int):
             raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
     return parse
-
-
-count = between(1, MAX_COUNT)  # argparse types: integers of at least 1, and of at least 0
-non_negative = between(0, MAX_COUNT)

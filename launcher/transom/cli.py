@@ -14,17 +14,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from transom import contract
-from transom.arguments import (
-    MAX_KEEP,
-    MAX_LAUNCH_RESTARTS,
-    MAX_STEPS,
-    between,
-    count,
-    non_negative,
-    seconds,
-    wait_seconds,
-)
+from transom import contract, flags
 
 if TYPE_CHECKING:
     from transom.coordinator.membership import Settings
@@ -49,6 +39,12 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
     from transom.launch.config import LaunchConfig
     from transom.launch.supervisor import Launcher
 
+    if args.nproc_per_node is not None:  # the flags first, before the environment they override
+        try:
+            flags.build(LaunchConfig, args, (*LAUNCH_FLAGS, "nproc_per_node"), command=command)
+        except ValueError as e:
+            print(f"transom launch: {e}", file=sys.stderr)
+            return contract.EXIT_USAGE
     owner = os.environ.get(contract.ENV_OWNER_PID)
     if owner and owner.isascii() and owner.isdigit() and not processes.follow_parent(int(owner)):
         print("transom launch: the `transom run` that started it is gone", file=sys.stderr)
@@ -66,8 +62,8 @@ def _launch(args: argparse.Namespace, command: list[str]) -> int:
             env = contract.ReplicaEnv.from_environ()
         nproc = args.nproc_per_node if args.nproc_per_node is not None else env.nproc_per_node
         from transom.detect.step_rows import DetectionSettings
-        config = LaunchConfig(command=command, nproc_per_node=nproc, max_restarts=args.max_restarts,
-                              detection=DetectionSettings.from_spec(os.environ.get(contract.ENV_DETECTION)))
+        config = flags.build(LaunchConfig, args, LAUNCH_FLAGS, command=command, nproc_per_node=nproc,
+                             detection=DetectionSettings.from_spec(os.environ.get(contract.ENV_DETECTION)))
         launcher = Launcher(config, env)
     except ValueError as e:
         print(f"transom launch: {e}", file=sys.stderr)
@@ -102,41 +98,26 @@ def _wait_as_spare() -> int | None:
     return None
 
 
+# `transom run`'s flags that are RunConfig's fields as they are (flags.py derives them).
+RUN_FLAGS = ("replicas", "nproc_per_replica", "min_replicas", "spares", "summary_json", "stats_dir",
+             "collective_timeout_s", "heartbeat_timeout_s", "max_restarts", "timeout_s", "quiet", "log_dir",
+             "job_name", "checkpoint_interval", "checkpoint_keep", "detection", "preflight", "trace_out",
+             "end_margin", "backend")
+LAUNCH_FLAGS = ("max_restarts",)
+
+
 def _run(args: argparse.Namespace, command: list[str]) -> int:
     from transom.inject import parse_targeted
     from transom.launch.config import RunConfig
     from transom.launch.end_on import Awaited
     from transom.launch.local import LocalRun
 
+    uri = args.checkpoint_uri or ""
     try:
-        config = RunConfig(
-            command=command,
-            replicas=args.replicas,
-            nproc_per_replica=args.nproc_per_replica,
-            min_replicas=args.min_replicas,
-            injects=[parse_targeted(spec) for spec in args.inject],
-            summary_json=args.summary_json,
-            stats_dir=args.stats_dir,
-            collective_timeout_s=args.collective_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            max_restarts=args.max_restarts,
-            timeout_s=args.timeout,
-            quiet=args.quiet,
-            checkpoint_uri=os.path.abspath(args.checkpoint_uri)
-            if args.checkpoint_uri and "://" not in args.checkpoint_uri
-            else (args.checkpoint_uri or ""),
-            checkpoint_interval=args.checkpoint_interval,
-            job_name=args.job_name or "",
-            checkpoint_keep=args.checkpoint_keep,
-            backend=args.backend,
-            log_dir=args.log_dir,
-            spares=args.spares,
-            detection=args.detection,
-            preflight=args.preflight,
-            trace_out=args.trace_out,
-            end_on=[Awaited.parse(text) for text in args.end_on],
-            end_margin=args.end_margin,
-        )
+        config = flags.build(RunConfig, args, RUN_FLAGS, command=command,
+                             injects=[parse_targeted(spec) for spec in args.inject],
+                             end_on=[Awaited.parse(text) for text in args.end_on],
+                             checkpoint_uri=os.path.abspath(uri) if uri and "://" not in uri else uri)
     except ValueError as e:
         print(f"transom run: {e}", file=sys.stderr)
         return contract.EXIT_USAGE
@@ -144,60 +125,24 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _run_arguments(r: argparse.ArgumentParser) -> None:
-    """`transom run`'s options (launch/config.py RunConfig holds their defaults)."""
-    from transom.launch.config import RunConfig, default_of
-    from transom.launch.end_on import MAX_MARGIN
+    """`transom run`'s options: RunConfig's fields (their bounds, defaults and help), and the
+    repeatable ones this function parses into them."""
+    from transom.launch.config import RunConfig
 
-    r.add_argument("--replicas", type=count, required=True)
-    r.add_argument("--nproc-per-replica", type=count, default=default_of(RunConfig, "nproc_per_replica"))
-    r.add_argument("--min-replicas", type=count, default=default_of(RunConfig, "min_replicas"))
-    r.add_argument("--spares", type=non_negative, default=default_of(RunConfig, "spares"),
-                   help="hot spares: launchers whose workers load the model and wait; a failed replica is replaced "
-                        "by one at once (as spec.spareReplicas on Kubernetes)")
+    flags.add(r, RunConfig, RUN_FLAGS, required=("replicas",))
     r.add_argument(
         "--inject", action="append", default=[], metavar="ACTION:replica=I,step=S",
         help="inject a fault (kill, stop, raise, hang, slow, nan, bitflip, oom: transom/inject.py); repeatable",
     )
-    r.add_argument("--summary-json", help="write the end summary here")
-    r.add_argument("--stats-dir", help="keep the workers' per-step statistics here (default: a temp dir)")
-    r.add_argument("--collective-timeout", type=wait_seconds, default=default_of(RunConfig, "collective_timeout_s"))
-    r.add_argument("--heartbeat-timeout", type=wait_seconds, default=default_of(RunConfig, "heartbeat_timeout_s"))
-    r.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
-                   default=default_of(RunConfig, "max_restarts"), help="in-place restarts per launcher")
-    r.add_argument("--timeout", type=seconds, default=default_of(RunConfig, "timeout_s"),
-                   help="give up after this many seconds")
-    r.add_argument("--quiet", action="store_true")
-    r.add_argument("--log-dir", help="write each replica's launcher and worker output to DIR/replica-<i>.log and the "
-                                     "coordinator's log to DIR/coordinator.log; the terminal shows only the progress")
-    r.add_argument("--checkpoint-uri",
-                   help="checkpoint here (a directory or s3://bucket/prefix); a run resumes from it")
-    r.add_argument("--job-name", metavar="NAME",
-                   help="the job this run is: a checkpoint location belongs to one job, and a run of another name "
-                        "is refused there; the same name continues the job (default: a fresh local-<hex> per run, "
-                        "which the run prints)")
-    r.add_argument("--checkpoint-interval", type=between(0, MAX_STEPS),
-                   help="committed steps between checkpoints (the script may override)")
-    r.add_argument("--checkpoint-keep", type=between(1, MAX_KEEP), help="committed checkpoints to keep")
-    r.add_argument("--detection", metavar="JSON",
-                   help='anomaly detection settings, as spec.detection (e.g. \'{"hangTimeoutSeconds": 60}\')')
-    r.add_argument("--preflight", metavar="JSON",
-                   help='pre-flight checks each launcher runs before its workers start, as spec.preflight (e.g. '
-                        '\'{"checks": ["compute", "memory"]}\'); default: none')
-    r.add_argument("--trace-out", metavar="FILE",
-                   help="write every rank's step signals as one CSV trace (transom detect replay FILE)")
+    r.add_argument("--checkpoint-uri", help=RunConfig.model_fields["checkpoint_uri"].description)
     r.add_argument("--end-on", action="append", default=[], metavar="KIND[:REPLICA]",
                    help="end the job --end-margin steps after this coordinator event (caught_up:1, verdict, "
                         "resumed...; launch/end_on.py); repeatable: after all of them. The script's step count "
                         "stays the cap, and the summary's end_on says whether the events came first")
-    r.add_argument("--end-margin", type=between(0, MAX_MARGIN), default=default_of(RunConfig, "end_margin"),
-                   help="steps the job trains after the --end-on events")
-    r.add_argument("--backend", choices=contract.BACKENDS, default=default_of(RunConfig, "backend"),
-                   help="torch.distributed backend (TRANSOM_BACKEND): auto picks NCCL only where each worker has a "
-                        "GPU of its own and the tensors are on it, Gloo otherwise")
 
 
 def parser() -> argparse.ArgumentParser:
-    from transom.launch.config import LaunchConfig, default_of
+    from transom.launch.config import LaunchConfig
 
     p = argparse.ArgumentParser(prog="transom", description="Fault-tolerant PyTorch training")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -206,9 +151,9 @@ def parser() -> argparse.ArgumentParser:
     coordinator_cli.add_arguments(sub.add_parser("coordinator", help="run a job's coordinator (HTTP API)"))
 
     la = sub.add_parser("launch", help="supervise this node's workers (what each pod runs)")
-    la.add_argument("--nproc-per-node", type=count, default=None)
-    la.add_argument("--max-restarts", type=between(0, MAX_LAUNCH_RESTARTS),
-                    default=default_of(LaunchConfig, "max_restarts"))
+    la.add_argument("--nproc-per-node", metavar="N", help="workers of this node (default: the pod's "
+                                                         f"{contract.ENV_NPROC_PER_NODE})")
+    flags.add(la, LaunchConfig, LAUNCH_FLAGS)
 
     _run_arguments(sub.add_parser("run", help="run a whole fault-tolerant job locally"))
     d = sub.add_parser("detect", help="anomaly detection over recorded traces")

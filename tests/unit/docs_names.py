@@ -386,6 +386,19 @@ def command_flags(path: tuple[str, ...]) -> frozenset[str]:
     return frozenset(o for a in _parser(path)._actions for o in a.option_strings)
 
 
+@functools.cache
+def every_command_flag() -> frozenset[str]:
+    """The flags of every `transom` command (some are derived from settings models, so the
+    source has no literal of them: flags.py)."""
+    found: set[str] = set()
+    paths: list[tuple[str, ...]] = [()]
+    while paths:
+        path = paths.pop()
+        found |= command_flags(path)
+        paths += [(*path, word) for word in subcommands(path)]
+    return frozenset(found)
+
+
 def path_exists(path: str) -> bool:
     files = repo_files()
     if "/" not in path.rstrip("/"):
@@ -453,7 +466,8 @@ def names(token: str) -> list[tuple[str, str, bool]]:
         if command is not None:  # `transom run --spares`: a flag of that very command
             out.append(("flag", f"transom {' '.join(command)} {flag}", flag in command_flags(command)))
         else:  # a flag alone, or another program's of ours (hack/testenv.sh, a benchmark)
-            out.append(("flag", flag, re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code_text()) is not None))
+            out.append(("flag", flag, flag in every_command_flag()
+                        or re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code_text()) is not None))
     for m in UPPER.finditer(token):
         out.append(("env" if m.group(1).startswith("TRANSOM_") else "constant", m.group(1),
                     m.group(1) in code_words()))

@@ -34,8 +34,6 @@ def _cli_defaults(command: str) -> dict:
     ("coordinator", "round_timeout", LOCAL.round_timeout_s),
     ("coordinator", "startup_wait", LOCAL.startup_wait_s),
     ("coordinator", "status_interval", LOCAL.status_interval_s),
-    ("run", "collective_timeout", LOCAL.collective_timeout_s),
-    ("run", "heartbeat_timeout", LOCAL.heartbeat_timeout_s),
 ])
 def test_the_cli_defaults_are_the_local_ones(command, dest, value):
     assert _cli_defaults(command)[dest] == value
@@ -51,8 +49,8 @@ def test_ftconfig_settings_and_run_default_to_the_local_ones():
     assert (s.heartbeat_timeout_s, s.failed_grace_s, s.round_timeout_s, s.startup_wait_s) == \
         (LOCAL.heartbeat_timeout_s, LOCAL.failed_grace_s, LOCAL.round_timeout_s, LOCAL.startup_wait_s)
     assert s.heartbeat_interval_s == defaults.heartbeat_interval_s(LOCAL.heartbeat_timeout_s)
-    fields = RunConfig.__dataclass_fields__
-    assert (fields["collective_timeout_s"].default, fields["heartbeat_timeout_s"].default) == \
+    run = RunConfig.model_fields  # `transom run`'s flags default to these (flags.py)
+    assert (run["collective_timeout_s"].default, run["heartbeat_timeout_s"].default) == \
         (LOCAL.collective_timeout_s, LOCAL.heartbeat_timeout_s)
 
 

@@ -6,27 +6,45 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pydantic_core import PydanticUndefined
 
-from transom import cli
+from transom import cli, flags
 from transom.launch.config import LaunchConfig, RunConfig, default_of
 
 
-def _cli_defaults(command: str) -> dict:
+def _options(command: str) -> dict[str, argparse.Action]:
     sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: a.default for a in sub.choices[command]._actions}
+    return {o: a for a in sub.choices[command]._actions for o in a.option_strings}
 
 
-@pytest.mark.parametrize("flag, field_name", [
-    ("nproc_per_replica", "nproc_per_replica"), ("min_replicas", "min_replicas"), ("spares", "spares"),
-    ("collective_timeout", "collective_timeout_s"), ("heartbeat_timeout", "heartbeat_timeout_s"),
-    ("max_restarts", "max_restarts"), ("timeout", "timeout_s"), ("backend", "backend"),
-])
-def test_run_flags_default_to_run_config(flag, field_name):
-    assert _cli_defaults("run")[flag] == default_of(RunConfig, field_name)
+def test_run_flags_not_given_leave_the_models_defaults():
+    args = cli.parser().parse_args(["run", "--replicas", "2"])
+    config = flags.build(RunConfig, args, cli.RUN_FLAGS, command=["true"])
+    for name in cli.RUN_FLAGS:
+        if name not in ("replicas", "job_name"):  # given; made by the run when not given
+            assert getattr(config, name) == default_of(RunConfig, name), name
 
 
-def test_launch_flags_default_to_launch_config():
-    assert _cli_defaults("launch")["max_restarts"] == default_of(LaunchConfig, "max_restarts")
+@pytest.mark.parametrize("command, model, names", [
+    ("run", RunConfig, cli.RUN_FLAGS), ("launch", LaunchConfig, cli.LAUNCH_FLAGS)])
+def test_each_flag_is_its_settings_field_with_its_help_and_default(command, model, names):
+    options = _options(command)
+    for name in names:
+        action, info = options[flags.flag_of(name)], model.model_fields[name]
+        assert action.dest == name and action.help and info.description and action.help.startswith(info.description)
+        if info.default not in (None, "", PydanticUndefined) and info.annotation is not bool:
+            assert action.help.endswith(f"(default: {info.default})")
+
+
+def test_a_flag_given_is_checked_by_the_model_and_named_in_the_refusal():
+    args = cli.parser().parse_args(["run", "--replicas", "2", "--heartbeat-timeout", "0", "--end-margin", "x"])
+    with pytest.raises(ValueError) as e:
+        flags.build(RunConfig, args, cli.RUN_FLAGS, command=["true"])
+    assert str(e.value) == ("--heartbeat-timeout must be a positive, finite number of seconds, got '0'; "
+                            "--end-margin is not an integer, got 'x'")
+
+
+def test_launch_and_run_restart_the_workers_as_often_by_default():
     assert default_of(RunConfig, "max_restarts") == default_of(LaunchConfig, "max_restarts")
 
 

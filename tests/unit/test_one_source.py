@@ -38,15 +38,17 @@ def test_the_finder_sees_a_literal_name(tmp_path: Path):
 
 
 def test_transom_run_refuses_what_the_crd_refuses():
-    from transom import arguments, contract
+    from transom import contract
+    from transom.launch.config import RunConfig
     from transom_operator.api import Checkpoint, FaultTolerance
 
-    fields = FaultTolerance.model_fields
-    for name in ("heartbeat_timeout_seconds", "collective_timeout_seconds"):
-        assert _le(fields[name]) == contract.MAX_WAIT_SECONDS == arguments.MAX_WAIT_S
-    assert _le(fields["max_replica_restarts"]) == contract.MAX_REPLICA_RESTARTS == arguments.MAX_LAUNCH_RESTARTS
-    assert _le(Checkpoint.model_fields["interval_steps"]) == contract.MAX_INTERVAL_STEPS == arguments.MAX_STEPS
-    assert _le(Checkpoint.model_fields["keep"]) == contract.MAX_KEEP == arguments.MAX_KEEP
+    crd, run = FaultTolerance.model_fields, RunConfig.model_fields
+    for name in ("heartbeat_timeout", "collective_timeout"):
+        assert _le(crd[f"{name}_seconds"]) == contract.MAX_WAIT_SECONDS == _le(run[f"{name}_s"])
+    assert _le(crd["max_replica_restarts"]) == contract.MAX_REPLICA_RESTARTS == _le(run["max_restarts"])
+    checkpoint = Checkpoint.model_fields
+    assert _le(checkpoint["interval_steps"]) == contract.MAX_INTERVAL_STEPS == _le(run["checkpoint_interval"])
+    assert _le(checkpoint["keep"]) == contract.MAX_KEEP == _le(run["checkpoint_keep"])
 
 
 def _le(field) -> int:  # noqa: ANN001 (a pydantic FieldInfo)

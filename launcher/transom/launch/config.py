@@ -1,7 +1,8 @@
 """The settings of `transom launch` (`LaunchConfig`, one pod's launcher: launch/supervisor.py)
 and of `transom run` (`RunConfig`, a local job: launch/local.py), with the checks that refuse
-bad values at once. The CLI's flags take their defaults from these fields (cli.py), whose
-waits take theirs from transom/defaults.py (test_one_source keeps it so).
+bad values at once. They are pydantic models: each setting's type, bounds, default and help
+are written once, on its field, and the CLI's flags are derived from them (flags.py); the
+waits take their defaults from transom/defaults.py (test_one_source keeps it so).
 
 Light on purpose: the `transom` CLI reads it for every command, the launcher in every pod.
 
@@ -13,13 +14,14 @@ else reads them, and no flag or spec field sets them.
 
 from __future__ import annotations
 
-import math
 import shutil
-from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from transom import contract, defaults
+from transom.arguments import MAX_SECONDS
 from transom.defaults import LOCAL
 from transom.detect.step_rows import DetectionSettings
 from transom.inject import Fault
@@ -61,88 +63,128 @@ def _python_script(args: list[str]) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
+# Bounds a local run adds to the CRD's own (contract.py): one machine's worth.
+MAX_LOCAL_REPLICAS = 64
+MAX_LOCAL_SPARES = 8
+MAX_PROCS = 1024
+_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+def _seconds(default: float, high: float = contract.MAX_WAIT_SECONDS, help_: str = "") -> Any:
+    return Field(default, gt=0, le=high, allow_inf_nan=False, description=help_)
+
+
+class LaunchConfig(BaseModel):
+    """`transom launch`'s settings; its flags are these fields' (flags.py)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
+
     command: list[str]  # what each worker runs (`transom launch -- CMD`)
-    nproc_per_node: int  # workers of this node
-    max_restarts: int = 3  # in-place restarts of the workers before the launcher gives up (exit 1)
+    nproc_per_node: int = Field(ge=1, le=MAX_PROCS, description="workers of this node")
+    max_restarts: int = Field(3, ge=0, le=contract.MAX_REPLICA_RESTARTS,
+                              description="in-place restarts of the workers before the launcher gives up (exit 1)")
     restart_backoff_s: float = defaults.RESTART_BACKOFF_S  # before the second restart, doubling (restart_delay_s)
     term_grace_s: float = defaults.TERM_GRACE_S  # how long workers sent SIGTERM get before SIGKILL
     rendezvous_timeout_s: float = defaults.RENDEZVOUS_TIMEOUT_S  # node k > 0 waits this for node 0's address
-    detection: DetectionSettings = field(default_factory=DetectionSettings)  # spec.detection (hang watchdog)
-    oom_kill_limit: int = defaults.OOM_KILL_LIMIT  # OOM kills before the launcher exits EXIT_OOM_KILLED
+    detection: DetectionSettings = Field(default_factory=DetectionSettings)  # spec.detection (hang watchdog)
+    oom_kill_limit: int = Field(defaults.OOM_KILL_LIMIT, ge=1)  # OOM kills before the launcher exits EXIT_OOM_KILLED
 
-    def __post_init__(self) -> None:
-        check_command(self.command)
-        if not 1 <= self.nproc_per_node <= 1024:
-            raise ValueError("nproc_per_node must be between 1 and 1024")
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must not be negative")
-        if self.oom_kill_limit < 1:
-            raise ValueError("oom_kill_limit must be at least 1")
+    @field_validator("command")
+    @classmethod
+    def _runnable(cls, command: list[str]) -> list[str]:
+        check_command(command)
+        return command
 
 
-@dataclass
-class RunConfig:
+class RunConfig(BaseModel):
+    """`transom run`'s settings: each field's type, bounds, default and help are its flag's
+    (flags.py); what only the whole run can tell (a fault naming a replica the run lacks) is
+    `_whole`'s. Everything a run could only find out by failing later is refused here."""
+
+    model_config = _CONFIG
+
     command: list[str]
-    replicas: int
-    nproc_per_replica: int = 1
-    min_replicas: int = 1
-    injects: list[tuple[int, str]] = field(default_factory=list)  # (replica, worker fault spec)
-    summary_json: str | None = None
-    stats_dir: str | None = None
-    collective_timeout_s: float = LOCAL.collective_timeout_s
-    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
-    max_restarts: int = LaunchConfig.max_restarts  # each launcher's (`transom launch --max-restarts`)
+    replicas: int = Field(ge=1, le=MAX_LOCAL_REPLICAS, description="replicas of the job")
+    nproc_per_replica: int = Field(1, ge=1, le=MAX_PROCS, description="processes (ranks) of each replica")
+    min_replicas: int = Field(1, ge=1, le=MAX_LOCAL_REPLICAS,
+                              description="replicas that must be ready for a step (at most --replicas)")
+    spares: int = Field(0, ge=0, le=MAX_LOCAL_SPARES,
+                        description="hot spares: launchers whose workers load the model and wait; a failed replica "
+                                    "is replaced by one at once (as spec.spareReplicas on Kubernetes)")
+    injects: list[tuple[int, str]] = Field(default_factory=list)  # (replica, worker fault spec): --inject
+    summary_json: str | None = Field(None, description="write the end summary here")
+    stats_dir: str | None = Field(None, description="keep the workers' per-step statistics here (default: a temp "
+                                                    "dir)")
+    collective_timeout_s: float = _seconds(LOCAL.collective_timeout_s, help_="how long a collective waits for a peer")
+    heartbeat_timeout_s: float = _seconds(LOCAL.heartbeat_timeout_s,
+                                          help_="a replica not heard from this long is failed")
+    max_restarts: int = Field(LaunchConfig.model_fields["max_restarts"].default, ge=0,
+                              le=contract.MAX_REPLICA_RESTARTS, description="in-place restarts per launcher")
     max_generations: int = 3  # incarnations of a replica before the run gives up
-    timeout_s: float = defaults.RUN_TIMEOUT_S
-    quiet: bool = False
-    checkpoint_uri: str = ""  # TRANSOM_CHECKPOINT_URI of the workers: a directory or s3://...
-    # --job-name: the job this run is (job_identity.py), recorded in the checkpoint location;
-    # the same name continues the same job. "" here: a fresh name for this run, in __post_init__.
-    job_name: str = ""
-    checkpoint_interval: int | None = None
-    checkpoint_keep: int | None = None
-    backend: str = contract.DEFAULT_BACKEND  # TRANSOM_BACKEND of the workers
-    log_dir: str | None = None  # the launchers' and workers' output, one file per replica; None: this terminal
-    spares: int = 0  # hot spares (launch/spare.py)
-    detection: str | None = None  # spec.detection as JSON (TRANSOM_DETECTION); None: the defaults
-    preflight: str | None = None  # spec.preflight as JSON (TRANSOM_PREFLIGHT); None: no pre-flight checks
-    trace_out: str | None = None  # write every rank's step signals here as one CSV trace
-    end_on: list[Awaited] = field(default_factory=list)  # end the job once these events happened (end_on.py)
-    end_margin: int = 3  # ... this many steps after them
-    devices: list[str | None] = field(init=False, default_factory=list)  # per replica, then per spare
+    timeout_s: float = _seconds(defaults.RUN_TIMEOUT_S, MAX_SECONDS, "give up after this many seconds")
+    quiet: bool = Field(False, description="print only the summary")
+    checkpoint_uri: str = Field("", description="checkpoint here (a directory or s3://bucket/prefix); a run resumes "
+                                                "from it")
+    # The job this run is (job_identity.py), recorded in the checkpoint location; the same
+    # name continues the same job. "": a fresh name for this run, chosen in `_whole`.
+    job_name: str = Field("", description="the job this run is: a checkpoint location belongs to one job, and a run "
+                                          "of another name is refused there; the same name continues the job "
+                                          "(default: a fresh local-<hex> per run, which the run prints)")
+    checkpoint_interval: int | None = Field(None, ge=0, le=contract.MAX_INTERVAL_STEPS,
+                                            description="committed steps between checkpoints (the script may "
+                                                        "override)")
+    checkpoint_keep: int | None = Field(None, ge=1, le=contract.MAX_KEEP, description="committed checkpoints to keep")
+    backend: str = Field(contract.DEFAULT_BACKEND,
+                         description="torch.distributed backend (TRANSOM_BACKEND), one of "
+                                     f"{', '.join(contract.BACKENDS)}: auto picks NCCL only where each worker has "
+                                     "a GPU of its own and the tensors are on it, Gloo otherwise")
+    log_dir: str | None = Field(None, description="write each replica's launcher and worker output to "
+                                                  "DIR/replica-<i>.log and the coordinator's log to "
+                                                  "DIR/coordinator.log; the terminal shows only the progress")
+    detection: str | None = Field(None, description='anomaly detection settings, as spec.detection (e.g. '
+                                                    '\'{"hangTimeoutSeconds": 60}\')')
+    preflight: str | None = Field(None, description="pre-flight checks each launcher runs before its workers start, "
+                                                    "as spec.preflight (e.g. '{\"checks\": [\"compute\", "
+                                                    "\"memory\"]}'); default: none")
+    trace_out: str | None = Field(None, description="write every rank's step signals as one CSV trace (transom "
+                                                    "detect replay FILE)")
+    end_on: list[Awaited] = Field(default_factory=list)  # end the job once these events happened: --end-on
+    end_margin: int = Field(3, ge=0, le=MAX_MARGIN, description="steps the job trains after the --end-on events")
+    devices: list[str | None] = Field(default_factory=list)  # per replica, then per spare: made by `_whole`
 
-    def __post_init__(self) -> None:
-        """Everything a run could only find out by failing later is refused here, at once."""
-        check_command(self.command)
-        if not 1 <= self.replicas <= 64:
-            raise ValueError("--replicas must be between 1 and 64 in local mode")
-        if not 1 <= self.nproc_per_replica <= 1024:
-            raise ValueError("--nproc-per-replica must be between 1 and 1024")
-        if not 1 <= self.min_replicas <= self.replicas:
+    @field_validator("command")
+    @classmethod
+    def _runnable(cls, command: list[str]) -> list[str]:
+        check_command(command)
+        return command
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, backend: str) -> str:
+        if backend not in contract.BACKENDS:
+            raise ValueError(f"must be one of {', '.join(contract.BACKENDS)}")
+        return backend
+
+    @field_validator("detection")
+    @classmethod
+    def _detection(cls, spec: str | None) -> str | None:
+        DetectionSettings.from_spec(spec)  # ValueError now, not in every process later
+        return spec
+
+    @field_validator("preflight")
+    @classmethod
+    def _preflight(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            PreflightSpec.from_environ({contract.ENV_PREFLIGHT: spec})
+        return spec
+
+    @model_validator(mode="after")
+    def _whole(self) -> RunConfig:
+        """What no one flag can tell: the flags against each other, and the machine."""
+        if self.min_replicas > self.replicas:
             raise ValueError("--min-replicas must be between 1 and --replicas")
-        if self.max_restarts < 0:
-            raise ValueError("--max-restarts must not be negative")
-        for name, value in (("--collective-timeout", self.collective_timeout_s),
-                            ("--heartbeat-timeout", self.heartbeat_timeout_s), ("--timeout", self.timeout_s)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-        if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
-            raise ValueError("--checkpoint-interval must not be negative")
-        if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
-            raise ValueError("--checkpoint-keep must be at least 1")
         self.job_name = JobIdentity.for_local_run(self.job_name or None).name  # ValueError for a bad one
-        if self.backend not in contract.BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(contract.BACKENDS)}, got {self.backend!r}")
-        DetectionSettings.from_spec(self.detection)  # ValueError now, not in every process later
-        if self.preflight is not None:
-            PreflightSpec.from_environ({contract.ENV_PREFLIGHT: self.preflight})
-        if not 0 <= self.spares <= 8:
-            raise ValueError("--spares must be between 0 and 8 in local mode")
         self.devices = gpus.assign(gpus.visible(), self.replicas + self.spares, self.nproc_per_replica, self.backend)
-        if not 0 <= self.end_margin <= MAX_MARGIN:
-            raise ValueError(f"--end-margin must be between 0 and {MAX_MARGIN} steps")
         for awaited in self.end_on:
             if awaited.replica is not None and awaited.replica >= self.replicas:
                 raise ValueError(f"--end-on {awaited} names replica {awaited.replica}, but there are only "
@@ -153,10 +195,11 @@ class RunConfig:
             if Fault.parse(spec).rank >= self.nproc_per_replica:
                 raise ValueError(f"--inject names rank {Fault.parse(spec).rank}, but a replica has only "
                                  f"{self.nproc_per_replica} process(es) (--nproc-per-replica)")
+        return self
 
 
-def default_of(config: type, name: str) -> Any:
-    """The default of field `name` of the dataclass `config` (one with a default value)."""
-    found = next(f for f in fields(config) if f.name == name)
-    assert found.default is not MISSING, f"{config.__name__}.{name} has no default value"
-    return found.default
+def default_of(config: type[BaseModel], name: str) -> Any:
+    """The default of field `name` of the settings model `config` (one with a default value)."""
+    info = config.model_fields[name]
+    assert not info.is_required(), f"{config.__name__}.{name} has no default value"
+    return info.get_default(call_default_factory=True)
