@@ -11,7 +11,7 @@ is `--collective-timeout`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -20,35 +20,38 @@ from pydantic.fields import FieldInfo
 M = TypeVar("M", bound=BaseModel)
 
 
-def flag_of(name: str) -> str:
-    return "--" + name.removesuffix("_s").replace("_", "-")
+def flag_of(name: str, renamed: Mapping[str, str] | None = None) -> str:
+    """The flag of field `name`, unless `renamed` gives it another (`num_replicas`: `--replicas`)."""
+    return (renamed or {}).get(name) or "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def add(parser: argparse.ArgumentParser, model: type[BaseModel], names: Iterable[str],
-        required: Iterable[str] = ()) -> None:
+        required: Iterable[str] = (), renamed: Mapping[str, str] | None = None) -> None:
     """One flag per field in `names`; its default is left to the model (what is not given is
     not passed), so `--help` shows the model's."""
     must = set(required)
     for name in names:
+        flag = flag_of(name, renamed)
         info = model.model_fields[name]
         help_ = info.description or ""
         if not info.is_required() and info.default is not None and info.default != "":
             help_ = f"{help_} (default: {info.default})".strip()
         if info.annotation is bool:
-            parser.add_argument(flag_of(name), dest=name, action="store_true", default=argparse.SUPPRESS, help=help_)
+            parser.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_)
             continue
-        parser.add_argument(flag_of(name), dest=name, required=name in must, default=argparse.SUPPRESS,
+        parser.add_argument(flag, dest=name, required=name in must, default=argparse.SUPPRESS,
                             metavar=_metavar(name, info), help=help_)
 
 
-def build(model: type[M], args: argparse.Namespace, names: Iterable[str], **values: Any) -> M:
+def build(model: type[M], args: argparse.Namespace, names: Iterable[str], renamed: Mapping[str, str] | None = None,
+          **values: Any) -> M:
     """`model` from the flags in `names` that were given, and `values`; ValueError naming the
     flags whose words the model refused."""
     given = {name: getattr(args, name) for name in names if hasattr(args, name)}
     try:
         return model(**given, **values)
     except ValidationError as e:
-        raise ValueError("; ".join(_explain(err, model) for err in e.errors())) from None
+        raise ValueError("; ".join(_explain(err, model, renamed) for err in e.errors())) from None
 
 
 def _metavar(name: str, info: FieldInfo) -> str:
@@ -57,7 +60,7 @@ def _metavar(name: str, info: FieldInfo) -> str:
     return "N" if info.annotation in (int, int | None) else name.upper()
 
 
-def _explain(err: Any, model: type[BaseModel]) -> str:
+def _explain(err: Any, model: type[BaseModel], renamed: Mapping[str, str] | None) -> str:
     """One refusal, worded for the command line."""
     field = str(err["loc"][0]) if err["loc"] else ""
     if field not in model.model_fields:  # a check of the whole model: its message says it all
@@ -83,7 +86,7 @@ def _explain(err: Any, model: type[BaseModel]) -> str:
     else:
         said = err["msg"][0].lower() + err["msg"][1:]
     shown = str(err.get("input"))
-    return f"{flag_of(field)} {said}, got {shown[:40]!r}"
+    return f"{flag_of(field, renamed)} {said}, got {shown[:40]!r}"
 
 
 def _number(value: float) -> str:

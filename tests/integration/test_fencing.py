@@ -12,7 +12,6 @@ with real processes stopped past the heartbeat timeout, is test_partition.py.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -161,7 +160,7 @@ def test_a_state_server_serves_nothing_once_its_incarnation_is_replaced(coordina
 
 
 def test_a_superseded_incarnation_never_steps_its_optimizer(caplog):
-    c = CoordinatorThread(dataclasses.replace(SETTINGS, num_replicas=1), TOKEN)  # no other replica to wait for
+    c = CoordinatorThread(SETTINGS.model_copy(update={"num_replicas": 1}), TOKEN)  # no other replica to wait for
     c.start()
     client = CoordinatorClient(c.url, TOKEN, timeout_s=5.0)
     env = contract.ReplicaEnv.from_environ({contract.ENV_COORDINATOR_URL: c.url, contract.ENV_COORDINATOR_TOKEN: TOKEN,

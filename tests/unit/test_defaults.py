@@ -29,10 +29,6 @@ def _cli_defaults(command: str) -> dict:
 
 
 @pytest.mark.parametrize("command, dest, value", [
-    ("coordinator", "heartbeat_timeout", LOCAL.heartbeat_timeout_s),
-    ("coordinator", "failed_grace", LOCAL.failed_grace_s),
-    ("coordinator", "round_timeout", LOCAL.round_timeout_s),
-    ("coordinator", "startup_wait", LOCAL.startup_wait_s),
     ("coordinator", "status_interval", LOCAL.status_interval_s),
 ])
 def test_the_cli_defaults_are_the_local_ones(command, dest, value):

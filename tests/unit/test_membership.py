@@ -91,7 +91,7 @@ def test_first_quorum_waits_for_all_replicas():
     ],
 )
 def test_first_quorum_after_startup_wait(num, min_replicas, ready, now, expected):
-    m = make(num, min_replicas, startup_wait_s=60.0, heartbeat_timeout_s=1e6)
+    m = make(num, min_replicas, startup_wait_s=60.0, heartbeat_timeout_s=3600.0)
     for rid in range(num):
         register(m, rid)
     for rid in ready:
@@ -131,7 +131,7 @@ def test_failed_request_forces_new_quorum_id():
 
 
 def test_quorum_ids_strictly_increase_and_prefixes_are_never_reused():
-    m, d = started(3, heartbeat_timeout_s=1e6)
+    m, d = started(3, heartbeat_timeout_s=3600.0)
     decisions = [d]
     t = 0.0
 
@@ -261,7 +261,7 @@ def test_member_left_behind_is_restarted_and_rejoins_and_recovers():
 def test_the_failed_grace_stretches_to_three_of_the_jobs_rounds(decide_at, expected):
     """Rounds of 2 s: a member still computing meets the failed exchange up to a step later,
     so the 0.5 s grace becomes 3 rounds (6 s) before it is declared hung."""
-    m, d = started(3, failed_grace_s=0.5, heartbeat_timeout_s=1e6)
+    m, d = started(3, failed_grace_s=0.5, heartbeat_timeout_s=3600.0)
     for step in range(1, 5):
         d = next_round(m, d, [0, 1, 2], 2.0 * step, step)
     assert m.request_quorum(qreq(0, 4, d.quorum_id, d.round, failed=True), 10.0) is None
@@ -279,7 +279,7 @@ def test_the_only_holder_of_the_state_is_not_cut_by_the_failed_grace():
     """0 died serving the joiner 2, and 1 (the other holder) is slow to return: 2 alone cannot
     train, so 1 is waited for up to round_timeout_s, not failed_grace_s (cutting it would
     restart the job from nothing)."""
-    m, d = started(3, failed_grace_s=0.5, round_timeout_s=30.0, heartbeat_timeout_s=1e6)
+    m, d = started(3, failed_grace_s=0.5, round_timeout_s=30.0, heartbeat_timeout_s=3600.0)
     d = next_round(m, d, [0, 1, 2], 1.0, 1)
     reqs = [qreq(rid, 1, d.quorum_id, d.round).model_copy(update={"catching_up_from": 1 if rid == 2 else None})
             for rid in (0, 1, 2)]
@@ -303,7 +303,7 @@ def test_a_joiner_that_committed_a_step_no_holder_did_restarts_alone():
     """0 died inside step 2's exchange, which completed on the joiner 2 only: 2 recorded an
     update of step 2 that the holder 1 never applied. 2 restarts and catches up again; 1 goes
     on (before, neither could be a source and both were told to restart)."""
-    m, d = started(3, heartbeat_timeout_s=1e6)
+    m, d = started(3, heartbeat_timeout_s=3600.0)
     d = next_round(m, d, [0, 1, 2], 1.0, 1)
     reqs = [qreq(rid, 1, d.quorum_id, d.round).model_copy(update={"catching_up_from": 1 if rid == 2 else None})
             for rid in (0, 1, 2)]
@@ -353,7 +353,7 @@ def test_heartbeat_expired_member_is_not_waited_for():
 
 # --- recovery ------------------------------------------------------------------------------------------
 def test_joiner_recovers_from_canonical_member():
-    m, d = started(3, heartbeat_timeout_s=1e6)
+    m, d = started(3, heartbeat_timeout_s=3600.0)
     for step in range(1, 21):
         d = next_round(m, d, [0, 1, 2], float(step), step)
     m.report_failure(FailureReport(identity=ident(2), reason="node lost"), 21.0)
@@ -376,7 +376,7 @@ def test_a_replica_catching_up_contributes_nothing_until_it_says_it_caught_up():
     """The joiner's step counter follows the others while it fetches in the background: the
     coordinator must still count it out, keep the sources serving a snapshot it can use, and
     count it in once it stops saying it catches up."""
-    m, d = started(3, heartbeat_timeout_s=1e6)
+    m, d = started(3, heartbeat_timeout_s=3600.0)
     d = next_round(m, d, [0, 1, 2], 1.0, 1)
 
     def round_of(step: int, catching_up: dict[int, int], now: float):
@@ -430,7 +430,7 @@ def test_canonical_state_and_recovery_sources(state, recovering, participants):
 
 # --- min_replicas ----------------------------------------------------------------------------------------
 def test_below_min_replicas_pauses_then_resumes_with_replacement():
-    m, d0 = started(3, min_replicas=2, heartbeat_timeout_s=1e6)
+    m, d0 = started(3, min_replicas=2, heartbeat_timeout_s=3600.0)
     for rid in (1, 2):
         m.report_failure(FailureReport(identity=ident(rid), reason="gone"), 1.0)
     assert m.request_quorum(qreq(0, 1, 0, 0), 2.0) is None
@@ -468,7 +468,7 @@ def test_stale_incarnation_gets_conflict(gen, att):
 
 
 def test_newer_attempt_supersedes_old_and_drops_its_pending_request():
-    m, d0 = started(3, heartbeat_timeout_s=1e6)
+    m, d0 = started(3, heartbeat_timeout_s=3600.0)
     m.request_quorum(qreq(1, 1, 0, 0), 1.0)
     assert 1 in m.pending
     register(m, 1, 1.5, att=1)  # the launcher restarted replica 1's processes in place
@@ -524,7 +524,7 @@ def test_register_beyond_num_replicas_is_rejected(rid):
 
 # --- responses ------------------------------------------------------------------------------------------------
 def test_response_rank_is_index_in_members_and_only_sources_serve():
-    m = make(4, heartbeat_timeout_s=1e6, startup_wait_s=60.0)
+    m = make(4, heartbeat_timeout_s=3600.0, startup_wait_s=60.0)
     for rid, step in ((0, 8), (1, 2), (3, 8)):  # replica 2 never shows up
         register(m, rid, step=step)
     for rid, step, commit in [(3, 8, 2), (0, 8, 2), (1, 2, 1)]:
@@ -577,7 +577,7 @@ def test_round_timeout_runs_from_the_first_member_not_from_a_replacement():
 def test_a_round_whose_every_member_still_catches_up_is_decided_without_a_source():
     """The last holder of the state died while the others caught up from it: the round is
     decided (they are told nobody can serve them, and restart), not a coordinator crash."""
-    m, d = started(3, heartbeat_timeout_s=1e6)
+    m, d = started(3, heartbeat_timeout_s=3600.0)
     d = next_round(m, d, [0, 1, 2], 1.0, 1)
     m.report_failure(FailureReport(identity=ident(0), reason="killed"), 2.0)
     reqs = [qreq(rid, 1, d.quorum_id, d.round, failed=True).model_copy(update={"catching_up_from": 1})

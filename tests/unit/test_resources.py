@@ -397,8 +397,9 @@ def test_coordinator_command_parses_with_the_cli():
 
     command = resources.coordinator_command(make_job())
     args = cli.parser().parse_args(command[1:])
-    assert (args.cmd, args.port, args.job, args.replicas, args.min_replicas, args.heartbeat_timeout) == (
-        "coordinator", 8080, "demo", 3, 2, 30.0)
+    settings = cli.coordinator_settings(args)  # the flags as the coordinator's model reads them
+    assert (args.cmd, args.port, settings.job, settings.num_replicas, settings.min_replicas,
+            settings.heartbeat_timeout_s) == ("coordinator", 8080, "demo", 3, 2, 30.0)
 
 
 def test_coordinator_service_selects_the_deployment_pods():

@@ -59,9 +59,9 @@ def refusal(argv: list[str], capsys) -> str:
     (RUN + ["--checkpoint-keep", "1001"] + SCRIPT, "must be at most 1,000"),
     (RUN + ["--checkpoint-interval", "99999999999"] + SCRIPT, "must be at most 10,000,000"),
     (RUN + ["--replicas", "9" * 5000] + SCRIPT, "is not an integer"),
-    (["coordinator", "--replicas", "5000"], "must be at most 4096"),
+    (["coordinator", "--replicas", "5000"], "--replicas must be at most 4,096"),
     (["coordinator", "--replicas", "2", "--port", "70000"], "must be at most 65535"),
-    (["coordinator", "--replicas", "2", "--startup-wait", "inf"], "finite number of seconds or 0"),
+    (["coordinator", "--replicas", "2", "--startup-wait", "inf"], "--startup-wait must be a finite number of seconds"),
 ])
 def test_bad_flags_are_refused_at_once(argv, message, capsys):
     assert message in refusal(argv, capsys)

@@ -18,7 +18,7 @@ def _status_reports(m) -> dict[int, StepReport | None]:
 
 
 def test_the_newest_report_is_kept_whole_and_a_step_without_one_keeps_it():
-    m, d = started(2, heartbeat_timeout_s=1e6)
+    m, d = started(2, heartbeat_timeout_s=3600.0)
     first = StepReport(loss=2.5, seconds=0.25, grad_norm=1.5)
     reqs = [qreq(r, 1, d.quorum_id, d.round).model_copy(update={"report": first if r == 0 else None}) for r in (0, 1)]
     for r in reqs:

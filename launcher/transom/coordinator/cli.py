@@ -24,30 +24,23 @@ import signal
 import sys
 from pathlib import Path
 
-from transom import contract
-from transom.arguments import between, seconds, seconds_or_zero, wait_seconds
+from transom import contract, flags
+from transom.arguments import between, seconds
 from transom.defaults import LOCAL
 
-
-def replicas(text: str) -> int:
-    """An argparse type: a number of replicas the coordinator takes."""
-    from transom.coordinator.models import MAX_REPLICAS
-
-    return between(1, MAX_REPLICAS)(text)
+# The flags that are Settings' fields as they are (flags.py derives them).
+SETTINGS_FLAGS = ("num_replicas", "min_replicas", "heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s",
+                  "round_timeout_s", "startup_wait_s")
+RENAMED = {"num_replicas": "--replicas"}
 
 
 def add_arguments(c: argparse.ArgumentParser) -> None:
+    from transom.coordinator.settings import Settings
+
     c.add_argument("--host", default="0.0.0.0")
     c.add_argument("--port", type=between(0, 65535), default=8080)
     c.add_argument("--job", default=os.environ.get(contract.ENV_JOB, "local"))
-    c.add_argument("--replicas", type=replicas, required=True, help="spec.replicas of the job")
-    c.add_argument("--min-replicas", type=replicas, default=1, help="training pauses below this many")
-    c.add_argument("--heartbeat-interval", type=seconds, default=None,
-                   help="seconds between a replica's heartbeats (default: min(1, timeout/3))")
-    c.add_argument("--heartbeat-timeout", type=wait_seconds, default=LOCAL.heartbeat_timeout_s)
-    c.add_argument("--failed-grace", type=seconds_or_zero, default=LOCAL.failed_grace_s)
-    c.add_argument("--round-timeout", type=seconds, default=LOCAL.round_timeout_s)
-    c.add_argument("--startup-wait", type=seconds_or_zero, default=LOCAL.startup_wait_s)
+    flags.add(c, Settings, SETTINGS_FLAGS, required=("num_replicas",), renamed=RENAMED)
     c.add_argument("--token-file", help=f"file holding the job token (default: ${contract.ENV_COORDINATOR_TOKEN})")
     c.add_argument("--replica-key-file", help="file holding the secret that replica keys are signed with "
                                               "(coordinator/identity.py ReplicaKeys)")
@@ -67,23 +60,10 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def settings_of(args: argparse.Namespace):
-    """The coordinator's Settings from its flags; ValueError names a contradiction."""
+    """The coordinator's Settings from its flags; ValueError names a bad flag or a contradiction."""
     from transom.coordinator.settings import Settings
-    from transom.defaults import heartbeat_interval_s
 
-    interval = args.heartbeat_interval
-    if interval is None:  # follows the timeout, so any timeout the CRD allows works
-        interval = heartbeat_interval_s(args.heartbeat_timeout)
-    return Settings(
-        job=args.job,
-        num_replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        heartbeat_interval_s=interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        failed_grace_s=args.failed_grace,
-        round_timeout_s=args.round_timeout,
-        startup_wait_s=args.startup_wait,
-    )
+    return flags.build(Settings, args, SETTINGS_FLAGS, RENAMED, job=args.job)
 
 
 def _read(path: str, what: str) -> str:
@@ -109,11 +89,12 @@ def _parts(args: argparse.Namespace) -> dict:
     from transom.coordinator.identity import ReplicaKeys
     from transom.detect.step_rows import DetectionSettings
 
+    settings = settings_of(args)  # the flags first: what is wrong with them needs no token to say
     token = _read(args.token_file, "--token-file") if args.token_file else \
         os.environ.get(contract.ENV_COORDINATOR_TOKEN, "")
     if not token:
         raise ValueError(f"a token is required ({contract.ENV_COORDINATOR_TOKEN} or --token-file)")
-    parts: dict = {"settings": settings_of(args), "token": token,
+    parts: dict = {"settings": settings, "token": token,
                    "detection": DetectionSettings.from_spec(args.detection)}
     if args.replica_key_file:
         parts["replica_keys"] = ReplicaKeys(args.job, _read(args.replica_key_file, "--replica-key-file").encode())

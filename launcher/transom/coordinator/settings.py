@@ -7,45 +7,70 @@ coordinator` use; the operator passes the spec's values as flags).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from transom import contract
+from transom.arguments import MAX_SECONDS
+from transom.coordinator.models import MAX_REPLICAS
 from transom.defaults import LOCAL
 from transom.defaults import heartbeat_interval_s as interval_for
 
 
-@dataclass(frozen=True)
-class Settings:
+def _seconds(default: float, zero: bool = False, high: float = MAX_SECONDS, help_: str = "") -> Any:
+    if zero:
+        return Field(default, ge=0, le=high, allow_inf_nan=False, description=help_)
+    return Field(default, gt=0, le=high, allow_inf_nan=False, description=help_)
+
+
+class Settings(BaseModel):
+    """The coordinator's settings; `transom coordinator`'s flags are these fields' (flags.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     job: str = "local"
-    num_replicas: int = 1
-    min_replicas: int = 1
-    heartbeat_interval_s: float = interval_for(LOCAL.heartbeat_timeout_s)
-    heartbeat_timeout_s: float = LOCAL.heartbeat_timeout_s
+    num_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="spec.replicas of the job")
+    min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="training pauses below this many")
+    heartbeat_interval_s: float = _seconds(interval_for(LOCAL.heartbeat_timeout_s),
+                                           help_="between a replica's heartbeats (default: min(1, timeout/3))")
+    heartbeat_timeout_s: float = _seconds(LOCAL.heartbeat_timeout_s, high=contract.MAX_WAIT_SECONDS,
+                                          help_="a replica not heard from this long is failed")
     # How long a round with a reported failure waits for members that did not ask again
     # before deciding without them. Short: a live member asks within milliseconds of its
     # failed collective; a dead one never does.
-    failed_grace_s: float = LOCAL.failed_grace_s
+    failed_grace_s: float = _seconds(LOCAL.failed_grace_s, zero=True,
+                                     help_="a round with a failed step waits this long for the members that did "
+                                           "not ask again")
     # A member of the current quorum that does not ask for its next quorum this long after
     # another member did is declared hung (a stuck training thread keeps heartbeating).
-    round_timeout_s: float = LOCAL.round_timeout_s
+    round_timeout_s: float = _seconds(LOCAL.round_timeout_s, help_="a member that does not ask for its next quorum "
+                                                                  "this long after another did is hung")
     # The first quorum waits for all replicas this long, then starts with minReplicas:
     # otherwise the first replica to start would train alone and the others would only
     # copy its state.
-    startup_wait_s: float = LOCAL.startup_wait_s
+    startup_wait_s: float = _seconds(LOCAL.startup_wait_s, zero=True,
+                                     help_="the first round waits this long for every replica")
 
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s", "round_timeout_s",
-                     "startup_wait_s"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
-        if self.num_replicas < 1:
-            raise ValueError("num_replicas must be at least 1")
-        if not 1 <= self.min_replicas <= self.num_replicas:
+    @model_validator(mode="before")
+    @classmethod
+    def _interval_follows_the_timeout(cls, data: Any) -> Any:
+        """No interval given: min(1, timeout / 3), so any timeout the CRD allows works."""
+        if isinstance(data, dict) and data.get("heartbeat_interval_s") is None and "heartbeat_timeout_s" in data:
+            try:
+                timeout = float(data["heartbeat_timeout_s"])
+            except (TypeError, ValueError):
+                return data  # the timeout's own refusal says what is wrong
+            if math.isfinite(timeout) and timeout > 0:
+                data = {**data, "heartbeat_interval_s": interval_for(timeout)}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.min_replicas > self.num_replicas:
             raise ValueError("min_replicas must be between 1 and num_replicas")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat_interval_s must be positive")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be larger than heartbeat_interval_s")
-        if self.failed_grace_s < 0 or self.startup_wait_s < 0:
-            raise ValueError("failed_grace_s and startup_wait_s must not be negative")
         if self.round_timeout_s <= self.failed_grace_s:
             raise ValueError("round_timeout_s must be larger than failed_grace_s")
+        return self
