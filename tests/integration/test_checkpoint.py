@@ -26,6 +26,7 @@ from transom import compat
 from transom.checkpoint import layout, persist
 from transom.checkpoint.engine import CheckpointConfig, CheckpointEngine
 from transom.checkpoint.restore import NoCheckpoint, load_latest
+from transom.checkpoint.storage import Storage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -355,6 +356,28 @@ def test_a_failed_prune_neither_holds_the_report_nor_the_next_checkpoint(tmp_pat
     engine.close()
     assert reported == [5, 10, 15] and engine.skipped == 0 and engine.trouble is None
     assert sorted(d.name for d in tmp_path.iterdir() if d.name.startswith("step")) == [layout.step_dir(15)]
+
+
+def test_a_manifest_storage_fails_to_return_for_a_moment_is_asked_again_not_skipped(tmp_path, monkeypatch):
+    # S3 answered 500 ("We encountered an internal error") for a moment after it came back:
+    # the newest checkpoint counted as unusable and a reader fell back to an older one, or
+    # to none.
+    _, _, state = make_state()
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path)))
+    save(engine, 5, state)
+    save(engine, 10, state)
+    engine.close()
+    real, failures = Storage.read_text, [OSError(121, "We encountered an internal error")] * 2
+
+    def flaky(self, *parts, **kwargs):
+        if parts[-1] == layout.MANIFEST and failures:
+            raise failures.pop()
+        return real(self, *parts, **kwargs)
+
+    monkeypatch.setattr(Storage, "read_text", flaky)
+    assert load_latest(str(tmp_path)).step == 10 and not failures
+    failures.extend([FileNotFoundError(2, "gone")])  # a manifest that is not there is not waited for
+    assert load_latest(str(tmp_path)).step == 5
 
 
 WRITER = r'''

@@ -17,6 +17,7 @@ replica) loads only into a replica with as many ranks, each rank reading its own
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,11 @@ from transom.checkpoint.storage import Storage
 from transom.errors import CorruptCheckpoint, IncompatibleCheckpoint, NoCheckpoint  # noqa: F401  (the family lives in errors.py)
 
 log = logging.getLogger("transom.checkpoint")
+
+# A manifest that storage fails to return (not one that is missing) is asked for again for
+# this long before its checkpoint counts as unusable: S3 answers 500 for a moment after it
+# comes back, and an older checkpoint taken for that would throw the newest one's steps away.
+MANIFEST_READ_PATIENCE_S = 10.0
 
 
 @dataclass
@@ -45,15 +51,31 @@ def committed_steps(storage: Storage) -> tuple[list[int], list[int]]:
     return sorted(done, reverse=True), sorted(set(steps) - set(done))
 
 
-def read_manifest(storage: Storage, step: int) -> layout.Manifest:
+def read_manifest(storage: Storage, step: int, patience_s: float = MANIFEST_READ_PATIENCE_S) -> layout.Manifest:
     name = layout.step_dir(step)
     try:
-        manifest = layout.Manifest.from_json(storage.read_text(name, layout.MANIFEST, limit=layout.MAX_MANIFEST_BYTES))
+        manifest = layout.Manifest.from_json(_manifest_text(storage, name, patience_s))
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"unreadable manifest: {e}") from None
     if manifest.step != step:
         raise CorruptCheckpoint(f"the manifest of {name} is the manifest of step {manifest.step}")
     return manifest
+
+
+def _manifest_text(storage: Storage, name: str, patience_s: float) -> str:
+    """The manifest's text; a storage error other than its absence is retried for `patience_s`."""
+    deadline, delay = time.monotonic() + patience_s, 0.25
+    while True:
+        try:
+            return storage.read_text(name, layout.MANIFEST, limit=layout.MAX_MANIFEST_BYTES)
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            raise
+        except OSError as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("reading the manifest of %s failed (%s); trying again in %.2fs", name, e, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", shard: int = 0, num_shards: int = 1,

@@ -206,7 +206,7 @@ class StepReport(_Msg):
     loss: float | None = Field(default=None, allow_inf_nan=True)
     seconds: float | None = Field(default=None, ge=0, le=1e7, description="the step's wall time")
     grad_norm: float | None = Field(
-        default=None, ge=0, allow_inf_nan=True,
+        default=None, allow_inf_nan=True,  # a NaN norm is itself the news
         description="the norm of the leader rank's own gradients before the exchange (with detection on)")
 
 
