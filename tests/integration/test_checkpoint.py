@@ -10,6 +10,7 @@ and DCP's own `dcp.load` reading a Transom checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -378,6 +379,37 @@ def test_a_manifest_storage_fails_to_return_for_a_moment_is_asked_again_not_skip
     assert load_latest(str(tmp_path)).step == 10 and not failures
     failures.extend([FileNotFoundError(2, "gone")])  # a manifest that is not there is not waited for
     assert load_latest(str(tmp_path)).step == 5
+
+
+def test_a_write_the_storage_refuses_is_named_by_the_storages_error(tmp_path, monkeypatch, caplog):
+    # torch.save turns an exception of the stream it writes to into "RuntimeError: unexpected
+    # pos": status said `writing part 0 of step 20: RuntimeError` while S3 was down.
+    _, _, state = make_state()
+    engine = CheckpointEngine(CheckpointConfig(uri=str(tmp_path), retry_first_s=0.05, retry_max_s=0.1))
+    real, refused = Storage.open_write, []
+
+    @contextlib.contextmanager
+    def refusing_once(self, *parts):
+        with real(self, *parts) as f:
+            class Sink:
+                writes = 0
+
+                def write(self, data):
+                    self.writes += 1
+                    if self.writes == 3 and not refused:  # inside torch.save of the first tensor
+                        refused.append(True)
+                        raise ConnectionError("the endpoint went away")
+                    return f.write(data)
+
+                def flush(self):
+                    f.flush()
+            yield Sink()
+
+    monkeypatch.setattr(Storage, "open_write", refusing_once)
+    save(engine, 5, state)
+    engine.close()
+    assert engine.committed_step == 5 and load_latest(str(tmp_path)).step == 5
+    assert "writing part 0 of step 5 failed (ConnectionError: the endpoint went away)" in caplog.text
 
 
 WRITER = r'''

@@ -39,10 +39,15 @@ class _Tally:
 
     def __init__(self, sink):
         self.sink, self.size, self.crc32 = sink, 0, 0
+        self.error: BaseException | None = None  # what the sink raised: torch.save reports it as a bad position
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.sink.write(view)
+        try:
+            self.sink.write(view)
+        except BaseException as e:
+            self.error = e
+            raise
         self.size += len(view)
         self.crc32 = zlib.crc32(view, self.crc32)
         return len(view)
@@ -71,7 +76,12 @@ def write_part(storage: Storage, step: int, attempt: str, part: int, tensors: Ma
                 # they are, without a copy; DCP reads by offset and does not mind the gaps.
                 out.write(bytes(-out.size % BLOB_ALIGN))
                 offset = out.size
-                blob.write(tensors[e.key], out)
+                try:
+                    blob.write(tensors[e.key], out)
+                except RuntimeError:  # "unexpected pos": torch's word for a write that raised
+                    if out.error is not None:
+                        raise out.error from None
+                    raise
                 done.append(e.model_copy(update={"file": rel, "offset": offset, "length": out.size - offset}))
         done = [e.model_copy(update={"crc32": crcs[e.key].result()}) for e in done]
     record = layout.PartRecord(attempt=attempt, entries=done, files={rel: layout.FileInfo(size=out.size,
