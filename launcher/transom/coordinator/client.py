@@ -6,8 +6,8 @@ deadline; connection errors and 5xx answers are retried with backoff until it pa
 the quorum long-poll's 408 which means "ask again".
 
 Each thread keeps one connection open to the coordinator (coordinator/keepalive.py): a
-leader asks for a quorum every step, and a new connection per request cost the worker and
-the coordinator about 0.65 ms of CPU together per request on the 2-core development box.
+leader asks for a quorum every step, and a connection per request costs more than the
+request.
 
 The credential a client presents says which replica it speaks for (coordinator/identity.py):
 a replica's own identity token, read from `TRANSOM_IDENTITY_TOKEN_FILE` again whenever the

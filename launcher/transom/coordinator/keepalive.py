@@ -1,17 +1,10 @@
 """The coordinator client's connections: one HTTP/1.1 keep-alive connection per thread.
 
 A replica's leader asks the coordinator for a quorum every step, so what one request costs
-is paid every step, by the worker and by the coordinator. Measured on the 2-core development
-box against the coordinator's aiohttp server:
-
-- a new connection per request (urllib): about 290 us of the client's CPU and 360 us of the
-  server's per request;
-- a kept connection through http.client: 130 us and 150 us. http.client writes the headers
-  and the body in two sends (two packets, two reads for the server) and parses the answer's
-  headers with the email package;
-- a kept connection here: 30 us and 110 us. A request leaves in one write; the answer is
-  read by its Content-Length (every answer of the coordinator carries one; a chunked one,
-  or one that ends with the connection, is read too).
+is paid every step, by the worker and by the coordinator: a request leaves in one write, and
+the answer is read by its Content-Length (every answer of the coordinator carries one; a
+chunked one, or one that ends with the connection, is read too), with none of http.client's
+two sends and header parsing (docs/benchmarks.md, "What one coordinator request costs").
 
 A kept connection that the coordinator closed meanwhile (its idle timeout, a restart) is
 seen at the next request, before any answer came: that request is sent again at once on a

@@ -22,10 +22,8 @@ small kernels on the tensor's device; the host reads the result at the end of th
 The shape and dtype are hashed in with it on the host. A sample whose elements are all equal
 (a mask of ones, zeros) gives no digest: identical by nature, it is no evidence of a sampler.
 
-Cost, on one core of the development box: 0.05 ms for 8x1024 tokens, 0.1-0.5 ms for a 38 MB
-batch of images (hashing all its bytes: ~40 ms), on 3 steps plus one in 50; the hook on any
-other forward pass returns at once. A ~12 ms CPU training step took as long with the digest
-taken on every step as without it (within the noise of a shared machine).
+It is taken on 3 steps plus one in 50, and the hook on any other forward pass returns at
+once (its cost: docs/benchmarks.md, "What one coordinator request costs").
 """
 
 from __future__ import annotations
