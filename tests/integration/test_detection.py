@@ -44,13 +44,15 @@ def verdicts(result) -> list[str]:
 
 def test_a_slow_rank_is_found_and_replaced(transom_run, tmp_path):
     trace = tmp_path / "trace.csv"
-    # The default threshold (1.15x): under load the sleeping replica frees CPU for the other's
-    # compute, and the 1.5x it sleeps shows as 1.2-1.7x.
-    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 115, "slowAction": "Replace"}
+    # A 3x slowdown against a 1.6x threshold: under load the sleeping replica frees CPU for the
+    # other's compute, so a slowdown shows as less than it is (1.5x as 1.2-1.7x), and a loaded
+    # shared machine's noise alone reached 1.26x for 6 steps (a false verdict at the default
+    # 1.15x). The threshold's own behaviour is the unit tests' (test_detect.py).
+    detection = {"warmupSteps": 10, "slowSteps": 6, "slowFactorPercent": 160, "slowAction": "Replace"}
     # Two replicas, one per core: with three on two cores, the sleeping replica frees CPU for
-    # the others' compute and the slowdown it shows is much less than 1.5x.
+    # the others' compute and the slowdown it shows is much less than it is.
     result = transom_run(["--replicas", "2", "--detection", json.dumps(detection), "--trace-out", str(trace),
-                          "--inject", "slow:replica=1,step=20,factor=1.5",
+                          "--inject", "slow:replica=1,step=20,factor=3",
                           "--end-on", "verdict:1", "--end-on", "caught_up:1"], CAP)
     result.assert_finished_together(2)
     found = verdicts(result)
