@@ -14,10 +14,17 @@ import argparse
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def seconds(default: float, high: float, help_: str = "", zero: bool = False) -> Any:
+    """A settings field of seconds: finite, above 0 (or 0 too), at most `high`."""
+    if zero:
+        return Field(default, ge=0, le=high, allow_inf_nan=False, description=help_)
+    return Field(default, gt=0, le=high, allow_inf_nan=False, description=help_)
 
 
 def flag_of(name: str, renamed: Mapping[str, str] | None = None) -> str:

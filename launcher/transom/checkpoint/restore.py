@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from transom.checkpoint import blob, layout, structure
-from transom.checkpoint.storage import Storage
+from transom.checkpoint.storage import Storage, retry
 from transom.errors import CorruptCheckpoint, IncompatibleCheckpoint, NoCheckpoint  # noqa: F401  (the family lives in errors.py)
 
 log = logging.getLogger("transom.checkpoint")
@@ -64,18 +64,11 @@ def read_manifest(storage: Storage, step: int, patience_s: float = MANIFEST_READ
 
 def _manifest_text(storage: Storage, name: str, patience_s: float) -> str:
     """The manifest's text; a storage error other than its absence is retried for `patience_s`."""
-    deadline, delay = time.monotonic() + patience_s, 0.25
-    while True:
-        try:
-            return storage.read_text(name, layout.MANIFEST, limit=layout.MAX_MANIFEST_BYTES)
-        except (FileNotFoundError, PermissionError, IsADirectoryError):
-            raise
-        except OSError as e:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("reading the manifest of %s failed (%s); trying again in %.2fs", name, e, delay)
-            time.sleep(delay)
-            delay = min(2 * delay, 2.0)
+    deadline = time.monotonic() + patience_s
+    return retry(f"reading the manifest of {name}",
+                 lambda: storage.read_text(name, layout.MANIFEST, limit=layout.MAX_MANIFEST_BYTES),
+                 stopped=lambda: time.monotonic() > deadline, first_s=0.25, max_s=2.0,
+                 permanent=(FileNotFoundError, PermissionError, IsADirectoryError))
 
 
 def load_step(storage: Storage, step: int, device: str | torch.device = "cpu", shard: int = 0, num_shards: int = 1,

@@ -511,20 +511,23 @@ def _as_completed(futures: list[concurrent.futures.Future[T]], stall_s: float) -
 
 def retry(what: str, fn: Callable[[], T], stopped: Callable[[], bool], first_s: float = 0.5,
           max_s: float = 30.0, sleep: Callable[[float], None] = time.sleep,
-          on_failure: Callable[[str], None] | None = None) -> T:
+          on_failure: Callable[[str], None] | None = None,
+          permanent: tuple[type[BaseException], ...] = ()) -> T:
     """Call `fn` until it succeeds, backing off exponentially (with jitter) between failures.
 
     Storage that is away does not fail the checkpoint: it waits for the storage to return.
     Raises the last error once `stopped()` (the engine is closing), and a PERMANENT_ERRORS
-    one, or `Fenced` (this incarnation may no longer write: no retry changes that), at once.
+    one, `Fenced` (this incarnation may no longer write: no retry changes that) or one of
+    `permanent` (what the caller knows no retry changes), at once.
     `on_failure` hears each failure that will be retried, as "WHAT: ErrorType" (the type
     only: an error's text may carry a URL with a signature, and this one goes to status).
     """
     delay = first_s
+    final: tuple[type[BaseException], ...] = (*PERMANENT_ERRORS, Fenced, *permanent)
     while True:
         try:
             return fn()
-        except (*PERMANENT_ERRORS, Fenced):
+        except final:
             raise
         except Exception as e:
             if stopped():

@@ -16,12 +16,7 @@ from transom.arguments import MAX_SECONDS
 from transom.coordinator.models import MAX_REPLICAS
 from transom.defaults import LOCAL
 from transom.defaults import heartbeat_interval_s as interval_for
-
-
-def _seconds(default: float, zero: bool = False, high: float = MAX_SECONDS, help_: str = "") -> Any:
-    if zero:
-        return Field(default, ge=0, le=high, allow_inf_nan=False, description=help_)
-    return Field(default, gt=0, le=high, allow_inf_nan=False, description=help_)
+from transom.flags import seconds
 
 
 class Settings(BaseModel):
@@ -32,25 +27,24 @@ class Settings(BaseModel):
     job: str = "local"
     num_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="spec.replicas of the job")
     min_replicas: int = Field(1, ge=1, le=MAX_REPLICAS, description="training pauses below this many")
-    heartbeat_interval_s: float = _seconds(interval_for(LOCAL.heartbeat_timeout_s),
-                                           help_="between a replica's heartbeats (default: min(1, timeout/3))")
-    heartbeat_timeout_s: float = _seconds(LOCAL.heartbeat_timeout_s, high=contract.MAX_WAIT_SECONDS,
-                                          help_="a replica not heard from this long is failed")
+    heartbeat_interval_s: float = seconds(interval_for(LOCAL.heartbeat_timeout_s), MAX_SECONDS,
+                                          "between a replica's heartbeats (default: min(1, timeout/3))")
+    heartbeat_timeout_s: float = seconds(LOCAL.heartbeat_timeout_s, contract.MAX_WAIT_SECONDS,
+                                         "a replica not heard from this long is failed")
     # How long a round with a reported failure waits for members that did not ask again
     # before deciding without them. Short: a live member asks within milliseconds of its
     # failed collective; a dead one never does.
-    failed_grace_s: float = _seconds(LOCAL.failed_grace_s, zero=True,
-                                     help_="a round with a failed step waits this long for the members that did "
-                                           "not ask again")
+    failed_grace_s: float = seconds(LOCAL.failed_grace_s, MAX_SECONDS, "a round with a failed step waits this long "
+                                    "for the members that did not ask again", zero=True)
     # A member of the current quorum that does not ask for its next quorum this long after
     # another member did is declared hung (a stuck training thread keeps heartbeating).
-    round_timeout_s: float = _seconds(LOCAL.round_timeout_s, help_="a member that does not ask for its next quorum "
-                                                                  "this long after another did is hung")
+    round_timeout_s: float = seconds(LOCAL.round_timeout_s, MAX_SECONDS, "a member that does not ask for its next "
+                                     "quorum this long after another did is hung")
     # The first quorum waits for all replicas this long, then starts with minReplicas:
     # otherwise the first replica to start would train alone and the others would only
     # copy its state.
-    startup_wait_s: float = _seconds(LOCAL.startup_wait_s, zero=True,
-                                     help_="the first round waits this long for every replica")
+    startup_wait_s: float = seconds(LOCAL.startup_wait_s, MAX_SECONDS, "the first round waits this long for every "
+                                    "replica", zero=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from transom import contract, defaults
 from transom.arguments import MAX_SECONDS
 from transom.defaults import LOCAL
 from transom.detect.step_rows import DetectionSettings
+from transom.flags import seconds
 from transom.inject import Fault
 from transom.job_identity import JobIdentity
 from transom.launch import gpus
@@ -70,8 +71,8 @@ MAX_PROCS = 1024
 _CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
-def _seconds(default: float, high: float = contract.MAX_WAIT_SECONDS, help_: str = "") -> Any:
-    return Field(default, gt=0, le=high, allow_inf_nan=False, description=help_)
+# What a worker runs (`transom launch -- CMD`), refused at once if it could only fail later.
+Command = Annotated[list[str], AfterValidator(lambda command: check_command(command) or command)]
 
 
 class LaunchConfig(BaseModel):
@@ -79,7 +80,7 @@ class LaunchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
 
-    command: list[str]  # what each worker runs (`transom launch -- CMD`)
+    command: Command
     nproc_per_node: int = Field(ge=1, le=MAX_PROCS, description="workers of this node")
     max_restarts: int = Field(3, ge=0, le=contract.MAX_REPLICA_RESTARTS,
                               description="in-place restarts of the workers before the launcher gives up (exit 1)")
@@ -89,12 +90,6 @@ class LaunchConfig(BaseModel):
     detection: DetectionSettings = Field(default_factory=DetectionSettings)  # spec.detection (hang watchdog)
     oom_kill_limit: int = Field(defaults.OOM_KILL_LIMIT, ge=1)  # OOM kills before the launcher exits EXIT_OOM_KILLED
 
-    @field_validator("command")
-    @classmethod
-    def _runnable(cls, command: list[str]) -> list[str]:
-        check_command(command)
-        return command
-
 
 class RunConfig(BaseModel):
     """`transom run`'s settings: each field's type, bounds, default and help are its flag's
@@ -103,7 +98,7 @@ class RunConfig(BaseModel):
 
     model_config = _CONFIG
 
-    command: list[str]
+    command: Command
     replicas: int = Field(ge=1, le=MAX_LOCAL_REPLICAS, description="replicas of the job")
     nproc_per_replica: int = Field(1, ge=1, le=MAX_PROCS, description="processes (ranks) of each replica")
     min_replicas: int = Field(1, ge=1, le=MAX_LOCAL_REPLICAS,
@@ -115,13 +110,14 @@ class RunConfig(BaseModel):
     summary_json: str | None = Field(None, description="write the end summary here")
     stats_dir: str | None = Field(None, description="keep the workers' per-step statistics here (default: a temp "
                                                     "dir)")
-    collective_timeout_s: float = _seconds(LOCAL.collective_timeout_s, help_="how long a collective waits for a peer")
-    heartbeat_timeout_s: float = _seconds(LOCAL.heartbeat_timeout_s,
-                                          help_="a replica not heard from this long is failed")
+    collective_timeout_s: float = seconds(LOCAL.collective_timeout_s, contract.MAX_WAIT_SECONDS,
+                                          "how long a collective waits for a peer")
+    heartbeat_timeout_s: float = seconds(LOCAL.heartbeat_timeout_s, contract.MAX_WAIT_SECONDS,
+                                         "a replica not heard from this long is failed")
     max_restarts: int = Field(LaunchConfig.model_fields["max_restarts"].default, ge=0,
                               le=contract.MAX_REPLICA_RESTARTS, description="in-place restarts per launcher")
     max_generations: int = 3  # incarnations of a replica before the run gives up
-    timeout_s: float = _seconds(defaults.RUN_TIMEOUT_S, MAX_SECONDS, "give up after this many seconds")
+    timeout_s: float = seconds(defaults.RUN_TIMEOUT_S, MAX_SECONDS, "give up after this many seconds")
     quiet: bool = Field(False, description="print only the summary")
     checkpoint_uri: str = Field("", description="checkpoint here (a directory or s3://bucket/prefix); a run resumes "
                                                 "from it")
@@ -151,12 +147,6 @@ class RunConfig(BaseModel):
     end_on: list[Awaited] = Field(default_factory=list)  # end the job once these events happened: --end-on
     end_margin: int = Field(3, ge=0, le=MAX_MARGIN, description="steps the job trains after the --end-on events")
     devices: list[str | None] = Field(default_factory=list)  # per replica, then per spare: made by `_whole`
-
-    @field_validator("command")
-    @classmethod
-    def _runnable(cls, command: list[str]) -> list[str]:
-        check_command(command)
-        return command
 
     @field_validator("backend")
     @classmethod
