@@ -546,7 +546,7 @@ def coordinator_deployment(job: api.TrainingJob, image: str,
             "replicas": 1,
             # Never two coordinators of one job at once in a roll: they would hand out two
             # quorums. (On a lost node the ReplicaSet does not wait for the old pod: the
-            # tolerations above, and architecture.md "When the coordinator's node is lost".)
+            # tolerations above, and docs/operator.md "When the coordinator's node is lost".)
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": labels},
             "template": {

@@ -35,6 +35,7 @@ from transom.ft.expected import ExpectedState
 from transom.ft.ftar import StepAllReduce
 from transom.ft.sources import Sources
 from transom.ft.state_server import StateServer
+from transom.ft.step_values import QuorumOutcome
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,6 +132,11 @@ def _joiner_environment(monkeypatch, url: str, token: str) -> None:
     monkeypatch.setenv(contract.ENV_DETECTION, '{"enabled": false}')
 
 
+def _recovering(q, ftar: StepAllReduce) -> QuorumOutcome:
+    """The exchange's outcome of a round this replica recovers in."""
+    return QuorumOutcome(quorum=q, ftar=ftar, recovering=True, changed=False)
+
+
 def _refuses_a_pickle_with_code(trainer, source: StateServer) -> None:
     """A small state that is a pickle with code is refused: nothing runs, the joiner stays
     where it was."""
@@ -139,10 +145,10 @@ def _refuses_a_pickle_with_code(trainer, source: StateServer) -> None:
     source.publish_small(3, buf.getvalue())
     ftar = StepAllReduce(None, 1, contribute=False)
     ftar.error = None
-    assert trainer._rejoin.round(_joiner_round(3, source.url), ftar) is None
+    assert trainer._recovery.round(_recovering(_joiner_round(3, source.url), ftar)) is None
     assert ftar.failed and ftar.error and "bad header" in ftar.error
     assert not RunsCode.marker.exists(), "the joiner ran code its source sent"
-    assert trainer.step == 0 and not trainer._rejoin.active
+    assert trainer.step == 0 and not trainer._recovery.active
 
 
 def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_real_one(tmp_path, monkeypatch):
@@ -171,17 +177,17 @@ def test_a_joiner_never_unpickles_what_its_source_serves_and_catches_up_from_a_r
         source.publish_small(4, wire.encode(small_part(peer_state)))
         ftar = StepAllReduce(None, 1, contribute=False)
         ftar.error = None
-        assert trainer._rejoin.round(_joiner_round(4, source.url), ftar) == 5
-        assert not ftar.failed and trainer._rejoin.active
+        assert trainer._recovery.round(_recovering(_joiner_round(4, source.url), ftar)) == 5
+        assert not ftar.failed and trainer._recovery.active
         source.publish_snapshot(_published(5, peer_state))
         # One committed step while catching up: recorded, replayed on the shadow.
         grads = [torch.full_like(p, 0.5) for p in peer.parameters()]
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
-        assert trainer._rejoin.record(5, update=True) == 1
+        assert trainer._recovery.defer(5, update=True) == 1
         deadline = time.monotonic() + 20
-        while trainer._rejoin.active:  # swapped in once the shadow has replayed step 5
-            trainer._rejoin.take_if_ready(6, None)
+        while trainer._recovery.active:  # swapped in once the shadow has replayed step 5
+            trainer._recovery.before_apply(6)
             assert time.monotonic() < deadline
             time.sleep(0.02)
         for p, g in zip(peer.parameters(), grads):

@@ -17,7 +17,11 @@ MAX_FUNCTION_LINES = 60
 
 # "path" for a file, "path::Class.method" for a class or function (nested ones named through
 # their parents): why it is still over its limit.
-ALLOWED: dict[str, str] = {}
+ALLOWED: dict[str, str] = {
+    # The facade of a step: it names every stage of a step, and of its close, in order, and
+    # each script-facing aid it offers; split, the order would be spread over files.
+    "launcher/transom/ft/trainer.py::FaultTolerant": "names the stages in order",
+}
 
 
 def python_files() -> Iterator[Path]:

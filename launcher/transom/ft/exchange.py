@@ -2,12 +2,13 @@
 
 The leader's quorum request leaves with the step's first forward pass (the trainer's
 forward hook calls `ask`) and overlaps it; the answer is awaited when the first bucket
-of gradients is ready, or at the end of the backward pass (`open`). The other ranks of
-the replica never talk to the coordinator: the leader hands them its answer
-(ft/coordinator_link.py). A changed quorum rebuilds the cross-replica group (ft/process_group.py);
-a round that serves a joiner publishes its small state first (ft/recovery.py); then the
-step's all-reduce (ft/ftar.py) starts, bucket by bucket as backward produces them
-(`bucket_ready`), and `finish` starts the rest and waits for all.
+of gradients is ready, or at the end of the backward pass. The other ranks of the replica
+never talk to the coordinator: the leader hands them its answer (ft/coordinator_link.py).
+The trainer (ft/trainer.py) runs the part before any gradient moves in three calls:
+`quorum` (await the answer; a changed quorum rebuilds the cross-replica group,
+ft/process_group.py), the recovery's `serve` (a source publishes a joiner's small state),
+and `start` (the step's all-reduce, ft/ftar.py). Buckets are then sent as backward produces
+them (`send`), and `finish` sends the rest and waits for all.
 
 What comes out is a `QuorumOutcome` (ft/step_values.py), or None where the job completed
 without this replica or its owner ended it at the step this replica holds; an eviction
@@ -20,38 +21,28 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
-import torch
-
 from transom.collective_counts import COUNTER
 from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
 from transom.errors import Diverged, NoQuorum
-from transom.ft.config import FTConfig
 from transom.ft.coordinator_link import CoordinatorLink, hand_outcome, read_outcome
-from transom.ft.fencing import IncarnationFence
 from transom.ft.ftar import StepAllReduce, bucket_params
-from transom.ft.guard import Guard
-from transom.ft.hooks import StepHooks
 from transom.ft.process_group import QuorumGroups
-from transom.ft.recovery import Recovery
-from transom.ft.replica import ReplicaContext
 from transom.ft.shared_values import SharedValues
-from transom.ft.shares import BatchShares
-from transom.ft.step_clock import StepClock
+from transom.ft.step_services import StepServices
 from transom.ft.step_values import QuorumOutcome, StepRecord
 
 log = logging.getLogger("transom.ft")
 
 
 class Exchange:
-    def __init__(self, ctx: ReplicaContext, identity: Identity, config: FTConfig, model: torch.nn.Module,
-                 groups: QuorumGroups, link: CoordinatorLink | None, fence: IncarnationFence, recovery: Recovery,
-                 shares: BatchShares, shared: SharedValues, guard: Guard | None, clock: StepClock, hooks: StepHooks):
-        """`link`: the leader's to the coordinator (None on the other ranks)."""
-        self.ctx, self.identity, self.config = ctx, identity, config
-        self.groups, self.link, self.fence, self.recovery = groups, link, fence, recovery
-        self.shares, self.shared, self.guard, self.clock, self.hooks = shares, shared, guard, clock, hooks
+    def __init__(self, services: StepServices, identity: Identity, groups: QuorumGroups, link: CoordinatorLink | None,
+                 shared: SharedValues):
+        """`link`: the leader's to the coordinator (None on the other ranks); `shared`: the
+        script's values set aside for every replica, which ride the request and the answer."""
+        self.services, self.ctx, self.config = services, services.ctx, services.config
+        self.identity, self.groups, self.link, self.shared = identity, groups, link, shared
         # Buckets in the order backward produces gradients (roughly the reverse of the parameters').
-        self.buckets = bucket_params(list(reversed(list(model.parameters()))), config.bucket_bytes)
+        self.buckets = bucket_params(list(reversed(list(services.model.parameters()))), self.config.bucket_bytes)
         self.last_round = -1  # the last round answered
         self.evicted: str | None = None  # why the coordinator no longer counts this incarnation
         self.completed_elsewhere = False  # the job finished without this replica
@@ -60,23 +51,26 @@ class Exchange:
         self._step = 0
         self._request: QuorumRequest | None = None  # this step's, until the forward pass sends it
         self._future: concurrent.futures.Future | None = None
-        self._awaited = False  # this step's quorum is in (opened holds it, None if the job completed)
+        self.awaited = False  # this step's quorum is in (opened holds the outcome, None if the job completed)
         self.opened: QuorumOutcome | None = None
         self.finished = False  # this step's gradients were exchanged
+        self._changed = False  # this step's quorum differs from the last one's
+        self._group_error: str | None = None  # its group could not be rebuilt: the step fails
 
     def begin(self, step: int, last: StepRecord, catching_up_from: int | None) -> None:
         """A new step: refuse it if this incarnation was evicted, and prepare its request."""
         self.evicted = self.evicted or (self.link.evicted if self.link is not None else None)
         if self.evicted:
-            raise self.fence.evicted(self.evicted, None, f"step {step} not committed")
+            raise self.services.fence.evicted(self.evicted, None, f"step {step} not committed")
         self._step, self.asked = step, False
-        self._awaited, self.opened, self.finished = False, None, False
+        self.awaited, self.opened, self.finished = False, None, False
         if self.link is not None:
+            shares = self.services.shares
             self._request = QuorumRequest(
                 identity=self.identity, step=step, commit_quorum_id=last.commit_quorum_id,
                 last_round=self.last_round, failed=last.failed, report=last.report,
-                catching_up_from=catching_up_from, follows_shares=self.shares.following,
-                shares_held=self.shares.schedule.pending, shares_held_from=self.shares.schedule.pending_from,
+                catching_up_from=catching_up_from, follows_shares=shares.following,
+                shares_held=shares.schedule.pending, shares_held_from=shares.schedule.pending_from,
                 shared=self.shared.take(),
             )
 
@@ -86,14 +80,13 @@ class Exchange:
         if self._request is not None and self.link is not None:
             self._future, self._request = self.link.ask(self._request), None
 
-    def open(self) -> QuorumOutcome | None:
-        """The part before any gradient moves, once per step: wait for the quorum, rebuild the
-        group for a changed one, serve joiners, and set up the step's all-reduce."""
-        if self._awaited:
-            return self.opened
-        with self.clock.waiting():
+    def quorum(self) -> QuorumResponse | None:
+        """Wait for this step's quorum (once per step) and rebuild the group for a changed one;
+        None where the job ended without this step."""
+        s = self.services
+        with s.clock.waiting():
             q = self._await_quorum()
-        self._awaited = True
+        self.awaited = True
         if q is None:
             return None
         if q.ends_job:  # the job ends at the step this replica holds: nothing of this step is exchanged
@@ -103,43 +96,46 @@ class Exchange:
         self.last_round = q.round
         self.shared.apply(q.shared)  # before anything of this step is served or captured
         # The prefix names a quorum uniquely, across coordinator restarts too.
-        changed = self.groups.changed(q.store_prefix)
-        error = self.groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
-            if changed else None
-        if changed:  # a new group: every member counts its collectives from 0 (collective_counts.py)
+        self._changed = self.groups.changed(q.store_prefix)
+        self._group_error = self.groups.rebuild(q.store_addr, q.store_prefix, q.rank, len(q.members), q.quorum_id) \
+            if self._changed else None
+        if self._changed:  # a new group: every member counts its collectives from 0 (collective_counts.py)
             COUNTER.new_group(q.quorum_id)
-        self.recovery.serve(q, self._step)
-        self.hooks.allreduce(self._step)
+        return q
+
+    def start(self, q: QuorumResponse) -> QuorumOutcome:
+        """Set up the step's all-reduce under quorum `q` (after the recovery served its joiners)."""
+        s = self.services
+        s.hooks.allreduce(self._step)
         recovering = self.ctx.replica_id in q.recovering
         if self.buckets:
-            self.hooks.gradients(self._step, self.buckets[0][0].grad)
-        self.shares.update(q)
-        guard = self.guard  # its flags ride at the end of the last bucket (ft/guard.py)
+            s.hooks.gradients(self._step, self.buckets[0][0].grad)
+        s.shares.update(q)
+        guard = s.guard  # its flags ride at the end of the last bucket (ft/guard.py)
         ftar = StepAllReduce(self.groups.group, q.participants, contribute=not recovering,
                              own=guard.own_bucket if guard else None, flags=guard.flags if guard else None,
-                             weight=self.shares.weight(q, self.ctx.replica_id))
-        self.recovery.gate.busy()  # a catch-up in the background leaves the link to the buckets
-        if error:
-            ftar.fail(error)
-        self.opened = QuorumOutcome(quorum=q, ftar=ftar, recovering=recovering, changed=changed)
+                             weight=s.shares.weight(q, self.ctx.replica_id))
+        s.gate.busy()  # a catch-up in the background leaves the link to the buckets
+        if self._group_error:
+            ftar.fail(self._group_error)
+        self.opened = QuorumOutcome(quorum=q, ftar=ftar, recovering=recovering, changed=self._changed)
         return self.opened
 
-    def bucket_ready(self, index: int) -> None:
+    def send(self, index: int) -> None:
         """A bucket's gradients are final (mid-backward): its exchange starts now."""
-        outcome = self.open()
-        if outcome is not None:
-            outcome.ftar.start(self.buckets[index], last=index == len(self.buckets) - 1)
+        if self.opened is not None:
+            self.opened.ftar.start(self.buckets[index], last=index == len(self.buckets) - 1)
 
     def finish(self, started: int) -> QuorumOutcome | None:
-        """The step's gradient exchange, once per step: the buckets from `started` on (the
-        backward pass started the others) start now; then all are awaited."""
-        outcome = self.open()
+        """The step's gradient exchange, once per step, after `start`: the buckets from
+        `started` on (the backward pass sent the others) start now; then all are awaited."""
+        outcome = self.opened
         if outcome is not None and not self.finished:
             for i in range(started, len(self.buckets)):
                 outcome.ftar.start(self.buckets[i], last=i == len(self.buckets) - 1)
-            with self.clock.waiting():
+            with self.services.clock.waiting():
                 outcome.ftar.finish()
-            self.recovery.gate.free()
+            self.services.gate.free()
             if outcome.ftar.failed:
                 self.groups.drop()
         self.finished = True
@@ -157,7 +153,7 @@ class Exchange:
             return answer
         if answer.kind == "evicted":  # refused: this incarnation's update is discarded, on every rank
             self.evicted = answer.message
-            raise self.fence.evicted(answer.message, answer.state, f"step {self._step} not committed")
+            raise self.services.fence.evicted(answer.message, answer.state, f"step {self._step} not committed")
         if answer.kind == "completed":
             log.warning("replica %d stops at step %d: %s", self.ctx.replica_id, self._step, answer.message)
             self.completed_elsewhere = True

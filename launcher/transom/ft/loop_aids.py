@@ -3,8 +3,9 @@
 random numbers that a retried step sees again, gradient accumulation, work outside the
 steps, one writer for the script's own files, and which steps are worth a log line.
 
-`LoopAids` is mixed into `FaultTolerant` (ft/trainer.py), which owns the attributes named
-in its docstring; everything here is the script-facing half of those attributes.
+`FaultTolerant` (ft/trainer.py) holds one `LoopAids` and names each of its members it
+offers the script; `LoopAids` is given what it reads: the step's services, the flags it
+shares with the trainer (`LoopFlags`), and the stages whose read-outs it shows.
 
 - **Data coordinates.** Each replica is a world of its own (`ctx.rank` runs 0..world_size-1
   in every replica), so a sampler seeded by `ctx.rank` alone gives every replica the same
@@ -27,19 +28,33 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from transom.errors import UsageError
 from transom.ft import data
+from transom.ft.commit import Commit
+from transom.ft.coordinator_link import CoordinatorLink
+from transom.ft.exchange import Exchange
+from transom.ft.input_digest import InputDigest
+from transom.ft.shared_values import SharedValues
+from transom.ft.state import ReplicaState
+from transom.ft.step_checkpoint import StepCheckpoint
+from transom.ft.step_services import StepServices
 
-if TYPE_CHECKING:
-    from transom.ft.commit import Commit
-    from transom.ft.guard import Guard
-    from transom.ft.input_digest import InputDigest
-    from transom.ft.state import ReplicaState
+
+@dataclass
+class LoopFlags:
+    """Where the loop is, which the trainer and its aids both set and read."""
+
+    in_step: bool = False  # between the step's beginning and its optimizer.step()
+    aside: bool = False  # in trainer.aside()
+    no_sync: bool = False  # in trainer.no_sync(): backward passes only accumulate
+    loss: Any = None  # this step's, from report() or finish_step()
+    num_steps: int | None = None  # the job's target, from steps()
 
 
 def step_seed(seed: int, step: int, micro_step: int, data_rank: int) -> int:
@@ -65,47 +80,48 @@ def _fsdp2_no_sync(model: torch.nn.Module):
 
 
 class LoopAids:
-    """Mixed into FaultTolerant, whose attributes it reads: ctx, model, step, _in_step,
-    _aside, _no_sync, _link, _guard, _clock, _loss, _shared, _inputs, _exchange (asked),
-    _commit (writers, what the last step did), num_steps, state, job_ended; and calls its
-    begin_step()."""
+    """The script-facing aids of one trainer (see the module docstring)."""
 
-    ctx: Any
-    model: torch.nn.Module
-    num_steps: int | None
-    # Set by FaultTolerant.__init__: declared here so that the contract is typed.
-    state: ReplicaState
-    _in_step: bool
-    _guard: Guard | None
-    _inputs: InputDigest
-    _commit: Commit
-
-    if TYPE_CHECKING:  # FaultTolerant's properties and methods (no runtime definitions here)
-        @property
-        def job_ended(self) -> bool: ...
-        def begin_step(self) -> None: ...
+    def __init__(self, services: StepServices, flags: LoopFlags, state: ReplicaState, commit: Commit,
+                 exchange: Exchange, checkpoint: StepCheckpoint, link: CoordinatorLink | None, shared: SharedValues,
+                 inputs: InputDigest, begin_step: Callable[[], None]):
+        """`begin_step`: the trainer's, which each iteration of steps() calls."""
+        self.services, self.ctx, self.model, self.flags = services, services.ctx, services.model, flags
+        self.state, self.commit, self.exchange, self.checkpoint = state, commit, exchange, checkpoint
+        self.link, self.shared, self.inputs, self.begin_step = link, shared, inputs, begin_step
+        self.shares = services.shares  # data.batches() reads them
 
     @property
     def step(self) -> int:
-        """Committed optimizer steps: FaultTolerant's (its commit stage owns the count)."""
-        raise NotImplementedError
+        """Committed optimizer steps (the commit stage owns the count)."""
+        return self.commit.step
+
+    @property
+    def replica_id(self) -> int:
+        return self.ctx.replica_id
+
+    @property
+    def job_ended(self) -> bool:
+        """The job ended before the target: without this replica, or by its owner at this
+        replica's step (POST /v1/finish: completed here, as at the target)."""
+        return self.exchange.completed_elsewhere or self.exchange.ended_by_owner
 
     @property
     def last_step_committed(self) -> bool:
         """The last step was committed: the optimizer stepped (or the scaler skipped it on every
         replica) and `step` advanced; an LR scheduler steps after such a step."""
-        return self._commit.last_step_committed
+        return self.commit.last_step_committed
 
     @property
     def last_batch_trained(self) -> bool:
         """This replica's batch went into the last committed step (not while it recovered)."""
-        return self._commit.last_batch_trained
+        return self.commit.last_batch_trained
 
     @property
     def final_batch_trained(self) -> bool:
         """Once the job ended here (at the target, or where its owner ended it): this replica's
         batch went into the job's last step, so it holds the job's final weights."""
-        return self._commit.last_batch_trained or self._commit.ended_trained
+        return self.commit.last_batch_trained or self.commit.ended_trained
 
     # --- the loop ------------------------------------------------------------------------------
     def steps(self, num_steps: int) -> Iterator[int]:
@@ -115,11 +131,11 @@ class LoopAids:
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
             raise UsageError(f"num_steps must be a non-negative integer, got {num_steps!r}")
-        self.num_steps = self._commit.target = num_steps  # the last step's state is always compared
+        self.flags.num_steps = num_steps
         while self.step < num_steps and not self.job_ended:
             self.begin_step()
             yield self.step
-            if self._in_step:
+            if self.flags.in_step:
                 raise UsageError("end every iteration of steps() with trainer.optimizer.step() "
                                  "(or trainer.finish_step()), once")
 
@@ -163,16 +179,16 @@ class LoopAids:
         sequences' squared lengths, which attention's cost follows (for packed sequences: the
         documents' lengths). The fail-slow detector predicts a step's time from them. Call it
         before `optimizer.step()`; optional."""
-        if not self._in_step:
+        if not self.flags.in_step:
             raise UsageError("report() belongs inside a step, before optimizer.step()")
-        self._loss = loss
-        if self._guard is not None:
-            self._guard.reported(loss, tokens, sum_len_sq)
+        self.flags.loss = loss
+        if self.services.guard is not None:
+            self.services.guard.reported(loss, tokens, sum_len_sq)
 
     def fingerprint_input(self, data: Any) -> None:
         """This step's input (a tensor, or its sample indices) for the distinct-data check,
         where the model's first tensor argument is not the data (ft/input_digest.py)."""
-        self._inputs.take(data)
+        self.inputs.take(data)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -182,17 +198,17 @@ class LoopAids:
         exchanges the sum. DDP's own switches (`model.no_sync()`,
         `model.require_backward_grad_sync = False`) do the same."""
         inner = self.model.no_sync() if hasattr(self.model, "no_sync") else _fsdp2_no_sync(self.model)
-        self._no_sync = True
+        self.flags.no_sync = True
         try:
             with inner:
                 yield
         finally:
-            self._no_sync = False
+            self.flags.no_sync = False
 
-    def _exchanges_at_backward(self) -> bool:
+    def exchanges_at_backward(self) -> bool:
         """Whether this backward pass ends with the cross-replica exchange: inside a step, and
         neither trainer.no_sync() nor DDP's switch says the pass only accumulates."""
-        return self._in_step and not self._no_sync and getattr(self.model, "require_backward_grad_sync", True)
+        return self.flags.in_step and not self.flags.no_sync and getattr(self.model, "require_backward_grad_sync", True)
 
     # --- outside the steps --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -201,26 +217,26 @@ class LoopAids:
         long as it takes: the other replicas go on without it, and it catches up afterwards.
         Use it between steps, or in a step before its forward pass (nanoGPT evaluates at the
         top of the loop); every rank of the replica enters it."""
-        if self._in_step and self._exchange.asked:
+        if self.flags.in_step and self.exchange.asked:
             raise UsageError("trainer.aside() after the step's forward pass: the other replicas are waiting for "
                              "this step's gradients. Enter it before the forward pass, or after optimizer.step()")
-        if self._aside:
+        if self.flags.aside:
             raise UsageError("trainer.aside() inside trainer.aside()")
-        self._aside = True
-        if self._link is not None:
-            self._link.step_aside(self.step)
-        if self._guard is not None:
-            self._guard.waiting(True)  # the launcher's hang watchdog: this is no hang
-        timed = self._clock.waiting() if self._in_step else contextlib.nullcontext()
-        before = self._shared.before_aside()
+        self.flags.aside = True
+        if self.link is not None:
+            self.link.step_aside(self.step)
+        if self.services.guard is not None:
+            self.services.guard.waiting(True)  # the launcher's hang watchdog: this is no hang
+        timed = self.services.clock.waiting() if self.flags.in_step else contextlib.nullcontext()
+        before = self.shared.before_aside()
         try:
             with timed:  # not this step's busy time (the fail-slow detector would see a slow step)
                 yield
-            self._shared.after_aside(before)  # ScriptState values it set go to every replica
+            self.shared.after_aside(before)  # ScriptState values it set go to every replica
         finally:
-            self._aside = False
-            if self._guard is not None:
-                self._guard.waiting(False)
+            self.flags.aside = False
+            if self.services.guard is not None:
+                self.services.guard.waiting(False)
 
     # --- the script's own files and logs --------------------------------------------------------
     @property
@@ -229,7 +245,7 @@ class LoopAids:
         step just committed (not one catching up); False everywhere before the first commit.
         Evaluate there (all of its ranks, in `trainer.aside()`); it can move to another
         replica after a failure."""
-        return self._commit.writers is not None and self._commit.writers.replica_rank == 0
+        return self.checkpoint.writers is not None and self.checkpoint.writers.replica_rank == 0
 
     @property
     def is_writer(self) -> bool:

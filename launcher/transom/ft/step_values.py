@@ -1,11 +1,11 @@
 """The typed values a step's stages hand each other (ft/trainer.py sequences them).
 
     exchange (ft/exchange.py)  --QuorumOutcome-->  recovery (ft/recovery.py), commit (ft/commit.py)
-    commit                     --StepVote-->       itself: apply the update, or count a failure
-    commit                     --StepRecord-->     exchange: what the next quorum request reports
+    commit.vote                --StepVote-->       the trainer: apply the update, or count a failure
+    commit.record              --StepRecord-->     exchange: what the next quorum request reports
 
-A stage does not call back into the trainer for the step's work; it returns one of these
-and the trainer passes it on (ft/trainer.py says which read-outs it still hands down).
+A stage neither calls another nor calls back into the trainer for the step's work; it
+returns one of these and the trainer passes it on.
 """
 
 from __future__ import annotations

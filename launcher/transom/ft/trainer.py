@@ -13,17 +13,25 @@
             optimizer.step()                         # the vote; steps only a committed step
             optimizer.zero_grad()
 
-`FaultTolerant` is a thin facade: it builds a step's stages and sequences them, each a
-module of its own that hands the next a typed value (ft/step_values.py). What the trainer
-still hands down as functions are read-outs for other threads (its step, for the
-heartbeat and the input digest) and the checkpoint engine's report of a persisted
-checkpoint (the coordinator link it reports through exists only after the restore):
+`FaultTolerant` is a thin facade that names the stages of a step in order; each is a
+module of its own that returns a typed value (ft/step_values.py), and none calls another.
+What they share (context, settings, model, optimizer, guard, clock, batch shares, link
+gate, fence) is one `StepServices` (ft/step_services.py):
 
-    begin_step    exchange.begin            the quorum request, sent with the first forward pass
-    backward()    exchange.open/finish      quorum, group, FTAR (ft/exchange.py) -> QuorumOutcome
-                  recovery.round            a joiner takes a source's small state (ft/recovery.py)
-    step()        commit.finish             vote, LR scaling, optimizer step, checkpoint (ft/commit.py)
-                                            -> StepRecord, which the next request reports
+    begin_step      checkpoint.start_if_due   the last step's checkpoint (ft/step_checkpoint.py)
+                    exchange.begin            the quorum request, sent with the first forward pass
+    backward()      exchange.quorum           the quorum; a changed one rebuilds the group (ft/exchange.py)
+                    recovery.serve            a source publishes a joiner's small state (ft/recovery.py)
+                    exchange.start/finish     the all-reduce of the gradients -> QuorumOutcome
+                    recovery.round            a joiner takes a source's small state; the step moves there
+    step()          commit.vote               every rank's vote (ft/commit.py) -> StepVote
+                    recovery.before_apply     a caught-up joiner swaps in; a source's copy is complete
+                    commit.apply              LR scaling, optimizer step (or recovery.defer), step += 1
+                    checkpoint.after_commit   who writes this step's checkpoint, and whether it is due
+                    commit.record             -> StepRecord, which the next request reports
+
+The script-facing aids (`steps()`, `batches()`, `aside()`, `no_sync()`, `generator()`,
+`is_writer`, ...) are a `LoopAids` (ft/loop_aids.py) that the trainer holds and names below.
 
 Fault injection (TRANSOM_FAULT) reaches the step only through `hooks` (ft/hooks.py), a
 no-op in production.
@@ -55,6 +63,7 @@ step, writes no checkpoint object and serves no state (ft/fencing.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -83,7 +92,7 @@ from transom.ft.exchange import Exchange
 from transom.ft.fencing import IncarnationFence
 from transom.ft.guard import Guard, signals_dir
 from transom.ft.input_digest import InputDigest
-from transom.ft.loop_aids import LoopAids
+from transom.ft.loop_aids import LoopAids, LoopFlags
 from transom.ft.optimizer import FTOptimizer
 from transom.ft.process_group import QuorumGroups
 from transom.ft.recovery import Recovery
@@ -93,8 +102,11 @@ from transom.ft.shared_values import SharedValues
 from transom.ft.shares import BatchShares
 from transom.ft.state import ReplicaState
 from transom.ft.stats import StatsWriter
+from transom.ft.step_checkpoint import StepCheckpoint
 from transom.ft.step_clock import StepClock
+from transom.ft.step_services import StepServices
 from transom.ft.step_values import QuorumOutcome
+from transom.ft.transfer import LinkGate
 from transom.ft.trouble_board import ReplicaTrouble
 
 log = logging.getLogger("transom.ft")
@@ -111,7 +123,19 @@ def _placement(model: torch.nn.Module, config: FTConfig, ctx: ReplicaContext) ->
     return device, backend
 
 
-class FaultTolerant(LoopAids):
+def _aid(name: str) -> Any:
+    """A member of the trainer that is its LoopAids' (ft/loop_aids.py), docstring and all."""
+    member = getattr(LoopAids, name)
+    if isinstance(member, property):
+        return property(lambda self: getattr(self._aids, name), doc=member.__doc__)
+
+    @functools.wraps(member)
+    def call(self, *args, **kwargs):
+        return getattr(self._aids, name)(*args, **kwargs)
+    return call
+
+
+class FaultTolerant:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -136,7 +160,6 @@ class FaultTolerant(LoopAids):
             raise UsageError(f"start_step must be a non-negative integer, got {start_step!r}")
         self.ctx = ctx or init()
         self.model, self.extra_state = model, bundle(extra_state)
-        self._optimizer = optimizer
         self.optimizer = FTOptimizer(optimizer, self._finish)
         """The script's optimizer, wrapped: its step() ends the fault-tolerant step (ft/optimizer.py)."""
         self.config = config or FTConfig.from_environ()
@@ -148,21 +171,14 @@ class FaultTolerant(LoopAids):
         env = self.ctx.env
         self.identity = Identity(replica_id=env.replica_id, generation=env.generation, attempt=env.attempt)
         self.client = CoordinatorClient(env.coordinator_url, credential(env.identity_token_file, env.coordinator_token))
-        self.hooks = hooks.for_replica(env, self.ctx.rank)
         self.fence = IncarnationFence(self.client, self.identity)  # may this incarnation still act?
-        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
-                                 self.ctx.rank)
         self.state = ReplicaState(model, optimizer, self.device, scaler=scaler, sampler=sampler, extra=self.extra_state)
         self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica
         self.state.on_applied = self._shared.reapply
-        self.shares = BatchShares(self.ctx.num_replicas)  # rebalance: what batches() follows (ft/shares.py)
-        self.num_steps: int | None = None  # the job's target, from steps()
-        self._in_step = False
-        self._aside = False  # in trainer.aside()
-        self._loss: Any = None  # this step's, from report() or finish_step()
-        self._no_sync = False
+        self._flags = LoopFlags()
         self._closed = False
-        self._build_stages(checkpoint, start_step, backend, gradients_judged=not scales(scaler))
+        self._services = self._build_services(optimizer, gradients_judged=not scales(scaler))
+        self._build_stages(checkpoint, start_step, backend)
         # An uncaught exception ends this worker, but interpreter teardown can take seconds
         # while peers sit in a collective with us: report and close our sockets first.
         self._uncaught = _ReportUncaught(self)
@@ -172,46 +188,52 @@ class FaultTolerant(LoopAids):
             log.info("spare %d took over replica %d: registered %.2fs after its promotion", spare_id, env.replica_id,
                      time.monotonic() - promoted_at)
 
-    def _build_stages(self, checkpoint: CheckpointConfig | None, start_step: int, backend: str,
-                      gradients_judged: bool) -> None:
-        """Restore a checkpoint, then build the recovery, the commit and the exchange, and
-        register with the coordinator (the leader) with the step this replica starts at."""
-        model, optimizer, env = self.model, self._optimizer, self.ctx.env
-        # Anomaly detection (spec.detection): the step guard and this rank's signals (ft/guard.py).
+    def _build_services(self, optimizer: torch.optim.Optimizer, gradients_judged: bool) -> StepServices:
+        """What the stages share. Anomaly detection (spec.detection): the step guard and this
+        rank's signals (ft/guard.py); fault injection (TRANSOM_FAULT): the step hooks."""
+        env = self.ctx.env
         self.detection = DetectionSettings.from_spec(os.environ.get(ENV_DETECTION))
-        self._guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt,
-                            self.ctx.rank, gradients_judged=gradients_judged) if self.detection.enabled else None
-        self._clock = StepClock(self._guard)  # this step's busy time, and its waits for others
+        guard = Guard(self.detection, signals_dir(), env.replica_id, env.generation, env.attempt, self.ctx.rank,
+                      gradients_judged=gradients_judged) if self.detection.enabled else None
+        return StepServices(ctx=self.ctx, config=self.config, model=self.model, optimizer=optimizer,
+                            device=self.device, hooks=hooks.for_replica(env, self.ctx.rank), guard=guard,
+                            clock=StepClock(guard), shares=BatchShares(self.ctx.num_replicas),
+                            gate=LinkGate(self.config.recovery_yields), fence=self.fence)
+
+    def _build_stages(self, checkpoint: CheckpointConfig | None, start_step: int, backend: str) -> None:
+        """Restore a checkpoint, then build the stages, registering with the coordinator (the
+        leader) with the step this replica starts at."""
+        s, env = self._services, self.ctx.env
         self.checkpoints: Checkpoints | None = None
         self.restored_step: int | None = None  # the checkpoint this incarnation started from
         checkpoint = checkpoint or CheckpointConfig.from_environ()
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, self.ctx, self.state, self._report_checkpoint,
-                                           self.fence.confirm, self.hooks.checkpoint)
+                                           self.fence.confirm, s.hooks.checkpoint)
             self.restored_step = self.checkpoints.restore(lambda: coordinator_view(self.client, self.replica_id))
-        self._recovery = Recovery(self.ctx, self.config, model, optimizer, self.state, self.device, self.fence,
-                                  self.client, self.detection.enabled, self.hooks)
-        self._rejoin = self._recovery.rejoin  # the joiner's handle (integration tests drive it round by round)
-        self._inputs = InputDigest(model, self._guard is not None, lambda: self.step if self._in_step else None)
-        self._commit = Commit(self.ctx, self.config, model, optimizer, self.device,
-                              self.restored_step if self.restored_step is not None else start_step, self._recovery,
-                              self.checkpoints, self._guard, self._clock, self.shares, self._inputs, self.stats,
-                              self.hooks)
+        self._checkpoint = StepCheckpoint(self.checkpoints, env.replica_id)
+        self._recovery = Recovery(s, self.state, self.client)
+        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
+                                 self.ctx.rank)
+        self._inputs = InputDigest(self.model, s.guard is not None, lambda: self.step if self._flags.in_step else None)
+        self._commit = Commit(s, self.restored_step if self.restored_step is not None else start_step, self._inputs,
+                              self.stats)
         self._trouble = ReplicaTrouble(self.checkpoints.engine if self.checkpoints is not None else None)
         self._store, self._link = register(self.ctx, self.client, self.identity, self.config, self.fence,
                                            self.ctx.gather(self._recovery.server.url), lambda: self.step,
                                            self._trouble)
         self._trouble.connect(self.ctx, self._store)  # every rank's writer heard through the leader
         self._groups = QuorumGroups(backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
-        self._exchange = Exchange(self.ctx, self.identity, self.config, model, self._groups, self._link, self.fence,
-                                  self._recovery, self.shares, self._shared, self._guard, self._clock, self.hooks)
-        self._backward = GradientsReady(model, self._on_backward_end, self._exchanges_at_backward)
+        self._exchange = Exchange(s, self.identity, self._groups, self._link, self._shared)
+        self._aids = LoopAids(s, self._flags, self.state, self._commit, self._exchange, self._checkpoint, self._link,
+                              self._shared, self._inputs, self.begin_step)
+        self._backward = GradientsReady(self.model, self._on_backward_end, self._aids.exchanges_at_backward)
         # The step's quorum request leaves with its first forward pass (so trainer.aside() before it is allowed).
-        self._forward_hook = model.register_forward_pre_hook(self._on_forward)
+        self._forward_hook = self.model.register_forward_pre_hook(self._on_forward)
         # Each bucket is exchanged as soon as it is ready, except under DDP, whose own
         # reduction follows our hooks: there the exchange waits for the end of the pass.
-        if self._backward.covered and not isinstance(model, DistributedDataParallel):
-            self._backward.track(self._exchange.buckets, self._exchange.bucket_ready)
+        if self._backward.covered and not isinstance(self.model, DistributedDataParallel):
+            self._backward.track(self._exchange.buckets, self._bucket_ready)
 
     # --- public ---------------------------------------------------------------------------
     @property
@@ -228,24 +250,40 @@ class FaultTolerant(LoopAids):
         return self._commit.step
 
     @property
+    def num_steps(self) -> int | None:
+        """The job's target, once steps() or batches() was given it."""
+        return self._flags.num_steps
+
+    @property
     def completed_elsewhere(self) -> bool:
         """The job finished without this replica."""
         return self._exchange.completed_elsewhere
 
-    @property
-    def job_ended(self) -> bool:
-        """The job ended before the target: without this replica, or by its owner at this
-        replica's step (POST /v1/finish: completed here, as at the target)."""
-        return self.completed_elsewhere or self._exchange.ended_by_owner
+    # The script's aids (ft/loop_aids.py), named one by one.
+    job_ended = _aid("job_ended")
+    last_step_committed = _aid("last_step_committed")
+    last_batch_trained = _aid("last_batch_trained")
+    final_batch_trained = _aid("final_batch_trained")
+    steps = _aid("steps")
+    batches = _aid("batches")
+    data_rank = _aid("data_rank")
+    data_world_size = _aid("data_world_size")
+    generator = _aid("generator")
+    report = _aid("report")
+    fingerprint_input = _aid("fingerprint_input")
+    no_sync = _aid("no_sync")
+    aside = _aid("aside")
+    is_writer_replica = _aid("is_writer_replica")
+    is_writer = _aid("is_writer")
+    log_due = _aid("log_due")
 
     def begin_step(self) -> None:
-        self._commit.save_if_due()  # the last step's checkpoint, now that the script's end of it ran
+        self._checkpoint.start_if_due(self.step)  # the last step's, now that the script's end of it ran
         self._exchange.begin(self.step, self._commit.last, self._recovery.need_from)
-        self._in_step = True
-        self._loss = None
+        self._flags.in_step, self._flags.loss = True, None
         self._backward.reset()
-        self._clock.begin()
-        self.hooks.forward(self.step)
+        self._services.clock.begin()
+        self._services.hooks.forward(self.step)
 
     def finish_step(
         self, loss: torch.Tensor | float | None = None, before_optimizer: Callable[[], None] | None = None
@@ -258,13 +296,30 @@ class FaultTolerant(LoopAids):
         of a committed step (gradient clipping, an AMP scaler's unscale_).
         """
         if loss is not None:
-            self._loss = loss
+            self._flags.loss = loss
         return self._finish(before_optimizer, True)
 
     # --- the sequence of a step -------------------------------------------------------------------
     def _on_forward(self, _module, _args) -> None:
-        if self._in_step and not self._exchange.asked and not self._aside and torch.is_grad_enabled():
+        f = self._flags
+        if f.in_step and not self._exchange.asked and not f.aside and torch.is_grad_enabled():
             self._exchange.ask()
+
+    def _open(self) -> QuorumOutcome | None:
+        """The part of the exchange before any gradient moves, once per step: the quorum, a
+        source's serving of this round's joiners, the all-reduce set up."""
+        if self._exchange.awaited:
+            return self._exchange.opened
+        q = self._exchange.quorum()
+        if q is None:
+            return None
+        self._recovery.serve(q, self.step)
+        return self._exchange.start(q)
+
+    def _bucket_ready(self, index: int) -> None:
+        """A bucket's gradients are final (mid-backward): its exchange starts now."""
+        if self._open() is not None:
+            self._exchange.send(index)
 
     def _on_backward_end(self) -> None:
         if self._exchange.finished:  # the gradients of this step were averaged already
@@ -278,26 +333,45 @@ class FaultTolerant(LoopAids):
         backward() or, if no backward pass ran it, when the step ends."""
         if self._exchange.finished:
             return self._exchange.opened
+        self._open()
         outcome = self._exchange.finish(self._backward.started)
         if outcome is not None:
             small_step = self._recovery.round(outcome)
             if small_step is not None:  # a joiner's first round: it trains on from its source's step
-                self._commit.step = small_step
+                self._commit.start_at(small_step)
         return outcome
 
     def _finish(self, before_optimizer: Callable[[], None] | None, update: bool) -> bool:
         """The end of every step; `update` False: count a committed step without stepping
         the optimizer (the AMP scaler found inf/NaN in the averaged gradients)."""
-        if not self._in_step:
+        if not self._flags.in_step:
             raise UsageError("optimizer.step() outside a step: iterate over trainer.steps() or trainer.batches()")
         try:
             outcome = self._exchange_now()
             if outcome is None:  # the job ended (without us, or here): nothing to commit
                 self._commit.not_committed(self._exchange.ended_by_owner)
                 return False
-            return self._commit.finish(outcome, self._loss, before_optimizer, update)
+            return self._commit_step(outcome, before_optimizer, update)
         finally:
-            self._in_step = False
+            self._flags.in_step = False
+
+    def _commit_step(self, outcome: QuorumOutcome, before_optimizer: Callable[[], None] | None,
+                     update: bool) -> bool:
+        """The stages after the exchange, in order; True if the step was committed."""
+        attempted, recovery = self.step, self._recovery
+        vote = self._commit.vote(outcome, self._flags.loss)
+        self._checkpoint.check_quorum(outcome.quorum.max_step)  # every rank raises, or none
+        if vote.committed:
+            self._checkpoint.wait_snapshot()  # the last checkpoint's copy is complete before the state changes
+            recovery.before_apply(attempted)
+            self._commit.apply(outcome.quorum, before_optimizer, update and not vote.skip,
+                               defer=recovery.defer if recovery.active else None)
+            recovery.after_commit(self.step)
+            self._checkpoint.after_commit(outcome.quorum, self.step, holds_state=not recovery.active)
+            self._commit.signal(attempted, vote, outcome, holds_state=not recovery.active,
+                                snapshot=recovery.snapshot_taken_at(self.step) or self.step == self.num_steps)
+        self._commit.record(outcome, self._flags.loss, vote)
+        return vote.committed
 
     # --- the end --------------------------------------------------------------------------------
     def __enter__(self) -> FaultTolerant:
@@ -323,8 +397,9 @@ class FaultTolerant(LoopAids):
         if self._closed:
             return
         self._closed = True
-        if self._guard is not None:
-            self._guard.waiting(True)  # a final checkpoint may take long: that is not a hang
+        guard = self._services.guard
+        if guard is not None:
+            guard.waiting(True)  # a final checkpoint may take long: that is not a hang
         self._uncaught.uninstall()
         ended = end_job or self._exchange.ended_by_owner
         done = ended or (self.num_steps is not None and self.step >= self.num_steps)
@@ -334,7 +409,13 @@ class FaultTolerant(LoopAids):
             script_errors.record_escaping()  # before the report, which the launcher may act on first
             if self.ctx.is_leader:  # it talks for the replica
                 report_close_failure(self.client, self.identity, self.step, self.num_steps)
-        self._commit.close(completed, failed)  # the final checkpoint, before leaving: reported as this replica
+        self._commit.close(completed, caught_up=not self._recovery.active)
+        if guard is not None:
+            guard.close()
+        # The final checkpoint, before leaving: its commit is reported as this replica.
+        self._checkpoint.close(self.step, completed, failed)
+        if completed:  # the leader leaves once every rank's part is written: a left replica's writes are fenced
+            self.ctx.all_ok(True)
         if self._link is not None:
             if completed and self._exchange.last_round < 0:  # e.g. restored at the target: no round answered it yet
                 self._link.take_one_round(self.step, self._commit.last.commit_quorum_id)

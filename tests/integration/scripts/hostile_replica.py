@@ -59,7 +59,7 @@ def main() -> None:
     liar = trainer.replica_id == args.liar
     if liar:
         # Its own code: it may say anything about itself.
-        trainer._clock.busy = lambda: 1e-5  # type: ignore[method-assign]
+        trainer._services.clock.busy = lambda: 1e-5  # type: ignore[method-assign]
         if ctx.rank == 0 and os.environ.get(contract.ENV_ATTEMPT, "0") == "0":
             attack(args.out)
     try:
