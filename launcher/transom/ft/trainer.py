@@ -176,6 +176,9 @@ class FaultTolerant:
         self._shared = SharedValues(self.extra_state)  # script values set aside, for every replica
         self.state.on_applied = self._shared.reapply
         self._flags = LoopFlags()
+        # Before anything can fail: an incarnation refused at its restore still leaves its record.
+        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
+                                 self.ctx.rank)
         self._closed = False
         self._services = self._build_services(optimizer, gradients_judged=not scales(scaler))
         self._build_stages(checkpoint, start_step, backend)
@@ -213,8 +216,6 @@ class FaultTolerant:
             self.restored_step = self.checkpoints.restore(lambda: coordinator_view(self.client, self.replica_id))
         self._checkpoint = StepCheckpoint(self.checkpoints, env.replica_id)
         self._recovery = Recovery(s, self.state, self.client)
-        self.stats = StatsWriter(os.environ.get(ENV_STATS_DIR), env.replica_id, env.generation, env.attempt,
-                                 self.ctx.rank)
         self._inputs = InputDigest(self.model, s.guard is not None, lambda: self.step if self._flags.in_step else None)
         self._commit = Commit(s, self.restored_step if self.restored_step is not None else start_step, self._inputs,
                               self.stats)
