@@ -250,6 +250,9 @@ class ThreadedJob:
         errors = [f"replica {r.rid}: {type(e).__name__}: {e}" for r in self._replicas.values() for e in r.errors]
         ok = all(r.finished for r in self._replicas.values()) and status.completed_step is not None \
             and status.diverged is None  # as `transom run`: a job that ended diverged failed
+        if not ok:  # where each replica's attempts ended, for the failure's message
+            errors.append(self._describe() + "; " + ", ".join(f"replica {r.rid} gave up" for r in
+                                                               self._replicas.values() if r.gave_up))
         return RunResult(0 if ok else 1, summary, output + "".join(f"\n{line}" for line in errors), self.stats_dir,
                          results={r: rep.result for r, rep in self._replicas.items()})
 
