@@ -107,13 +107,16 @@ def _apply_example(kubectl, namespace: str, spec: dict | None = None, **ft) -> N
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
 
-def _wait_running(kubectl, namespace: str, timeout_s: float = 90, replaced: tuple[int, int] | None = None) -> dict:
+def _wait_running(kubectl, namespace: str, timeout_s: float = 150, replaced: tuple[int, int] | None = None) -> dict:
     """The job's status once it is Running with 3/3 healthy replicas; with `replaced` (replica,
     generation), once that generation of the replica is recorded Running too. A replacement's
     pods can exist before its status is written (a pass sends its creates beside its status
-    write): seeing the new pod does not mean the status already tells of it."""
+    write): seeing the new pod does not mean the status already tells of it. On a timeout the
+    message holds the last status and where each pod was, so a slow start says what it waited on."""
+    seen: dict = {}
+
     def ready():
-        st = _job(kubectl, namespace).get("status", {})
+        st = seen["status"] = _job(kubectl, namespace).get("status", {})
         if st.get("healthyReplicas") != 3 or st.get("state") != "Running":
             return None
         if replaced is not None:
@@ -124,7 +127,12 @@ def _wait_running(kubectl, namespace: str, timeout_s: float = 90, replaced: tupl
 
     what = "job Running with 3/3 healthy replicas" + (f", replica {replaced[0]} generation {replaced[1]} among them"
                                                        if replaced else "")
-    return wait_for(ready, timeout_s, what)
+    try:
+        return wait_for(ready, timeout_s, what)
+    except AssertionError as e:
+        pods = {name: (p["spec"].get("nodeName"), p["status"].get("phase"))
+                for name, p in _pods(kubectl, namespace).items()}
+        raise AssertionError(f"{e}; last status {json.dumps(seen.get('status'))}; pods {pods}") from None
 
 
 def test_example_job_runs_with_every_replica_healthy(kubectl, namespace, operator):
