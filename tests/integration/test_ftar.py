@@ -140,6 +140,23 @@ def _guard_worker(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, seen))
 
 
+def _shard_worker(rank: int, port: int, out: mp.Queue, weighted: bool) -> None:
+    """Two shards reduced in place (FSDP2's all-reduce hook), the flags travelling alone at
+    the end; rank 2 catches up (sends zeros), or, `weighted`, everyone sends its share."""
+    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", f"t/shard-{weighted}", rank, 3, timeout_s=10)
+    guard = Guard(DetectionSettings(), None, rank, 0, 0, 0)
+    guard.begin()
+    weight = (0.2, 0.3, 0.5)[rank] if weighted else None
+    ftar = StepAllReduce(group, 3 if weighted else 2, contribute=weighted or rank != 2, own=guard.own_bucket,
+                         flags=guard.flags, weight=weight)
+    shards = [torch.full((4,), rank + 1.0), torch.full((3,), float("nan") if rank == 1 else 10.0 * (rank + 1))]
+    for shard in shards:
+        ftar.reduce_in_place(shard)
+    ftar.finish()
+    assert ftar.flag_sums is not None
+    out.put((rank, ftar.failed, [s.tolist() for s in shards], ftar.flag_sums.tolist()))
+
+
 def _run(target, n: int, *extra) -> list:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -202,3 +219,17 @@ def test_the_guards_agreement_rides_with_the_last_bucket_and_costs_a_collective_
     assert agreements == [1, 0, 0, 0, 1, 1]
     assert per_step[0][0][2] == pytest.approx(2.0)  # (1 + 2 + 3) / 3: the flags are not averaged in
     assert per_step[5][0][2] == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)  # weighted; the joiner sends zeros
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_shards_reduced_in_place_hold_the_average_and_the_flags_travel_alone(weighted):
+    results = _run(_shard_worker, 3, weighted)
+    assert [r[1] for r in results] == [False] * 3
+    first = [r[2][0] for r in results]
+    expected = 0.2 * 1 + 0.3 * 2 + 0.5 * 3 if weighted else (1 + 2) / 2  # the joiner's 3 is not sent
+    for values in first:
+        assert values == pytest.approx([expected] * 4)
+    assert len({tuple(v) for v in first}) == 1  # every member holds the same bytes
+    # The flags, summed on every member: rank 1's NaN shard is one BAD; no loss was reported,
+    # so each contributing member is LATE (the joiner's flags are zeros: it cannot make anyone skip).
+    assert [r[3] for r in results] == [[1.0, 3.0 if weighted else 2.0]] * 3

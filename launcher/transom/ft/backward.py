@@ -13,10 +13,12 @@ callback runs after all those queued before it. Firing from the second queueing 
 sees gradients DDP has finished averaging inside the replica.
 
 With `track`, it also reports each bucket of gradients as soon as all of its gradients are
-accumulated, so the cross-replica exchange of that bucket starts while backward goes on
-(ft/ftar.py). That is right only where the accumulated gradient is the replica's final
-one: a model without DDP inside the replica (DDP reduces after our hook runs; there the
-exchange waits for the end of the pass).
+final, so the cross-replica exchange of that bucket starts while backward goes on
+(ft/ftar.py). Without DDP inside the replica a gradient is final once accumulated. Under
+DDP it is final once DDP averaged its bucket inside the replica: DDP's communication hook
+(ft/inner_reduction.py) says so through `reduced`, from whichever thread completed the
+reduction, and the training thread takes that news at its next hook or at the end of the
+pass (`drain`), so every bucket starts from the training thread, in bucket order.
 
 Parameters that autograd never sees directly (FSDP2's sharded DTensor parameters, whose
 gradients FSDP assigns after its reduce-scatter) get no hook; for such a model `covered`
@@ -25,12 +27,14 @@ output, the first gradient of the pass. FSDP2 queues its own end-of-backward cal
 (`_root_post_backward_final_callback`, which waits for the reduce-scatters and sets the
 sharded gradients) from its hook on that same output; firing from our second queueing
 runs after it, so under FSDP2 too the exchange is done when `backward()` returns and
-clipping after it sees the replicas' average. Its gradients are exchanged whole at the
-end (no bucket starts early: FSDP2 sets them all at once).
+clipping after it sees the replicas' average. FSDP2's shards are exchanged by its own
+all-reduce hook as each group's reduce-scatter ends (ft/inner_reduction.py); only where
+that hook cannot be set are they exchanged whole at the end.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -67,14 +71,18 @@ class GradientsReady:
         self._buckets: Sequence[Sequence[torch.Tensor]] = []
         self._bucket_of: dict[int, int] = {}
         self._on_bucket: Callable[[int], None] | None = None
-        self._waiting: list[int] = []  # per bucket: gradients not accumulated yet this pass
+        self._waiting: list[int] = []  # per bucket: gradients not final yet this pass
         self.started = 0  # buckets handed to on_bucket this pass, in order
+        self._by_accumulation = True  # a gradient is final once accumulated (no DDP inside)
+        self._reduced: collections.deque = collections.deque()  # DDP's news, from any thread
+        self._final: dict[int, torch.Tensor] = {}  # under DDP: the gradient averaged inside the replica
 
-    def track(self, buckets: Sequence[Sequence[torch.Tensor]], on_bucket: Callable[[int], None]) -> None:
-        """Also call `on_bucket(i)` once every gradient of `buckets[i]` is accumulated, in
-        bucket order (a bucket ready early waits for those before it: every replica must
-        start its collectives in the same order)."""
-        self._buckets, self._on_bucket = buckets, on_bucket
+    def track(self, buckets: Sequence[Sequence[torch.Tensor]], on_bucket: Callable[[int], None],
+              by_accumulation: bool = True) -> None:
+        """Also call `on_bucket(i)` once every gradient of `buckets[i]` is final, in bucket
+        order (a bucket ready early waits for those before it: every replica must start its
+        collectives in the same order). `by_accumulation` False: final when `reduced` says so."""
+        self._buckets, self._on_bucket, self._by_accumulation = buckets, on_bucket, by_accumulation
         self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
         self.reset()
 
@@ -83,6 +91,41 @@ class GradientsReady:
         self._queued = False
         self._waiting = [len(b) for b in self._buckets]
         self.started = 0
+        self._reduced.clear()
+        self._final.clear()
+
+    def active(self) -> bool:
+        """Whether this backward pass ends with the exchange (not under no_sync, inside a step)."""
+        return self._active()
+
+    def reduced(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                done: torch.futures.Future | None = None) -> None:
+        """`grads` (of `params`) are averaged inside the replica, once `done` is waited for
+        (a CUDA future: the reading stream waits); any thread may say so."""
+        self._reduced.append((params, grads, done))
+
+    def final_grads(self, index: int) -> list[torch.Tensor] | None:
+        """Under DDP: the gradients of bucket `index` as DDP averaged them inside the replica
+        (it writes the parameters' own only at the end of the pass); None otherwise."""
+        if self._by_accumulation:
+            return None
+        return [self._final[id(p)] for p in self._buckets[index]]
+
+    def drain(self) -> None:
+        """Count the gradients `reduced` reported (on the training thread: buckets start here).
+        Outside an exchanging pass (after the trainer closed, DDP's hook still reduces) the
+        news is dropped."""
+        if not self._active():
+            self._reduced.clear()
+            return
+        while self._reduced:
+            params, grads, done = self._reduced.popleft()
+            if done is not None:
+                done.wait()  # complete already; on a GPU this orders the current stream after it
+            for p, g in zip(params, grads):
+                if id(p) in self._bucket_of:
+                    self._final[id(p)] = g
+                    self._count(id(p))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -106,7 +149,13 @@ class GradientsReady:
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(self._requeue)
-        i = self._bucket_of.get(id(param))
+        if self._by_accumulation:
+            self._count(id(param))
+        else:
+            self.drain()
+
+    def _count(self, key: int) -> None:
+        i = self._bucket_of.get(key)
         if i is None or self._on_bucket is None:
             return
         self._waiting[i] -= 1
@@ -119,4 +168,6 @@ class GradientsReady:
 
     def _fire(self) -> None:
         self._queued = False
+        if not self._by_accumulation:
+            self.drain()  # DDP's finaliser waited for every bucket: all reported by now
         self._on_ready()

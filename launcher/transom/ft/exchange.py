@@ -8,7 +8,8 @@ The trainer (ft/trainer.py) runs the part before any gradient moves in three cal
 `quorum` (await the answer; a changed quorum rebuilds the cross-replica group,
 ft/process_group.py), the recovery's `serve` (a source publishes a joiner's small state),
 and `start` (the step's all-reduce, ft/ftar.py). Buckets are then sent as backward produces
-them (`send`), and `finish` sends the rest and waits for all.
+them (`send`; under FSDP2 its shards, `reduce_shard`: ft/inner_reduction.py), and `finish`
+sends the rest and waits for all.
 
 What comes out is a `QuorumOutcome` (ft/step_values.py), or None where the job completed
 without this replica or its owner ended it at the step this replica holds; an eviction
@@ -54,6 +55,8 @@ class Exchange:
         self.awaited = False  # this step's quorum is in (opened holds the outcome, None if the job completed)
         self.opened: QuorumOutcome | None = None
         self.finished = False  # this step's gradients were exchanged
+        self._sent_any = False  # the first gradients of this step left (fault injection sees them)
+        self._shards = False  # FSDP2's hook reduced this step's shards in place: no bucket is left
         self._changed = False  # this step's quorum differs from the last one's
         self._group_error: str | None = None  # its group could not be rebuilt: the step fails
 
@@ -64,6 +67,7 @@ class Exchange:
             raise self.services.fence.evicted(self.evicted, None, f"step {step} not committed")
         self._step, self.asked = step, False
         self.awaited, self.opened, self.finished = False, None, False
+        self._sent_any = self._shards = False
         if self.link is not None:
             shares = self.services.shares
             self._request = QuorumRequest(
@@ -108,8 +112,6 @@ class Exchange:
         s = self.services
         s.hooks.allreduce(self._step)
         recovering = self.ctx.replica_id in q.recovering
-        if self.buckets:
-            s.hooks.gradients(self._step, self.buckets[0][0].grad)
         s.shares.update(q)
         guard = s.guard  # its flags ride at the end of the last bucket (ft/guard.py)
         ftar = StepAllReduce(self.groups.group, q.participants, contribute=not recovering,
@@ -121,17 +123,33 @@ class Exchange:
         self.opened = QuorumOutcome(quorum=q, ftar=ftar, recovering=recovering, changed=self._changed)
         return self.opened
 
-    def send(self, index: int) -> None:
-        """A bucket's gradients are final (mid-backward): its exchange starts now."""
+    def send(self, index: int, grads: list | None = None) -> None:
+        """A bucket's gradients are final (mid-backward): its exchange starts now. `grads`:
+        under DDP, its bucket's gradients averaged inside the replica."""
         if self.opened is not None:
-            self.opened.ftar.start(self.buckets[index], last=index == len(self.buckets) - 1)
+            self._first(grads[0] if grads else self.buckets[index][0].grad)
+            self.opened.ftar.start(self.buckets[index], last=index == len(self.buckets) - 1, grads=grads)
+
+    def reduce_shard(self, shard) -> None:
+        """Under FSDP2: a group's reduce-scattered shard, averaged across replicas in place."""
+        if self.opened is not None:
+            self._first(shard)
+            self._shards = True
+            self.opened.ftar.reduce_in_place(shard)
+
+    def _first(self, grad) -> None:
+        """The step's first gradients to leave: what a `nan` fault poisons (ft/hooks.py)."""
+        if not self._sent_any:
+            self._sent_any = True
+            self.services.hooks.gradients(self._step, grad)
 
     def finish(self, started: int) -> QuorumOutcome | None:
         """The step's gradient exchange, once per step, after `start`: the buckets from
         `started` on (the backward pass sent the others) start now; then all are awaited."""
         outcome = self.opened
         if outcome is not None and not self.finished:
-            for i in range(started, len(self.buckets)):
+            for i in range(len(self.buckets) if self._shards else started, len(self.buckets)):
+                self._first(self.buckets[i][0].grad)
                 outcome.ftar.start(self.buckets[i], last=i == len(self.buckets) - 1)
             with self.services.clock.waiting():
                 outcome.ftar.finish()

@@ -10,6 +10,13 @@ is started as soon as its gradients are ready (`start`, asynchronous; the traine
 from the backward pass, ft/backward.py) and `finish` waits for them all, so the exchange
 overlaps the rest of the backward pass as DDP's does.
 
+With DDP or FSDP2 inside the replica, the gradients are reduced inside the replica first
+(ft/inner_reduction.py): under DDP a bucket is started from DDP's own buckets, averaged
+inside the replica (`start(..., grads=)`); under FSDP2 each reduce-scattered shard is
+summed across replicas in place by FSDP2's all-reduce hook (`reduce_in_place`), which
+returns once the shard holds the average on the stream FSDP2 reads it from. The guard's
+flags then travel on their own at `finish`.
+
 The error model is one flag per step (as in torchft): the first error or timeout marks
 the step failed, drops the group (every reference, at once: that is what makes the other
 survivors fail fast too) and turns later collectives of the step into no-ops. The Manager
@@ -18,8 +25,10 @@ reads the flag in its commit vote.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 import torch
 
@@ -66,6 +75,17 @@ def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int,
     return buckets
 
 
+@dataclasses.dataclass
+class _Started:
+    """One all-reduce of a step: a bucket (its average goes into `params`' gradients), a
+    shard reduced in place (FSDP2), or the guard's flags on their own."""
+
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    kind: Literal["bucket", "shard", "flags"]
+    works: list = dataclasses.field(default_factory=list)
+
+
 class StepAllReduce:
     """FTAR state for one attempt of one step."""
 
@@ -90,7 +110,9 @@ class StepAllReduce:
         self.flags = flags
         self.flag_sums: torch.Tensor | None = None  # after `finish`: the members' flags, summed
         self.error: str | None = None if group is not None else "no cross-replica group"
-        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, list]] = []  # buckets started
+        self._pending: list[_Started] = []
+        self._flags_sent = False
+        self._like: torch.Tensor | None = None  # the last tensor exchanged: where lone flags go
 
     @property
     def failed(self) -> bool:
@@ -104,17 +126,21 @@ class StepAllReduce:
             self.group.abort()
         self.group = None
 
-    def start(self, params: list[torch.nn.Parameter], last: bool = False) -> None:
-        """Begin the all-reduce of one bucket of gradients (asynchronous); `finish` completes it.
-        Buckets must be started in the same order on every member (the collectives pair up
-        by order); `last`: the step's last bucket, which carries the flags."""
+    def start(self, params: list[torch.nn.Parameter], last: bool = False,
+              grads: list[torch.Tensor] | None = None) -> None:
+        """Begin the all-reduce of one bucket of gradients (asynchronous); `finish` completes it
+        and writes the average into the parameters' gradients. Buckets must be started in the
+        same order on every member (the collectives pair up by order); `last`: the step's last
+        bucket, which carries the flags. `grads`: what to send instead of the parameters'
+        gradients (DDP's bucket, averaged inside the replica before DDP wrote the gradients)."""
         if self.failed:
             return
-        grads = []
-        for p in params:
-            if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
-                p.grad = torch.zeros_like(p)
-            grads.append(_local(p.grad))
+        if grads is None:
+            grads = []
+            for p in params:
+                if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
+                    p.grad = torch.zeros_like(p)
+                grads.append(_local(p.grad))
         n = sum(g.numel() for g in grads)
         slots = NUM_FLAGS if last and self.flags is not None else 0
         if self.contribute:
@@ -128,39 +154,98 @@ class StepAllReduce:
                 flat[n:].copy_(self.flags(flat))
         else:  # a member catching up sends zeros, flags included: it cannot make anyone skip
             flat = torch.zeros(n + slots, dtype=grads[0].dtype, device=grads[0].device)
+        self._flags_sent = self._flags_sent or bool(slots)
+        self._send(_Started(params, flat, "bucket"))
+
+    def reduce_in_place(self, shard: torch.Tensor) -> None:
+        """Sum `shard` (a reduce-scattered gradient shard, FSDP2's all-reduce hook) across the
+        members in place and divide it by the participants (or sum weighted shares). On
+        return the average is there for whatever reads `shard` next on the current stream:
+        on the CPU the collective is waited for, on a GPU under NCCL the stream waits and the
+        CPU goes on (`finish` checks that it completed). A failed step leaves it this
+        replica's own: the step does not commit."""
+        if self.failed:
+            return
+        if not self.contribute:
+            shard.zero_()  # a member catching up adds nothing
+        else:
+            if self.own is not None:
+                self.own(shard.reshape(-1))
+            if self.weight is not None and self.weight != 1.0:
+                shard.mul_(self.weight)
+        if not self._send(_Started([], shard, "shard")):
+            return
+        try:
+            assert self.group is not None
+            self.group.wait_on_stream(self._pending[-1].works)
+        except Exception as e:  # RuntimeError from Gloo, TimeoutError from our wait
+            self.fail(f"{type(e).__name__}: {e}")
+            return
+        if self.weight is None:
+            shard.div_(self.participants)
+
+    def _send(self, started: _Started) -> bool:
+        """Start the all-reduce of `started.flat`; False if the step failed."""
+        self._like = started.flat
         try:
             # No local alias of the group: fail() must drop the only reference at once.
             assert self.group is not None
             COUNTER.ftar_entered()  # a hang names the member that never entered it (detect/hangs.py)
-            self._pending.append((grads, flat, self.group.allreduce_sum([flat])))
+            started.works = self.group.allreduce_sum([started.flat])
+            self._pending.append(started)
         except Exception as e:  # RuntimeError from Gloo/NCCL
             self.fail(f"{type(e).__name__}: {e}")
+            return False
+        return True
+
+    def _send_flags(self) -> None:
+        """The guard's flags on their own, where no bucket carried them (shards reduced in place)."""
+        if self.flags is None or self._flags_sent or self.failed:
+            return
+        like = self._like if self._like is not None else torch.zeros(1)
+        flat = self.flags(like).to(device=like.device, dtype=like.dtype) if self.contribute else \
+            torch.zeros(NUM_FLAGS, dtype=like.dtype, device=like.device)
+        self._flags_sent = True
+        self._send(_Started([], flat, "flags"))
 
     def finish(self) -> None:
         """Wait for every bucket started, then write the average back into the gradients."""
+        self._send_flags()
         pending, self._pending = self._pending, []
         if self.failed:
             return
         try:
             assert self.group is not None
-            for _, _, works in pending:
-                self.group.wait(works)
+            for started in pending:
+                self.group.wait(started.works)
                 COUNTER.ftar_completed()
         except Exception as e:  # RuntimeError from Gloo/NCCL, TimeoutError from our wait
             self.fail(f"{type(e).__name__}: {e}")
             return
-        for grads, flat, _ in pending:
-            offset = 0
-            if flat.numel() > sum(g.numel() for g in grads):  # the last bucket: its flags
-                self.flag_sums = flat[-NUM_FLAGS:]
-            for g in grads:
-                n = g.numel()
-                summed = flat[offset : offset + n].view_as(g)
-                if self.weight is None:  # the division and the copy back in one pass
-                    torch.div(summed, self.participants, out=g)
-                else:
-                    g.copy_(summed)
-                offset += n
+        for started in pending:
+            if started.kind == "flags":
+                self.flag_sums = started.flat
+            elif started.kind == "bucket":
+                self._write_back(started)
+
+    def _write_back(self, started: _Started) -> None:
+        """The average of a bucket into its parameters' gradients."""
+        grads, flat = [], started.flat
+        for p in started.params:
+            if p.grad is None:  # DDP sent its zeros for a parameter unused this step
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+        if flat.numel() > sum(g.numel() for g in grads):  # the last bucket: its flags
+            self.flag_sums = flat[-NUM_FLAGS:]
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            summed = flat[offset : offset + n].view_as(g)
+            if self.weight is None:  # the division and the copy back in one pass
+                torch.div(summed, self.participants, out=g)
+            else:
+                g.copy_(summed)
+            offset += n
 
     def agree(self, bad: bool, device: torch.device) -> bool:
         """Whether any member found its step `bad` (one 1-element all-reduce, after `finish`);

@@ -105,6 +105,16 @@ class CrossReplicaGroup:
             done.record(torch.cuda.current_stream(self.device))
             wait_for(done, self.timeout.total_seconds(), "cross-replica collective")
 
+    def wait_on_stream(self, works: list[dist.Work]) -> None:
+        """What reads the result next on the current stream sees it: under NCCL the stream
+        waits and the CPU goes on (`wait` later checks the collective completed in time);
+        under Gloo the CPU waits, bounded by the group's timeout."""
+        if self.backend != "nccl":
+            self.wait(works)
+            return
+        for w in works:
+            w.wait()  # no timeout given: only the current stream waits (a timeout would block the CPU)
+
     def abort(self) -> None:
         """Best effort: free NCCL communicators stuck on a dead peer. Gloo has no abort."""
         if self.backend == "nccl":

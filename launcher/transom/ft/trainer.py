@@ -72,7 +72,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from transom import script_errors
 from transom.checkpoint.engine import CheckpointConfig
@@ -82,7 +81,7 @@ from transom.coordinator.models import Identity
 from transom.detect.step_rows import DetectionSettings
 from transom.errors import UsageError
 from transom.ft import backend as placement
-from transom.ft import hooks
+from transom.ft import hooks, inner_reduction
 from transom.ft.backward import GradientsReady
 from transom.ft.checkpointing import Checkpoints
 from transom.ft.commit import Commit
@@ -231,10 +230,10 @@ class FaultTolerant:
         self._backward = GradientsReady(self.model, self._on_backward_end, self._aids.exchanges_at_backward)
         # The step's quorum request leaves with its first forward pass (so trainer.aside() before it is allowed).
         self._forward_hook = self.model.register_forward_pre_hook(self._on_forward)
-        # Each bucket is exchanged as soon as it is ready, except under DDP, whose own
-        # reduction follows our hooks: there the exchange waits for the end of the pass.
-        if self._backward.covered and not isinstance(self.model, DistributedDataParallel):
-            self._backward.track(self._exchange.buckets, self._bucket_ready)
+        # Each bucket (or FSDP2 shard) is exchanged as soon as it is final, behind the rest of backward.
+        overlap = inner_reduction.attach(self.model, self._backward, self._exchange.buckets, self._bucket_ready,
+                                         self._shard_ready, self._open)
+        log.info("replica %d rank %d: the exchange overlaps backward by %s", env.replica_id, self.ctx.rank, overlap)
 
     # --- public ---------------------------------------------------------------------------
     @property
@@ -320,7 +319,12 @@ class FaultTolerant:
     def _bucket_ready(self, index: int) -> None:
         """A bucket's gradients are final (mid-backward): its exchange starts now."""
         if self._open() is not None:
-            self._exchange.send(index)
+            self._exchange.send(index, self._backward.final_grads(index))
+
+    def _shard_ready(self, shard: torch.Tensor) -> None:
+        """FSDP2 reduce-scattered a group's gradients inside the replica: the shard's exchange."""
+        if self._open() is not None:
+            self._exchange.reduce_shard(shard)
 
     def _on_backward_end(self) -> None:
         if self._exchange.finished:  # the gradients of this step were averaged already
