@@ -47,12 +47,18 @@ Shapes
     optimizer. The last line of stdout is one JSON object: a key per shape (`cpu_bound`,
     `accelerator_shaped`), in it a key per model with its figures.
 
+Inner shapes
+    `--inner ddp|fsdp`: 2 replicas x 2 ranks with DDP or FSDP2 inside each replica, against
+    the same 4 ranks without fault tolerance (DDP over all, or HSDP), accelerator-shaped by
+    default (benchmarks/_inner.py); `ratio_vs_flat`, target <= 1.05.
+
 How to run
     .venv/bin/python benchmarks/ftar_overhead.py | tee /tmp/ftar-1.txt           # both models, both shapes
     .venv/bin/python benchmarks/ftar_overhead.py --agree-with /tmp/ftar-1.txt      # the second run
     .venv/bin/python benchmarks/ftar_overhead.py --models tinygpt --repeats 1 --steps 30 --shapes cpu_bound  # quick
     .venv/bin/python benchmarks/ftar_overhead.py --models small15 --replicas 2 --repeats 7 --cpu  # fixed cost
     .venv/bin/python benchmarks/ftar_overhead.py --base 91de83f --systems transom,transom_base  # vs a commit
+    .venv/bin/python benchmarks/ftar_overhead.py --inner ddp --models mlp --base 58763dc  # DDP inside the replica
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _base import BASE, base_env  # noqa: E402
 from _cpu import CpuSampler  # noqa: E402
+from _inner import TARGET_RATIO as INNER_TARGET  # noqa: E402
+from _inner import run as run_inner  # noqa: E402
 from _replicas import NIGHTLY, RUNNERS, Job, nightly_env, nightly_installed  # noqa: E402
 from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, shape_env, spread, step_ends, step_times  # noqa: E402
 
@@ -171,7 +179,11 @@ def main() -> None:
     p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
     p.add_argument("--cpu", action="store_true", help="also the CPU ms per step of every process and worker "
                    "thread, by kind (benchmarks/_cpu.py)")
+    p.add_argument("--inner", choices=("ddp", "fsdp"), help="2 replicas x 2 ranks with DDP or FSDP2 inside "
+                   "(benchmarks/_inner.py); shapes default to accelerator_shaped")
     args = p.parse_args()
+    if args.inner:
+        return inner_main(args)
     systems = ["ddp", "transom"] + (["torchft"] if importlib.util.find_spec("torchft") else [])
     systems += [NIGHTLY] if nightly_installed() else []
     if "torchft" not in systems:
@@ -206,6 +218,24 @@ def main() -> None:
                                for model in models}
         print(f"agreement with {args.agree_with}: {result['agreement']}")
     print(json.dumps(result), flush=True)
+
+
+
+
+def inner_main(args: argparse.Namespace) -> None:
+    """--inner: replicas of two ranks with DDP or FSDP2 inside, against the same ranks without Transom."""
+    shapes = args.shapes.split(",") if args.shapes != ",".join(SHAPES) else ["accelerator_shaped"]
+    result: dict = {"benchmark": "ftar_overhead", "inner": args.inner, "replicas": 2, "ranks_per_replica": 2,
+                    "backend": "gloo", "cpus": os.cpu_count(), "rounds": args.repeats, "warmup": args.warmup,
+                    "target_ratio": INNER_TARGET}
+    with tempfile.TemporaryDirectory(prefix="transom-inner-") as tmp, base_env(args.base) as base:
+        for model in args.models.split(","):
+            result[model] = run_inner(args.inner, model, shapes, args.steps or STEPS[model], args.repeats,
+                                      args.warmup, args.run_timeout, Path(tmp), base)
+    result["ok"] = all(f.get("ratio_vs_flat", 9) <= INNER_TARGET and f["transom_bit_identical"]
+                       for shapes_ in result.values() if isinstance(shapes_, dict) for f in shapes_.values()
+                       if isinstance(f, dict) and "ratio_vs_flat" in f)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
