@@ -25,30 +25,21 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from _base import BASE
 from _common import run_bounded
-from _rounds import flat, spread, step_times
+from _rounds import flat, solo_waits, spread, step_times
 
 WORKER = Path(__file__).resolve().parent / "scripts" / "inner_worker.py"
-WORKLOAD = Path(__file__).resolve().parent / "scripts" / "workload.py"
 REPLICAS, RANKS = 2, 2
 TARGET_RATIO = 1.05  # the step against the same ranks without fault tolerance
 
 
 def shape_env(shape: str, model: str) -> dict[str, str]:
     """BENCH_SHAPE and, accelerator-shaped, the waits of one process's passes (workload.py --env)."""
-    if shape == "cpu_bound":
-        return {"BENCH_SHAPE": shape}
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "1")}
-    solo = subprocess.run([sys.executable, str(WORKLOAD), "--env", shape, "--model", model],
-                          capture_output=True, text=True, timeout=300, env=env)
-    if solo.returncode != 0:
-        raise SystemExit(f"calibrating {shape} for {model} failed:\n{solo.stderr[-2000:]}")
-    return json.loads(solo.stdout.strip().splitlines()[-1])
+    return {"BENCH_SHAPE": shape} if shape == "cpu_bound" else solo_waits(shape, model)
 
 
 def one_run(system: str, inner: str, model: str, steps: int, out: Path, env: dict[str, str],

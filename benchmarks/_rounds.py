@@ -95,6 +95,16 @@ def step_times(out: Path, system: str, warmup: int) -> list[float]:
     return [b - a for ends in step_ends(out, system) for a, b in zip(ends[warmup:], ends[warmup + 1:])]
 
 
+def solo_waits(shape: str, model: str) -> dict[str, str]:
+    """BENCH_SHAPE and the waits of `shape` as one process's passes split them (workload.py --env)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "1")}
+    solo = subprocess.run([sys.executable, str(WORKLOAD), "--env", shape, "--model", model],
+                          capture_output=True, text=True, timeout=300, env=env)
+    if solo.returncode != 0:
+        raise SystemExit(f"calibrating {shape} for {model} failed:\n{solo.stderr[-2000:]}")
+    return json.loads(solo.stdout.strip().splitlines()[-1])
+
+
 def shape_env(shape: str, model: str, replicas: int, net: Cluster | None = None, steps: int = 25) -> dict[str, str]:
     """BENCH_SHAPE (and the calibrated waits) for the workers of `model` in `shape`.
 
@@ -108,12 +118,7 @@ def shape_env(shape: str, model: str, replicas: int, net: Cluster | None = None,
         raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     if shape == "cpu_bound":
         return {"BENCH_SHAPE": shape}
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "1")}
-    solo = subprocess.run([sys.executable, str(WORKLOAD), "--env", shape, "--model", model],
-                          capture_output=True, text=True, timeout=300, env=env)
-    if solo.returncode != 0:
-        raise SystemExit(f"calibrating {shape} for {model} failed:\n{solo.stderr[-2000:]}")
-    split = json.loads(solo.stdout.strip().splitlines()[-1])
+    split = solo_waits(shape, model)
     fwd, bwd = float(split["BENCH_WAIT_FWD_S"]), float(split["BENCH_WAIT_BWD_S"])
     step = {}
     for name, run_env in (("cpu", {"BENCH_SHAPE": "cpu_bound"}),

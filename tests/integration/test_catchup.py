@@ -11,8 +11,6 @@ failures in a row. Each job ends a few steps after the last killed replica caugh
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 
 from test_fault_tolerance import CAP
@@ -41,17 +39,14 @@ def test_a_throttled_catch_up_outlasts_several_steps_and_the_others_do_not_wait(
                           "--end-on", "caught_up:1", "--end-margin", "14"], CAP)
     result.assert_finished_together(3)
     joined = catching_up(result.records(1))
+    # The others did not wait for the transfer: they committed several steps while it ran
+    # (a wait would have held them at the joiner's first step). How much a catch-up slows
+    # their step is a speed figure, not an event: benchmarks/recovery.py measures it.
     assert len(joined) >= 4, f"the transfer should outlast several steps, took {len(joined)}"
     window = {r["step"] for r in joined}
     for healthy in (0, 2):
-        records = [r for r in result.records(healthy) if r["committed"]]
-        during = [r["seconds"] for r in records if r["step"] in window]
-        # Failure-free reference: the steps after the joiner caught up (all three train, as before).
-        after = [r["seconds"] for r in records if r["step"] > max(window) + 2]
-        assert len(during) == len(window) and len(after) >= 10
-        # Within noise on a shared 2-core machine: the median step while the joiner catches
-        # up is not slower than the failure-free steps by more than half of one.
-        assert statistics.median(during) <= 1.5 * statistics.median(after) + 0.02, (during, after)
+        committed = {r["step"] for r in result.records(healthy) if r["committed"]}
+        assert window <= committed, f"replica {healthy} missed steps {sorted(window - committed)} during the catch-up"
     assert "replica 1 caught up at step" in result.output  # the coordinator's event
     # Honest sources' manifests fit the joiner's fresh model and optimizer (its Adam state
     # made at the first step): none is dropped by the joiner's checks (ft/sources.py).

@@ -78,17 +78,13 @@ class ShardsReduced:
     """FSDP2's all-reduce hook on every FSDP module: each reduce-scattered shard to `on_shard`."""
 
     def __init__(self, modules: list[Any], on_shard: Callable[[torch.Tensor], None], active: Callable[[], bool]):
-        self._on_shard, self._active, self._modules = on_shard, active, modules
+        self._on_shard, self._active = on_shard, active
         for m in modules:
             m.set_all_reduce_hook(self._hook)
 
     def _hook(self, shard: torch.Tensor) -> None:
         if self._active():  # not under trainer.no_sync() (FSDP2 reduces nothing then anyway)
             self._on_shard(shard)
-
-    def remove(self) -> None:
-        for m in self._modules:
-            m.set_all_reduce_hook(None)
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[Any] | None:
