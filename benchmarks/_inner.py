@@ -11,6 +11,9 @@ waits calibrated from the passes of one process alone (`workload.py --env`). Sys
 - `transom`: `transom run --replicas 2 --nproc-per-replica 2`, DDP or FSDP2 over each
   replica's own ranks, the exchange across replicas overlapped with backward by their own
   hooks (ft/inner_reduction.py);
+- `transom_slices` (asked for with `--systems`): Transom under DDP with every bucket
+  exchanged in slices, as HSDP (TRANSOM_DDP_EXCHANGE=slices), not in one group over every
+  rank of every replica (the default);
 - `transom_base` with `--base REV`: REV's Transom on the same worker.
 
 torchft 0.2.0 is not run in these shapes: its DDP wrapper replaces the in-replica
@@ -35,6 +38,7 @@ from _rounds import flat, solo_waits, spread, step_times
 WORKER = Path(__file__).resolve().parent / "scripts" / "inner_worker.py"
 REPLICAS, RANKS = 2, 2
 TARGET_RATIO = 1.05  # the step against the same ranks without fault tolerance
+SLICED = "transom_slices"
 
 
 def shape_env(shape: str, model: str) -> dict[str, str]:
@@ -69,9 +73,10 @@ def one_run(system: str, inner: str, model: str, steps: int, out: Path, env: dic
 
 
 def run(inner: str, model: str, shapes: list[str], steps: int, repeats: int, warmup: int, timeout_s: float,
-        work: Path, base: dict[str, str]) -> dict:
-    """Every round runs every system in each shape; per shape the figures (and the JSON's part)."""
-    systems = ["flat", "transom"] + ([BASE] if base else [])
+        work: Path, base: dict[str, str], asked: list[str] | None = None) -> dict:
+    """Every round runs every system (`asked`, default flat, transom and the base if given) in
+    each shape; per shape the figures (and the JSON's part)."""
+    systems = ["flat", "transom"] + [s for s in (asked or []) if s == SLICED] + ([BASE] if base else [])
     result: dict = {}
     for shape in shapes:
         env = shape_env(shape, model)
@@ -79,7 +84,7 @@ def run(inner: str, model: str, shapes: list[str], steps: int, repeats: int, war
         identical: list[bool | None] = []
         for rnd in range(repeats):
             for system in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
-                extra = base if system == BASE else {}
+                extra = base if system == BASE else {"TRANSOM_DDP_EXCHANGE": "slices"} if system == SLICED else {}
                 median, same = one_run(system, inner, model, steps, work / f"{inner}-{shape}-{system}-{rnd}",
                                        {**env, **extra}, timeout_s, warmup)
                 medians[system].append(median)

@@ -16,10 +16,11 @@ Purpose
                Local mode's coordinator and launchers share the machine with the workers,
                so their CPU time is part of the figure.
 
-    on three models: `tinygpt` (the example's tiny GPT, a compute-light step), `mlp` (the
-    ~100 MB MLP of the recovery benchmark, where moving the gradients dominates) and
+    on four models: `tinygpt` (the example's tiny GPT, a compute-light step), `mlp` (the
+    ~100 MB MLP of the recovery benchmark, where moving the gradients dominates),
     `small15` (a 4 MB toy MLP whose DDP step takes about 15 ms here: Transom's fixed cost
-    per step, the quorum round trip, the vote and the bookkeeping, shows on it).
+    per step, the quorum round trip, the vote and the bookkeeping, shows on it), and `null`
+    (one 16x16 linear layer: the step is the fixed cost alone).
 
 Figures
     Each worker logs every step's end; a step's time is the time between the ends of two
@@ -82,7 +83,8 @@ from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, sh
 
 TARGET_RATIO = 1.02
 RATIOS = ("ratio_vs_ddp", "ratio_vs_torchft", "ratio_vs_torchft_nightly", "ratio_vs_faster")
-STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400}  # default steps per run: ~6-15 s each on the development box
+# Default steps per run: ~6-15 s each on the development box.
+STEPS = {"tinygpt": 60, "mlp": 30, "small15": 400, "null": 400}
 
 
 def one_run(args: argparse.Namespace, model: str, system: str, out: Path, env: dict[str, str]) -> tuple[float, bool]:
@@ -169,13 +171,15 @@ def main() -> None:
     p.add_argument("--models", default="tinygpt,mlp")
     p.add_argument("--shapes", default=",".join(SHAPES), help="workload shapes (benchmarks/scripts/workload.py)")
     p.add_argument("--replicas", type=int, default=3, help="processes (one per replica)")
-    p.add_argument("--steps", type=int, default=0, help="steps per run (default: 60 tinygpt, 30 mlp, 400 small15)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per run (default: 60 tinygpt, 30 mlp, 400 small15 and null)")
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
     p.add_argument("--repeats", type=int, default=MIN_ROUNDS,
                    help=f"rounds; each runs every system once per shape (>= {MIN_ROUNDS} for a figure that counts)")
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument("--base", metavar="REV", help=f"also run commit REV's Transom ({BASE}; benchmarks/_base.py)")
-    p.add_argument("--systems", help=f"a subset of ddp,transom,torchft,{NIGHTLY} (and {BASE} with --base)")
+    p.add_argument("--systems", help=f"a subset of ddp,transom,torchft,{NIGHTLY} (and {BASE} with --base); "
+                   "with --inner: flat,transom and transom_slices (benchmarks/_inner.py)")
     p.add_argument("--agree-with", metavar="OUTPUT", help="an earlier run's saved stdout: do the figures agree?")
     p.add_argument("--cpu", action="store_true", help="also the CPU ms per step of every process and worker "
                    "thread, by kind (benchmarks/_cpu.py)")
@@ -231,7 +235,8 @@ def inner_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="transom-inner-") as tmp, base_env(args.base) as base:
         for model in args.models.split(","):
             result[model] = run_inner(args.inner, model, shapes, args.steps or STEPS[model], args.repeats,
-                                      args.warmup, args.run_timeout, Path(tmp), base)
+                                      args.warmup, args.run_timeout, Path(tmp), base,
+                                      args.systems.split(",") if args.systems else None)
     result["ok"] = all(f.get("ratio_vs_flat", 9) <= INNER_TARGET and f["transom_bit_identical"]
                        for shapes_ in result.values() if isinstance(shapes_, dict) for f in shapes_.values()
                        if isinstance(f, dict) and "ratio_vs_flat" in f)

@@ -9,7 +9,9 @@ Models (`--model`):
   its synthetic corpus, AdamW lr 3e-3, batch 32 x 64 tokens;
 - `small15`: a toy MLP (4 x 512², 1.05 M parameters, 4 MB) on synthetic data, AdamW lr
   1e-4, batch 96: a failure-free DDP step of about 15 ms on the 2-core development box,
-  where a framework's fixed cost per step shows.
+  where a framework's fixed cost per step shows;
+- `null`: one Linear(16, 16), batch 8, AdamW lr 1e-4: next to no compute and no traffic,
+  so the step is the framework's fixed cost (and the optimizer's call).
 
 Every replica starts from the same weights (seed 0) and trains its own batches, a function
 of (replica, step) only, so a recovered replica sees what it would have seen.
@@ -60,8 +62,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 MLP_DIM, MLP_LAYERS, BATCH = 2048, 6, 32
 SMALL_DIM, SMALL_LAYERS, SMALL_BATCH = 512, 4, 96  # small15
+NULL_DIM, NULL_LAYERS, NULL_BATCH = 16, 1, 8  # null
 GPT_DIM, GPT_LAYERS, GPT_CONTEXT = 128, 2, 64
-MODELS = ("mlp", "tinygpt", "small15")
+MODELS = ("mlp", "tinygpt", "small15", "null")
+_MLPS = {"mlp": (MLP_DIM, MLP_LAYERS, BATCH), "small15": (SMALL_DIM, SMALL_LAYERS, SMALL_BATCH),
+         "null": (NULL_DIM, NULL_LAYERS, NULL_BATCH)}
 SHAPES = ("cpu_bound", "accelerator_shaped")
 
 
@@ -95,9 +100,8 @@ class Workload:
         self.device = torch.device(os.environ.get("BENCH_DEVICE", "cpu"))
         one_row = self.shape == "accelerator_shaped"
         self._rows = 1 if one_row else BATCH
-        if kind in ("mlp", "small15"):
-            dim, depth, self._batch = (MLP_DIM, MLP_LAYERS, BATCH) if kind == "mlp" else \
-                (SMALL_DIM, SMALL_LAYERS, SMALL_BATCH)
+        if kind in _MLPS:
+            dim, depth, self._batch = _MLPS[kind]
             self._batch = 1 if one_row else self._batch
             self._dim = dim
             layers: list[torch.nn.Module] = []

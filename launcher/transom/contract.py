@@ -83,6 +83,8 @@ ENV_LR_SCALING = "TRANSOM_LR_SCALING"
 ENV_RECOVERY_BYTES_PER_S = "TRANSOM_RECOVERY_BYTES_PER_S"
 ENV_RECOVERY_CHUNK_BYTES = "TRANSOM_RECOVERY_CHUNK_BYTES"
 ENV_RECOVERY_YIELD = "TRANSOM_RECOVERY_YIELD"
+ENV_DDP_EXCHANGE = "TRANSOM_DDP_EXCHANGE"
+DDP_EXCHANGES = ("wide", "slices")  # what each means: FTConfig.ddp_exchange
 BACKENDS = ("auto", "gloo", "nccl")  # what each means: transom/ft/backend.py
 DEFAULT_BACKEND = "auto"
 # Optional fault injection for tests and demos (see transom.inject).

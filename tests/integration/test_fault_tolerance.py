@@ -88,8 +88,12 @@ def test_two_of_three_failed_with_min_replicas_two_pauses_then_resumes(threaded_
     assert any(not r["committed"] for r in survivor), "the failures must have hit a step of the survivor's"
 
 
-@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
-def test_two_process_replica_killed_is_restarted_whole(transom_run, inner):
+@pytest.mark.parametrize("inner", ["ddp", "ddp-slices", "fsdp"])
+def test_two_process_replica_killed_is_restarted_whole(transom_run, monkeypatch, inner):
+    # Under DDP: one group over every rank of both replicas (the default), or HSDP's slices.
+    if inner == "ddp-slices":
+        monkeypatch.setenv("TRANSOM_DDP_EXCHANGE", "slices")
+        inner = "ddp"
     result = transom_run(
         ["--replicas", "2", "--nproc-per-replica", "2", "--inject", "kill:replica=0,step=5,rank=1",
          "--end-on", "caught_up:0"],

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from transom.detect.step_rows import DetectionSettings
 from transom.ft.ftar import StepAllReduce
 from transom.ft.guard import Guard
-from transom.ft.process_group import CrossReplicaGroup
+from transom.ft.process_group import CrossReplicaGroup, ReplicaSlices
+from transom.ft.sliced_ftar import SlicedAllReduce
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,6 +158,29 @@ def _shard_worker(rank: int, port: int, out: mp.Queue, weighted: bool) -> None:
     out.put((rank, ftar.failed, [s.tolist() for s in shards], ftar.flag_sums.tolist()))
 
 
+def _sliced_worker(rank: int, port: int, out: mp.Queue) -> None:
+    """Two replicas of two ranks: buckets exchanged in slices (DDP inside the replica), with
+    odd sizes (the last slice padded); in the second step replica 1 catches up (zeros)."""
+    replica, k = divmod(rank, 2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"replica{replica}", store), rank=k, world_size=2)
+    slices = ReplicaSlices(timeout_s=10)
+    group = CrossReplicaGroup("gloo", f"127.0.0.1:{port}", f"t/sliced/shard{k}", replica, 2, timeout_s=10)
+    seen = []
+    for participants, contribute in ((2, True), (1, replica == 0)):
+        params = _params(0.0)
+        for p in params:
+            p.grad = torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (rank + 1)
+        ftar = SlicedAllReduce(slices, group, participants, contribute, flags=lambda like: torch.tensor([1.0, 0.0]))
+        ftar.start(params[:1])
+        ftar.start(params[1:], last=True)
+        ftar.finish()
+        assert ftar.flag_sums is not None
+        seen.append((ftar.failed, [grad(p).reshape(-1).tolist() for p in params], ftar.flag_sums.tolist()))
+    out.put((rank, seen))
+    dist.destroy_process_group()
+
+
 def _run(target, n: int, *extra) -> list:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -233,3 +257,19 @@ def test_shards_reduced_in_place_hold_the_average_and_the_flags_travel_alone(wei
     # The flags, summed on every member: rank 1's NaN shard is one BAD; no loss was reported,
     # so each contributing member is LATE (the joiner's flags are zeros: it cannot make anyone skip).
     assert [r[3] for r in results] == [[1.0, 3.0 if weighted else 2.0]] * 3
+
+
+def test_buckets_exchanged_in_slices_hold_the_average_of_every_rank_of_every_replica():
+    results = _run(_sliced_worker, 4)
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    for step, replicas_counted in ((0, [0, 1]), (1, [0])):
+        per_rank = [r[1][step] for r in results]
+        assert all(not failed for failed, _, _ in per_rank)
+        ranks = [r for r in range(4) if r // 2 in replicas_counted]
+        factor = sum(r + 1 for r in ranks) / len(ranks)  # the mean over the ranks counted
+        for p in per_rank[0][1]:
+            expected = [i * factor for i in range(len(p))]
+            assert p == pytest.approx(expected), (step, p, expected)
+        assert len({str(g) for _, g, _ in per_rank}) == 1, "every rank of every replica holds the same bytes"
+        # Each rank's flags ride its own slice across replicas: summed over the contributors.
+        assert all(flags == [float(len(replicas_counted)), 0.0] for _, _, flags in per_rank), per_rank

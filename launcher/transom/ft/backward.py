@@ -15,10 +15,11 @@ sees gradients DDP has finished averaging inside the replica.
 With `track`, it also reports each bucket of gradients as soon as all of its gradients are
 final, so the cross-replica exchange of that bucket starts while backward goes on
 (ft/ftar.py). Without DDP inside the replica a gradient is final once accumulated. Under
-DDP it is final once DDP averaged its bucket inside the replica: DDP's communication hook
-(ft/inner_reduction.py) says so through `reduced`, from whichever thread completed the
-reduction, and the training thread takes that news at its next hook or at the end of the
-pass (`drain`), so every bucket starts from the training thread, in bucket order.
+DDP it is final once DDP's communication hook (ft/inner_reduction.py) saw its bucket, or
+once DDP averaged that bucket inside the replica where the exchange leaves that to DDP:
+the hook says so through `reduced`, from whichever thread completed the reduction, and
+the training thread takes that news at its next hook or at the end of the pass (`drain`),
+so every bucket starts from the training thread, in bucket order.
 
 Parameters that autograd never sees directly (FSDP2's sharded DTensor parameters, whose
 gradients FSDP assigns after its reduce-scatter) get no hook; for such a model `covered`

@@ -58,10 +58,19 @@ class FTConfig:
     asks for a newer snapshot."""
     backend: str | None = None
     """Backend of the cross-replica groups: auto, gloo or nccl (backend.py); None: ft.init()'s."""
+    ddp_exchange: str = "wide"
+    """Under DDP over a replica of several ranks (ft/inner_reduction.py): "wide", one
+    all-reduce of each bucket over every rank of every replica (what DDP over all of them
+    sends); or "slices", as HSDP: a reduce-scatter inside the replica, each rank's slice
+    across replicas, an all-gather inside, for networks whose links inside a replica are
+    much faster than those between replicas (Gloo's reduce-scatter costs more than an
+    all-reduce of the whole bucket: docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.backend is not None:
             placement.requested(self.backend)  # raises BackendError with the choices
+        if self.ddp_exchange not in contract.DDP_EXCHANGES:
+            raise ValueError(f"ddp_exchange must be one of {contract.DDP_EXCHANGES}, got {self.ddp_exchange!r}")
         if self.lr_scaling not in LR_SCALING:
             raise ValueError(f"lr_scaling must be one of {LR_SCALING}, got {self.lr_scaling!r}")
         for name in ("collective_timeout_s", "quorum_timeout_s", "recovery_timeout_s"):
@@ -86,6 +95,7 @@ class FTConfig:
             "backend": os.environ.get(contract.ENV_BACKEND),
             "recovery_bytes_per_s": os.environ.get(contract.ENV_RECOVERY_BYTES_PER_S),
             "recovery_chunk_bytes": os.environ.get(contract.ENV_RECOVERY_CHUNK_BYTES),
+            "ddp_exchange": os.environ.get(contract.ENV_DDP_EXCHANGE),
         }
         values: dict[str, Any] = {k: (float(v) if k.endswith("_s") else int(v) if k.endswith("_bytes") else v)
                                   for k, v in env.items() if v}

@@ -26,9 +26,10 @@ from transom.collective_counts import COUNTER
 from transom.coordinator.models import Identity, QuorumRequest, QuorumResponse
 from transom.errors import Diverged, NoQuorum
 from transom.ft.coordinator_link import CoordinatorLink, hand_outcome, read_outcome
-from transom.ft.ftar import StepAllReduce, bucket_params
+from transom.ft.ftar import FlatBuffers, StepAllReduce, bucket_params
 from transom.ft.process_group import QuorumGroups
 from transom.ft.shared_values import SharedValues
+from transom.ft.sliced_ftar import SlicedAllReduce
 from transom.ft.step_services import StepServices
 from transom.ft.step_values import QuorumOutcome, StepRecord
 
@@ -44,6 +45,7 @@ class Exchange:
         self.identity, self.groups, self.link, self.shared = identity, groups, link, shared
         # Buckets in the order backward produces gradients (roughly the reverse of the parameters').
         self.buckets = bucket_params(list(reversed(list(services.model.parameters()))), self.config.bucket_bytes)
+        self.flats = FlatBuffers()  # the buckets' flat tensors, kept from step to step
         self.last_round = -1  # the last round answered
         self.evicted: str | None = None  # why the coordinator no longer counts this incarnation
         self.completed_elsewhere = False  # the job finished without this replica
@@ -114,9 +116,13 @@ class Exchange:
         recovering = self.ctx.replica_id in q.recovering
         s.shares.update(q)
         guard = s.guard  # its flags ride at the end of the last bucket (ft/guard.py)
-        ftar = StepAllReduce(self.groups.group, q.participants, contribute=not recovering,
-                             own=guard.own_bucket if guard else None, flags=guard.flags if guard else None,
-                             weight=s.shares.weight(q, self.ctx.replica_id))
+        # A group as wide as every rank of every member sums each replica's ranks too: the
+        # average is over participants x ranks, and a replica's weight is shared by its ranks.
+        width, weight = self.groups.width, s.shares.weight(q, self.ctx.replica_id)
+        args = (self.groups.group, q.participants * width, not recovering, guard.own_bucket if guard else None,
+                None if weight is None else weight / width, guard.flags if guard else None, self.flats)
+        slices = self.groups.slices  # DDP inside the replica, in slices (ft/sliced_ftar.py)
+        ftar = StepAllReduce(*args) if slices is None else SlicedAllReduce(slices, *args)
         s.gate.busy()  # a catch-up in the background leaves the link to the buckets
         if self._group_error:
             ftar.fail(self._group_error)
@@ -156,6 +162,7 @@ class Exchange:
             self.services.gate.free()
             if outcome.ftar.failed:
                 self.groups.drop()
+                self.flats.drop()  # a collective that never completed may still write into them
         self.finished = True
         return outcome
 

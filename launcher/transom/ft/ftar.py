@@ -10,9 +10,10 @@ is started as soon as its gradients are ready (`start`, asynchronous; the traine
 from the backward pass, ft/backward.py) and `finish` waits for them all, so the exchange
 overlaps the rest of the backward pass as DDP's does.
 
-With DDP or FSDP2 inside the replica, the gradients are reduced inside the replica first
-(ft/inner_reduction.py): under DDP a bucket is started from DDP's own buckets, averaged
-inside the replica (`start(..., grads=)`); under FSDP2 each reduce-scattered shard is
+With DDP or FSDP2 inside the replica, the gradients are reduced inside the replica too
+(ft/inner_reduction.py): under DDP a bucket is started from DDP's own buckets
+(`start(..., grads=)`), in one group over every rank of every replica, in slices
+(ft/sliced_ftar.py), or averaged inside the replica by DDP; under FSDP2 each reduce-scattered shard is
 summed across replicas in place by FSDP2's all-reduce hook (`reduce_in_place`), which
 returns once the shard holds the average on the stream FSDP2 reads it from. The guard's
 flags then travel on their own at `finish`.
@@ -43,7 +44,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 NUM_FLAGS = 2  # the step guard's, at the end of the last bucket (ft/guard.py: BAD, LATE)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 gradients), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -75,15 +76,39 @@ def plan_buckets(grads: list[torch.Tensor], bucket_bytes: int,
     return buckets
 
 
+class FlatBuffers:
+    """The flat tensors buckets are packed into, kept from one step to the next. A fresh
+    tensor every step costs a page fault at the first write to each of its pages on the CPU
+    (for a 100 MB model, more than the copy into it); a kept one costs the copy alone."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer `key` of `numel` elements of `like`'s dtype and device (contents undefined)."""
+        kept = self._kept.get(key)
+        if kept is None or kept.numel() != numel or kept.dtype != like.dtype or kept.device != like.device:
+            kept = self._kept[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return kept
+
+    def drop(self) -> None:
+        """Forget every buffer: after a failed step a collective that never completed may
+        still write into its tensor (Gloo cannot abort one), so the next step takes new ones."""
+        self._kept = {}
+
+
 @dataclasses.dataclass
-class _Started:
-    """One all-reduce of a step: a bucket (its average goes into `params`' gradients), a
-    shard reduced in place (FSDP2), or the guard's flags on their own."""
+class Started:
+    """One exchange of a step: a bucket (its average goes into `params`' gradients), a
+    shard reduced in place (FSDP2), the guard's flags on their own, or a bucket exchanged in
+    slices (`sliced`: ft/sliced_ftar.py)."""
 
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
-    kind: Literal["bucket", "shard", "flags"]
+    kind: Literal["bucket", "shard", "flags", "sliced"]
     works: list = dataclasses.field(default_factory=list)
+    part: torch.Tensor | None = None  # sliced: this rank's slice of `flat`, then the flags if any
+    stage: int = 0  # sliced: the collectives issued so far (1: scatter, 2: across replicas, 3: gather)
 
 
 class StepAllReduce:
@@ -91,13 +116,14 @@ class StepAllReduce:
 
     def __init__(self, group: CrossReplicaGroup | None, participants: int, contribute: bool,
                  own: Callable[[torch.Tensor], None] | None = None, weight: float | None = None,
-                 flags: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 flags: Callable[[torch.Tensor], torch.Tensor] | None = None, buffers: FlatBuffers | None = None):
         """`own`: shown each bucket of this replica's own gradients before the exchange
         (ft/guard.py keeps their norm). `weight`: this replica's fraction of the step's
         samples (every member gives one, or none does): the sum is then the average.
         `flags(like)`: the step guard's NUM_FLAGS counts (ft/guard.py), asked for when the
         last bucket starts; they ride at its end and are summed over the members with it
-        (`flag_sums`), so that agreeing on them costs no collective of its own."""
+        (`flag_sums`), so that agreeing on them costs no collective of its own. `buffers`:
+        where buckets are packed, kept across steps by the caller (default: this step's own)."""
         if participants < 1:
             raise ValueError("a step needs at least one participant")
         if weight is not None and not 0.0 <= weight <= 1.0:
@@ -110,9 +136,10 @@ class StepAllReduce:
         self.flags = flags
         self.flag_sums: torch.Tensor | None = None  # after `finish`: the members' flags, summed
         self.error: str | None = None if group is not None else "no cross-replica group"
-        self._pending: list[_Started] = []
+        self._pending: list[Started] = []
         self._flags_sent = False
         self._like: torch.Tensor | None = None  # the last tensor exchanged: where lone flags go
+        self.buffers = buffers if buffers is not None else FlatBuffers()
 
     @property
     def failed(self) -> bool:
@@ -132,19 +159,15 @@ class StepAllReduce:
         and writes the average into the parameters' gradients. Buckets must be started in the
         same order on every member (the collectives pair up by order); `last`: the step's last
         bucket, which carries the flags. `grads`: what to send instead of the parameters'
-        gradients (DDP's bucket, averaged inside the replica before DDP wrote the gradients)."""
+        gradients (DDP's bucket as its hook saw it, before DDP wrote the gradients)."""
         if self.failed:
             return
-        if grads is None:
-            grads = []
-            for p in params:
-                if p.grad is None:  # unused parameter this step: exchange zeros like DDP does
-                    p.grad = torch.zeros_like(p)
-                grads.append(_local(p.grad))
+        grads = self._grads(params, grads)
         n = sum(g.numel() for g in grads)
         slots = NUM_FLAGS if last and self.flags is not None else 0
+        flat = self.buffers.get(("bucket", id(params[0]) if params else 0), n + slots, grads[0])
         if self.contribute:
-            flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(slots)] if slots else []))
+            torch.cat([g.reshape(-1) for g in grads], out=flat[:n])
             if self.own is not None:
                 self.own(flat[:n])
             if self.weight is not None and self.weight != 1.0:
@@ -153,9 +176,22 @@ class StepAllReduce:
                 assert self.flags is not None
                 flat[n:].copy_(self.flags(flat))
         else:  # a member catching up sends zeros, flags included: it cannot make anyone skip
-            flat = torch.zeros(n + slots, dtype=grads[0].dtype, device=grads[0].device)
+            flat.zero_()
         self._flags_sent = self._flags_sent or bool(slots)
-        self._send(_Started(params, flat, "bucket"))
+        self._send(Started(params, flat, "bucket"))
+
+    @staticmethod
+    def _grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """`grads`, or the parameters' own gradients (zeros for a parameter unused this step, as DDP sends)."""
+        if grads is not None:
+            return grads
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [local_shard(p.grad) for p in params]  # type: ignore[arg-type]
+
+    def advance(self) -> None:
+        """Move on whatever waits for a collective to end (the exchange in slices does)."""
 
     def reduce_in_place(self, shard: torch.Tensor) -> None:
         """Sum `shard` (a reduce-scattered gradient shard, FSDP2's all-reduce hook) across the
@@ -173,7 +209,7 @@ class StepAllReduce:
                 self.own(shard.reshape(-1))
             if self.weight is not None and self.weight != 1.0:
                 shard.mul_(self.weight)
-        if not self._send(_Started([], shard, "shard")):
+        if not self._send(Started([], shard, "shard")):
             return
         try:
             assert self.group is not None
@@ -184,7 +220,7 @@ class StepAllReduce:
         if self.weight is None:
             shard.div_(self.participants)
 
-    def _send(self, started: _Started) -> bool:
+    def _send(self, started: Started) -> bool:
         """Start the all-reduce of `started.flat`; False if the step failed."""
         self._like = started.flat
         try:
@@ -206,7 +242,7 @@ class StepAllReduce:
         flat = self.flags(like).to(device=like.device, dtype=like.dtype) if self.contribute else \
             torch.zeros(NUM_FLAGS, dtype=like.dtype, device=like.device)
         self._flags_sent = True
-        self._send(_Started([], flat, "flags"))
+        self._send(Started([], flat, "flags"))
 
     def finish(self) -> None:
         """Wait for every bucket started, then write the average back into the gradients."""
@@ -228,13 +264,13 @@ class StepAllReduce:
             elif started.kind == "bucket":
                 self._write_back(started)
 
-    def _write_back(self, started: _Started) -> None:
+    def _write_back(self, started: Started) -> None:
         """The average of a bucket into its parameters' gradients."""
         grads, flat = [], started.flat
         for p in started.params:
             if p.grad is None:  # DDP sent its zeros for a parameter unused this step
                 p.grad = torch.zeros_like(p)
-            grads.append(_local(p.grad))
+            grads.append(local_shard(p.grad))
         if flat.numel() > sum(g.numel() for g in grads):  # the last bucket: its flags
             self.flag_sums = flat[-NUM_FLAGS:]
         offset = 0
@@ -276,4 +312,4 @@ def bucket_params(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[l
     """`params` (those that take gradients) in buckets of one dtype/device and at most
     `bucket_bytes`, sized by what each rank holds (a DTensor's local shard)."""
     plist = [p for p in params if p.requires_grad]
-    return [[plist[i] for i in idx] for idx in plan_buckets([_local(p) for p in plist], bucket_bytes)]
+    return [[plist[i] for i in idx] for idx in plan_buckets([local_shard(p) for p in plist], bucket_bytes)]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transom import compat
 from transom.cuda_wait import wait_for
 from transom.ft import backend as placement
+from transom.ft.replica import holding
 
 log = logging.getLogger("transom.ft")
 
@@ -124,13 +125,51 @@ class CrossReplicaGroup:
                 log.debug("abort of NCCL group failed: %s", e)
 
 
+class ReplicaSlices:
+    """The two groups inside a replica of several ranks that the sliced exchange uses
+    (ft/sliced.py): one for the reduce-scatters, one for the all-gathers. Each keeps its
+    own order of collectives, the same on every rank, whatever order the two kinds
+    interleave in on each rank. Made once, by every rank of the replica's world together."""
+
+    def __init__(self, timeout_s: float):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = timeout
+        self.scatter_group = holding(dist.new_group(timeout=timeout))
+        self.gather_group = holding(dist.new_group(timeout=timeout))
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def scatter(self, out: torch.Tensor, flat: torch.Tensor) -> list[dist.Work]:
+        """Slice `rank` of the replica's sum of `flat` into `out` (asynchronous)."""
+        work = dist.reduce_scatter_tensor(out, flat, group=self.scatter_group, async_op=True)
+        assert work is not None  # async_op: always a Work
+        return [work]
+
+    def gather(self, flat: torch.Tensor, part: torch.Tensor) -> list[dist.Work]:
+        """Every rank's `part`, in rank order, into `flat` (asynchronous)."""
+        work = dist.all_gather_into_tensor(flat, part, group=self.gather_group, async_op=True)
+        assert work is not None
+        return [work]
+
+    def wait(self, works: list[dist.Work]) -> None:
+        for w in works:
+            if w.wait(self.timeout) is False:
+                raise TimeoutError(f"a collective inside the replica did not finish within "
+                                   f"{self.timeout.total_seconds()}s")
+
+
 class QuorumGroups:
     """The group of the current quorum, for one rank: rebuilt when the quorum changes (a new
     store prefix), dropped after a failed exchange; a dropped group is never reused, even for
     the same quorum."""
 
-    def __init__(self, backend: str, shard: int, timeout_s: float, device: torch.device):
+    def __init__(self, backend: str, shard: int, timeout_s: float, device: torch.device,
+                 slices: ReplicaSlices | None = None, width: int = 1):
+        """Under DDP inside the replica (ft/inner_reduction.py): `slices`, the replica's own
+        groups where buckets are exchanged in slices; `width` > 1, the replica's ranks, where
+        one group holds every rank of every member (rank `shard` of member m is m * width +
+        shard) and the exchange reduces inside the replicas too."""
         self.backend, self.shard, self.timeout_s, self.device = backend, shard, timeout_s, device
+        self.slices, self.width = slices, width
         self.group: CrossReplicaGroup | None = None
         self._prefix = ""
 
@@ -142,9 +181,11 @@ class QuorumGroups:
         fails and runs again under the next quorum)."""
         self.drop()
         self._prefix = store_prefix
+        name = f"{store_prefix}/shard{self.shard}"
+        if self.width > 1:
+            name, rank, size = f"{store_prefix}/wide", rank * self.width + self.shard, size * self.width
         try:
-            self.group = CrossReplicaGroup(self.backend, store_addr, f"{store_prefix}/shard{self.shard}", rank, size,
-                                           self.timeout_s, self.device)
+            self.group = CrossReplicaGroup(self.backend, store_addr, name, rank, size, self.timeout_s, self.device)
         except placement.BackendError:
             raise  # a configuration that cannot work: no retry makes it work
         except Exception as e:
@@ -157,3 +198,4 @@ class QuorumGroups:
             group.abort()
         del group
         self._prefix = ""
+

@@ -104,7 +104,7 @@ class ReplicaContext:
         return bool(flag.item())
 
 
-def _group(group: object) -> dist.ProcessGroup:
+def holding(group: object) -> dist.ProcessGroup:
     """`group` (the default group, or a new one of every rank), which torch types loosely:
     None before init_process_group, NON_GROUP_MEMBER on a rank outside a new group."""
     if not isinstance(group, dist.ProcessGroup):
@@ -146,7 +146,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> ReplicaContext
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        ctrl = _group(dist.group.WORLD if world_backend == "gloo"
+        ctrl = holding(dist.group.WORLD if world_backend == "gloo"
                       else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
     return ReplicaContext(
         env=env,

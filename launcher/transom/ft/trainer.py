@@ -93,7 +93,7 @@ from transom.ft.guard import Guard, signals_dir
 from transom.ft.input_digest import InputDigest
 from transom.ft.loop_aids import LoopAids, LoopFlags
 from transom.ft.optimizer import FTOptimizer
-from transom.ft.process_group import QuorumGroups
+from transom.ft.process_group import QuorumGroups, ReplicaSlices
 from transom.ft.recovery import Recovery
 from transom.ft.replica import ReplicaContext, init
 from transom.ft.script_state import bundle
@@ -223,7 +223,11 @@ class FaultTolerant:
                                            self.ctx.gather(self._recovery.server.url), lambda: self.step,
                                            self._trouble)
         self._trouble.connect(self.ctx, self._store)  # every rank's writer heard through the leader
-        self._groups = QuorumGroups(backend, self.ctx.rank, self.config.collective_timeout_s, self.device)
+        timeout_s = self.config.collective_timeout_s
+        ddp_how = inner_reduction.ddp_exchange(self.model, self.config.ddp_exchange)  # every rank: groups made below
+        self._groups = QuorumGroups(backend, self.ctx.rank, timeout_s, self.device,
+                                    slices=ReplicaSlices(timeout_s) if ddp_how == "slices" else None,
+                                    width=self.ctx.world_size if ddp_how == "wide" else 1)
         self._exchange = Exchange(s, self.identity, self._groups, self._link, self._shared)
         self._aids = LoopAids(s, self._flags, self.state, self._commit, self._exchange, self._checkpoint, self._link,
                               self._shared, self._inputs, self.begin_step)
@@ -232,7 +236,7 @@ class FaultTolerant:
         self._forward_hook = self.model.register_forward_pre_hook(self._on_forward)
         # Each bucket (or FSDP2 shard) is exchanged as soon as it is final, behind the rest of backward.
         overlap = inner_reduction.attach(self.model, self._backward, self._exchange.buckets, self._bucket_ready,
-                                         self._shard_ready, self._open)
+                                         self._shard_ready, self._open, ddp_how)
         log.info("replica %d rank %d: the exchange overlaps backward by %s", env.replica_id, self.ctx.rank, overlap)
 
     # --- public ---------------------------------------------------------------------------
