@@ -145,9 +145,9 @@ class GradientsReady:
         self._hook(grad)  # the pass started: queue the end-of-pass callback (no buckets here)
 
     def _hook(self, param: torch.Tensor) -> None:
-        if not self._active():
-            return
-        if not self._queued:
+        if not self._queued:  # the pass's first hook: whether it exchanges holds for the whole pass
+            if not self._active():
+                return
             self._queued = True
             Variable._execution_engine.queue_callback(self._requeue)
         if self._by_accumulation:
