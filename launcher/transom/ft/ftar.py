@@ -138,7 +138,6 @@ class StepAllReduce:
         self.error: str | None = None if group is not None else "no cross-replica group"
         self._pending: list[Started] = []
         self._flags_sent = False
-        self._like: torch.Tensor | None = None  # the last tensor exchanged: where lone flags go
         self.buffers = buffers if buffers is not None else FlatBuffers()
 
     @property
@@ -222,7 +221,6 @@ class StepAllReduce:
 
     def _send(self, started: Started) -> bool:
         """Start the all-reduce of `started.flat`; False if the step failed."""
-        self._like = started.flat
         try:
             # No local alias of the group: fail() must drop the only reference at once.
             assert self.group is not None
@@ -238,7 +236,7 @@ class StepAllReduce:
         """The guard's flags on their own, where no bucket carried them (shards reduced in place)."""
         if self.flags is None or self._flags_sent or self.failed:
             return
-        like = self._like if self._like is not None else torch.zeros(1)
+        like = self._pending[-1].flat if self._pending else torch.zeros(1)  # the last tensor exchanged
         flat = self.flags(like).to(device=like.device, dtype=like.dtype) if self.contribute else \
             torch.zeros(NUM_FLAGS, dtype=like.dtype, device=like.device)
         self._flags_sent = True
@@ -266,11 +264,7 @@ class StepAllReduce:
 
     def _write_back(self, started: Started) -> None:
         """The average of a bucket into its parameters' gradients."""
-        grads, flat = [], started.flat
-        for p in started.params:
-            if p.grad is None:  # DDP sent its zeros for a parameter unused this step
-                p.grad = torch.zeros_like(p)
-            grads.append(local_shard(p.grad))
+        grads, flat = self._grads(started.params, None), started.flat
         if flat.numel() > sum(g.numel() for g in grads):  # the last bucket: its flags
             self.flag_sums = flat[-NUM_FLAGS:]
         offset = 0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from transom.collective_counts import COUNTER
-from transom.ft.ftar import NUM_FLAGS, Started, StepAllReduce, local_shard
+from transom.ft.ftar import NUM_FLAGS, Started, StepAllReduce
 from transom.ft.process_group import ReplicaSlices
 
 
@@ -132,9 +132,6 @@ class SlicedAllReduce(StepAllReduce):
             if started.part.numel() > chunk:
                 self.flag_sums = started.part[chunk:]
             offset = 0
-            for p in started.params:
-                if p.grad is None:  # unused this step: DDP sent its zeros
-                    p.grad = torch.zeros_like(p)
-                g = local_shard(p.grad)
+            for g in self._grads(started.params, None):  # zeros for a parameter unused this step
                 g.copy_(started.flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
