@@ -90,6 +90,10 @@ def control_plane(request) -> Iterator[cluster.Env]:
 def _own_control_plane(real_nodes: int) -> Iterator[cluster.Env]:
     """Start the session's control plane, stop it at the end, and check that the host is
     as it was."""
+    # Holding the lock with no live environment, whatever the state directory still records
+    # is a killed session's (its real nodes' mounts, cgroups, sysctls): put the host back
+    # first, so that the comparison at the end sees only this session's changes.
+    cluster.down()
     host_before = hostguard.snapshot()
     try:
         env = _up_once_more_if_it_fails(real_nodes)
