@@ -20,6 +20,15 @@ from threaded_job import ThreadedJob
 from transom import contract
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The multi-process runs (marked `slow`) first, in their order: pytest-xdist hands the
+    tests out in this order, so the short ones fill the workers at the end instead of one
+    worker running a long job alone while the other has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 EXAMPLE = ROOT / "examples" / "train_tiny_gpt.py"
 
 

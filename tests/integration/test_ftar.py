@@ -201,6 +201,7 @@ def _run(target, n: int, *extra) -> list:
 
 
 @pytest.mark.compat
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["gloo", "auto"])
 def test_average_over_participants_with_a_zero_contributing_joiner(choice):
     results = _run(_average_worker, 3, choice)
@@ -259,6 +260,7 @@ def test_shards_reduced_in_place_hold_the_average_and_the_flags_travel_alone(wei
     assert [r[3] for r in results] == [[1.0, 3.0 if weighted else 2.0]] * 3
 
 
+@pytest.mark.slow
 def test_buckets_exchanged_in_slices_hold_the_average_of_every_rank_of_every_replica():
     results = _run(_sliced_worker, 4)
     assert [r[0] for r in results] == [0, 1, 2, 3]

@@ -125,6 +125,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [None, "wide"])
 def test_under_ddp_each_bucket_is_handed_over_once_in_order(how):
     for rank, mode, n, results in _run(_ddp_worker, how):
