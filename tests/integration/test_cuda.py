@@ -134,15 +134,16 @@ def test_a_source_allocates_its_pinned_buffers_off_the_training_thread_and_snaps
     source = Source(server, localize=None)
     source.on_round(serve=True, snapshot_from=5)
     t0 = time.monotonic()
-    source.after_commit(5, capture)
-    assert time.monotonic() - t0 < 0.05 and not source.snapshot_taken_at(5)
+    params = lambda: list(model.parameters())  # noqa: E731  # what the fingerprint beside the copy sums
+    source.after_commit(5, capture, params)
+    assert time.monotonic() - t0 < 0.05 and source.snapshot_print(5) is None
     step = 5
     deadline = time.monotonic() + 30
-    while not source.snapshot_taken_at(step):
+    while source.snapshot_print(step) is None:
         assert time.monotonic() < deadline, "the reserved buffers never became ready"
         step += 1
         time.sleep(0.01)
-        source.after_commit(step, capture)
+        source.after_commit(step, capture, params)
     source.before_update(timeout_s=30)
     source.wait_publisher(60)
     published = server.published[-1]

@@ -3,6 +3,7 @@ and the detectors' record it reads (detect/detectors.py, coordinator/detection.p
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from types import SimpleNamespace
 from typing import cast
@@ -92,3 +93,39 @@ def test_the_coordinator_keeps_the_majority_fingerprint_of_each_step_and_rank():
                               rows=[SignalRow(step=39, rank=0, step_seconds=0.5, fingerprint=value)]), now=1.0)
     assert d.fingerprint(40, 0) == FingerprintRecord(state="agreed", value=7)
     assert d.fingerprint(40, 1).state == d.fingerprint(41, 0).state == "unknown"
+
+
+def test_a_sources_fingerprint_summed_beside_the_next_step_is_in_its_row_once_there(tmp_path):
+    """The source's side: the fingerprint of the snapshot's state is summed on a thread of its
+    own (ft/state_print.py), and the guard holds that step's row until the value is there;
+    a sum that failed leaves the row without one (the joiner then says nothing is on record)."""
+    from transom.detect.step_rows import read_trace
+    from transom.ft.guard import Guard, state_tensors
+    from transom.ft.state_print import PrintLater
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    guard = Guard(DetectionSettings(fingerprint_interval=0), str(tmp_path), 0, 0, 0, 0)
+    later = PrintLater(state_tensors(model.parameters(), optimizer))
+    failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    def commit(step: int, print_later=None) -> None:
+        guard.committed(step, 0.1, 1.0, 1.0, False, print_later is not None, False, (model, optimizer), None,
+                        print_later=print_later)
+
+    def rows() -> dict[int, int | None]:
+        return {s.step: s.fingerprint for s in read_trace(next(tmp_path.glob("signals-*.csv")))}
+
+    held: concurrent.futures.Future[int] = concurrent.futures.Future()  # a sum not finished yet
+    commit(4, held)
+    commit(5)
+    assert rows() == {5: None}  # step 4's row waits for its fingerprint
+    later.wait(30)
+    held.set_result(later.future.result())
+    commit(6, failed)
+    assert rows() == {5: None, 4: int(fingerprint(state_tensors(model.parameters(), optimizer)).item())}
+    failed.set_exception(RuntimeError("the device is gone"))
+    guard.close()
+    assert rows()[6] is None

@@ -33,6 +33,7 @@ with the small state.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from transom.errors import IncompatibleState, WireError
 from transom.ft import transfer
 from transom.ft.expected import ExpectedState
 from transom.ft.sources import Choice, SnapshotUse, Sources
+from transom.ft.state_print import PrintLater
 from transom.ft.state_server import StateServer
 
 log = logging.getLogger("transom.ft")
@@ -381,6 +383,7 @@ class Source:
         self._publisher: threading.Thread | None = None
         self._reserved: Snapshot | None = None  # pinned buffers allocated by _reserving
         self._reserving: threading.Thread | None = None
+        self._print: PrintLater | None = None  # the fingerprint of the snapshot's state, being summed
 
     def on_round(self, serve: bool, snapshot_from: int | None) -> None:
         """The round's instruction: keep a snapshot of a step >= `snapshot_from`, or none."""
@@ -396,8 +399,10 @@ class Source:
         best = max(s for s in (kept, in_flight, -1) if s is not None)
         self._want = snapshot_from if best < snapshot_from else None
 
-    def after_commit(self, step: int, capture: Callable[[int], dict]) -> None:
-        """Start the snapshot of `step` if one is wanted (the copy runs in the background)."""
+    def after_commit(self, step: int, capture: Callable[[int], dict],
+                     state: Callable[[], list[torch.Tensor]] | None = None) -> None:
+        """Start the snapshot of `step` if one is wanted (the copy runs in the background),
+        and the fingerprint of `state()` (the parameters and optimizer state) beside it."""
         if self._want is None or step < self._want or self._copy is not None:
             return
         if self._publisher is not None and self._publisher.is_alive():
@@ -410,6 +415,7 @@ class Source:
             return  # its pinned buffers are being allocated: a later commit takes the snapshot
         self._skeleton, self._copy, self._copy_step, self._want = skeleton, copy, step, None
         copy.start(tensors)
+        self._print = PrintLater(state()) if state is not None else None
         log.info("taking a snapshot of step %d for a replica that catches up (started in %.3fs)", step,
                  time.monotonic() - t0)
 
@@ -440,18 +446,22 @@ class Source:
         copy, self._reserved, self._reserving = self._reserved, None, None
         return copy
 
-    def snapshot_taken_at(self, step: int) -> bool:
-        """A snapshot of `step` was started at its commit: its row carries a fingerprint, which
-        the joiners check the snapshot against (ft/snapshot_check.py)."""
-        return self._copy is not None and self._copy_step == step
+    def snapshot_print(self, step: int) -> concurrent.futures.Future[int] | None:
+        """Where a snapshot of `step` was started at its commit: the fingerprint its row
+        carries once summed, which the joiners check the snapshot against
+        (ft/snapshot_check.py); None otherwise."""
+        if self._copy is None or self._copy_step != step or self._print is None:
+            return None
+        return self._print.future
 
     def before_update(self, timeout_s: float = 300.0) -> None:
-        """Before the optimizer changes the parameters: the copy must be complete. Hashing and
-        publishing go on in the background."""
+        """Before the optimizer changes the parameters: the copy and the state's fingerprint
+        must be complete. Hashing and publishing go on in the background."""
         if self._copy is None:
             return
         copy, self._copy = self._copy, None
         t0 = time.monotonic()
+        self._wait_print(timeout_s)
         tensors = copy.wait(timeout_s)
         log.debug("snapshot copy of step %d awaited %.3fs before the optimizer step", self._copy_step,
                  time.monotonic() - t0)
@@ -469,6 +479,11 @@ class Source:
         self._publisher = threading.Thread(target=publish, name="transom-snapshot-publish", daemon=True)
         self._publisher.start()
 
+    def _wait_print(self, timeout_s: float) -> None:
+        if self._print is not None:
+            self._print.wait(timeout_s)
+            self._print = None
+
     def wait_publisher(self, timeout_s: float) -> None:
         if self._publisher is not None:
             self._publisher.join(timeout_s)
@@ -479,6 +494,7 @@ class Source:
         if self._reserving is not None:
             self._reserving.join(30.0)
             self._reserving = self._reserved = None
+        self._wait_print(30.0)
         if self._copy is not None:
             try:
                 self._copy.wait(30.0)

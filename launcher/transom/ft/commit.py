@@ -20,6 +20,7 @@ the replicas.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -100,16 +101,18 @@ class Commit:
         self.step += 1
         self.failed_in_a_row = 0
 
-    def signal(self, step: int, vote: StepVote, outcome: QuorumOutcome, holds_state: bool, snapshot: bool) -> None:
+    def signal(self, step: int, vote: StepVote, outcome: QuorumOutcome, holds_state: bool, last: bool,
+               snapshot: concurrent.futures.Future[int] | None) -> None:
         """This rank's row for the detectors: committed step `step`'s busy time, workload, loss,
-        norm, and every `fingerprint_interval` steps (or where `snapshot` says a joiner's
-        snapshot or the job's last state is taken) its state's fingerprint (ft/guard.py)."""
+        norm, and every `fingerprint_interval` steps (or at the job's `last` step) its state's
+        fingerprint (ft/guard.py); where a joiner's snapshot was taken, the fingerprint that
+        `snapshot` sums in the background (ft/state_print.py)."""
         s = self.services
         if s.guard is not None:
             s.guard.committed(step, s.clock.busy(), vote.loss, vote.norm, outcome.recovering,
                               outcome.quorum.serve_recovery, vote.skip,
                               (s.model, s.optimizer) if holds_state else None, s.shares.batch_share(),
-                              snapshot=snapshot, input_digest=self.inputs.value(step))
+                              last=last, print_later=snapshot, input_digest=self.inputs.value(step))
 
     def record(self, outcome: QuorumOutcome, loss: Any, vote: StepVote) -> StepRecord:
         """What the next quorum request reports, and the step's statistics; a failed step

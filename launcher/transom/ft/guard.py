@@ -43,6 +43,8 @@ arrived (detect/hangs.py).
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import faulthandler
 import math
 import mmap
@@ -105,6 +107,8 @@ class Guard:
         self._expects_loss = True  # it may report a loss late: it did before, or no step ended yet
         self.finite, self.spike = True, False  # this step's own judgement
         self._file: TextIO | None = None
+        # Rows waiting for the fingerprint a joiner's snapshot is checked against (committed()).
+        self._held: list[tuple[Signal, concurrent.futures.Future[int]]] = []
         self._stacks: TextIO | None = None
         self._waiting: mmap.mmap | None = None  # the waiting byte, mapped: set without a syscall
         if directory:
@@ -214,35 +218,56 @@ class Guard:
     # --- after the step ------------------------------------------------------------------------
     def committed(self, step: int, busy_s: float, loss: float | None, norm: float | None, recovering: bool,
                   serving: bool, skipped: bool, held: tuple[torch.nn.Module, torch.optim.Optimizer] | None,
-                  batch_share: float | None, snapshot: bool = False, input_digest: int | None = None) -> None:
+                  batch_share: float | None, last: bool = False,
+                  print_later: concurrent.futures.Future[int] | None = None, input_digest: int | None = None) -> None:
         """This rank's row of a committed step: its busy time, workload, loss, norm, its input's
-        digest if it took one, and every `fingerprint_interval` steps, or when a snapshot of the
-        state is taken for a joiner or the step is the job's last (`snapshot`), the fingerprint
-        of the state `held` (model and optimizer; None: it still catches up, its state is not
-        the job's)."""
+        digest if it took one, and every `fingerprint_interval` steps or at the job's `last`
+        step the fingerprint of the state `held` (model and optimizer; None: it still catches
+        up, its state is not the job's). Where a joiner's snapshot of this step was taken,
+        `print_later` sums that fingerprint in the background (ft/state_print.py): the row is
+        written once it is there."""
         if not skipped:
             self.learn(loss)
+        later = print_later if held is not None else None
         print_ = None
-        if held is not None and (self.fingerprint_due(step) or snapshot):
+        if held is not None and later is None and (self.fingerprint_due(step) or last):
             print_ = int(fingerprint(state_tensors(held[0].parameters(), held[1])).item())
+        tokens, sum_len_sq = self._workload
         # A replica still catching up trains a stale copy: its loss says nothing. Recovery work
         # (serving or fetching state) makes the step longer than its workload says.
-        self.record(step, busy_s, None if recovering else loss, norm, print_, recovering or serving, batch_share,
-                    input_digest)
+        row = Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
+                     tokens=tokens, sum_len_sq=sum_len_sq, loss=None if recovering else loss, grad_norm=norm,
+                     finite=self.finite, fingerprint=print_, recovery=recovering or serving,
+                     batch_share=batch_share, input_digest=input_digest)
+        self._flush_held()
+        if later is not None:
+            self._held.append((row, later))
+        else:
+            self._write(row)
 
-    def record(self, step: int, busy_s: float, loss: float | None, norm: float | None,
-               print_: int | None, recovery: bool = False, batch_share: float | None = None,
-               input_digest: int | None = None) -> None:
-        """`batch_share`: this rank's batch over its nominal one (Rebalance), if not 1."""
-        if self._file is None:
-            return
-        tokens, sum_len_sq = self._workload
-        write_trace([Signal(step=step, replica=self.replica, rank=self.rank, step_seconds=round(busy_s, 6),
-                            tokens=tokens, sum_len_sq=sum_len_sq, loss=loss, grad_norm=norm,
-                            finite=self.finite, fingerprint=print_, recovery=recovery,
-                            batch_share=batch_share, input_digest=input_digest)], self._file, header=False)
+    def _flush_held(self, wait_s: float = 0.0) -> None:
+        """Write the held rows whose fingerprint was summed (waiting up to `wait_s` for each):
+        one whose sum failed, or did not come within `wait_s` where it was waited for, goes
+        without it."""
+        keep = []
+        for row, later in self._held:
+            try:
+                row = dataclasses.replace(row, fingerprint=later.result(timeout=wait_s))
+            except concurrent.futures.TimeoutError:
+                if not wait_s:
+                    keep.append((row, later))
+                    continue
+            except Exception:  # PrintLater logged it; the row goes without
+                pass
+            self._write(row)
+        self._held = keep
+
+    def _write(self, row: Signal) -> None:
+        if self._file is not None:
+            write_trace([row], self._file, header=False)
 
     def close(self) -> None:
+        self._flush_held(wait_s=30.0)
         COUNTER.detach()
         if self._waiting is not None:
             self._waiting.close()

@@ -23,6 +23,7 @@ A background fetch yields the link while the step's gradients move (the services
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 from transom.checkpoint import sharding
@@ -31,6 +32,7 @@ from transom.coordinator.models import QuorumResponse
 from transom.errors import MustRestart
 from transom.ft import wire
 from transom.ft.catchup import Joiner, Source, apply_small, record_of, small_part
+from transom.ft.guard import state_tensors
 from transom.ft.snapshot_check import SnapshotCheck
 from transom.ft.state import ReplicaState
 from transom.ft.state_server import StateServer, take_small
@@ -135,10 +137,11 @@ class Recovery:
 
     def after_commit(self, step: int) -> None:
         """As a source: keep the snapshot of the committed state that a joiner fetches."""
-        self.source.after_commit(step, self.state.capture)
+        s = self.services
+        self.source.after_commit(step, self.state.capture, lambda: state_tensors(s.model.parameters(), s.optimizer))
 
-    def snapshot_taken_at(self, step: int) -> bool:
-        return self.source.snapshot_taken_at(step)
+    def snapshot_print(self, step: int) -> concurrent.futures.Future[int] | None:
+        return self.source.snapshot_print(step)
 
     def close(self) -> None:
         if self.joiner is not None:

@@ -378,7 +378,7 @@ class FaultTolerant:
             recovery.after_commit(self.step)
             self._checkpoint.after_commit(outcome.quorum, self.step, holds_state=not recovery.active)
             self._commit.signal(attempted, vote, outcome, holds_state=not recovery.active,
-                                snapshot=recovery.snapshot_taken_at(self.step) or self.step == self.num_steps)
+                                last=self.step == self.num_steps, snapshot=recovery.snapshot_print(self.step))
         self._commit.record(outcome, self._flags.loss, vote)
         return vote.committed
 
