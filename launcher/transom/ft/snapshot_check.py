@@ -2,8 +2,9 @@
 
 A source replica fingerprints its parameters and optimizer state in the step it takes a
 snapshot (ft/guard.py: the sum of their raw bits; summed beside the next step,
-ft/state_print.py), and its launcher posts that row to the coordinator like any other; the detectors keep, per (step, rank), the value a strict majority of two or more
-replicas reported (detect/detectors.py, `GET /v1/fingerprints/{step}/{rank}`). Replicas are
+ft/state_print.py), and its launcher posts that row to the coordinator like any other; the
+detectors keep, per (step, rank), the value a strict majority of two or more replicas
+reported (detect/detectors.py, `GET /v1/fingerprints/{step}/{rank}`). Replicas are
 bit-identical, so an honest snapshot of step N has exactly that fingerprint. Before a joiner
 replays a single update on the shadow it built from a snapshot, it fingerprints the
 shadow's parameters and optimizer state, asks, and decides (`decide`, pure):
