@@ -26,6 +26,7 @@ by the same code from the same files, and its output the `transom` loggers' line
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
@@ -88,7 +89,8 @@ class ThreadedJob:
     and `extra(optimizer)` as its extra_state (an LR scheduler of that replica's optimizer);
     `faults[replica]` are its TRANSOM_FAULT list; `attempts` per replica before the job fails;
     `restart_after`: a failed attempt is restarted only once the coordinator recorded an event
-    of this kind (e.g. "paused": the test sees the job below minReplicas, whatever the timing)."""
+    of this kind (e.g. "paused": the test sees the job below minReplicas, whatever the timing).
+    Its summary has `rounds` too: how many rounds the coordinator decided."""
 
     stats_dir: Path
     replicas: int
@@ -107,6 +109,7 @@ class ThreadedJob:
     restart_after: str | None = None
     timeout_s: float = 90
     job: JobIdentity | None = None  # the job identity in the replicas' environment
+    lease_s: float | None = None  # the coordinator's quorum_lease_s (None: its default)
 
     def __post_init__(self) -> None:
         self.signals_dir = self.stats_dir / "signals"
@@ -214,7 +217,8 @@ class ThreadedJob:
         self._end.watch(fresh, status.max_step, client.finish)
 
     def run(self) -> RunResult:
-        settings = Settings(job="threaded", num_replicas=self.replicas, min_replicas=self.min_replicas or 1)
+        settings = Settings(job="threaded", num_replicas=self.replicas, min_replicas=self.min_replicas or 1,
+                            **({} if self.lease_s is None else {"quorum_lease_s": self.lease_s}))
         coordinator = CoordinatorThread(settings, TOKEN, detection=self._detection)
         url = coordinator.start()
         client = CoordinatorClient(url, TOKEN, timeout_s=5)
@@ -236,15 +240,27 @@ class ThreadedJob:
                 self._stop()
             finally:
                 coordinator.stop()
-                self._stores.clear()
+                self._release_stores()
         return self._result(status, output.text(), time.monotonic() - t0)
+
+    def _release_stores(self) -> None:
+        """The stores go here, on the test's thread, while no thread of this job runs. A store
+        lives as long as the process groups built on it, and those as long as their trainer,
+        which reference cycles hold: left to a later garbage collection, they would go on
+        whatever thread allocates then (a later job's checkpoint thread inside torch.save, while
+        its replicas' threads close their own stores: the torch 2.6 abort `_attempt` speaks of).
+        So the trainers are dropped and collected now."""
+        for rep in self._replicas.values():
+            rep.trainer = None
+        self._stores.clear()
+        gc.collect()
 
     def _result(self, status: JobStatus, output: str, wall_s: float) -> RunResult:
         summary = summarize(self.stats_dir, self.replicas, {r: len(f) for r, f in self.faults.items()}, wall_s)
         summary.update(completed_step=status.completed_step, last_checkpoint=status.last_checkpoint,
                        events=self._events,
                        duplicate_data=status.duplicate_data.model_dump() if status.duplicate_data else None,
-                       diverged=status.diverged)
+                       diverged=status.diverged, rounds=status.round + 1)  # rounds: the coordinator decided
         if self.end_on:
             summary["end_on"] = self._end.summary()
         errors = [f"replica {r.rid}: {type(e).__name__}: {e}" for r in self._replicas.values() for e in r.errors]
