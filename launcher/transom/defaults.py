@@ -81,6 +81,9 @@ FENCE_LEASE_S = LOCAL.heartbeat_timeout_s
 # a member still computing its step meets the failed exchange only at the step's end, and
 # on a loaded machine that can be well past `failed_grace_s`.
 FAILED_GRACE_ROUNDS = 3
+# A quiet round answers for the steps of about this many seconds after it (coordinator/lease.py):
+# what a quiet job cannot hear meanwhile (a joiner, a verdict, a finish) waits about this long.
+QUORUM_LEASE_S = 1.0
 COORDINATOR_TICK_S = 0.05  # how often heartbeat expiry and round grace periods are checked
 MAX_STATE_WAIT_S = 60.0  # the longest a replica-state long-poll (GET /v1/replicas/{id}) is held
 KUBE_REQUEST_TIMEOUT_S = 10.0  # every request of the coordinator to the API server

@@ -68,7 +68,8 @@ def test_the_nanogpt_style_example_survives_a_sigkill(transom_run, tmp_path):
     assert result.returncode == 0, result.output[-4000:]
     s = result.summary
     assert s["completed_step"] == 100 and s["replicas_bit_identical"] is True, s
-    assert s["replica_restarts"] == 1 and result.incarnations(1) == 2 and result.incarnations(0) == 1, s
+    assert s["replica_restarts"] == 1 and result.incarnations(1) == 2 and result.incarnations(0) == 1, \
+        (s["events"], result.output[-3000:])
     # One replica evaluated at 40 and 80 (none at 0: no replica holds a committed step yet).
     assert re.findall(r"^step (\d+): train loss [\d.]+, val loss [\d.]+$", result.output, re.M) == ["40", "80"]
     # log_due(20): one writer, one line per logged iteration (a failed step is not printed

@@ -4,7 +4,8 @@ A member of a round commits at most one step under it, and nothing without a rou
 coordinator bounds every step a replica states (in a quorum request, heartbeat, leave,
 checkpoint report, registration or signal row) by what its rounds allow:
 
-- answered by a round whose `max_step` was m: at most m + 1;
+- answered by a round whose `max_step` was m: at most m + 1; by a round that granted a
+  lease up to step h (lease.py): at most h + 1;
 - registered but not answered yet: at most the step it registered with (it holds that
   state, restored or kept, and commits nothing before a round answers it);
 - a registration, once this coordinator decided a round: at most one past the newest step
@@ -56,6 +57,8 @@ def step_limit(m: JobState, replica_id: int) -> tuple[int, str] | None:
     """The most committed steps replica `replica_id`'s live incarnation can hold, and why;
     None when nothing bounds it (registered before this coordinator's first round)."""
     answered = m.answers.get(replica_id)
+    if answered is not None and answered.holds_until is not None:
+        return answered.holds_until + 1, f"one past the lease of round {answered.round} (step {answered.holds_until})"
     if answered is not None:
         return answered.max_step + 1, f"one past round {answered.round} (step {answered.max_step})"
     rep = m.replicas.get(replica_id)

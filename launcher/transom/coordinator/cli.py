@@ -30,7 +30,7 @@ from transom.defaults import LOCAL
 
 # The flags that are Settings' fields as they are (flags.py derives them).
 SETTINGS_FLAGS = ("num_replicas", "min_replicas", "heartbeat_interval_s", "heartbeat_timeout_s", "failed_grace_s",
-                  "round_timeout_s", "startup_wait_s")
+                  "round_timeout_s", "startup_wait_s", "quorum_lease_s")
 RENAMED = {"num_replicas": "--replicas"}
 
 

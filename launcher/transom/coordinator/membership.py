@@ -39,9 +39,10 @@ modules take it, never Membership), and this class decides.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
-from transom.coordinator import claims, incarnations, reports, rounds
+from transom.coordinator import claims, incarnations, lease, reports, rounds
 from transom.coordinator.job_state import JobState
 from transom.coordinator.models import (
     MAX_SHARED_BYTES,
@@ -63,7 +64,7 @@ from transom.coordinator.records import Decision, Replica  # noqa: F401  (re-exp
 from transom.coordinator.settings import Settings  # noqa: F401  (the coordinator's settings, re-exported)
 from transom.detect.rebalance import describe, newest_held
 from transom.errors import JobCompleted
-from transom.words import EventKind, FailureKind
+from transom.words import EventKind, FailureKind, IncarnationState
 
 
 @dataclass
@@ -187,7 +188,9 @@ class Membership(JobState):
             quorum_id, store_addr, prefix = prev.quorum_id, prev.store_addr, prev.store_prefix
         else:
             quorum_id, store_addr, prefix = self._new_quorum(p, now)
-        self._announce(prev, p, ready, now)
+        news = self._announce(prev, p, ready, now)
+        ends_job = self.end_step is not None and p.max_step >= self.end_step
+        quiet = self._quiet(prev, p, news) and not ends_job
         decision = Decision(
             round=self.next_round,
             quorum_id=quorum_id,
@@ -202,10 +205,25 @@ class Membership(JobState):
             shares=tuple(self.shares.published) if self.shares.published is not None else None,
             shares_from=self.shares.published_from,
             shared=self.open.shared or None,
-            ends_job=self.end_step is not None and p.max_step >= self.end_step,
+            ends_job=ends_job,
+            holds_until=lease.holds_until(self.settings.quorum_lease_s, self._step_seconds(), p.max_step, quiet,
+                                          self.end_step),
         )
         self._record(decision, now)
         return decision
+
+    def _quiet(self, prev: Decision | None, p: rounds.RoundPlan, news: bool) -> bool:
+        """Whether a round may grant a lease (lease.py): nothing in the job changes. The same
+        members as the last round, no failed step, nobody catching up, nothing announced, no
+        script values to hand out, and no healthy replica outside the quorum (a joiner that
+        asks would otherwise wait for the lease to end)."""
+        if prev is None or prev.members != p.members or p.failed or p.recovering or news or self.open.shared:
+            return False
+        return not any(r.state == IncarnationState.HEALTHY and rid not in p.ids for rid, r in self.replicas.items())
+
+    def _step_seconds(self) -> float | None:
+        """The job's recent time a step (the median of its recent rounds' time per step)."""
+        return statistics.median(self.round_seconds) if self.round_seconds else None
 
     def _new_quorum(self, p: rounds.RoundPlan, now: float) -> tuple[int, str, str]:
         """A fresh quorum id, and the store its groups are built on: a member's holding the
@@ -220,8 +238,10 @@ class Membership(JobState):
         return quorum_id, owner.store_addr, f"transom/{self.settings.job}/{self.epoch}/q{quorum_id}"
 
     def _announce(self, prev: Decision | None, p: rounds.RoundPlan, ready: dict[int, QuorumRequest],
-                  now: float) -> None:
-        """The round's news: who caught up, a resumed job, and new batch shares to publish."""
+                  now: float) -> bool:
+        """The round's news: who caught up, a resumed job, and new batch shares to publish;
+        whether there was any."""
+        events = self.events_total
         if prev is not None:
             for rid in sorted(set(prev.recovering) & set(p.canonical)):
                 self.event(now, EventKind.CAUGHT_UP, f"replica {rid} caught up at step {p.max_step}", rid)
@@ -235,15 +255,18 @@ class Membership(JobState):
                            f"kept from before the restart, from step {held[1]}: {describe(held[0])}")
         if self.shares.publish(all(ready[i].follows_shares for i in p.ids), p.max_step, p.ids):
             self.event(now, EventKind.REBALANCE, f"from step {p.max_step + 1}: {describe(self.shares.published)}")
+        return self.events_total != events
 
     def _record(self, decision: Decision, now: float) -> None:
         """Make `decision` the current round: answer its members, time it, open the next."""
         self.next_round += 1
-        if self.decided_at is not None:
-            self.round_seconds.append(now - self.decided_at)
+        if self.decided_at is not None and self.current is not None:
+            # Per step: a lease makes one round's time span the steps it answered for.
+            steps = max(1, decision.max_step - self.current.max_step)
+            self.round_seconds.append((now - self.decided_at) / steps)
         self.decided_at = now
         self.current = decision
-        self.step_limit = max(self.step_limit, decision.max_step + 1)
+        self.step_limit = max(self.step_limit, (decision.holds_until or decision.max_step) + 1)
         incarnations.release_checkpoints(self, now)
         self.goodput.observe(now, decision.max_step)
         for i in decision.member_ids():

@@ -288,6 +288,9 @@ class QuorumResponse(_Msg):
     diverged: str | None = Field(
         default=None, description="the replicas' states differ and no majority says which is right: every member "
                                   "stops (raises Diverged) instead of training on")
+    holds_until: int | None = Field(
+        default=None, description="a lease: the members train the steps up to this one under this quorum without "
+                                  "asking (coordinator/lease.py); None: they ask for the next step")
 
     _shared_size = field_validator("shared")(_bounded_shared)
 

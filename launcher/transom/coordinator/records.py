@@ -43,6 +43,7 @@ class Decision:
     shares_from: int = 0  # ... from this step on
     shared: dict | None = None  # script values set aside since the last decision (QuorumResponse.shared)
     ends_job: bool = False  # the job's last round: its members complete the job at max_step (POST /v1/finish)
+    holds_until: int | None = None  # a lease: its members train up to this step without asking (lease.py)
 
     def member_ids(self) -> list[int]:
         return [m.replica_id for m in self.members]

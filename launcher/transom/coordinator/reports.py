@@ -48,6 +48,7 @@ def response(m: JobState, decision: Decision, replica_id: int) -> QuorumResponse
         shared=decision.shared,
         ends_job=decision.ends_job,
         diverged=m.diverged,
+        holds_until=decision.holds_until,
     )
 
 

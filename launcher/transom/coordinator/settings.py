@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from transom import contract
 from transom.arguments import MAX_SECONDS
+from transom.coordinator.lease import MAX_LEASE_S
 from transom.coordinator.models import MAX_REPLICAS
-from transom.defaults import LOCAL
+from transom.defaults import LOCAL, QUORUM_LEASE_S
 from transom.defaults import heartbeat_interval_s as interval_for
 from transom.flags import seconds
 
@@ -45,6 +46,11 @@ class Settings(BaseModel):
     # copy its state.
     startup_wait_s: float = seconds(LOCAL.startup_wait_s, MAX_SECONDS, "the first round waits this long for every "
                                     "replica", zero=True)
+
+    # A quiet round answers for the steps of about this long after it, so that a job in which
+    # nothing changes does not ask the coordinator at every step (lease.py); 0: every step asks.
+    quorum_lease_s: float = seconds(QUORUM_LEASE_S, MAX_LEASE_S, "a quiet round answers for the steps of about "
+                                    "this long after it (0: every step asks)", zero=True)
 
     @model_validator(mode="before")
     @classmethod

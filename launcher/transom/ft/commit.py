@@ -90,7 +90,7 @@ class Commit:
                 if update:
                     self._stepping = True
                     s.optimizer.step()
-                s.hooks.update(self.step, next(s.model.parameters()))
+                s.hooks.update(self.step, s.model)
         finally:
             self._stepping = False
             for g, lr in zip(groups, saved):

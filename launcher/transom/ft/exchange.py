@@ -34,6 +34,7 @@ from transom.ft.step_services import StepServices
 from transom.ft.step_values import QuorumOutcome, StepRecord
 
 log = logging.getLogger("transom.ft")
+LEASED = {"leased": "under the last answer's lease"}  # what the leader hands its ranks for a leased step
 
 
 class Exchange:
@@ -61,6 +62,10 @@ class Exchange:
         self._shards = False  # FSDP2's hook reduced this step's shards in place: no bucket is left
         self._changed = False  # this step's quorum differs from the last one's
         self._group_error: str | None = None  # its group could not be rebuilt: the step fails
+        # The newest answer that granted a lease (coordinator/lease.py): its steps up to
+        # `holds_until` need no request. `_leased`: this step is one of them (the leader's choice).
+        self.lease: QuorumResponse | None = None
+        self._leased = False
 
     def begin(self, step: int, last: StepRecord, catching_up_from: int | None) -> None:
         """A new step: refuse it if this incarnation was evicted, and prepare its request."""
@@ -70,15 +75,38 @@ class Exchange:
         self._step, self.asked = step, False
         self.awaited, self.opened, self.finished = False, None, False
         self._sent_any = self._shards = False
+        # Under a lease a step asks nothing, unless this replica's last step failed (then every
+        # member's did, and each asks) or it still catches up (it never was in a quiet round).
+        self._leased = self.lease is not None and self.lease.holds_until is not None \
+            and step <= self.lease.holds_until and not last.failed and catching_up_from is None
+        self._last, self._catching_up_from = last, catching_up_from
+        if not self._leased:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """The step's quorum request (the leader's), sent by `ask`."""
         if self.link is not None:
-            shares = self.services.shares
+            last, shares = self._last, self.services.shares
             self._request = QuorumRequest(
-                identity=self.identity, step=step, commit_quorum_id=last.commit_quorum_id,
+                identity=self.identity, step=self._step, commit_quorum_id=last.commit_quorum_id,
                 last_round=self.last_round, failed=last.failed, report=last.report,
-                catching_up_from=catching_up_from, follows_shares=shares.following,
+                catching_up_from=self._catching_up_from, follows_shares=shares.following,
                 shares_held=shares.schedule.pending, shares_held_from=shares.schedule.pending_from,
                 shared=self.shared.take(),
             )
+
+    def end_lease(self) -> None:
+        """This replica steps aside (trainer.aside()): the lease ends for it, and this step
+        asks. Its group goes too, so that the members still training under the lease fail
+        their step at once instead of waiting a collective timeout for it; they ask, and
+        the round goes on without this replica (aside) until it asks again."""
+        if self.lease is None:
+            return
+        self.lease = None
+        if self._leased and not self.asked:
+            self._leased = False
+            self._prepare()
+        self.groups.drop()
 
     def ask(self) -> None:
         """Send the step's quorum request (once); the leader alone talks to the coordinator."""
@@ -100,6 +128,8 @@ class Exchange:
             self.ended_by_owner = True
             return None
         self.last_round = q.round
+        if q is not self.lease:  # an answer of the coordinator's, not a leased step's
+            self.lease = q if q.holds_until is not None else None
         self.shared.apply(q.shared)  # before anything of this step is served or captured
         # The prefix names a quorum uniquely, across coordinator restarts too.
         self._changed = self.groups.changed(q.store_prefix)
@@ -167,10 +197,19 @@ class Exchange:
         return outcome
 
     def _await_quorum(self) -> QuorumResponse | None:
-        # Only the leader asked; it tells the other ranks.
+        # Only the leader asked (or took the step under its lease); it tells the other ranks.
         self.ask()  # no forward pass went through the model (e.g. it called a submodule)
-        payload = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
+        if self.link is not None and self._leased:
+            payload = self.ctx.from_leader(LEASED)
+        else:
+            payload = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
         self._future = None
+        if payload == LEASED:  # the lease's quorum, at this step (every rank holds the same answers)
+            if self.lease is None:
+                raise NoQuorum(f"replica {self.ctx.replica_id}: its leader took step {self._step} under a lease "
+                               "that this rank does not hold")
+            self.lease = self.lease.model_copy(update={"max_step": self._step, "shared": None})
+            return self.lease
         answer = read_outcome(payload)
         if isinstance(answer, QuorumResponse):
             if answer.diverged:  # every member stops: no replica's state can be trusted over another's
