@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             namespaces=args.namespace,
             standalone=True,  # we elect a leader on a Lease instead of kopf's peering CRDs
             memo=memo,
+            # Its own name for kopf too: kopf would ask getpass.getuser(), which raises for a
+            # uid without a passwd entry (the image's 65532 under Docker or containerd).
+            identity=identity,  # type: ignore[arg-type]  # kopf's Identity: a NewType of str, not exported
             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
         )
     finally:
