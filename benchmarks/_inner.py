@@ -85,7 +85,7 @@ def run(inner: str, model: str, shapes: list[str], steps: int, repeats: int, war
         for rnd in range(repeats):
             for system in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
                 extra = base if system == BASE else {"TRANSOM_DDP_EXCHANGE": "slices"} if system == SLICED else {}
-                median, same = one_run(system, inner, model, steps, work / f"{inner}-{shape}-{system}-{rnd}",
+                median, same = one_run(system, inner, model, steps, work / f"{inner}-{model}-{shape}-{system}-{rnd}",
                                        {**env, **extra}, timeout_s, warmup)
                 medians[system].append(median)
                 identical.append(same)
