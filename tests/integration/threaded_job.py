@@ -176,10 +176,14 @@ class ThreadedJob:
 
     # --- the job -----------------------------------------------------------------------------------
     def _tend(self, url: str, client: CoordinatorClient) -> bool:
-        """One pass: forward rows, restart failed attempts. False once no replica runs."""
+        """One pass: forward rows, restart failed attempts. False once no replica runs: by
+        what this pass saw of each, never by a second look (a thread that ended between the two
+        would end the job without the restart the next pass gives it)."""
         now = time.monotonic()
+        busy = False
         for rep in self._replicas.values():
             if rep.running:
+                busy = True
                 if rep.forwarder is not None:
                     rep.forwarder.poll(now)
                 continue
@@ -195,7 +199,8 @@ class ThreadedJob:
             if self.restart_after is not None and not any(e.startswith(f"{self.restart_after}:") for e in self._events):
                 continue
             self._start(rep, url, client)
-        return any(rep.running for rep in self._replicas.values())
+            busy = True
+        return busy
 
     def _stop(self) -> None:
         """A job given up on: close the trainers still running (their coordinator calls stop at
