@@ -41,7 +41,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install lint testenv demo e2e-demo chaos test test-real test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate clean-venv bench-deps
+.PHONY: install lint testenv demo e2e-demo chaos test test-real test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate constraints clean-venv bench-deps
 
 # setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
 # --quiet keeps it) on every editable install of a project whose packages are in two roots.
@@ -199,6 +199,11 @@ bench-deps: install
 	$(PY) -m pip install --quiet "torchft==0.2.0"
 	rm -rf .cache/torchft-nightly
 	$(PY) -m pip install --quiet --no-deps --target .cache/torchft-nightly "torchft-nightly==$(TORCHFT_NIGHTLY_VERSION)"
+
+# The versions the images install (images/constraints.txt), from the project venv: run it after
+# changing a dependency in pyproject.toml (tests/unit/test_images.py checks the pins' bounds).
+constraints: install
+	$(PY) hack/image_constraints.py
 
 generate: install
 	$(PY) -m transom_operator.crdgen

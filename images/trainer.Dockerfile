@@ -1,16 +1,23 @@
 # The trainer image: the `transom` launcher and coordinator plus torch; users build their
 # training image FROM this one (or install `transom[train]` into their own). Non-root.
 #   docker build -f images/trainer.Dockerfile -t transom-trainer .
-FROM python:3.11-slim AS build
+# BASE: CPython 3.11 with pip in /usr/local, as python:3.11-slim has them (`make images`
+# passes one made from Debian packages, offline). The versions are images/constraints.txt's.
+ARG BASE=python:3.11-slim
+FROM ${BASE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY images/constraints.txt images/
 COPY launcher/ launcher/
 COPY operator/ operator/
-RUN pip install --no-cache-dir --prefix=/install ".[train,s3]"
+RUN pip install --no-cache-dir --prefix=/install -c images/constraints.txt ".[train,s3]"
 
-FROM python:3.11-slim
+FROM ${BASE}
 COPY --from=build /install /usr/local
-COPY examples/ /opt/transom/examples/
 WORKDIR /opt/transom
+COPY examples/ /opt/transom/examples/
+# The working directory is the user's: relative outputs (`--log-dir demo-logs`, a run's
+# summary) are written there by uid 65532.
+RUN chown 65532:65532 /opt/transom
 USER 65532:65532
 ENTRYPOINT ["transom"]

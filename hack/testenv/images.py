@@ -86,7 +86,7 @@ class DockerfileImage:
     user: str  # the final stage's USER
     entrypoint: list[str]  # the final stage's ENTRYPOINT
     extras: list[str]  # the extras of its `pip install ".[...]"`
-    python: str  # the X.Y of its python:X.Y base image
+    python: str  # the X.Y of its default base image, python:X.Y-slim
 
 
 def read_dockerfile(path: Path = DOCKERFILE) -> DockerfileImage:
@@ -95,9 +95,9 @@ def read_dockerfile(path: Path = DOCKERFILE) -> DockerfileImage:
     user = re.findall(r"^USER\s+(\S+)", final, re.M)
     entry = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", final, re.M)
     extras = re.search(r'^RUN .*pip install .*"\.\[([\w,-]*)\]"', text, re.M)
-    python = re.search(r"^FROM python:(\d+\.\d+)", final, re.M)
+    python = re.search(r"^ARG BASE=python:(\d+\.\d+)", text, re.M)  # the default base: python:X.Y-slim
     if not (user and entry and extras and python):
-        raise ValueError(f"{path}: expected USER, ENTRYPOINT [..], python:X.Y and pip install \".[extras]\"")
+        raise ValueError(f"{path}: expected USER, ENTRYPOINT [..], ARG BASE=python:X.Y and pip install \".[extras]\"")
     return DockerfileImage(user[-1], json.loads(entry[-1]), extras.group(1).split(","), python.group(1))
 
 
