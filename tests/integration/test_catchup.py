@@ -79,4 +79,4 @@ def test_three_failures_in_a_row_two_of_them_while_joining(transom_run, monkeypa
     assert result.summary["failures_injected"] == 3
     assert result.incarnations(1) == 4
     for healthy in (0, 2):
-        assert result.incarnations(healthy) == 1
+        assert result.incarnations(healthy) == 1, (result.summary["events"], result.output[-3000:])

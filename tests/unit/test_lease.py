@@ -19,7 +19,7 @@ STEP_S = 0.125  # the job's time a step in these tables: a 1 s lease is 8 steps
 def quiet_rounds(num: int = 2, **kw):
     """A job of `num` replicas through its first rounds, one step every STEP_S: the second
     round after the first is the first that knows the job's time a step."""
-    m, d = started(num, **kw)
+    m, d = started(num, **{"quorum_lease_s": 1.0, **kw})
     d = next_round(m, d, range(num), STEP_S, 1)
     return m, next_round(m, d, range(num), 2 * STEP_S, 2)
 
@@ -51,7 +51,7 @@ def test_a_quiet_round_grants_a_lease_of_about_a_second_of_steps():
 
 
 def test_the_first_rounds_and_a_changed_membership_grant_none():
-    m, d0 = started(3)
+    m, d0 = started(3, quorum_lease_s=1.0)
     assert d0.holds_until is None  # the first round: no last round to compare with
     d1 = next_round(m, d0, [0, 1, 2], STEP_S, 1)
     assert d1.holds_until is None  # the job's time a step is not known yet
@@ -83,7 +83,7 @@ def test_values_set_aside_or_a_member_catching_up_grant_none():
 
 
 def test_a_healthy_replica_outside_the_quorum_ends_leases_until_it_is_in():
-    m = make(3, min_replicas=2, startup_wait_s=0.0)
+    m = make(3, min_replicas=2, startup_wait_s=0.0, quorum_lease_s=1.0)
     for rid in (0, 1):
         register(m, rid)
     d = round_all(m, [qreq(0), qreq(1)], 0.0)
@@ -103,9 +103,13 @@ def test_the_owners_finish_is_the_end_of_a_lease():
     assert d2.ends_job and d2.holds_until is None
 
 
-def test_leases_off():
+def test_leases_off_and_by_default():
     m, d = quiet_rounds(quorum_lease_s=0.0)
     assert d.holds_until is None
+    m, d = started(2)
+    for step in range(1, 4):
+        d = next_round(m, d, [0, 1], step * STEP_S, step)
+        assert d.holds_until is None
     with pytest.raises(ValueError):
         make(2, quorum_lease_s=lease.MAX_LEASE_S + 1)
 
