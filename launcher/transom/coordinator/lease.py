@@ -1,8 +1,9 @@
 """Quorum leases: while nothing changes, a round answers for the steps after it as well.
 
-Every step used to cost each replica a round trip to the coordinator (0.8 ms on the
-development machine), on the step's critical path, although in a quiet job every round
-decides the same quorum. A round that finds the job quiet (`quiet_round` in membership.py:
+Every step costs each replica a round trip to the coordinator, on the step's critical
+path, although in a quiet job every round decides the same quorum. With `quorum_lease_s`
+above 0 (off by default: transom/defaults.py says why), a round that finds the job quiet
+(`Membership._quiet` in membership.py:
 the same members as the last round, no failed step, nobody catching up, nothing to announce,
 no script values to hand out, no healthy replica waiting outside, the job not ending) grants
 a lease: its answer carries `holds_until`, and its members train the steps up to that one

@@ -97,9 +97,9 @@ class Exchange:
 
     def end_lease(self) -> None:
         """This replica steps aside (trainer.aside()): the lease ends for it, and this step
-        asks. Its group goes too, so that the members still training under the lease fail
-        their step at once instead of waiting a collective timeout for it; they ask, and
-        the round goes on without this replica (aside) until it asks again."""
+        asks, with a group built anew. The members still training under the lease fail their
+        step when its collective times out (a Gloo group cannot be aborted); they ask, and the
+        round goes on without this replica (aside) until it asks again."""
         if self.lease is None:
             return
         self.lease = None

@@ -225,7 +225,7 @@ class LoopAids:
         self.flags.aside = True
         if self.link is not None:
             self.link.step_aside(self.step)
-        self.exchange.end_lease()  # after the coordinator knows: the members it leaves ask at once
+        self.exchange.end_lease()  # after the coordinator knows: the round the members ask for skips it
         if self.services.guard is not None:
             self.services.guard.waiting(True)  # the launcher's hang watchdog: this is no hang
         timed = self.services.clock.waiting() if self.flags.in_step else contextlib.nullcontext()
