@@ -17,6 +17,7 @@ from transom.coordinator.models import (
 )
 from transom.detect.step_rows import DetectionSettings, post_interval
 from transom.errors import Evicted
+from transom.words import FailureKind
 from transom_operator import api
 
 
@@ -85,6 +86,47 @@ def test_the_last_rows_of_a_replica_that_left_still_count_and_a_failed_ones_do_n
     m2.fail(m2.replicas[1], 1.0, "reported", "reported")
     with pytest.raises(Evicted):
         d2.observe(SignalBatch(identity=Identity(replica_id=1, generation=0, attempt=0), rows=same), now=2.0)
+
+
+def _rows_of(d: Detection, replica: int, attempt: int, rows: list[SignalRow]) -> list:
+    return d.observe(SignalBatch(identity=Identity(replica_id=replica, generation=0, attempt=attempt), rows=rows),
+                     now=1.0)
+
+
+def _restart(m: Membership, replica: int, attempt: int) -> None:
+    m.register(RegisterRequest(identity=Identity(replica_id=replica, generation=0, attempt=attempt),
+                               store_addr="h:1", state_endpoints=["http://h"], step=100), now=2.0)
+
+
+@pytest.mark.parametrize("new_one_posts", [True, False])
+def test_rows_an_old_incarnation_posted_ahead_never_condemn_its_successor(new_one_posts):
+    # Replica 0's corrupt copy posts the fingerprints of steps 49 and 59 before the others'
+    # arrive: step 49 condemns it; its successor, catching up, never trained step 59, and
+    # the old row of it is no verdict against the successor (a CI run once replaced it twice).
+    m, d = world(DetectionSettings())
+    _rows_of(d, 0, 0, [SignalRow(step=s, rank=0, step_seconds=0.5, fingerprint=8) for s in (49, 59)])
+    found = [v for r in (1, 2) for v in _rows_of(d, r, 0, [SignalRow(step=49, rank=0, step_seconds=0.5,
+                                                                      fingerprint=7)])]
+    assert [(v.replica, v.first_step) for v in found] == [(0, 49)] and m.replicas[0].state == "failed"
+    _restart(m, 0, attempt=1)
+    if new_one_posts:
+        _rows_of(d, 0, 1, [SignalRow(step=60, rank=0, step_seconds=0.5, recovery=True)])
+    for r in (1, 2):
+        assert _rows_of(d, r, 0, [SignalRow(step=59, rank=0, step_seconds=0.5, fingerprint=7)]) == []
+    assert m.replicas[0].state == "healthy" and d.verdicts_total["sdc"] == 1
+
+
+def test_a_verdict_on_a_crashed_incarnations_rows_leaves_its_successor_alone():
+    # The rows of an incarnation that failed by other means (its process died) may still
+    # make a verdict: an event about it, but its successor is not failed for it.
+    m, d = world(DetectionSettings())
+    _rows_of(d, 0, 0, [SignalRow(step=59, rank=0, step_seconds=0.5, fingerprint=8)])
+    m.fail(m.replicas[0], 1.5, "its process died", FailureKind.REPORTED)
+    _restart(m, 0, attempt=1)
+    found = [v for r in (1, 2) for v in _rows_of(d, r, 0, [SignalRow(step=59, rank=0, step_seconds=0.5,
+                                                                      fingerprint=7)])]
+    assert [(v.replica, v.kind) for v in found] == [(0, "sdc")]
+    assert m.replicas[0].identity.attempt == 1 and m.replicas[0].state == "healthy"
 
 
 def test_disabled_detection_judges_nothing():

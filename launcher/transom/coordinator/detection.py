@@ -22,6 +22,10 @@ the coordinator's and every launcher's log whenever the replicas it names change
 to a launcher's posts carries it). It is a warning and acts on no replica: one that lies
 about its inputs can raise it, never restart or exclude anyone, nor hide another pair's.
 
+A verdict falls only on the incarnation whose rows made it: rows an old incarnation posted
+ahead of the others are dropped when its successor first posts (`Detectors.forget`), and a
+verdict reached on them before that leaves the successor alone.
+
 A hang verdict acts on the rank the hang waits for, where the ranks' collective counts
 (posted with the rows, `SignalBatch.collectives`) name one (detect/hangs.py): inside the
 replica whose watchdog fired, on its own word; in another replica only on that replica's own
@@ -254,7 +258,8 @@ class Detection:
         """Record and carry out `v`; returns it as acted on (a hang: on the rank it waits for)."""
         reason = REASONS[v.kind]
         stacks = self._stacks.pop(v.replica, None) if v.kind == VerdictKind.HANG else None
-        accuser, incarnation = v.replica, None
+        # The incarnation whose rows made the verdict: only it is to blame, not a later one.
+        accuser, incarnation = v.replica, self._incarnation.get(v.replica)
         if v.kind == VerdictKind.HANG:
             v, incarnation = self._blamed(v)
         message = v.message
@@ -273,7 +278,7 @@ class Detection:
         if action != DetectAction.REPLACE or rep is None:
             return v
         if incarnation is not None and rep.identity.key() != incarnation:
-            return v  # the culprit was replaced since it was found: its new incarnation is not to blame
+            return v  # replaced since its rows (or a hang's counts) were posted: the new one is not to blame
         entry = {"replica": v.replica, "generation": rep.identity.generation, "reason": reason,
                  "message": message, "blame": v.blame,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -319,7 +324,8 @@ class Detection:
         the counts named one when the watchdog posted; else as it is, its own culprit."""
         found = self._culprits.pop(v.replica, None)
         if found is None:
-            return dataclasses.replace(v, culprit_replica=v.replica, culprit_rank=v.rank), None
+            own = self._incarnation.get(v.replica)
+            return dataclasses.replace(v, culprit_replica=v.replica, culprit_rank=v.rank), own
         c, incarnation = found
         node = self._node_of.get((c.replica, c.rank))
         evidence = c.evidence + (f"; on the node of pod {node}" if node is not None else "")

@@ -148,7 +148,15 @@ class Detectors:
         return self._judge_ready(final=True)
 
     def forget(self, replica: int) -> None:
-        """`replica` is a new incarnation: its history and verdicts start over."""
+        """`replica` is a new incarnation: its history and verdicts start over, and the rows
+        its old one posted of steps not judged yet are dropped (a verdict on them would fall
+        on the new incarnation, which never trained them)."""
+        for step, signals in list(self._pending.items()):
+            kept = [s for s in signals if s.replica != replica]
+            if kept:
+                self._pending[step] = kept
+            else:
+                del self._pending[step]
         self.slow.forget(replica)
         self._losses.pop(replica, None)
         for key in [k for k in self._bad if k[0] == replica]:
