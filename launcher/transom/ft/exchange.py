@@ -97,15 +97,22 @@ class Exchange:
 
     def end_lease(self) -> None:
         """This replica steps aside (trainer.aside()): the lease ends for it, and this step
-        asks, with a group built anew. The members still training under the lease fail their
-        step when its collective times out (a Gloo group cannot be aborted); they ask, and the
-        round goes on without this replica (aside) until it asks again."""
+        asks, with a group built anew. Its group is closed: the members still training under
+        the lease fail their step's collective at once (ft/process_group.py); they ask, and
+        the round goes on without this replica (aside) until it asks again."""
         if self.lease is None:
             return
         self.lease = None
         if self._leased and not self.asked:
             self._leased = False
             self._prepare()
+        self.groups.drop()
+
+    def not_committed(self) -> None:
+        """The step did not commit (here or on another rank of this replica): leave its group.
+        The next round names a new quorum anyway (a failed step changes it), and a member of
+        the lease whose collective completed may already wait in the next step's: closing the
+        group frees it at once (ft/process_group.py)."""
         self.groups.drop()
 
     def ask(self) -> None:

@@ -149,7 +149,7 @@ class StepAllReduce:
             self.error = reason
             log.warning("cross-replica step failed: %s", reason)
         if self.group is not None:
-            self.group.abort()
+            self.group.close()
         self.group = None
 
     def start(self, params: list[torch.nn.Parameter], last: bool = False,

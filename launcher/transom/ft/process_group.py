@@ -10,9 +10,13 @@ The backend follows from where the gradients are and whether the members share G
 (backend.py): before the backend's group is made, every member puts its device into the
 group's store and reads everyone's, so all of them decide alike.
 
-Gloo cannot abort an op in flight; its per-op timeout bounds every wait. NCCL ops are
-asynchronous on the GPU, so a wait past the deadline aborts the communicator, which is the
-only way to free the stream of a collective whose peer died.
+Gloo cannot abort an op in flight; its per-op timeout bounds every wait. But a member that
+leaves a group (its step failed, or it steps aside) closes it: the Gloo backend and its
+connections go as soon as no Work of it is left, and a peer waiting in a collective of that
+group fails at once ("Connection closed by peer") instead of at the timeout. That is what
+lets the members of a quorum lease (coordinator/lease.py) leave a leased step together. NCCL
+ops are asynchronous on the GPU, so a wait past the deadline aborts the communicator, which
+is the only way to free the stream of a collective whose peer died.
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ class CrossReplicaGroup:
         host, port = split_addr(store_addr)
         # The TCPStore client connects to the store hosted by one member's leader; the
         # connect itself is bounded by the same timeout.
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, use_libuv=True)
-        store = dist.PrefixStore(prefix + "/", self._store)
+        tcp = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, use_libuv=True)
+        self._store: dist.TCPStore | None = tcp
+        store = dist.PrefixStore(prefix + "/", tcp)
         self.backend = backend = self._decide(store, choice)
-        self.pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+        self.pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, size, self.timeout)
         elif backend == "nccl":
@@ -86,6 +91,8 @@ class CrossReplicaGroup:
         return placement.cross_replica(choice, tensor_device=tensor_device, member_gpus=[g or None for _, g in seen])
 
     def allreduce_sum(self, tensors: list[torch.Tensor]) -> list[dist.Work]:
+        if self.pg is None:
+            raise RuntimeError("the cross-replica group was closed")
         works = []
         for t in tensors:
             opts = dist.AllreduceOptions()
@@ -116,13 +123,17 @@ class CrossReplicaGroup:
         for w in works:
             w.wait()  # no timeout given: only the current stream waits (a timeout would block the CPU)
 
-    def abort(self) -> None:
-        """Best effort: free NCCL communicators stuck on a dead peer. Gloo has no abort."""
-        if self.backend == "nccl":
+    def close(self) -> None:
+        """Leave the group: NCCL's communicators are aborted (best effort: free those stuck on
+        a dead peer), and the backend is dropped, so that its connections close once no Work
+        of it is left (a Work holds Gloo's connections: whoever holds one keeps them open)."""
+        pg, self.pg = self.pg, None
+        if self.backend == "nccl" and pg is not None:
             try:
-                self.pg.abort()
+                pg.abort()
             except Exception as e:  # already torn down: nothing left to free
                 log.debug("abort of NCCL group failed: %s", e)
+        self._store = None
 
 
 class ReplicaSlices:
@@ -195,7 +206,6 @@ class QuorumGroups:
     def drop(self) -> None:
         group, self.group = self.group, None
         if group is not None:
-            group.abort()
-        del group
+            group.close()
         self._prefix = ""
 

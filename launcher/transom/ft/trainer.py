@@ -379,6 +379,8 @@ class FaultTolerant:
             self._checkpoint.after_commit(outcome.quorum, self.step, holds_state=not recovery.active)
             self._commit.signal(attempted, vote, outcome, holds_state=not recovery.active,
                                 last=self.step == self.num_steps, snapshot=recovery.snapshot_print(self.step))
+        else:
+            self._exchange.not_committed()
         self._commit.record(outcome, self._flags.loss, vote)
         return vote.committed
 
