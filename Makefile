@@ -100,10 +100,12 @@ chaos: install testenv
 # tests beside the e2e tests that need only kwok's nodes, which mostly wait for the API server and
 # the operator while the integration tests want the CPU. The e2e tests share one control plane,
 # so they run on one worker (tests/e2e/conftest.py groups them); docs/testenv.md has the figures.
+# The slowest tests are listed at the end: what to look at first when the suite grows slow.
 TEST_WORKERS ?= 2
 test: testenv
 	$(MAKE) --no-print-directory -j2 --output-sync=target lint test-unit
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not real_nodes" tests/integration tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not real_nodes" --durations=25 tests/integration tests/e2e \
+		$(PYTEST_ARGS)
 	$(MAKE) test-compat
 
 # The tests that need the test environment's real nodes (a control plane with three of them).

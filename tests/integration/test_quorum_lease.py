@@ -52,9 +52,10 @@ def test_a_member_that_leaves_under_a_lease_frees_the_peers_in_its_collective_at
     # Replica 0 steps aside (an evaluation) while replica 1 trains under the lease: replica 1
     # is in the collective of a step replica 0 never enters. Replica 0 closes its group as it
     # steps aside, so replica 1's collective fails on the closed connection at once, not at
-    # the collective timeout (60 s here: the test's own timeout comes first), and replica 1
-    # trains on without it (the round does not wait for a member aside). The same frees a member whose collective completed while a
-    # peer's failed, which would otherwise be declared hung by the round its peers asked for.
+    # the collective timeout (60 s here), and replica 1 trains on without it (the round does
+    # not wait for a member aside). Closing the group is also what frees a member whose
+    # collective completed while a peer's failed: it would otherwise be declared hung by the
+    # round its peers asked for.
     monkeypatch.setenv(contract.ENV_DETECTION, json.dumps({"enabled": False}))
     caplog.set_level(logging.WARNING, logger="transom.ft")
     leased_before_aside = []

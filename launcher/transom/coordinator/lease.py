@@ -15,7 +15,9 @@ cannot hear during it (a replica that wants to join, a verdict, its owner's fini
 about that long, as it would wait a step without the lease. A lease never covers fewer than
 MIN_LEASE_STEPS steps (for one step the round trip it saves is not worth the wait it adds)
 nor more than MAX_LEASE_STEPS. A step that fails under a lease ends it: every member asks
-again, as after any failed step. The claims a replica may make grow with the lease
+again, as after any failed step; a member that leaves its group closes it, so that a
+peer already in the next leased step's collective fails it at once and asks too
+(ft/process_group.py). The claims a replica may make grow with the lease
 (claims.py): it may hold one step past `holds_until`.
 
 Pure: the caller passes what it measured.
