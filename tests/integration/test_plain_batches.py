@@ -14,7 +14,10 @@ import torch
 
 from transom import contract
 
-CAP = 300  # steps: only a cap, the job ends a few steps after replica 1 caught up
+# Steps: only a cap, the job ends a few steps after replica 1 caught up. The catch-up takes
+# a second or two (its snapshot check waits for the source's fingerprint row, posted once a
+# second), and under a quorum lease this model trains hundreds of steps a second.
+CAP = 3000
 
 
 def build(replica: int):

@@ -93,9 +93,9 @@ def _rows_of(d: Detection, replica: int, attempt: int, rows: list[SignalRow]) ->
                      now=1.0)
 
 
-def _restart(m: Membership, replica: int, attempt: int) -> None:
+def _restart(m: Membership, replica: int, attempt: int, step: int = 100) -> None:
     m.register(RegisterRequest(identity=Identity(replica_id=replica, generation=0, attempt=attempt),
-                               store_addr="h:1", state_endpoints=["http://h"], step=100), now=2.0)
+                               store_addr="h:1", state_endpoints=["http://h"], step=step), now=2.0)
 
 
 @pytest.mark.parametrize("new_one_posts", [True, False])
@@ -127,6 +127,28 @@ def test_a_verdict_on_a_crashed_incarnations_rows_leaves_its_successor_alone():
                                                                       fingerprint=7)])]
     assert [(v.replica, v.kind) for v in found] == [(0, "sdc")]
     assert m.replicas[0].identity.attempt == 1 and m.replicas[0].state == "healthy"
+
+
+def test_a_source_whose_rows_wait_for_its_next_post_still_vouches_for_its_snapshot():
+    # Steps of 5 ms, rows posted once a second: the source's newest posted row is 200 steps
+    # behind when the joiner's first rows (from step 385, its first round) come. The source
+    # is not taken for a rank that stopped reporting: step 385 waits for its row, which
+    # carries the fingerprint the joiner checks its snapshot against. With a fixed 64-step
+    # lag, step 385 was judged on the joiner's row alone, the source's came "too late", and
+    # the joiner waited 65 s for a record that never came (two CI runs).
+    m, d = world(DetectionSettings(), replicas=2, step=400)
+    for r in (0, 1):  # both train; replica 1 dies after step 44 and its next incarnation joins at 385
+        _rows_of(d, r, 0, [SignalRow(step=s, rank=0, step_seconds=0.005) for s in range(30, 45)])
+    m.fail(m.replicas[1], 1.0, "killed", FailureKind.REPORTED)
+    _restart(m, 1, attempt=1, step=400)
+    _rows_of(d, 0, 0, [SignalRow(step=s, rank=0, step_seconds=0.005) for s in range(45, 185)])
+    _rows_of(d, 1, 1, [SignalRow(step=s, rank=0, step_seconds=0.005, recovery=True) for s in range(385, 390)])
+    assert d.fingerprint(386, 0).state == "unknown"  # not judged yet: the source's row is on its way
+    _rows_of(d, 0, 0, [SignalRow(step=s, rank=0, step_seconds=0.005, fingerprint=77 if s == 385 else None)
+                       for s in range(185, 390)])
+    record = d.fingerprint(386, 0)
+    assert (record.state, record.value) == ("single", 77) and d.rows_refused == 0
+    assert d.detectors.lag_steps == 400  # two 1 s intervals of 5 ms steps
 
 
 def test_disabled_detection_judges_nothing():

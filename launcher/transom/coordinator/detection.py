@@ -56,13 +56,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import statistics
 import time
 from collections.abc import Iterator
 
 from transom.coordinator import claims
 from transom.coordinator.job_state import JobState
 from transom.coordinator.models import DuplicateDataFinding, FingerprintRecord, SignalBatch
-from transom.detect.detectors import Detectors, Verdict
+from transom.detect.detectors import Detectors, Verdict, lag_steps_for
 from transom.detect.duplicates import DuplicateInputs
 from transom.detect.hangs import CollectiveLedger, Culprit, RankCounts
 from transom.detect.step_rows import MAX_FORWARD_INTERVAL_S, DetectionSettings, Signal, post_interval
@@ -78,6 +79,7 @@ DETECTION_SHARE = 0.5
 # it was given (its timing jitters, and an attempt's last rows or a hang's stacks leave at
 # once: a launcher at its pace always has a post in hand); past that a post is 429.
 POST_BURST = 3.0
+STEP_SECONDS_KEPT = 64  # the newest rows' step times whose median paces `Detectors.lag_steps`
 
 
 class SignalGate:
@@ -132,6 +134,7 @@ class Detection:
         self._duplicate_told: tuple[bool, tuple[int, ...]] | None = None  # what take_duplicate last gave
         self.verdicts_total: collections.Counter[str] = collections.Counter()
         self._incarnation: dict[int, tuple[int, int]] = {}  # replica -> (generation, attempt) last seen
+        self._step_seconds: collections.deque[float] = collections.deque(maxlen=STEP_SECONDS_KEPT)
         self._node_of: dict[tuple[int, int], int] = {}  # (replica, rank) -> node rank
         self._stacks: dict[int, str] = {}  # replica -> a hang's stacks, for its verdict
         self.collectives = CollectiveLedger()  # the ranks' collective counts (detect/hangs.py)
@@ -175,6 +178,7 @@ class Detection:
                                   finite=r.finite, fingerprint=r.fingerprint, recovery=r.recovery,
                                   batch_share=r.batch_share, input_digest=r.input_digest))
         self._compare_inputs(signals, now)
+        self._pace_lag(signals)
         if signals:  # the other live replicas' rows of these steps may still be on their way
             first = min(x.step for x in signals)
             for rep in self.membership.replicas.values():
@@ -194,6 +198,14 @@ class Detection:
         for recovered in self.detectors.take_recovered():
             self._restore(recovered, now, "at normal speed again")
         return verdicts
+
+    def _pace_lag(self, signals: list[Signal]) -> None:
+        """How far behind a rank may report and still be waited for: two post intervals of the
+        job's recent steps (rows wait for their launcher's next post; detectors.py)."""
+        self._step_seconds.extend(s.step_seconds for s in signals if s.step_seconds > 0)
+        if self._step_seconds:
+            step_s = statistics.median(self._step_seconds)
+            self.detectors.lag_steps = lag_steps_for(post_interval(max(1, len(self._posters))), step_s)
 
     def _stop_if_diverged(self, now: float) -> None:
         """Replicas that disagree with no majority: no replica can be trusted over another, so

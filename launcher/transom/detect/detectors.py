@@ -2,8 +2,10 @@
 
 Signals arrive per launcher, at most once a second, so the ranks of one step come in at
 different times. `Detectors` holds each step until every rank seen within `lag_steps` steps
-has reported it (a rank that stopped reporting holds it back that long at most), then
-judges the step as a whole:
+has reported it (a rank that stopped reporting holds it back that long at most; the
+coordinator sets `lag_steps` to two post intervals of the job's steps, `lag_steps_for`, so
+that a rank whose rows merely wait for its launcher's next post is not taken for stopped),
+then judges the step as a whole:
 
 - hang: a rank's step took `hang_timeout_s` or more (in a live job the launcher's watchdog
   reports it before that step ever ends; in a trace it is such a row);
@@ -77,6 +79,17 @@ class Verdict:
         if self.culprit_replica is not None:
             out.update(culprit_replica=self.culprit_replica, culprit_rank=self.culprit_rank, evidence=self.evidence)
         return out
+
+
+def lag_steps_for(post_interval_s: float, step_seconds: float | None) -> int:
+    """How many steps behind the newest row a rank's rows may be and the rank still counts as
+    reporting. Rows come in a launcher's posts, one every `post_interval_s`: a live rank's
+    newest row can be a post interval of steps behind another's (more than LAG_STEPS when
+    steps take milliseconds). Two intervals of `step_seconds` steps, at least LAG_STEPS, at
+    most half of MAX_PENDING_STEPS (what is held stays bounded)."""
+    if step_seconds is None or step_seconds <= 0:
+        return LAG_STEPS
+    return min(MAX_PENDING_STEPS // 2, max(LAG_STEPS, math.ceil(2 * post_interval_s / step_seconds)))
 
 
 class Detectors:
