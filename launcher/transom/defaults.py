@@ -83,9 +83,8 @@ FENCE_LEASE_S = LOCAL.heartbeat_timeout_s
 FAILED_GRACE_ROUNDS = 3
 # A quiet round answers for the steps of about this many seconds after it (coordinator/lease.py):
 # what a quiet job cannot hear meanwhile (a joiner, a verdict, a finish) waits about this long.
-# Off by default until a full CI run with leases on passes (protocol.md, "Steps under a lease",
-# says what the last one saw). `transom coordinator --quorum-lease 1` turns it on.
-QUORUM_LEASE_S = 0.0
+# `transom coordinator --quorum-lease 0` turns leases off: every step asks.
+QUORUM_LEASE_S = 1.0
 COORDINATOR_TICK_S = 0.05  # how often heartbeat expiry and round grace periods are checked
 MAX_STATE_WAIT_S = 60.0  # the longest a replica-state long-poll (GET /v1/replicas/{id}) is held
 KUBE_REQUEST_TIMEOUT_S = 10.0  # every request of the coordinator to the API server

@@ -3,7 +3,7 @@ replicas as threads (threaded_job.py): a quiet job trains most steps without ask
 what it trains is bit for bit what asking at every step trains; a replica that fails
 under a lease is restarted and rejoins, and the replicas end identical; a member that
 leaves its group under a lease frees the peers waiting in its collective at once.
-Leases are off by default (transom/defaults.py says why); these jobs turn them on.
+Leases are on by default (1 s); these jobs name the lease they want.
 """
 
 from __future__ import annotations

@@ -41,11 +41,12 @@ def _model() -> torch.nn.Module:
 
 def run_replicas(replicas: int, body: Callable[[int, FaultTolerant, torch.nn.Module], object],
                  optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), bucket_bytes: int = 25 << 20,
-                 min_replicas: int | None = None, collective_timeout_s: float = 20, quorum_lease_s: float = 0.0,
+                 min_replicas: int | None = None, collective_timeout_s: float = 20,
+                 quorum_lease_s: float | None = None,
                  **trainer_kwargs) -> list[object]:
     """`body(replica, trainer, model)` on every replica at once; their results."""
     settings = Settings(job="api", num_replicas=replicas, min_replicas=min_replicas or replicas,
-                        quorum_lease_s=quorum_lease_s)
+                        **({} if quorum_lease_s is None else {"quorum_lease_s": quorum_lease_s}))
     coordinator = CoordinatorThread(settings, TOKEN)
     url = coordinator.start()
     results: list[object] = [None] * replicas

@@ -2,7 +2,7 @@
 
 Every step costs each replica a round trip to the coordinator, on the step's critical
 path, although in a quiet job every round decides the same quorum. With `quorum_lease_s`
-above 0 (off by default: transom/defaults.py says why), a round that finds the job quiet
+above 0 (1 s by default, transom/defaults.py), a round that finds the job quiet
 (`Membership._quiet` in membership.py:
 the same members as the last round, no failed step, nobody catching up, nothing to announce,
 no script values to hand out, no healthy replica waiting outside, the job not ending) grants
