@@ -34,3 +34,19 @@ def test_a_round_waits_for_the_only_holders_of_the_state_even_aside():
     heartbeat_all(m, [0, 1], 60.0)
     assert m.try_decide(60.0) is None  # training on without replica 0 would lose the job's state
     assert m.replicas[0].state == "healthy"
+
+
+def test_a_member_back_from_aside_gets_a_new_quorum_even_with_the_same_members():
+    # Aside, a replica leaves its group (its peers under a lease fail their collective at
+    # once); built again on the same store prefix, the group would meet stale keys and hang.
+    m, d0 = started(2, min_replicas=2, round_timeout_s=30.0)
+    m.step_aside(AsideRequest(identity=ident(0), step=0), 0.5)
+    assert m.request_quorum(qreq(1, 0, d0.quorum_id, d0.round), 1.0) is None  # paused: below minReplicas
+    m.request_quorum(qreq(0, 0, d0.quorum_id, d0.round), 2.0)  # back, at the same step
+    d1 = m.answer_for(qreq(1, 0, d0.quorum_id, d0.round))
+    assert d1 is not None and d1.member_ids() == [0, 1] and d1.recovering == ()
+    assert d1.quorum_id > d0.quorum_id and d1.store_prefix != d0.store_prefix
+    # The next round of the same members keeps it.
+    m.request_quorum(qreq(0, 1, d1.quorum_id, d1.round), 3.0)
+    d2 = m.request_quorum(qreq(1, 1, d1.quorum_id, d1.round), 3.0)
+    assert d2 is not None and d2.quorum_id == d1.quorum_id

@@ -109,6 +109,8 @@ class Membership(JobState):
             raise JobCompleted(f"the job completed at step {self.completed_step}")
         rep.last_heartbeat = now  # asking proves liveness as well as a heartbeat does
         rep.step = req.step
+        if rep.aside and answered is None:
+            self.open.returned.add(req.identity.replica_id)
         rep.aside = False
         if req.report is not None:
             rep.last_report = req.report
@@ -184,7 +186,7 @@ class Membership(JobState):
     def _decide(self, ready: dict[int, QuorumRequest], now: float) -> Decision:
         p = rounds.plan(ready)
         prev = self.current
-        if prev is not None and prev.members == p.members and not p.failed:
+        if prev is not None and prev.members == p.members and not p.failed and not self.open.returned & set(p.ids):
             quorum_id, store_addr, prefix = prev.quorum_id, prev.store_addr, prev.store_prefix
         else:
             quorum_id, store_addr, prefix = self._new_quorum(p, now)

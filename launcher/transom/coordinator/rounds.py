@@ -21,13 +21,17 @@ MAX_SHARED_KEYS = 256  # script values one round hands on, at most (bytes: MAX_S
 @dataclass
 class OpenRound:
     """The round not decided yet: who asked and since when, since when one of them reports a
-    failed step, and the script values they set aside (trainer.aside()), which the decision
-    hands to every member (later ones win; bounded like one request)."""
+    failed step, who came back from trainer.aside(), and the script values they set aside
+    there, which the decision hands to every member (later ones win; bounded like one
+    request)."""
 
     requests: dict[int, QuorumRequest] = field(default_factory=dict)
     since: dict[int, float] = field(default_factory=dict)  # when each first asked
     failed_since: float | None = None
     shared: dict = field(default_factory=dict)
+    # Back from an aside, where a replica left its group (ft/exchange.py end_lease): the
+    # decision names a new quorum, since a group's prefix is never built twice.
+    returned: set[int] = field(default_factory=set)
 
     def enter(self, req: QuorumRequest, now: float) -> bool:
         """Add `req` to the round; False when its script values had to be dropped."""
@@ -46,6 +50,7 @@ class OpenRound:
     def drop(self, replica_id: int) -> None:
         self.requests.pop(replica_id, None)
         self.since.pop(replica_id, None)
+        self.returned.discard(replica_id)
 
     def keep(self, wanted: Callable[[QuorumRequest], bool]) -> dict[int, QuorumRequest]:
         """Drop the requests that are not `wanted`; the rest, by replica id."""

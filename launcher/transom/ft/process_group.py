@@ -183,6 +183,7 @@ class QuorumGroups:
         self.slices, self.width = slices, width
         self.group: CrossReplicaGroup | None = None
         self._prefix = ""
+        self._left = ""  # the prefix of the group dropped last: its store keys are spent
 
     def changed(self, store_prefix: str) -> bool:
         return store_prefix != self._prefix
@@ -191,6 +192,10 @@ class QuorumGroups:
         """The group of a new quorum; an error message if it could not be built (the step
         fails and runs again under the next quorum)."""
         self.drop()
+        if store_prefix == self._left:
+            # Built again on the same keys it would meet the peers' stale addresses and hang;
+            # failing the step makes the next round name a new quorum.
+            return f"the group of quorum {quorum_id} was left here and cannot be built again"
         self._prefix = store_prefix
         name = f"{store_prefix}/shard{self.shard}"
         if self.width > 1:
@@ -207,5 +212,6 @@ class QuorumGroups:
         group, self.group = self.group, None
         if group is not None:
             group.close()
+            self._left = self._prefix
         self._prefix = ""
 
