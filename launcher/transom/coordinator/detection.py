@@ -205,7 +205,7 @@ class Detection:
         self._step_seconds.extend(s.step_seconds for s in signals if s.step_seconds > 0)
         if self._step_seconds:
             step_s = statistics.median(self._step_seconds)
-            self.detectors.lag_steps = lag_steps_for(post_interval(max(1, len(self._posters))), step_s)
+            self.detectors.lag_steps = lag_steps_for(post_interval(len(self._posters)), step_s)
 
     def _stop_if_diverged(self, now: float) -> None:
         """Replicas that disagree with no majority: no replica can be trusted over another, so
