@@ -97,6 +97,9 @@ ENV_DETECTION = "TRANSOM_DETECTION"
 ENV_SIGNALS_DIR = "TRANSOM_SIGNALS_DIR"
 # Set by `transom run` on the launchers it starts: a launcher stops when that process dies.
 ENV_OWNER_PID = "TRANSOM_OWNER_PID"
+# "0": the launcher starts every worker as a fresh process, never from a warm interpreter
+# that has torch imported already (launch/warm_start.py; on by default).
+ENV_WARM_START = "TRANSOM_WARM_START"
 # Where a launcher writes why it exited with EXIT_SCRIPT_ERROR, for whoever started it: the
 # container's terminationMessagePath (the operator sets it; the kubelet shows the file as the
 # container's termination message), or a file of `transom run`'s. Unset: nowhere.

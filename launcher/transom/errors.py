@@ -200,3 +200,8 @@ class SnapshotChanged(WireError):
 
 class BlobError(InvalidBytes):
     """A tensor blob whose header, size or checksum is wrong."""
+
+
+class WarmStartFailed(TransomError):
+    """The warm interpreter did not start a worker (launch/warm_start.py): the launcher starts
+    it, and the ones after it, as new processes."""

@@ -45,6 +45,15 @@ def _kill_all(cgroup: Path) -> None:
     raise AssertionError(f"processes left in {cgroup}: {(cgroup / 'cgroup.procs').read_text().split()}")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_workers(monkeypatch) -> None:
+    """Workers started fresh, not from a warm interpreter: in a 768Mi container the warm
+    interpreter (torch imported, some 800 MiB of RSS, most of it shared with the worker it
+    forked) is as big as the worker, and the kernel may pick it as its victim first
+    (docs/launcher.md); this test counts the kernel's kills of workers."""
+    monkeypatch.setenv(contract.ENV_WARM_START, "0")
+
+
 @pytest.fixture
 def memory_cgroup() -> Iterator[oom.MemoryCgroup]:
     own = oom.find()

@@ -137,7 +137,9 @@ def leave(m: JobState, req: LeaveRequest, now: float) -> None:
 
 def replica_state(m: JobState, identity: Identity) -> IncarnationAnswer:
     rep = m.replicas.get(identity.replica_id)
-    done = m.completed_step is not None
+    # The round that ends the job is decided: its members complete it where they are, and a
+    # member that was still catching up (ft/exchange.py) has left with it.
+    done = m.completed_step is not None or (m.current is not None and m.current.ends_job)
     if rep is None or rep.identity.key() < identity.key():
         return IncarnationAnswer(replica_id=identity.replica_id, state=IncarnationState.UNKNOWN, job_completed=done)
     if rep.identity.key() > identity.key():

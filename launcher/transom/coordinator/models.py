@@ -350,7 +350,8 @@ class IncarnationAnswer(_Msg):
     state: Literal["healthy", "failed", "left", "superseded", "unknown"]
     reason: str | None = None
     job_completed: bool = Field(default=False,
-                                description="a replica completed the job (the launcher's exit 0 needs it)")
+                                description="a replica completed the job, or the round that ends it is decided "
+                                            "(the launcher's exit 0 needs it)")
 
 
 class Event(_Msg):

@@ -130,6 +130,13 @@ class Exchange:
         self.awaited = True
         if q is None:
             return None
+        if q.ends_job and self.ctx.replica_id in q.recovering:
+            # Back just as the job ends: it holds none of the job's state, so the members that
+            # do complete the job, and this one leaves with it.
+            log.info("replica %d: the job ends at step %d, before this replica caught up", self.ctx.replica_id,
+                     q.max_step)
+            self.completed_elsewhere = True
+            return None
         if q.ends_job:  # the job ends at the step this replica holds: nothing of this step is exchanged
             log.info("replica %d: the job ends at step %d, as its owner asked", self.ctx.replica_id, q.max_step)
             self.ended_by_owner = True

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -141,17 +141,17 @@ def descendants(root: int, table: dict[int, tuple[int, int, str, str]] | None = 
     return found
 
 
-def kill_descendants(timeout_s: float = 5.0) -> bool:
-    """SIGKILL every descendant of this process and wait until none runs; False if one
-    outlived timeout_s. Call it once the children it waits for itself (Popen) have been
-    waited for: the zombies among its children, orphans it adopted, are reaped here.
-    Nothing on a system without /proc."""
+def kill_descendants(timeout_s: float = 5.0, keep: Collection[int] = ()) -> bool:
+    """SIGKILL every descendant of this process but those in `keep` and wait until none runs;
+    False if one outlived timeout_s. Call it once the children it waits for itself (Popen)
+    have been waited for: the zombies among its children, orphans it adopted, are reaped
+    here. Nothing on a system without /proc."""
     if not Path("/proc").is_dir():
         return True
     me, deadline = os.getpid(), time.monotonic() + timeout_s
     while True:
         table = _processes()
-        running = [pid for pid in descendants(me, table) if table[pid][2] != "Z"]
+        running = [pid for pid in descendants(me, table) if table[pid][2] != "Z" and pid not in keep]
         if not running:
             break
         if time.monotonic() > deadline:

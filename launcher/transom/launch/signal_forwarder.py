@@ -30,10 +30,11 @@ import logging
 import os
 import signal
 import stat
-import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transom import collective_counts, worker_files
 from transom.coordinator.client import CoordinatorClient
@@ -48,6 +49,9 @@ from transom.detect.step_rows import (
     TraceParser,
 )
 from transom.errors import CoordinatorError, TooManyRequests
+
+if TYPE_CHECKING:
+    from transom.launch.workers import Worker
 
 log = logging.getLogger("transom.launch")
 MAX_BUFFERED_ROWS = 20_000
@@ -232,7 +236,7 @@ class SignalForwarder:
                 log.warning("duplicate data: %s", found.message)  # again when it names other replicas
                 self._duplicate_logged = found.replicas
 
-    def report_hang(self, hang: Hang, workers: list[subprocess.Popen]) -> str:
+    def report_hang(self, hang: Hang, workers: Sequence[Worker]) -> str:
         """Have every worker write its stacks, log and forward them; returns them."""
         for w in workers:
             if w.poll() is None:

@@ -59,7 +59,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -75,7 +74,7 @@ from transom.launch.processes import describe_exit, to_blame
 from transom.launch.rendezvous import free_port  # noqa: F401  (where tests and benchmarks take it from)
 from transom.launch.signal_forwarder import LAST_FLUSH_PATIENCE_S, SignalForwarder
 from transom.launch.state_watch import StateWatch
-from transom.launch.workers import WorkerGroup
+from transom.launch.workers import Worker, WorkerGroup
 from transom.words import IncarnationState
 
 log = logging.getLogger("transom.launch")
@@ -134,7 +133,7 @@ class Launcher:
         self._checks = preflight.NodeChecks(self._environ, self.client)  # ValueError: TRANSOM_PREFLIGHT is malformed
 
     @property
-    def workers(self) -> list[subprocess.Popen]:
+    def workers(self) -> list[Worker]:
         return self.group.procs
 
     def identity(self, attempt: int) -> Identity:
@@ -314,6 +313,7 @@ class Launcher:
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         processes.adopt_orphans()  # so that stopping the workers finds what left their groups
         try:
+            self.group.warm_up(self._environ)  # torch imported while the pre-flight checks and rendezvous run
             attempt = 0
             code = self._preflight_failed()
             if code is not None:
