@@ -33,6 +33,8 @@ Figures, per system
     restart_*_s                where a restart's time goes: kill -> the new process starts
                                (spawn), its imports, the model's build, join (FaultTolerant /
                                Manager: registration), -> first commit, -> contributing (catch_up)
+    transom_fresh is Transom with every worker started as a new process (TRANSOM_WARM_START=0),
+    for `ratio_rejoin_time_s_vs_fresh`: what the warm interpreter takes off a restart.
     With a spare (transom_spare) the process started before the kill, so the clock starts at
     the kill: `joined_after_kill_s` (promoted and registered as the replica, target <= 1 s),
     `first_commit_after_kill_s` (its first step, trained in step with the others, done) and
@@ -63,6 +65,7 @@ How to run
     .venv/bin/python benchmarks/recovery.py --agree-with /tmp/recovery-1.txt  # the second run
     .venv/bin/python benchmarks/recovery.py --systems transom --repeats 1 --shapes cpu_bound   # quick
     .venv/bin/python benchmarks/recovery.py --systems transom,transom_spare,torchft         # with a spare
+    .venv/bin/python benchmarks/recovery.py --systems transom,transom_fresh --shapes cpu_bound  # warm starts
     .venv/bin/python benchmarks/recovery.py --network netns --rate-mbit 1000  # as root
     .venv/bin/python benchmarks/recovery.py --systems transom --base 91de83f   # beside an older commit
 
@@ -91,7 +94,10 @@ from _rounds import MIN_ROUNDS, SHAPES, agreement, flat, last_json, load_avg, sh
 from netns import Cluster  # noqa: E402
 
 KILLED = 1  # the replica that is killed
-SYSTEMS = ("transom", "transom_spare", "torchft", NIGHTLY, BASE)  # BASE only with --base
+# transom_fresh: Transom with TRANSOM_WARM_START=0, every worker (the restarted one too) a new
+# process that imports torch itself (launch/warm_start.py)
+SYSTEMS = ("transom", "transom_fresh", "transom_spare", "torchft", NIGHTLY, BASE)  # BASE only with --base
+FRESH = {"TRANSOM_WARM_START": "0"}
 RIVALS = ("torchft", NIGHTLY)  # the targets are against torchft 0.2.0; the nightly is a column beside
 ROUND_RATIOS = ("ratio_step_vs_torchft", "ratio_total_healthy_stall_vs_torchft", "rejoin_stall_fraction_of_step",
                 f"ratio_step_vs_{NIGHTLY}", f"ratio_total_healthy_stall_vs_{NIGHTLY}")
@@ -199,10 +205,12 @@ def comparison(result: dict) -> dict:
         for key, value in result.get(name, {}).items():
             if key not in ("ok", "runs") and not isinstance(value, (list, dict)):
                 flat_keys[f"{name}_{key}"] = value
-    t, b = result.get("transom", {}), result.get(BASE, {})
+    t, b, fresh = result.get("transom", {}), result.get(BASE, {}), result.get("transom_fresh", {})
     for key in ("step_s", "rejoin_time_s", "contributing_after_s"):  # durations: a ratio
         if t.get(key) and b.get(key):
             flat_keys[f"ratio_{key}_vs_base"] = round(t[key] / b[key], 3)
+        if t.get(key) and fresh.get(key):
+            flat_keys[f"ratio_{key}_vs_fresh"] = round(t[key] / fresh[key], 3)
     for key in ("healthy_stall_at_kill_s", "healthy_stall_at_rejoin_s"):  # near 0, either sign: a difference
         if key in t and key in b:
             flat_keys[f"{key}_minus_base"] = round(t[key] - b[key], 3)
@@ -324,7 +332,8 @@ def main() -> None:
                 order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
                 for shape in shapes:
                     for system in order:
-                        extra = base if system == BASE else nightly_env() if system == NIGHTLY else {}
+                        extra = base if system == BASE else nightly_env() if system == NIGHTLY else \
+                            FRESH if system == "transom_fresh" else {}
                         env = {**envs[shape], **extra}
                         loads[shape].append(load_avg())
                         with run_dir(args.keep, f"{shape}-{rnd}") as work:

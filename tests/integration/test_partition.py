@@ -52,11 +52,13 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def child_of(parent: int) -> int | None:
+def stopped_child_of(parent: int) -> int | None:
+    """A child of `parent` that is stopped (state T): the worker, not its warm interpreter."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent and fields[0] == "T":
                     return int(entry.name)
             except (OSError, IndexError, ValueError):
                 pass
@@ -83,9 +85,9 @@ def cut_off(zombie_launcher, coordinator: CoordinatorThread) -> int:
     """The cut: replica 1's worker stops itself mid-checkpoint, its launcher goes with it, and
     the coordinator declares the replica failed. The stopped worker's pid."""
     m = coordinator.server.membership
-    wait_until(lambda: (w := child_of(zombie_launcher.pid)) is not None and process_state(w) == "T", 120,
+    wait_until(lambda: stopped_child_of(zombie_launcher.pid) is not None, 120,
                "replica 1 stopped in the middle of the checkpoint of step 10")
-    worker = child_of(zombie_launcher.pid)
+    worker = stopped_child_of(zombie_launcher.pid)
     assert worker is not None
     zombie_launcher.send_signal(signal.SIGSTOP)
     wait_until(lambda: coordinator.call(lambda: m.replicas[1].state) == "failed", 30,
