@@ -136,9 +136,12 @@ def _worker_pids(pod_uid: str) -> list[int]:
         for pid in procs.read_text().split():
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                name = Path(f"/proc/{pid}/comm").read_bytes().strip()
             except OSError:
                 continue
-            if len(argv) > 1 and argv[1].endswith(b"train_tiny_gpt.py"):
+            # A worker forked by the warm interpreter has its command line, and the script's
+            # name (launcher.md, "Warm starts"); one started fresh has the script in argv.
+            if (len(argv) > 1 and argv[1].endswith(b"train_tiny_gpt.py")) or name == b"train_tiny_gpt.py"[:15]:
                 pids.append(int(pid))
     return sorted(pids)
 

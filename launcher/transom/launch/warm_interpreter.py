@@ -86,6 +86,17 @@ def _serve(requests: int, answers: int, launcher: int) -> dict[str, Any] | None:
     return None
 
 
+def _name_process(name: str) -> None:
+    """The name `ps -o comm`, top and /proc/PID/comm show (15 bytes at most): a forked worker's
+    command line is still the warm interpreter's, so its name says which script it runs."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name stays
+        pass
+
+
 def _become_worker(request: dict[str, Any], launcher: int) -> None:
     """In the forked worker: a process of its own, the launcher's child, with the worker's
     environment, directory and arguments."""
@@ -97,6 +108,7 @@ def _become_worker(request: dict[str, Any], launcher: int) -> None:
         time.sleep(0.001)
     if not processes.follow_parent(launcher, int(request.get("death_signal", 9))):
         os._exit(EXIT_NOT_ADOPTED)
+    _name_process(os.path.basename(request["target"]) if not request["module"] else request["target"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -124,6 +136,7 @@ def _run(request: dict[str, Any]) -> None:
 
 def main() -> None:
     requests, answers, launcher = (int(a) for a in sys.argv[1:4])
+    _name_process("transom-warm")
     try:
         warmed = _warm_up()
     except Exception as e:
