@@ -61,7 +61,7 @@ def _fork() -> int:
         return os.fork()
 
 
-def _serve(requests: int, answers: int, launcher: int) -> dict[str, Any] | None:
+def _serve(requests: int, answers: int) -> dict[str, Any] | None:
     """Answer requests until the launcher closes its end; in a forked worker, its request."""
     reader = os.fdopen(requests, "r", encoding="utf-8")
     while line := reader.readline():
@@ -143,11 +143,10 @@ def main() -> None:
         os.write(answers, (json.dumps({"ready": False, "why": str(e)}) + "\n").encode())
         return
     os.write(answers, (json.dumps({"ready": True, "modules": warmed}) + "\n").encode())
-    request = _serve(requests, answers, launcher)
+    request = _serve(requests, answers)
     if request is None:  # the launcher closed the channel: nothing more to start
         os._exit(0)  # at once: tearing down torch's modules takes a second and serves nobody
     _become_worker(request, launcher)
-    del requests, answers
     _run(request)
 
 

@@ -113,7 +113,7 @@ class WarmInterpreter:
     def __init__(self, target: Target, environ: Mapping[str, str]):
         self.target = target
         self.environ = dict(environ)
-        self._ready: bool | None = None
+        self._ready = False
         self._buffer = b""
         requests_r, self._requests = os.pipe()
         self._answers, answers_w = os.pipe()
@@ -132,14 +132,12 @@ class WarmInterpreter:
 
     def spawn(self, env: Mapping[str, str]) -> AdoptedProcess:
         """Fork a worker with environment `env`; WarmStartFailed if that cannot be done."""
-        if self._ready is None:
+        if not self._ready:  # its first answer says whether its imports went well
             answer = self._answer(READY_TIMEOUT_S)
-            self._ready = bool(answer.get("ready"))
-            if not self._ready:
+            if not answer.get("ready"):
                 raise WarmStartFailed(f"the warm interpreter did not start: {answer.get('why')}")
+            self._ready = True
             log.info("warm interpreter ready (%s imported)", ", ".join(answer.get("modules", [])) or "nothing")
-        if not self._ready:
-            raise WarmStartFailed("the warm interpreter did not start")
         t = self.target
         request = {"env": dict(env), "cwd": os.getcwd(), "target": t.target, "module": t.module,
                    "args": list(t.args), "death_signal": int(signal.SIGKILL)}
