@@ -87,13 +87,6 @@ def _kill_worker(rank: int, port: int, out: mp.Queue) -> None:
     out.put((rank, step.failed, detected, untouched, retry.failed, time.monotonic() - t1, grad(params[0])[0].item()))
 
 
-class _OneRank:
-    """A replica of one process: the vote of its ranks is its own."""
-
-    def all_ok(self, ok: bool) -> bool:
-        return ok
-
-
 # Per step: (rank with NaN gradients, {rank: loss reported before the last bucket},
 # {rank: loss reported only at the step's end}, rank that catches up (sends zeros)).
 GUARD_STEPS = [
@@ -133,8 +126,8 @@ def _guard_worker(rank: int, port: int, out: mp.Queue) -> None:
         ftar.start(params[1:], last=True)
         ftar.finish()
         loss = early.get(rank, late.get(rank))
-        skip, _, _ = guard.decide(None if loss is None else torch.tensor(loss), ftar, _OneRank(), contributes,
-                                  torch.device("cpu"))
+        # A replica of one process: the replica's vote on `skip` is this rank's own.
+        skip, _, _ = guard.decide(None if loss is None else torch.tensor(loss), ftar, contributes, torch.device("cpu"))
         grad = params[1].grad
         assert grad is not None
         seen.append((skip, len(agreements), grad[0, 0].item()))

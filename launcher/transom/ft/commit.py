@@ -60,11 +60,13 @@ class Commit:
         """The vote of the replica's ranks on the step, the same on every rank."""
         s = self.services
         s.hooks.end(self.step, s.clock.busy())
-        skip, loss_value, norm = False, None, None
+        bad, loss_value, norm = False, None, None
         with s.clock.waiting():
             if s.guard is not None:  # a bad step is applied on no replica (ft/guard.py)
-                skip, loss_value, norm = s.guard.decide(loss, outcome.ftar, s.ctx, not outcome.recovering, s.device)
-            committed = s.ctx.all_ok(not outcome.ftar.failed)
+                bad, loss_value, norm = s.guard.decide(loss, outcome.ftar, not outcome.recovering, s.device)
+            # One collective of the replica's ranks for both: each is a wait for its slowest rank.
+            committed, good = s.ctx.all_ok_each(not outcome.ftar.failed, not bad)
+            skip = not good
         if committed and skip:
             log.warning("replica %d rank %d: step %d applied on no replica: a replica's loss or gradients were "
                         "not finite, or its loss spiked", s.ctx.replica_id, s.ctx.rank, self.step)

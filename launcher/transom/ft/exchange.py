@@ -34,7 +34,6 @@ from transom.ft.step_services import StepServices
 from transom.ft.step_values import QuorumOutcome, StepRecord
 
 log = logging.getLogger("transom.ft")
-LEASED = {"leased": "under the last answer's lease"}  # what the leader hands its ranks for a leased step
 
 
 class Exchange:
@@ -213,17 +212,17 @@ class Exchange:
     def _await_quorum(self) -> QuorumResponse | None:
         # Only the leader asked (or took the step under its lease); it tells the other ranks.
         self.ask()  # no forward pass went through the model (e.g. it called a submodule)
-        if self.link is not None and self._leased:
-            payload = self.ctx.from_leader(LEASED)
-        else:
-            payload = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
-        self._future = None
-        if payload == LEASED:  # the lease's quorum, at this step (every rank holds the same answers)
-            if self.lease is None:
-                raise NoQuorum(f"replica {self.ctx.replica_id}: its leader took step {self._step} under a lease "
-                               "that this rank does not hold")
+        if self._leased:
+            # Every rank took this choice in `begin` from what all of them hold (the lease, the
+            # last step's agreed vote, the agreed catch-up), so the leader need not hand it
+            # down: a collective here would make the step wait for the replica's slowest rank.
+            # A leader that finds its incarnation evicted raises in `begin` instead; the other
+            # ranks cannot commit without it (every collective of the step needs it).
+            assert self.lease is not None
             self.lease = self.lease.model_copy(update={"max_step": self._step, "shared": None})
             return self.lease
+        payload = hand_outcome(self.ctx.from_leader, self._future, self.config.quorum_timeout_s + 30)
+        self._future = None
         answer = read_outcome(payload)
         if isinstance(answer, QuorumResponse):
             if answer.diverged:  # every member stops: no replica's state can be trusted over another's

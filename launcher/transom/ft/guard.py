@@ -190,13 +190,13 @@ class Guard:
         self.spike = bool(self.finite and loss_value is not None and self._losses.is_spike(loss_value))
         return (not self.finite or self.spike), loss_value, norm, rest
 
-    def decide(self, loss, ftar, ctx, contributes: bool,
-               device: torch.device) -> tuple[bool, float | None, float | None]:
-        """(skip the step's update on every replica, this rank's loss, its own gradient norm).
-        Across replicas from the flags that came with the exchange (ftar.flag_sums), and with
-        `ftar.agree` where a member may have judged a loss only since, or no flags came;
-        `ctx.all_ok` across the replica's ranks. A replica that contributes nothing (it
-        catches up) cannot make anyone skip: it sends zeros, flags included."""
+    def decide(self, loss, ftar, contributes: bool, device: torch.device) -> tuple[bool, float | None, float | None]:
+        """(some member's step is bad, this rank's loss, its own gradient norm). Across
+        replicas from the flags that came with the exchange (ftar.flag_sums), and with
+        `ftar.agree` where a member may have judged a loss only since, or no flags came; the
+        caller agrees on it across the replica's ranks (Commit.vote, in the collective of its
+        own vote). A replica that contributes nothing (it catches up) cannot make anyone
+        skip: it sends zeros, flags included."""
         sums = ftar.flag_sums
         bad, loss_value, norm, summed = self.judge(loss, sums)
         folded_bad, late = (summed[BAD] > 0, summed[LATE] > 0) if sums is not None else (False, True)
@@ -204,7 +204,7 @@ class Guard:
         anyone = folded_bad or (late and ftar.agree(bad and contributes, device))
         self._ever_reported = self._ever_reported or loss is not None
         self._expects_loss = self._ever_reported
-        return not ctx.all_ok(not anyone), loss_value, norm
+        return anyone, loss_value, norm
 
     def learn(self, loss: float | None) -> None:
         """A loss that was applied (not a spike) joins the history spikes are judged by."""

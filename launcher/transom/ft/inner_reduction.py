@@ -21,8 +21,8 @@ reduction inside the replica of its gradients is done, while backward goes on:
   reduction in the hook (torch's `allreduce_hook`); each bucket is then exchanged whole
   once DDP averaged all its gradients.
   Either way the step's quorum is taken in DDP's first bucket, before anything leaves: the
-  leader hands the answer to the other ranks in a collective of the replica, so every
-  rank must take it at the same point of its sequence of collectives (one rank waiting
+  leader hands the answer to the other ranks in a collective of the replica (none under
+  a lease), so every rank must take it at the same point of its sequence of collectives (one rank waiting
   there while another waits in DDP's finaliser for a bucket the first has not sent would
   never end).
 - **FSDP2**: FSDP2's all-reduce hook, the mechanism made for HSDP, hands over each

@@ -12,6 +12,7 @@ behind NCCL kernels.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -26,6 +27,9 @@ from transom.collective_counts import COUNTER
 from transom.contract import ENV_LOG_LEVEL, ReplicaEnv
 from transom.ft import backend as placement
 
+# What one collective hands from the leader (ReplicaContext.from_leader): the length and the
+# first bytes of its JSON. A leased step's word fits; a quorum's answer may take a second.
+HANDOFF_BYTES = 256
 
 @dataclass
 class ReplicaContext:
@@ -70,14 +74,29 @@ class ReplicaContext:
         return out
 
     def from_leader(self, value: Any) -> Any:
-        """Rank 0's `value` on every rank (picklable)."""
+        """Rank 0's `value` on every rank, as JSON gives it back (a tuple comes as a list).
+        JSON, not pickle: nothing a rank receives is executed. A short value (the word of a
+        leased step, every step) takes one collective; a longer one a second for the rest."""
         if self.ctrl_group is None:
             return value
-        box = [value]
+        data = json.dumps(value).encode() if self.is_leader else b""
+        room = HANDOFF_BYTES - 8  # the head: the length, then the first bytes
+        head = torch.zeros(HANDOFF_BYTES, dtype=torch.uint8)
+        if self.is_leader:
+            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            head[8:8 + min(len(data), room)] = _as_bytes(data[:room])
         COUNTER.group_entered()
-        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+        dist.broadcast(head, src=0, group=self.ctrl_group)
+        size = int(head[:8].view(torch.int64).item())
+        if size > room:
+            rest = _as_bytes(data[room:]) if self.is_leader else torch.zeros(size - room, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.ctrl_group)
+            if not self.is_leader:
+                data = head[8:].numpy().tobytes() + rest.numpy().tobytes()
+        elif not self.is_leader:
+            data = head[8:8 + size].numpy().tobytes()
         COUNTER.group_completed()
-        return box[0]
+        return json.loads(data)
 
     def wait_for_promotion(self) -> None:
         """A hot spare's workers wait here, with everything the script built before
@@ -95,13 +114,22 @@ class ReplicaContext:
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank if `ok` was true on every rank."""
+        return self.all_ok_each(ok)[0]
+
+    def all_ok_each(self, *oks: bool) -> tuple[bool, ...]:
+        """For each of `oks`, whether it was true on every rank: in one collective, since
+        each is a wait for the replica's slowest rank."""
         if self.ctrl_group is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            return oks
+        flags = torch.tensor([1 if ok else 0 for ok in oks], dtype=torch.int32)
         COUNTER.group_entered()
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ctrl_group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.ctrl_group)
         COUNTER.group_completed()
-        return bool(flag.item())
+        return tuple(bool(f) for f in flags.tolist())
+
+
+def _as_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 def holding(group: object) -> dist.ProcessGroup:
