@@ -1,6 +1,5 @@
 """The collectives of a replica's own ranks (ft/replica.py), between two real Gloo processes:
-the leader's hand-off (JSON, one collective for a short value, two for a long one) and the
-vote of several flags in one collective."""
+the leader's hand-off (JSON, not pickle) and the vote of several flags in one collective."""
 
 from __future__ import annotations
 
@@ -11,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from transom import contract
-from transom.ft.replica import HANDOFF_BYTES, ReplicaContext, holding
+from transom.ft.replica import ReplicaContext, holding
 
-LONG = "x" * (3 * HANDOFF_BYTES)  # takes the second collective
-VALUES = [{"leased": "short"}, None, (3, 7), {"answer": LONG, "n": [1, 2]}, "", "é" * HANDOFF_BYTES]
+LONG = "x" * 768
+VALUES = [{"leased": "short"}, None, (3, 7), {"answer": LONG, "n": [1, 2]}, "", "é" * 256]
 
 
 def _rank(rank: int, port: int, out: mp.Queue) -> None:
@@ -50,7 +49,7 @@ def test_leader_hands_json_and_a_vote_of_several_flags_takes_one_collective() ->
         p.join(timeout=120)
         assert p.exitcode == 0, "a rank failed (its traceback is above)"
     results = {r: (got, votes) for r, got, votes in (out.get(timeout=10) for _ in procs)}
-    expected = [{"leased": "short"}, None, [3, 7], {"answer": LONG, "n": [1, 2]}, "", "é" * HANDOFF_BYTES]
+    expected = [{"leased": "short"}, None, [3, 7], {"answer": LONG, "n": [1, 2]}, "", "é" * 256]
     for rank in (0, 1):
         got, votes = results[rank]
         assert got == expected, rank  # JSON's reading: a tuple comes back as a list

@@ -210,7 +210,7 @@ class Exchange:
         return outcome
 
     def _await_quorum(self) -> QuorumResponse | None:
-        # Only the leader asked (or took the step under its lease); it tells the other ranks.
+        # Only the leader asked; it tells the other ranks (a leased step asked nobody: below).
         self.ask()  # no forward pass went through the model (e.g. it called a submodule)
         if self._leased:
             # Every rank took this choice in `begin` from what all of them hold (the lease, the

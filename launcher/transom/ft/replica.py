@@ -27,9 +27,6 @@ from transom.collective_counts import COUNTER
 from transom.contract import ENV_LOG_LEVEL, ReplicaEnv
 from transom.ft import backend as placement
 
-# What one collective hands from the leader (ReplicaContext.from_leader): the length and the
-# first bytes of its JSON. A leased step's word fits; a quorum's answer may take a second.
-HANDOFF_BYTES = 256
 
 @dataclass
 class ReplicaContext:
@@ -75,28 +72,18 @@ class ReplicaContext:
 
     def from_leader(self, value: Any) -> Any:
         """Rank 0's `value` on every rank, as JSON gives it back (a tuple comes as a list).
-        JSON, not pickle: nothing a rank receives is executed. A short value (the word of a
-        leased step, every step) takes one collective; a longer one a second for the rest."""
+        JSON, not pickle: nothing a rank receives is executed."""
         if self.ctrl_group is None:
             return value
         data = json.dumps(value).encode() if self.is_leader else b""
-        room = HANDOFF_BYTES - 8  # the head: the length, then the first bytes
-        head = torch.zeros(HANDOFF_BYTES, dtype=torch.uint8)
-        if self.is_leader:
-            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-            head[8:8 + min(len(data), room)] = _as_bytes(data[:room])
+        size = torch.tensor([len(data)], dtype=torch.int64)
         COUNTER.group_entered()
-        dist.broadcast(head, src=0, group=self.ctrl_group)
-        size = int(head[:8].view(torch.int64).item())
-        if size > room:
-            rest = _as_bytes(data[room:]) if self.is_leader else torch.zeros(size - room, dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.ctrl_group)
-            if not self.is_leader:
-                data = head[8:].numpy().tobytes() + rest.numpy().tobytes()
-        elif not self.is_leader:
-            data = head[8:8 + size].numpy().tobytes()
+        dist.broadcast(size, src=0, group=self.ctrl_group)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_leader \
+            else torch.zeros(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.ctrl_group)
         COUNTER.group_completed()
-        return json.loads(data)
+        return json.loads(data if self.is_leader else payload.numpy().tobytes())
 
     def wait_for_promotion(self) -> None:
         """A hot spare's workers wait here, with everything the script built before
@@ -126,10 +113,6 @@ class ReplicaContext:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.ctrl_group)
         COUNTER.group_completed()
         return tuple(bool(f) for f in flags.tolist())
-
-
-def _as_bytes(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 def holding(group: object) -> dist.ProcessGroup:
