@@ -15,6 +15,7 @@ threads of this process (threaded_job.py).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import threading
@@ -158,34 +159,64 @@ def test_fsdp2_example_killed_or_stopped_resumes_bit_identical(transom_run, tmp_
         load_step(Storage(str(ckpt)), middle, num_shards=1)
 
 
+class _RetryWatch(logging.Handler):
+    """Sets `seen` when the checkpoint writer logs a failed write it will retry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "retrying" in record.getMessage():
+            self.seen.set()
+
+
 def test_storage_lost_mid_run_is_named_and_checkpoints_resume_when_it_is_back(threaded_job, tmp_path):
     # The checkpoint directory goes away under the running job (a file where the directory
-    # was: every write fails with a real OSError, as on a lost mount) for 4 s, then comes back.
+    # was: every write fails with a real OSError, as on a lost mount) after its first commit,
+    # and comes back once a write has failed and 4 s have passed. The outage follows the job's
+    # events, not the clock: on a loaded machine the first commit, or the next write, can come
+    # late (an outage on a timer once ended before any write had tried).
     ckpt, away = tmp_path / "ckpt", tmp_path / "ckpt.away"
     lost_at: list[float] = []
+    outage_error: list[BaseException] = []
+    job_done = threading.Event()
+    watch = _RetryWatch()
 
     def lose_then_restore() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (ckpt.exists() and committed(ckpt)):
-            time.sleep(0.05)
-        ckpt.rename(away)
-        ckpt.write_text("not a directory")
-        lost_at.append(time.monotonic())
-        time.sleep(4)
-        ckpt.unlink()
-        away.rename(ckpt)
+        try:
+            while not job_done.is_set() and not (ckpt.exists() and committed(ckpt)):
+                time.sleep(0.05)
+            if job_done.is_set():
+                return
+            ckpt.rename(away)
+            ckpt.write_text("not a directory")
+            lost_at.append(time.monotonic())
+            time.sleep(4)
+            watch.seen.wait(timeout=300)
+            ckpt.unlink()
+            away.rename(ckpt)
+        except BaseException as e:  # noqa: BLE001 - named in the test's failure below
+            outage_error.append(e)
 
+    logging.getLogger("transom.checkpoint").addHandler(watch)
     outage = threading.Thread(target=lose_then_restore, daemon=True)
     outage.start()
     # The job ends once the writers write again (the final checkpoint, at its last step, is
-    # written after that).
+    # written after that); the step cap is only a cap.
     gpt = TinyGPT()
-    run = threaded_job(2, gpt.steps(2000), gpt.build, checkpoint=CheckpointConfig(str(ckpt), interval_steps=10),
-                       end_on=["checkpoint_trouble_over"])
-    outage.join(timeout=10)
+    try:
+        run = threaded_job(2, gpt.steps(5000), gpt.build, checkpoint=CheckpointConfig(str(ckpt), interval_steps=10),
+                           end_on=["checkpoint_trouble_over"])
+    finally:
+        job_done.set()
+        watch.seen.set()
+        outage.join(timeout=30)
+        logging.getLogger("transom.checkpoint").removeHandler(watch)
+    assert not outage_error, f"the outage itself failed: {outage_error[0]!r}"
+    assert lost_at, "the job ended before its first checkpoint was committed"
     run.assert_finished_together(2)
     end = run.end_step()
-    assert lost_at, "the job ended before its first checkpoint was committed"
     events = run.summary["events"]
     started = [e for e in events if e.startswith("checkpoint_trouble:")]
     over = [e for e in events if e.startswith("checkpoint_trouble_over:")]
