@@ -41,7 +41,7 @@ COMPAT_VENV ?= $(HOME)/.cache/transom/venv-compat-torch$(COMPAT_TORCH)-$(DEPS_HA
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 WHEELHOUSE ?= .cache/wheelhouse
 
-.PHONY: install lint testenv demo e2e-demo chaos test test-real test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate constraints clean-venv bench-deps
+.PHONY: install lint testenv images demo e2e-demo chaos test test-real test-unit test-integration test-e2e test-compat test-gpu bench-gpu bench-gpu-deps bench-gpu-overhead bench-gpu-recovery wheelhouse generate constraints clean-venv bench-deps
 
 # setuptools says "Editable installation. Please be careful with folders ..." (a warning, so
 # --quiet keeps it) on every editable install of a project whose packages are in two roots.
@@ -72,9 +72,17 @@ lint: install
 	@set -e; for d in $(MYPY_OWN_RUNS); do MYPYPATH=$$d $(PY) -m mypy $$d; done
 	$(VENV)/bin/lint-imports --no-cache
 
-# The local Kubernetes control plane's binaries (built from source once, then cached).
+# The local Kubernetes control plane's binaries (built from source once, then cached), and the
+# operator image built from its Dockerfile (buildah, offline; rebuilt only when its inputs change).
 testenv: install
 	hack/testenv.sh build
+
+# Both Dockerfiles built as written (buildah, offline, on a base made from Debian's packages),
+# checked (non-root, --help as a uid without a passwd entry, no torch in the operator's, a
+# two-replica run through a SIGKILL in the trainer's) and exported as OCI archives: their ids,
+# sizes, users and build times, then a JSON line (docs/operations.md, "Images").
+images: install
+	hack/testenv.sh images
 
 # The demo checkpoints every 25 steps into a fresh directory (emptied first: a location belongs
 # to one job, and a later run resumes from it only with that job's --job-name, docs/checkpoint.md).

@@ -1,11 +1,12 @@
 """`make e2e-demo`: a TrainingJob trains in containers on real kubelets and survives a
 killed worker process and a deleted pod.
 
-    .venv/bin/python hack/e2e_demo.py [--keep] [--panels-out FILE]
+    .venv/bin/python hack/e2e_demo.py [--keep] [--panels-out FILE] [--trainer-image built|host-venv]
 
 It brings up the test environment with two real nodes (hack/testenv.sh up --real-nodes 2),
 installs the operator with the chart as a user would (`helm install`), applies
-examples/trainingjob-cpu.yaml (with the test image: `use_test_image`), and while it trains:
+examples/trainingjob-cpu.yaml (its pods on the trainer image built from
+images/trainer.Dockerfile; `--trainer-image host-venv`: the test image), and while it trains:
 SIGKILLs one worker process inside replica 0's container (the launcher restarts it in
 place), deletes replica 1's pod (the operator replaces that replica, preferably on the
 other node), and lets the job finish. It prints `kubectl get tj` as it goes and ends with
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "hack"))
 
 import prom_panels  # noqa: E402
-from testenv import addons, cluster, images, prometheus, realnodes  # noqa: E402
+from testenv import addons, cluster, dockerfiles, images, prometheus, realnodes  # noqa: E402
 from testenv.tools import Tool, kube_tools  # noqa: E402
 from transom_operator import dashboard  # noqa: E402
 
@@ -47,6 +48,27 @@ STEP_BEFORE_KILL = 40
 STEP_BEFORE_DELETE = 90
 JOB_TIMEOUT_S = 420.0
 IMAGE_EXAMPLES = "/opt/transom/examples"  # where images/trainer.Dockerfile puts examples/
+# The trainer image the job's pods run. BUILT: images/trainer.Dockerfile's own, built offline
+# (hack/testenv/dockerfiles.py) and imported into every real node (about 6 GB unpacked on
+# each): `make e2e-demo` and `make chaos`. HOST_VENV: the test image that mounts the host's
+# venv (use_test_image): the test suites, whose three nodes would need 18 GB more disk than
+# a CI machine can count on.
+BUILT, HOST_VENV = "built", "host-venv"
+TRAINER_IMAGES = (BUILT, HOST_VENV)
+
+
+def with_trainer_image(manifest: dict, trainer: str, checkout: Path = ROOT) -> dict:
+    """The example as it runs on the test nodes with the trainer image `trainer` names."""
+    if trainer == HOST_VENV:
+        return use_test_image(manifest, checkout)
+    if trainer != BUILT:
+        raise ValueError(f"trainer image {trainer!r}: one of {', '.join(TRAINER_IMAGES)}")
+    out = copy.deepcopy(manifest)
+    for c in out["spec"]["template"]["spec"]["containers"]:
+        if c["image"] != dockerfiles.TRAINER_IMAGE:
+            raise ValueError(f"{EXAMPLE.name} runs {c['image']}, not the image images/trainer.Dockerfile builds")
+        c["imagePullPolicy"] = "Never"  # imported, never pulled: a missing import fails at once
+    return out
 
 
 def use_test_image(manifest: dict, checkout: Path = ROOT) -> dict:
@@ -107,6 +129,9 @@ class Observed:
     seconds: float = 0.0
     panels_with_data: list[str] = field(default_factory=list)  # dashboard panels Prometheus had data for
     alerts_fired: list[str] = field(default_factory=list)  # alerts firing for the job's namespace
+    trainer_image: str = HOST_VENV
+    built_image_ids: dict[str, str] = field(default_factory=dict)  # operator/trainer -> the built image's id
+    pod_image_ids: dict[str, list[str]] = field(default_factory=dict)  # operator/coordinator/trainer -> imageIDs
 
     def summary(self) -> dict:
         training = self.status.get("training") or {}
@@ -126,7 +151,32 @@ class Observed:
             "prometheus_panels_with_data": len(self.panels_with_data),
             "prometheus_panels": len(dashboard.PANELS),
             "alerts_fired": self.alerts_fired,
+            "trainer_image": self.trainer_image,
+            "built_image_ids": self.built_image_ids,
+            "pod_image_ids": self.pod_image_ids,
+            "pods_run_the_built_images": self.pods_run_the_built_images(),
         }
+
+    def pods_run_the_built_images(self) -> bool:
+        """Every operator and coordinator pod ran the operator image built from its Dockerfile,
+        and (with the built trainer) every worker pod the trainer image built from its own."""
+        want = {"operator": "operator", "coordinator": "operator", "trainer": "trainer"}
+        if self.trainer_image != BUILT:
+            want.pop("trainer")
+        return all(self.pod_image_ids.get(kind) and all(_digest_of(i) == self.built_image_ids.get(image)
+                                                        for i in self.pod_image_ids[kind])
+                   for kind, image in want.items())
+
+
+def _image_ids(pods: dict) -> list[str]:
+    """The imageIDs the kubelet reported for the pods' containers."""
+    return sorted({c["imageID"] for p in pods["items"] for c in p["status"].get("containerStatuses") or []
+                   if c.get("imageID")})
+
+
+def _digest_of(image_id: str) -> str:
+    """The kubelet's imageID (`sha256:<id>`, or `<repository>@sha256:<digest>`) as the digest."""
+    return image_id.rpartition("@")[2] if "@" in image_id else image_id
 
 
 def _worker_pids(pod_uid: str) -> list[int]:
@@ -148,14 +198,15 @@ def _worker_pids(pod_uid: str) -> list[int]:
 
 class Scenario:
     def __init__(self, env: cluster.Env, namespace: str, log=print, kubectl: Tool | None = None,
-                 helm: Tool | None = None, panels_out: Path | None = None):
+                 helm: Tool | None = None, panels_out: Path | None = None, trainer: str = HOST_VENV):
         self.env, self.ns, self.log = env, namespace, log
         tools = kube_tools(env)
         self.kubectl, self.helm = kubectl or tools.kubectl, helm or tools.helm
         self.panels_out = panels_out
-        self.manifest = use_test_image(yaml.safe_load(EXAMPLE.read_text()))
+        self.trainer = trainer
+        self.manifest = with_trainer_image(yaml.safe_load(EXAMPLE.read_text()), trainer)
         self.job = self.manifest["metadata"]["name"]
-        self.seen = Observed(namespace=namespace, job=self.job)
+        self.seen = Observed(namespace=namespace, job=self.job, trainer_image=trainer)
         # /metrics of the operator and of the job's coordinator, through the API server's
         # service proxy (as a Prometheus scraping the Services would see them).
         self.metrics_paths = {
@@ -263,7 +314,10 @@ class Scenario:
         if not nodes:
             raise RuntimeError("no real nodes: start the test environment with `hack/testenv.sh up --real-nodes 2`")
         self.seen.container_runtime = nodes[0]["status"]["nodeInfo"]["containerRuntimeVersion"]
-        realnodes.load_images(self.env.state_dir, len(self.env.real_nodes))  # today's operator, not the one of `up`
+        # Today's operator, not the one of `up`; the trainer's too when the pods run it.
+        realnodes.load_images(self.env.state_dir, len(self.env.real_nodes), trainer=self.trainer == BUILT)
+        self.seen.built_image_ids = {name: dockerfiles.build_image(name)["id"]
+                                     for name in ("operator", *(["trainer"] if self.trainer == BUILT else []))}
         self.install_operator()
         self.prepare_storage()
         self.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(self.manifest))
@@ -278,6 +332,7 @@ class Scenario:
         self.kill_a_worker()
         self.wait(f"step {STEP_BEFORE_DELETE}", lambda: self.step() >= STEP_BEFORE_DELETE, 180)
         self.delete_a_pod()
+        self.record_images()
         final = self.wait("the job Succeeded or Failed",
                           lambda: (s := self.job_status()).get("state") in ("Succeeded", "Failed") and s,
                           JOB_TIMEOUT_S)
@@ -287,6 +342,16 @@ class Scenario:
         self.read_prometheus(started)
         self.seen.seconds = time.monotonic() - t0
         return self.seen
+
+    def record_images(self) -> None:
+        """The images the kubelets report for the operator, the coordinator and the workers
+        (the replacement among them), while all of them run."""
+        operator = self.get("pods", "-n", OPERATOR_NAMESPACE, "-l", "app.kubernetes.io/name=transom-operator")
+        self.seen.pod_image_ids = {
+            "operator": _image_ids(operator),
+            "coordinator": _image_ids(self.get("pods", "-n", self.ns, "-l", "app.kubernetes.io/component=coordinator")),
+            "trainer": _image_ids({"items": list(self.worker_pods().values())}),
+        }
 
     def read_prometheus(self, start: float) -> None:
         """The dashboard's panels over the run and the alerts that fired, from Prometheus, once
@@ -322,6 +387,9 @@ def main() -> int:
     p.add_argument("--panels-out", type=Path, default=ROOT / "e2e-demo.panels.json",
                    help="the dashboard's series from Prometheus, for hack/render_dashboard.py")
     p.add_argument("--keep", action="store_true", help="leave the job and the test environment running")
+    p.add_argument("--trainer-image", choices=TRAINER_IMAGES, default=BUILT,
+                   help="the job's pods run the trainer image built from images/trainer.Dockerfile (default), "
+                        "or the test image that mounts the host's venv")
     args = p.parse_args()
     with cluster.session_lock(60):  # not under a running test session
         env = cluster.current()
@@ -333,7 +401,7 @@ def main() -> int:
         tools.kubectl("delete", "namespace", args.namespace, "--ignore-not-found", "--timeout=90s", timeout_s=100)
         tools.kubectl("create", "namespace", args.namespace)
         args.panels_out.unlink(missing_ok=True)
-        seen = Scenario(env, args.namespace, panels_out=args.panels_out).run()
+        seen = Scenario(env, args.namespace, panels_out=args.panels_out, trainer=args.trainer_image).run()
         if not args.keep:  # the job first, while the operator still runs to remove its finalizer
             tools.kubectl("delete", "namespace", args.namespace, "--timeout=120s", check=False, timeout_s=130)
             tools.helm("uninstall", "transom", "-n", OPERATOR_NAMESPACE, "--wait", "--timeout=90s", check=False,
@@ -344,10 +412,13 @@ def main() -> int:
           f"in {s['replacement_seconds']}s), loss {s['first_loss']} -> {s['last_loss']}, last checkpoint "
           f"step {s['last_checkpoint_step']}, {len(seen.checkpoint_keys)} checkpoint objects, "
           f"on {s['container_runtime']}")
+    built = ", ".join(f"{name} {image_id[7:19]}" for name, image_id in s["built_image_ids"].items())
+    print(f"images built from images/*.Dockerfile: {built}; the pods ran them: "
+          f"{'yes' if s['pods_run_the_built_images'] else 'NO'} ({s['pod_image_ids']})")
     print("# the test environment keeps running: `eval \"$(hack/testenv.sh env)\"`; "
           "stop it with `hack/testenv.sh down`")
     print(json.dumps(s))
-    return 0 if s["succeeded"] else 1
+    return 0 if s["succeeded"] and s["pods_run_the_built_images"] else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Local Kubernetes control plane for tests and demos, on 127.0.0.1 only.
 #   hack/testenv.sh build          build kube-apiserver, controller-manager, scheduler, kubectl,
-#                                  kwok and helm from their Go modules into ~/.cache/transom/testenv
+#                                  kwok and helm from their Go modules into ~/.cache/transom/testenv,
+#                                  and the operator image from images/operator.Dockerfile (buildah)
+#   hack/testenv.sh images [NAME]  build and check images/*.Dockerfile (`make images`)
 #   eval "$(hack/testenv.sh up)"   start etcd, the control plane, kwok nodes and S3; export KUBECONFIG
 #   hack/testenv.sh env            print the exports of the running environment
 #   hack/testenv.sh down           stop everything `up` started

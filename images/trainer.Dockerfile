@@ -4,15 +4,22 @@
 # BASE: CPython 3.11 with pip in /usr/local, as python:3.11-slim has them (`make images`
 # passes one made from Debian packages, offline). The versions are images/constraints.txt's.
 ARG BASE=python:3.11-slim
-FROM ${BASE} AS build
+# torch and the CUDA libraries it brings, in a layer of their own (about 5 GB) that changes
+# only with the pins: an image rebuilt after a code change adds a layer of a few MB, and a
+# node that has the previous image pulls only that.
+FROM ${BASE} AS torch
 WORKDIR /src
-COPY pyproject.toml README.md ./
 COPY images/constraints.txt images/
+RUN pip install --no-cache-dir -c images/constraints.txt torch
+
+# The rest, beside torch (pip leaves what is installed already): /install holds only it.
+FROM torch AS build
+COPY pyproject.toml README.md ./
 COPY launcher/ launcher/
 COPY operator/ operator/
 RUN pip install --no-cache-dir --prefix=/install -c images/constraints.txt ".[train,s3]"
 
-FROM ${BASE}
+FROM torch
 COPY --from=build /install /usr/local
 WORKDIR /opt/transom
 COPY examples/ /opt/transom/examples/

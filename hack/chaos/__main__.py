@@ -1,11 +1,13 @@
 """`make chaos`: a TrainingJob on real pods through every fault of the issue's list, one
 after another, each judged the same way (job.py); a table, then one JSON line.
 
-    .venv/bin/python hack/chaos [--scenarios node_loss,partition,...] [--steps N]
+    .venv/bin/python hack/chaos [--scenarios node_loss,partition,...] [--steps N] [--trainer-image built|host-venv]
 
 It starts (or reuses) the test environment with three real nodes, installs the operator
 with its chart as two replicas (leader election), and runs each scenario in a namespace of
-its own. Exit status 0 when every scenario survived.
+its own, its pods on the trainer image built from images/trainer.Dockerfile
+(`--trainer-image host-venv`: the test image that mounts the host's venv, as the test suite's
+chaos subset runs). Exit status 0 when every scenario survived.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(HACK))
 from chaos.catalog import NAMES, run_named  # noqa: E402
 from chaos.scenarios import STEPS  # noqa: E402
 from chaos.world import World  # noqa: E402
+from e2e_demo import BUILT, TRAINER_IMAGES  # noqa: E402
 from testenv import cluster  # noqa: E402
 
 ORDER = ["node_loss", "partition", "drain", "coordinator_loss", "operator_loss", "storage_outage", "oom",
@@ -46,6 +49,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)}")
     p.add_argument("--steps", type=int, default=STEPS, help="the job's step cap (each scenario ends it sooner)")
+    p.add_argument("--trainer-image", choices=TRAINER_IMAGES, default=BUILT,
+                   help="the jobs' pods run the trainer image built from images/trainer.Dockerfile (default), "
+                        "or the test image that mounts the host's venv")
     args = p.parse_args()
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in ORDER]
@@ -59,7 +65,7 @@ def main() -> int:
             env = cluster.up(num_nodes=0, real_nodes=REAL_NODES)
             print(f"test environment up with real nodes {', '.join(env.real_nodes)} in {time.monotonic() - t0:.1f}s",
                   flush=True)
-        world = World(env, log=lambda line: print(line, flush=True))
+        world = World(env, log=lambda line: print(line, flush=True), trainer=args.trainer_image)
         try:
             world.install_operator(replicas=2)
             rows = []

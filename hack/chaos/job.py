@@ -1,7 +1,7 @@
 """One TrainingJob on real pods under one fault, watched and judged the same way for every
 scenario.
 
-The job is examples/trainingjob-cpu.yaml with the test image (e2e_demo.use_test_image),
+The job is examples/trainingjob-cpu.yaml on the world's trainer image (e2e_demo.with_trainer_image),
 its own namespace and checkpoint prefix, and timeouts short enough for a test (heartbeat
 and collective 10 s, a NotReady node given 5 s). While it runs, `Watch` samples once a
 second what an admin could see: the TrainingJob's status, and the coordinator's metrics
@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from chaos.world import World
-from e2e_demo import BUCKET, EXAMPLE, use_test_image
+from e2e_demo import BUCKET, EXAMPLE, with_trainer_image
 from testenv import addons
 from transom_operator.naming import COORDINATOR_PORT
 
@@ -139,7 +139,7 @@ class ChaosJob:
     def __init__(self, world: World, ns: str, steps: int, env: dict[str, str] | None = None,
                  fault_tolerance: dict | None = None):
         self.world, self.ns, self.steps = world, ns, steps
-        manifest = use_test_image(yaml.safe_load(EXAMPLE.read_text()))
+        manifest = with_trainer_image(yaml.safe_load(EXAMPLE.read_text()), world.trainer)
         self.name = manifest["metadata"]["name"]
         spec = manifest["spec"]
         container = spec["template"]["spec"]["containers"][0]

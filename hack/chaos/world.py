@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from e2e_demo import CHART, OPERATOR_NAMESPACE
+from e2e_demo import BUILT, CHART, HOST_VENV, OPERATOR_NAMESPACE
 from testenv import cluster, network, realnodes
 from testenv.tools import kube_tools
 
@@ -24,8 +24,9 @@ CGROUP_PIDS = Path("/sys/fs/cgroup/pids")
 
 
 class World:
-    def __init__(self, env: cluster.Env, log=print):
+    def __init__(self, env: cluster.Env, log=print, trainer: str = HOST_VENV):
         self.env, self.log = env, log
+        self.trainer = trainer  # the trainer image the jobs' pods run (e2e_demo.TRAINER_IMAGES)
         tools = kube_tools(env)
         self.kubectl, self.helm = tools.kubectl, tools.helm
         self.api = config.new_client_from_config(config_file=str(env.kubeconfig))
@@ -55,7 +56,8 @@ class World:
     # --- the operator ------------------------------------------------------------------------
     def install_operator(self, replicas: int = 2) -> None:
         """`helm upgrade --install` of the chart with `replicas` operator pods (one leads)."""
-        realnodes.load_images(self.env.state_dir, len(self.env.real_nodes))  # today's operator image
+        # Today's operator image; the trainer's too when the jobs run it.
+        realnodes.load_images(self.env.state_dir, len(self.env.real_nodes), trainer=self.trainer == BUILT)
         # helm installs CRDs only once, never upgrades them; an environment that ran an older
         # checkout would prune today's status fields. Apply them first, as an admin upgrades.
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"), timeout_s=60)

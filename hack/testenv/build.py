@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 K8S_VERSION = "v1.35.4"
@@ -176,7 +177,15 @@ def node_packages() -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise MissingTool(f"missing {', '.join(missing)}: `sudo apt-get install -y {' '.join(NODE_PACKAGES)}`")
-    # A policy-rc.d that refuses keeps the package from starting its own containerd service.
+    apt_install(NODE_PACKAGES)
+    still = [name for name, path in NODE_TOOLS.items() if not Path(path).exists()]
+    if still:
+        raise MissingTool(f"apt-get did not provide {', '.join(still)}")
+
+
+def apt_install(packages: Iterable[str]) -> None:
+    """`apt-get install` (root), without starting the services the packages bring."""
+    # A policy-rc.d that refuses keeps a package from starting its own service (containerd's).
     policy = Path("/usr/sbin/policy-rc.d")
     made_policy = not policy.exists()
     if made_policy:
@@ -184,14 +193,11 @@ def node_packages() -> None:
         policy.chmod(0o755)
     try:
         _run(["apt-get", "update", "-q"])
-        _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *NODE_PACKAGES],
+        _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
              env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
     finally:
         if made_policy:
             policy.unlink()
-    still = [name for name, path in NODE_TOOLS.items() if not Path(path).exists()]
-    if still:
-        raise MissingTool(f"apt-get did not provide {', '.join(still)}")
 
 
 def go_install(go: str, package: str, name: str) -> None:

@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from testenv import certs, hostguard, network
+from testenv import certs, hostguard, network, oci
 
 NODE_LABEL = "transom.io/testenv-node"  # value "real"; kwok nodes carry "kwok"
 CLUSTER_DNS_IP = "10.0.0.10"
@@ -195,9 +195,16 @@ def wait_containerd(tools: dict, d: Path, node: network.NodeNet, timeout_s: floa
             time.sleep(0.2)
 
 
-def import_images(tools: dict, d: Path, node: network.NodeNet, archives: list[Path]) -> None:
-    for archive in archives:
-        ctr(tools, d, node, "images", "import", str(archive))
+def import_images(tools: dict, d: Path, node: network.NodeNet, archives: dict[str, Path]) -> None:
+    """Import each archive ({ref: path}) unless the node's image of that ref is the archive's
+    already (the trainer's is gigabytes: an import reads and hashes all of it)."""
+    have = {}
+    for line in ctr(tools, d, node, "images", "ls").splitlines()[1:]:
+        name, _type, digest, *_ = line.split()
+        have[name] = digest
+    for ref, archive in archives.items():
+        if have.get(ref) != oci.manifest_digest(archive):
+            ctr(tools, d, node, "images", "import", str(archive), timeout_s=900)
 
 
 def running_tasks(tools: dict, d: Path, node: network.NodeNet) -> int:

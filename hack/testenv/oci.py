@@ -202,3 +202,22 @@ def oci_archive(out: Path, ref: str, fs: Rootfs, config: dict) -> Path:
     finally:
         layer_path.unlink(missing_ok=True)
     return out
+
+
+def archive_ids(archive: Path) -> tuple[str, str]:
+    """(its manifest's digest, its image id: the config's digest) of a one-image OCI archive,
+    ours or buildah's: what containerd names the image by, and what a pod's imageID shows."""
+    with tarfile.open(archive) as tar:
+        def read(name: str) -> dict:
+            f = tar.extractfile(name)
+            if f is None:
+                raise ValueError(f"{archive}: no {name}")
+            return json.loads(f.read())
+
+        [desc] = read("index.json")["manifests"]
+        manifest = read(f"blobs/sha256/{desc['digest'].removeprefix('sha256:')}")
+    return desc["digest"], manifest["config"]["digest"]
+
+
+def manifest_digest(archive: Path) -> str:
+    return archive_ids(archive)[0]

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from testenv import addons, build, certs, hostguard, images, kueue, network, nodes, prometheus
+from testenv import addons, build, certs, dockerfiles, hostguard, images, kueue, network, nodes, prometheus
 
 SERVICES_IP = network.SERVICES_IP
 S3_URL_IN_CLUSTER = addons.S3_URL_IN_CLUSTER
@@ -131,15 +131,18 @@ def start_kueue(kubectl: list[str], ca: certs.CA, apply) -> None:
     print(f"Kueue's CRDs and manifests applied in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def load_images(d: Path, count: int) -> list[str]:
+def load_images(d: Path, count: int, trainer: bool = False) -> list[str]:
     """Build the offline images (cached: only what changed is rebuilt) and import them into
     every real node's containerd; the refs. Run by `up`, and again before a test or demo on
-    a running environment, so that its pods never run yesterday's operator."""
+    a running environment, so that its pods never run yesterday's operator. `trainer`: the
+    trainer image built from its Dockerfile too (about 6 GB unpacked on each node)."""
     archives = images.build_images()
+    if trainer:
+        archives[dockerfiles.TRAINER_IMAGE] = Path(dockerfiles.build_image("trainer")["archive"])
     tools = {"ctr": build.NODE_TOOLS["ctr"]}
     for n in (network.NodeNet(i) for i in range(count)):
         nodes.wait_containerd(tools, d, n)
-        nodes.import_images(tools, d, n, list(archives.values()))
+        nodes.import_images(tools, d, n, archives)
     return sorted(archives)
 
 

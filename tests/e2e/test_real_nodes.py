@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_demo import EXAMPLE, OPERATOR_NAMESPACE, Scenario, use_test_image
+from e2e_demo import BUILT, EXAMPLE, OPERATOR_NAMESPACE, Scenario, use_test_image, with_trainer_image
 from kube_helpers import wait_for
 from transom.checkpoint import layout
 from transom_operator import dashboard, reasons
@@ -55,6 +55,16 @@ def test_example_manifest_is_applied_unchanged_but_for_the_image():
         assert added and all(m["readOnly"] for m in added)  # the test image: read-only host mounts
     assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == \
         {k: v for k, v in orig_pod.items() if k not in ("containers", "volumes")}
+
+
+def test_with_the_built_trainer_image_the_example_is_applied_unchanged_but_for_the_pull_policy():
+    original = yaml.safe_load(EXAMPLE.read_text())
+    built = with_trainer_image(original, BUILT)
+    [container] = built["spec"]["template"]["spec"]["containers"]
+    assert container.pop("imagePullPolicy") == "Never"  # imported into the nodes, never pulled
+    assert built == original
+    with pytest.raises(ValueError, match="trainer image 'docker'"):
+        with_trainer_image(original, "docker")
 
 
 def _metrics_and_prometheus_show_it(scenario: Scenario, seen, panels: Path, steps: int) -> None:
@@ -100,6 +110,8 @@ def test_job_on_real_nodes_survives_a_killed_worker_and_a_deleted_pod(control_pl
         assert summary["steps"] == steps
         assert len(seen.losses) >= 5 and seen.losses[-1] < 0.6 * seen.losses[0], seen.losses
         assert summary["container_runtime"].startswith("containerd://")
+        # The operator and the coordinator ran the operator image built from its Dockerfile.
+        assert summary["pods_run_the_built_images"], (summary["pod_image_ids"], summary["built_image_ids"])
 
         # The killed worker came back in place: same pod, same generation, no replacement.
         assert summary["in_place_restarts"] >= 1
