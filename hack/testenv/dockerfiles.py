@@ -57,7 +57,7 @@ class Dockerfile:
     copies: tuple[str, ...]  # what its COPY lines read: a change rebuilds it
 
 
-_SOURCES = ("pyproject.toml", "README.md", "images/constraints.txt", "launcher", "operator")
+_SOURCES = (".dockerignore", "pyproject.toml", "README.md", "images/constraints.txt", "launcher", "operator")
 DOCKERFILES = {
     "operator": Dockerfile("operator", "images/operator.Dockerfile", "operator", OPERATOR_IMAGE, _SOURCES),
     "trainer": Dockerfile("trainer", "images/trainer.Dockerfile", "train,s3", TRAINER_IMAGE, (*_SOURCES, "examples")),

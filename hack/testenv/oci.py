@@ -204,9 +204,8 @@ def oci_archive(out: Path, ref: str, fs: Rootfs, config: dict) -> Path:
     return out
 
 
-def archive_ids(archive: Path) -> tuple[str, str]:
-    """(its manifest's digest, its image id: the config's digest) of a one-image OCI archive,
-    ours or buildah's: what containerd names the image by, and what a pod's imageID shows."""
+def archive_manifest(archive: Path) -> tuple[str, dict]:
+    """(its manifest's digest, the manifest) of a one-image OCI archive, ours or buildah's."""
     with tarfile.open(archive) as tar:
         def read(name: str) -> dict:
             f = tar.extractfile(name)
@@ -215,9 +214,15 @@ def archive_ids(archive: Path) -> tuple[str, str]:
             return json.loads(f.read())
 
         [desc] = read("index.json")["manifests"]
-        manifest = read(f"blobs/sha256/{desc['digest'].removeprefix('sha256:')}")
-    return desc["digest"], manifest["config"]["digest"]
+        return desc["digest"], read(f"blobs/sha256/{desc['digest'].removeprefix('sha256:')}")
+
+
+def archive_ids(archive: Path) -> tuple[str, str]:
+    """(its manifest's digest, its image id: the config's digest): what containerd names the
+    image by, and what a pod's imageID shows."""
+    digest, manifest = archive_manifest(archive)
+    return digest, manifest["config"]["digest"]
 
 
 def manifest_digest(archive: Path) -> str:
-    return archive_ids(archive)[0]
+    return archive_manifest(archive)[0]

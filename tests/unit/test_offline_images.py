@@ -90,6 +90,8 @@ def test_oci_archive_is_deterministic_and_consistent(tmp_path):
     assert (image["config"]["architecture"], image["config"]["os"]) == ("amd64", "linux")
     assert image["config"]["config"] == {"User": "65532", "Entrypoint": ["/usr/bin/tool"], "Env": ["A=b"]}
     assert image["layer"][4:8] == b"\0\0\0\0"  # the gzip header's mtime
+    # What the nodes' import compares and what a pod's imageID shows, read back from the archive.
+    assert oci.archive_ids(first) == (image["desc"]["digest"], image["manifest"]["config"]["digest"])
 
     members = {m.name: m for m in layer_members(image["layer"])}
     assert list(members) == ["bin", "etc", "etc/motd", "home", "home/nonroot", "tmp", "usr", "usr/bin",
