@@ -17,6 +17,7 @@ beside its archive a JSON record: its id, size, user, build time and its package
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -193,8 +194,6 @@ def read_files(tag: str) -> tuple[dict[str, list[list[str]]], int]:
     """What the image holds, read from its files (nothing in it runs): the Python
     distributions in /usr/local's site-packages and the Debian packages dpkg installed; and
     its size unpacked (bytes, as `du` counts them)."""
-    import importlib.metadata
-
     ctr = _run(["buildah", "from", "--pull=never", tag]).strip()
     try:
         root = Path(_run(["buildah", "mount", ctr]).strip())

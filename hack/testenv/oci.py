@@ -4,7 +4,9 @@
 image-layout tar (fixed mtimes and owners, sorted entries, gzip mtime 0: the same inputs
 give the same digest) that containerd 1.6 imports with `ctr -n k8s.io images import`, the
 index naming the image with the `io.containerd.image.name` annotation. What goes into
-each image is images.py's business.
+each image is images.py's business. `archive_manifest` reads one image's manifest back from
+such an archive, or from buildah's (dockerfiles.py): its digest is what containerd names
+the image by.
 """
 
 from __future__ import annotations
@@ -222,7 +224,3 @@ def archive_ids(archive: Path) -> tuple[str, str]:
     image by, and what a pod's imageID shows."""
     digest, manifest = archive_manifest(archive)
     return digest, manifest["config"]["digest"]
-
-
-def manifest_digest(archive: Path) -> str:
-    return archive_manifest(archive)[0]
