@@ -16,11 +16,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from launching import start_launcher
+from launching import EXAMPLE, start_launcher
+from run_result import RunResult
 from test_fault_tolerance import CAP
 from transom import contract
 from transom.coordinator.membership import Settings
@@ -94,14 +97,62 @@ def test_spare_launcher_takes_over_a_dead_replica(tmp_path):
     assert finals["final-r0-k0.json"]["digest"] == finals["final-r1-k0.json"]["digest"]
 
 
-def test_transom_run_spares_take_over_failed_replicas_with_processes_already_running(transom_run):
-    # The second kill must come after the spare used by the first is started again (once
-    # replica 1 has caught up): at step 60 it once came first on a loaded machine. Step 150
-    # leaves that margin; the kill is still a step, not that event (--inject has no such
-    # trigger), so this test still leans on the machine's speed: a known weakness.
-    kills = ["kill:replica=1,step=12,phase=forward", "kill:replica=2,step=150,phase=forward"]
-    result = transom_run(["--replicas", "3", "--spares", "1", *[a for k in kills for a in ("--inject", k)],
-                          "--end-on", "caught_up:1", "--end-on", "caught_up:2"], CAP)
+def _workers(stats: Path, env_has: dict[str, str]) -> list[int]:
+    """Pids of this job's worker processes (not launchers) whose environment has `env_has`.
+    A worker forked by a warm interpreter shows the interpreter's environment, which is its
+    replica's (or its spare's) all the same."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            pairs = environ.read_bytes().decode(errors="replace").split("\0")
+            env = dict(kv.split("=", 1) for kv in pairs if "=" in kv)
+            argv = (environ.parent / "cmdline").read_bytes().split(b"\0")
+            name = (environ.parent / "comm").read_bytes().strip()
+        except OSError:
+            continue
+        worker = (len(argv) > 1 and argv[1].endswith(EXAMPLE.name.encode())) or name == EXAMPLE.name.encode()[:15]
+        ours = env.get(contract.ENV_STATS_DIR) == str(stats)
+        if worker and ours and all(env.get(k) == v for k, v in env_has.items()):
+            found.append(int(environ.parent.name))
+    return found
+
+
+def _last_step_time(path: Path) -> float:
+    """The wall time of the last step record in a stats file (0 before the first)."""
+    lines = [line for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    return json.loads(lines[-1])["t"] if lines else 0.0
+
+
+def test_transom_run_spares_take_over_failed_replicas_with_processes_already_running(tmp_path):
+    # Replica 1 is killed at step 12 and spare 0 takes over; once that spare has been started
+    # again (after replica 1 caught up), the test SIGKILLs replica 2's worker, which the new
+    # spare takes over. The job ends when both have caught up; its step count is only a cap.
+    stats, summary, out = tmp_path / "stats", tmp_path / "summary.json", tmp_path / "output.txt"
+    cmd = [sys.executable, "-m", "transom", "run", "--replicas", "3", "--spares", "1",
+           "--inject", "kill:replica=1,step=12,phase=forward", "--end-on", "caught_up:1", "--end-on", "caught_up:2",
+           "--summary-json", str(summary), "--stats-dir", str(stats), "--timeout", "200",
+           "--", sys.executable, str(EXAMPLE), *CAP]
+    with out.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=sink,
+                                stderr=subprocess.STDOUT)
+    try:
+        respawned = {contract.ENV_PODINFO_DIR: str(stats / "podinfo" / "spare-0-g1")}
+        wait_until(lambda: _workers(stats, respawned) or proc.poll() is not None, 100, "spare 0 started again")
+        # The test reads replica 2's death as its last step: let it step once after the spare's start.
+        started = time.time()
+        wait_until(lambda: _last_step_time(stats / "steps-r2-g0-a0.jsonl") > started or proc.poll() is not None,
+                   60, "a step of replica 2 after the spare's start")
+        victims = _workers(stats, {contract.ENV_REPLICA_ID: "2"})
+        assert victims and proc.poll() is None, out.read_text()[-3000:]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert summary.exists(), out.read_text()[-3000:]
+    result = RunResult(proc.returncode, json.loads(summary.read_text()), out.read_text(), stats)
     result.assert_finished_together(3)
     for replica in (1, 2):
         # Two generations: the failed one, and the spare that took over. The failed one's
